@@ -1,0 +1,17 @@
+"""The ``autotune`` command line. Each command imports its heavy dependencies lazily, so that
+``autotune serve`` never loads jax and ``autotune precheck`` never loads the web stack."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="autotune",
+    help="Find, store and serve the fastest flash-attention tile shapes per shape and chip.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def main() -> None:
+    app()

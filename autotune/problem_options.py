@@ -1,0 +1,57 @@
+"""The problem flags shared by every CLI command that takes a problem."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from kernel.problem import Problem, ProblemError
+
+_PANEL = "Problem"
+_OPTIONS: list[inspect.Parameter] = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    for name, default, annotation in [
+        ("batch", 1, Annotated[int, typer.Option(help="Batch size.", rich_help_panel=_PANEL)]),
+        ("q_heads", 8, Annotated[int, typer.Option(help="Query heads.", rich_help_panel=_PANEL)]),
+        ("kv_heads", None, Annotated[int | None, typer.Option(
+            help="Key/value heads (default: --q-heads).", rich_help_panel=_PANEL)]),
+        ("q_len", 1024, Annotated[int, typer.Option(help="Query length.", rich_help_panel=_PANEL)]),
+        ("kv_len", None, Annotated[int | None, typer.Option(
+            help="Key/value length (default: --q-len).", rich_help_panel=_PANEL)]),
+        ("head_dim", 128, Annotated[int, typer.Option(help="Head dimension.",
+                                                       rich_help_panel=_PANEL)]),
+        ("dtype", "bfloat16", Annotated[str, typer.Option(help="bfloat16 | float32.",
+                                                          rich_help_panel=_PANEL)]),
+        ("causal", False, Annotated[bool, typer.Option("--causal/--no-causal",
+                                                       help="Causal mask (top-left aligned).",
+                                                       rich_help_panel=_PANEL)]),
+        ("mode", "fwd", Annotated[str, typer.Option(help="fwd | fwd_bwd.",
+                                                    rich_help_panel=_PANEL)]),
+    ]
+]
+_NAMES = [p.name for p in _OPTIONS]
+
+
+def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds the problem flags to a Typer command and passes it ``problem: Problem``.
+
+    A malformed problem exits with status 2 and a message naming the flag.
+    """
+    signature = inspect.signature(command)
+    own = [p for name, p in signature.parameters.items() if name != "problem"]
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        fields = {name: kwargs.pop(name) for name in _NAMES}
+        try:
+            problem = Problem.from_dict({k: v for k, v in fields.items() if v is not None})
+        except ProblemError as error:
+            raise typer.BadParameter(str(error)) from None
+        return command(*args, problem=problem, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=own + _OPTIONS)  # type: ignore[attr-defined]
+    return wrapper

@@ -1,0 +1,38 @@
+"""A TPU-native Pallas flash-attention kernel whose tiles come from a config.
+
+The config types, legality rules and table resolution are pure Python and import eagerly;
+everything that needs jax (the kernel itself) loads on first use, so the service can use the
+rules without jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kernel.config import ConfigError, FlashConfig
+from kernel.problem import Problem, ProblemError
+from kernel.space import TARGETS, Target, Violation, default_config, get_target, violations
+
+KERNEL_NAME = "flash"
+KERNEL_VERSION = "1"
+
+# Names that need jax, and the module that defines each.
+_LAZY = {
+    "flash_attention": "kernel.flash",
+    "search_space": "kernel.depths",
+    "supported_pipeline_depths": "kernel.depths",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kernel' has no attribute {name!r}")
+
+
+__all__ = [
+    "KERNEL_NAME", "KERNEL_VERSION", "TARGETS", "ConfigError", "FlashConfig", "Problem",
+    "ProblemError", "Target", "Violation", "default_config", "get_target", "violations",
+    *_LAZY,
+]

@@ -1,0 +1,106 @@
+"""The attention problem a config is tuned for: the key of everything downstream.
+
+Pure Python (no jax), so storage and the service can use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DTYPES: tuple[str, ...] = ("bfloat16", "float32")
+MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float32": 4}
+
+# Sizes above these are refused as absurd rather than attempted.
+MAX_SEQ_LEN = 1 << 20
+MAX_HEADS = 1 << 12
+MAX_BATCH = 1 << 16
+MAX_HEAD_DIM = 1 << 10
+
+
+class ProblemError(ValueError):
+    """A problem description is malformed; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Shapes and options of one attention call, layout ``[batch, heads, seq, head_dim]``.
+
+    Hashable and JSON round-trippable (``to_dict`` / ``from_dict``).
+    """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    causal: bool = False
+    mode: Literal["fwd", "fwd_bwd"] = "fwd"
+
+    def __post_init__(self) -> None:
+        limits = {
+            "batch": MAX_BATCH,
+            "q_heads": MAX_HEADS,
+            "kv_heads": MAX_HEADS,
+            "q_len": MAX_SEQ_LEN,
+            "kv_len": MAX_SEQ_LEN,
+            "head_dim": MAX_HEAD_DIM,
+        }
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ProblemError(f"{name} must be an integer, got {value!r}")
+            if not 1 <= value <= limit:
+                raise ProblemError(f"{name} must be between 1 and {limit}, got {value}")
+        if self.q_heads % self.kv_heads:
+            raise ProblemError(
+                f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads}) "
+                "for grouped-query attention"
+            )
+        if self.dtype not in DTYPES:
+            raise ProblemError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.causal, bool):
+            raise ProblemError(f"causal must be a boolean, got {self.causal!r}")
+        if self.mode not in MODES:
+            raise ProblemError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Problem:
+        """Builds a problem from a mapping; ``kv_heads``/``kv_len`` default to the query's."""
+        if not isinstance(data, dict):
+            raise ProblemError(f"a problem must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ProblemError(f"unknown problem field(s) {unknown}; known: {sorted(names)}")
+        values = dict(data)
+        values.setdefault("kv_heads", values.get("q_heads"))
+        values.setdefault("kv_len", values.get("q_len"))
+        missing = [n for n in ("batch", "q_heads", "q_len", "head_dim") if values.get(n) is None]
+        if missing:
+            raise ProblemError(f"missing problem field(s): {', '.join(missing)}")
+        return cls(**values)
+
+    def label(self) -> str:
+        """A short human-readable name, e.g. ``b1 h8/8 q512 kv512 d128 bfloat16 causal fwd``."""
+        causal = "causal" if self.causal else "full"
+        return (
+            f"b{self.batch} h{self.q_heads}/{self.kv_heads} q{self.q_len} kv{self.kv_len} "
+            f"d{self.head_dim} {self.dtype} {causal} {self.mode}"
+        )

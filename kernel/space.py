@@ -1,0 +1,291 @@
+"""Legality rules, VMEM estimate and search space of the flash kernel.
+
+Pure Python (no jax): the service checks legality of a stored config for a new shape with the
+same rules the tuner uses. Static rules and the VMEM estimate are kept apart so that a caller
+can also ask for the configs the estimate rejects (to measure the estimate against a compiler).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kernel.config import ConfigError, FlashConfig
+from kernel.problem import Problem
+
+MiB = 1 << 20
+LANES = 128  # TPU vector registers are (8 sublanes x 128 lanes); VMEM tiles pad to them.
+SUBLANES = 8
+MAX_BLOCK = 4096  # larger tiles never fit the scoped VMEM of any current TPU generation
+MAX_COMPUTE_BLOCK = 1024  # the f32 logits of a compute block live in VMEM/vregs
+DEFAULT_DEPTHS: tuple[int, ...] = (1, 2)  # what every supported JAX lowers; see kernel.depths
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device the kernel is compiled for, with the limits the rules check against."""
+
+    name: str
+    device_kind: str  # as jax.Device.device_kind reports it
+    scoped_vmem_bytes: int | None  # None: no VMEM (interpret mode on CPU)
+    topology: str | None = None  # deviceless topology name for ahead-of-time compiles
+
+
+TARGETS: dict[str, Target] = {
+    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1"),
+    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1"),
+    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1"),
+    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1"),
+    "cpu": Target("cpu", "cpu", None),
+}
+
+
+def get_target(name: str) -> Target:
+    """Looks a target up by name (``v5e``) or by JAX device kind (``TPU v5 lite``)."""
+    if name in TARGETS:
+        return TARGETS[name]
+    for target in TARGETS.values():
+        if target.device_kind.lower() == name.lower():
+            return target
+    raise ConfigError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken legality rule: ``rule`` is a stable name, ``message`` says how to fix it."""
+
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+def block_values(dim: int) -> list[int]:
+    """Legal tile sizes along a sequence axis of length ``dim``.
+
+    Multiples of 128 (powers of two times 128, the lane width, so the logits tile fills whole
+    vector registers) that divide ``dim``, plus ``dim`` itself (a full-axis block is always a
+    legal Mosaic block shape), capped at ``MAX_BLOCK``.
+    """
+    values = {dim} if dim <= MAX_BLOCK else set()
+    size = LANES
+    while size <= min(dim, MAX_BLOCK):
+        if dim % size == 0:
+            values.add(size)
+        size *= 2
+    return sorted(values)
+
+
+def _block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
+    if block > dim:
+        return [Violation("block_max", f"{field}={block} is larger than {dim_name}={dim}; "
+                          f"use at most {dim}")]
+    out = []
+    if dim % block:
+        out.append(Violation("block_divides", f"{field}={block} does not divide "
+                             f"{dim_name}={dim}; pick one of {block_values(dim)}"))
+    if block % LANES and block != dim:
+        out.append(Violation("block_tiling", f"{field}={block} is neither a multiple of "
+                             f"{LANES} nor the whole {dim_name}={dim} (TPU (8,128) tiling)"))
+    return out
+
+
+def static_violations(
+    problem: Problem, config: FlashConfig, depths: Iterable[int] = DEFAULT_DEPTHS
+) -> list[Violation]:
+    """Every static rule ``config`` breaks for ``problem`` (empty when legal)."""
+    out: list[Violation] = []
+    checks = [("block_q", problem.q_len, "q_len"), ("block_kv", problem.kv_len, "kv_len"),
+              ("block_kv_compute", problem.kv_len, "kv_len")]
+    if problem.mode == "fwd_bwd":
+        checks += [("block_q_dkv", problem.q_len, "q_len"), ("block_kv_dkv", problem.kv_len,
+                   "kv_len"), ("block_q_dq", problem.q_len, "q_len"),
+                   ("block_kv_dq", problem.kv_len, "kv_len")]
+    for field, dim, dim_name in checks:
+        out += _block_violations(field, getattr(config, field), dim, dim_name)
+    if config.block_kv % config.block_kv_compute:
+        out.append(Violation("compute_divides", f"block_kv_compute={config.block_kv_compute} "
+                             f"must divide block_kv={config.block_kv}"))
+    if config.block_kv_compute > MAX_COMPUTE_BLOCK:
+        out.append(Violation("compute_max", f"block_kv_compute={config.block_kv_compute} "
+                             f"exceeds {MAX_COMPUTE_BLOCK}; split the kv block further"))
+    depths = tuple(depths)
+    if config.pipeline_depth not in depths:
+        out.append(Violation("pipeline_depth", f"pipeline_depth={config.pipeline_depth} is not "
+                             f"supported by the installed JAX; use one of {list(depths)}"))
+    return out
+
+
+def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """VMEM bytes of a (rows, cols) tile, padded to whole (8 or 16, 128) tiles."""
+    sublanes = SUBLANES * (4 // itemsize)  # bf16 packs two rows per sublane
+    rows_padded = -(-rows // sublanes) * sublanes
+    cols_padded = -(-cols // LANES) * LANES
+    return rows_padded * cols_padded * itemsize
+
+
+def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
+    """Estimated peak VMEM bytes of each kernel the problem runs (``fwd``, ``dkv``, ``dq``).
+
+    Counts the pipelined input/output windows (times their buffer count), the scratch
+    accumulators and the f32 temporaries of one compute step. Calibrated against the Mosaic
+    compiler by ``bench/precheck.py``.
+    """
+    d, isz, depth = problem.head_dim, problem.itemsize, config.pipeline_depth
+    bq, bkv, bkc = config.block_q, config.block_kv, config.block_kv_compute
+    fwd = (
+        2 * _tile_bytes(bq, d, isz)  # q window, double buffered
+        + 2 * depth * _tile_bytes(bkv, d, isz)  # k and v windows
+        + 2 * _tile_bytes(bq, d, isz)  # output window
+        + 2 * _tile_bytes(bq, LANES, 4)  # logsumexp output window (lane replicated)
+        + 2 * _tile_bytes(bq, LANES, 4) + _tile_bytes(bq, d, 4)  # m, l, acc scratch
+        + 3 * _tile_bytes(bq, bkc, 4)  # logits, probabilities, mask temporaries
+    )
+    estimate = {"fwd": fwd}
+    if problem.mode == "fwd_bwd":
+        qk, kk = config.block_q_dkv, config.block_kv_dkv
+        estimate["dkv"] = (
+            2 * 2 * _tile_bytes(kk, d, isz)  # k, v windows
+            + 2 * 2 * _tile_bytes(qk, d, isz)  # q, do windows
+            + 2 * 2 * _tile_bytes(qk, LANES, 4)  # logsumexp, delta windows
+            + 2 * 2 * _tile_bytes(kk, d, isz)  # dk, dv output windows
+            + 2 * _tile_bytes(kk, d, 4)  # dk, dv accumulators
+            + 4 * _tile_bytes(kk, qk, 4)  # s, p, dp, ds temporaries
+        )
+        qq, kq = config.block_q_dq, config.block_kv_dq
+        estimate["dq"] = (
+            2 * 2 * _tile_bytes(qq, d, isz)  # q, do windows
+            + 2 * depth * _tile_bytes(kq, d, isz)  # k, v windows
+            + 2 * 2 * _tile_bytes(qq, LANES, 4)  # logsumexp, delta windows
+            + 2 * _tile_bytes(qq, d, isz)  # dq output window
+            + _tile_bytes(qq, d, 4)  # dq accumulator
+            + 4 * _tile_bytes(qq, kq, 4)  # s, p, dp, ds temporaries
+        )
+    return estimate
+
+
+def vmem_violations(
+    problem: Problem, config: FlashConfig, target: Target, vmem_limit_bytes: int | None = None
+) -> list[Violation]:
+    """The VMEM rule: every kernel's estimate must fit the target's scoped VMEM limit."""
+    limit = vmem_limit_bytes or target.scoped_vmem_bytes
+    if limit is None:
+        return []
+    out = []
+    for kernel_name, need in vmem_estimate(problem, config).items():
+        if need > limit:
+            out.append(Violation("vmem", f"the {kernel_name} kernel needs about "
+                                 f"{need / MiB:.1f} MiB of VMEM, over the {limit / MiB:.0f} MiB "
+                                 f"scoped limit of {target.name}; use smaller blocks"))
+    return out
+
+
+def violations(
+    problem: Problem,
+    config: FlashConfig,
+    target: Target | str = "cpu",
+    *,
+    depths: Iterable[int] = DEFAULT_DEPTHS,
+    vmem_limit_bytes: int | None = None,
+) -> list[Violation]:
+    """All rules (static and VMEM) that ``config`` breaks for ``problem`` on ``target``."""
+    target = get_target(target) if isinstance(target, str) else target
+    return static_violations(problem, config, depths) + vmem_violations(
+        problem, config, target, vmem_limit_bytes)
+
+
+def is_legal(problem: Problem, config: FlashConfig, target: Target | str = "cpu",
+             **kwargs) -> bool:
+    return not violations(problem, config, target, **kwargs)
+
+
+def space_params(
+    problem: Problem, depths: Iterable[int] = DEFAULT_DEPTHS
+) -> dict[str, list[int]]:
+    """The declared values of each tunable field (before cross-field and VMEM rules).
+
+    In ``fwd`` mode the backward fields are not tunable and keep the default's values.
+    """
+    q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
+    params: dict[str, list[int]] = {
+        "block_q": q_values,
+        "block_kv": kv_values,
+        "block_kv_compute": [v for v in kv_values if v <= MAX_COMPUTE_BLOCK] or kv_values[:1],
+        "pipeline_depth": sorted(set(depths)),
+    }
+    if problem.mode == "fwd_bwd":
+        params.update(block_q_dkv=q_values, block_kv_dkv=kv_values, block_q_dq=q_values,
+                      block_kv_dq=kv_values)
+    return params
+
+
+def search_space(
+    problem: Problem,
+    target: Target | str = "cpu",
+    *,
+    depths: Iterable[int] = DEFAULT_DEPTHS,
+    vmem_limit_bytes: int | None = None,
+    include_vmem_rejected: bool = False,
+) -> list[FlashConfig]:
+    """Every legal config for ``problem`` on ``target``.
+
+    With ``include_vmem_rejected`` the VMEM estimate is not applied (static rules only).
+    """
+    target = get_target(target) if isinstance(target, str) else target
+    depths = tuple(depths)
+    params = space_params(problem, depths)
+    base = default_config(problem, target, depths=depths, vmem_limit_bytes=vmem_limit_bytes)
+    names = list(params)
+    out = []
+    for values in itertools.product(*(params[n] for n in names)):
+        fields = dict(zip(names, values))
+        if fields["block_kv"] % fields["block_kv_compute"]:
+            continue
+        config = base.replace(**fields)
+        if static_violations(problem, config, depths):
+            continue
+        if not include_vmem_rejected and vmem_violations(problem, config, target,
+                                                         vmem_limit_bytes):
+            continue
+        out.append(config)
+    return out
+
+
+def _largest_at_most(values: list[int], cap: int) -> int:
+    fitting = [v for v in values if v <= cap]
+    return max(fitting) if fitting else min(values)
+
+
+def default_config(
+    problem: Problem,
+    target: Target | str = "cpu",
+    *,
+    depths: Iterable[int] = DEFAULT_DEPTHS,
+    vmem_limit_bytes: int | None = None,
+) -> FlashConfig:
+    """A safe heuristic config: 512-row query tiles and 512-key kv tiles (1024 on v6e, which
+    has twice the scoped VMEM), double buffered, shrunk until the VMEM estimate fits."""
+    target = get_target(target) if isinstance(target, str) else target
+    depths = tuple(depths)
+    q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
+    kv_cap = 1024 if target.name == "v6e" else 512
+    q_cap = 512
+    while True:
+        bkv = _largest_at_most(kv_values, kv_cap)
+        bq = _largest_at_most(q_values, q_cap)
+        config = FlashConfig(
+            block_q=bq, block_kv=bkv,
+            block_kv_compute=_largest_at_most([v for v in kv_values if bkv % v == 0], 512),
+            block_q_dkv=_largest_at_most(q_values, min(q_cap, 256)),
+            block_kv_dkv=_largest_at_most(kv_values, min(kv_cap, 512)),
+            block_q_dq=_largest_at_most(q_values, min(q_cap, 512)),
+            block_kv_dq=_largest_at_most(kv_values, min(kv_cap, 256)),
+            pipeline_depth=2 if 2 in depths else max(depths),
+        )
+        fits = not vmem_violations(problem, config, target, vmem_limit_bytes)
+        if fits or (q_cap <= LANES and kv_cap <= LANES):
+            return config
+        q_cap, kv_cap = max(LANES, q_cap // 2), max(LANES, kv_cap // 2)
+
