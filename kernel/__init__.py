@@ -12,9 +12,10 @@ from typing import Any
 
 from kernel.config import ConfigError, FlashConfig
 from kernel.problem import Problem, ProblemError
+from kernel.resolve import KERNEL_NAME, resolution_sources, use_table
 from kernel.space import TARGETS, Target, Violation, default_config, get_target, violations
+from kernel.table import LookupTable, TableEntry, TableError
 
-KERNEL_NAME = "flash"
 KERNEL_VERSION = "1"
 
 # Names that need jax, and the module that defines each.
@@ -33,6 +34,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "KERNEL_NAME", "KERNEL_VERSION", "TARGETS", "ConfigError", "FlashConfig", "Problem",
-    "ProblemError", "Target", "Violation", "default_config", "get_target", "violations",
+    "LookupTable", "ProblemError", "TableEntry", "TableError", "Target", "Violation",
+    "default_config", "get_target", "resolution_sources", "use_table", "violations",
     *_LAZY,
 ]

@@ -1,0 +1,177 @@
+"""Config resolution at trace time: explicit > pinned table > lookup service > default.
+
+Pure Python and the standard library only (urllib), so a model build that embeds a table needs
+nothing but jax. Every answer, misses included, is cached per key for the life of the process;
+the service gets a short timeout and a circuit breaker, so a slow, down or garbage-answering
+service never fails a trace, it only falls back (with one warning per key saying why).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernel.config import ConfigError, FlashConfig
+from kernel.problem import Problem
+from kernel.space import TARGETS, default_config
+from kernel.table import LookupTable, TableError
+
+log = logging.getLogger(__name__)
+
+KERNEL_NAME = "flash"
+SOURCES = ("explicit", "table", "service", "default")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Which config a key resolved to, from which source, and why (for fallbacks)."""
+
+    config: FlashConfig
+    source: str  # one of SOURCES
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ResolverSettings:
+    """Read from the environment: ``AUTOTUNE_TABLE``, ``AUTOTUNE_URL``,
+    ``AUTOTUNE_TIMEOUT_MS`` (default 250) and ``AUTOTUNE_BREAKER_S`` (default 30)."""
+
+    table_paths: tuple[str, ...] = ()
+    url: str | None = None
+    timeout_s: float = 0.25
+    breaker_s: float = 30.0
+
+    @classmethod
+    def from_env(cls) -> ResolverSettings:
+        tables = os.environ.get("AUTOTUNE_TABLE", "")
+        return cls(
+            table_paths=tuple(p for p in tables.split(os.pathsep) if p),
+            url=os.environ.get("AUTOTUNE_URL") or None,
+            timeout_s=float(os.environ.get("AUTOTUNE_TIMEOUT_MS", "250")) / 1000,
+            breaker_s=float(os.environ.get("AUTOTUNE_BREAKER_S", "30")),
+        )
+
+
+class Resolver:
+    """Resolves and caches configs per (device kind, problem)."""
+
+    def __init__(self, settings: ResolverSettings | None = None) -> None:
+        self.settings = settings or ResolverSettings.from_env()
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, Problem], Resolution] = {}
+        self._tables: list[LookupTable] = []
+        self._breaker_open_until = 0.0
+        self.service_requests = 0  # HTTP requests sent, for tests and diagnostics
+        for path in self.settings.table_paths:
+            self.use_table(path)
+
+    def use_table(self, path: str | Path) -> None:
+        """Pins a lookup table; it wins over the service. Raises TableError if malformed."""
+        table = LookupTable.load(path)
+        if table.kernel != KERNEL_NAME:
+            raise TableError(f"table {path} is for kernel {table.kernel!r}, not {KERNEL_NAME!r}")
+        with self._lock:
+            self._tables.append(table)
+            self._cache.clear()
+
+    def resolve(self, problem: Problem, device_kind: str) -> Resolution:
+        key = (device_kind, problem)
+        cached = self._cache.get(key)  # dict reads are atomic: the hot path takes no lock
+        if cached is not None:
+            return cached
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = self._resolve_uncached(problem, device_kind)
+            return self._cache[key]
+
+    def sources(self) -> dict[tuple[str, Problem], str]:
+        """The source each key seen so far was resolved from."""
+        return {key: resolution.source for key, resolution in self._cache.items()}
+
+    def _resolve_uncached(self, problem: Problem, device_kind: str) -> Resolution:
+        reasons = []
+        for table in self._tables:
+            if table.device_kind != device_kind:
+                continue
+            found = table.lookup(problem)
+            if found:
+                entry, match = found
+                return Resolution(entry.config, "table", f"{match} match in pinned table")
+        if self._tables:
+            reasons.append(f"no pinned table entry for {device_kind!r}")
+        if self.settings.url:
+            config, why = self._ask_service(problem, device_kind)
+            if config is not None:
+                return Resolution(config, "service", why)
+            reasons.append(why)
+        else:
+            reasons.append("no table pinned and AUTOTUNE_URL unset")
+        target = next((t for t in TARGETS.values() if t.device_kind == device_kind),
+                      TARGETS["cpu"])
+        config = default_config(problem, target)
+        detail = "; ".join(reasons)
+        log.warning("flash-autotune: using the default config %s for %s on %s (%s)",
+                    config.label(), problem.label(), device_kind, detail)
+        return Resolution(config, "default", detail)
+
+    def _ask_service(self, problem: Problem, device_kind: str) -> tuple[FlashConfig | None, str]:
+        now = time.monotonic()
+        if now < self._breaker_open_until:
+            return None, "lookup service failed recently (circuit breaker open)"
+        query = urllib.parse.urlencode({"kernel": KERNEL_NAME, "device_kind": device_kind,
+                                        **{k: str(v).lower() if isinstance(v, bool) else v
+                                           for k, v in problem.to_dict().items()}})
+        url = f"{self.settings.url.rstrip('/')}/v1/configs/lookup?{query}"
+        self.service_requests += 1
+        try:
+            with urllib.request.urlopen(url, timeout=self.settings.timeout_s) as response:
+                body = json.loads(response.read())
+            return FlashConfig.from_dict(body["config"]), f"{body.get('match')} match from service"
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return None, "lookup service has no config for this key"
+            reason = f"lookup service answered HTTP {error.code}"
+        except (OSError, ValueError, KeyError, TypeError, ConfigError) as error:
+            reason = f"lookup service failed: {type(error).__name__}: {error}"
+        self._breaker_open_until = time.monotonic() + self.settings.breaker_s
+        return None, reason
+
+
+_default_resolver: Resolver | None = None
+_default_lock = threading.Lock()
+
+
+def get_resolver() -> Resolver:
+    """The process-wide resolver, created from the environment on first use."""
+    global _default_resolver
+    if _default_resolver is None:
+        with _default_lock:
+            if _default_resolver is None:
+                _default_resolver = Resolver()
+    return _default_resolver
+
+
+def reset_resolver(settings: ResolverSettings | None = None) -> Resolver:
+    """Replaces the process-wide resolver (fresh cache), e.g. after changing the environment."""
+    global _default_resolver
+    with _default_lock:
+        _default_resolver = Resolver(settings)
+    return _default_resolver
+
+
+def use_table(path: str | Path) -> None:
+    """Pins a lookup table for this process (same as ``AUTOTUNE_TABLE=path``)."""
+    get_resolver().use_table(path)
+
+
+def resolution_sources() -> dict[tuple[str, Problem], str]:
+    """Which source each key traced so far in this process was resolved from."""
+    return get_resolver().sources()

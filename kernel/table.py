@@ -1,0 +1,145 @@
+"""Lookup tables: tuned configs as plain, versioned JSON that a model build can embed.
+
+Pure Python (no jax): the service exports and imports the same format, and uses the same
+nearest-match rule, as the kernel wrapper reading a pinned table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernel.config import ConfigError, FlashConfig
+from kernel.problem import Problem, ProblemError
+from kernel.space import static_violations
+
+TABLE_SCHEMA_VERSION = 1
+
+
+class TableError(ValueError):
+    """A lookup table is malformed; the message names the entry and field."""
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One tuned result: the problem, the winning config, and how it was measured."""
+
+    problem: Problem
+    config: FlashConfig
+    time_ms: float | None = None
+    default_time_ms: float | None = None
+    speedup: float | None = None
+    provenance: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"problem": self.problem.to_dict(), "config": self.config.to_dict(),
+                "time_ms": self.time_ms, "default_time_ms": self.default_time_ms,
+                "speedup": self.speedup, "provenance": dict(self.provenance)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TableEntry:
+        if not isinstance(data, dict):
+            raise TableError(f"an entry must be a JSON object, got {type(data).__name__}")
+        for name in ("problem", "config"):
+            if name not in data:
+                raise TableError(f"entry is missing {name!r}")
+        try:
+            problem = Problem.from_dict(data["problem"])
+            config = FlashConfig.from_dict(data["config"])
+        except (ProblemError, ConfigError, TypeError) as error:
+            raise TableError(str(error)) from None
+        numbers = {}
+        for name in ("time_ms", "default_time_ms", "speedup"):
+            value = data.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, int | float) or not math.isfinite(value) or value < 0):
+                raise TableError(f"{name} must be a non-negative number, got {value!r}")
+            numbers[name] = value
+        provenance = data.get("provenance") or {}
+        if not isinstance(provenance, dict):
+            raise TableError("provenance must be a JSON object")
+        return cls(problem=problem, config=config, provenance=provenance, **numbers)
+
+
+@dataclass(frozen=True)
+class LookupTable:
+    """Tuned configs of one kernel on one device kind."""
+
+    kernel: str
+    kernel_version: str
+    device_kind: str
+    entries: tuple[TableEntry, ...]
+    jax_version: str | None = None
+    schema_version: int = TABLE_SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": self.schema_version, "kernel": self.kernel,
+                "kernel_version": self.kernel_version, "device_kind": self.device_kind,
+                "jax_version": self.jax_version,
+                "entries": [entry.to_dict() for entry in self.entries]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LookupTable:
+        """Validates a whole table; the first bad entry is named by its index."""
+        if not isinstance(data, dict):
+            raise TableError(f"a table must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != TABLE_SCHEMA_VERSION:
+            raise TableError(f"unsupported schema_version {version!r}; this build reads "
+                             f"version {TABLE_SCHEMA_VERSION} (re-export the table)")
+        for name in ("kernel", "kernel_version", "device_kind"):
+            if not isinstance(data.get(name), str) or not data[name]:
+                raise TableError(f"table field {name!r} must be a non-empty string")
+        raw_entries = data.get("entries")
+        if not isinstance(raw_entries, list):
+            raise TableError("table field 'entries' must be a list")
+        entries = []
+        for index, raw in enumerate(raw_entries):
+            try:
+                entries.append(TableEntry.from_dict(raw))
+            except TableError as error:
+                raise TableError(f"entry {index}: {error}") from None
+        return cls(kernel=data["kernel"], kernel_version=data["kernel_version"],
+                   device_kind=data["device_kind"], entries=tuple(entries),
+                   jax_version=data.get("jax_version"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LookupTable:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as error:
+            raise TableError(f"cannot read table {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise TableError(f"table {path} is not valid JSON: {error}") from None
+        return cls.from_dict(data)
+
+    def lookup(self, problem: Problem) -> tuple[TableEntry, str] | None:
+        """The exact entry for ``problem``, else the nearest whose config is legal for it."""
+        for entry in self.entries:
+            if entry.problem == problem:
+                return entry, "exact"
+        entry = nearest_entry(problem, self.entries)
+        return (entry, "nearest") if entry else None
+
+
+def _shape_distance(a: Problem, b: Problem) -> float:
+    """How far apart two problems are, in octaves of their sizes."""
+    return (abs(math.log2(a.q_len / b.q_len)) + abs(math.log2(a.kv_len / b.kv_len))
+            + 0.5 * abs(math.log2(a.batch * a.q_heads / (b.batch * b.q_heads)))
+            + 0.25 * abs(math.log2(a.group_size / b.group_size)))
+
+
+def nearest_entry(problem: Problem, entries: Iterable[TableEntry]) -> TableEntry | None:
+    """The closest tuned problem with the same dtype, head_dim, causality and mode whose
+    config passes the kernel's static rules for ``problem``; None when none does."""
+    candidates = [
+        entry for entry in entries
+        if (entry.problem.dtype, entry.problem.head_dim, entry.problem.causal,
+            entry.problem.mode) == (problem.dtype, problem.head_dim, problem.causal, problem.mode)
+        and not static_violations(problem, entry.config, depths=(entry.config.pipeline_depth,))
+    ]
+    return min(candidates, key=lambda e: _shape_distance(problem, e.problem), default=None)
