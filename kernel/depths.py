@@ -1,0 +1,64 @@
+"""Which K/V pipeline depths (``pl.Buffered`` buffer counts) the installed JAX lowers for TPU.
+
+Interpret mode ignores ``pipeline_mode``, so a depth is only known to work once a kernel using
+it has been lowered for TPU; this runs on any host (no TPU needed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernel import space
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+
+MAX_PROBED_DEPTH = 4
+_PROBE_SHAPE = (4 * 8, 128)  # four (8, 128) tiles: a grid long enough to pipeline
+
+
+def pipeline_depth_lowers(depth: int) -> bool:
+    """Whether a tiny ``pallas_call`` whose input uses ``pl.Buffered(depth)`` lowers for TPU."""
+
+    def copy_kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    block = (8, 128)
+    call = pl.pallas_call(
+        copy_kernel,
+        grid=(_PROBE_SHAPE[0] // block[0],),
+        in_specs=[pl.BlockSpec(block, lambda i: (i, 0), pipeline_mode=pl.Buffered(depth))],
+        out_specs=pl.BlockSpec(block, lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32),
+    )
+    try:
+        jax.export.export(jax.jit(call), platforms=["tpu"])(
+            jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32))
+    except Exception:  # noqa: BLE001 - Mosaic raises several private exception types
+        return False
+    return True
+
+
+@functools.cache
+def supported_pipeline_depths() -> tuple[int, ...]:
+    """The depths 1..``MAX_PROBED_DEPTH`` that lower, up to the first one that does not."""
+    depths = []
+    for depth in range(1, MAX_PROBED_DEPTH + 1):
+        if not pipeline_depth_lowers(depth):
+            break
+        depths.append(depth)
+    if not depths:
+        raise RuntimeError(
+            "no Pallas kernel lowers for TPU with this JAX installation (even pl.Buffered(1) "
+            "failed); install a JAX with TPU lowering support (the 'tpu' extra)")
+    return tuple(depths)
+
+
+def search_space(
+    problem: Problem, target: space.Target | str = "cpu", **kwargs
+) -> list[FlashConfig]:
+    """``kernel.space.search_space`` with the pipeline depths this JAX really supports."""
+    return space.search_space(problem, target, depths=supported_pipeline_depths(), **kwargs)

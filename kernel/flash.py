@@ -1,0 +1,321 @@
+"""Flash attention for TPU in Pallas (Mosaic): forward, dK/dV and dQ kernels tiled by a config.
+
+Layout ``[batch, heads, seq, head_dim]``; K/V may have fewer heads than Q (grouped-query
+attention). On a CPU backend the same kernels run in TPU interpret mode (a correctness oracle,
+not a speed proxy); on TPU they compile with Mosaic.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernel.config import ConfigError, FlashConfig
+from kernel.depths import supported_pipeline_depths
+from kernel.problem import Problem
+from kernel.resolve import get_resolver
+from kernel.space import LANES, MAX_BLOCK, block_values, default_config, get_target, \
+    static_violations
+
+log = logging.getLogger(__name__)
+
+PLATFORMS = ("tpu", "cpu")  # cpu: the TPU kernels run in Pallas interpret mode
+# Finite mask value: with -inf a fully masked row would compute exp(-inf - -inf) = NaN.
+MASK_VALUE = -1e30
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
+
+
+def reference_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Plain XLA attention (``jax.nn.dot_product_attention``) in this module's layout."""
+    to_btnh = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), scale=sm_scale,
+                                       is_causal=causal)
+    return to_btnh(out)
+
+
+def flash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+    sm_scale: float | None = None, config: FlashConfig | None = None,
+    platform: str | None = None,
+) -> jax.Array:
+    """Softmax(``sm_scale`` q kᵀ) v, differentiable, with Pallas kernels both ways.
+
+    ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
+    head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``causal`` masks keys
+    after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
+    defaults to ``head_dim ** -0.5``. ``config`` defaults to the one resolved for the problem
+    and the default device (``kernel.resolve``), at trace time; an explicit config is checked
+    against the legality rules. ``platform`` (``"tpu"`` or ``"cpu"``) overrides the default
+    device's platform, e.g. ``"tpu"`` to lower or compile for TPU on a host without one.
+    """
+    problem = _problem(q, k, v, causal)
+    if sm_scale is None:
+        sm_scale = problem.head_dim ** -0.5
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not (
+            math.isfinite(sm_scale) and sm_scale > 0):
+        raise TypeError(f"sm_scale must be a positive Python float (static), got {sm_scale!r}")
+    if config is not None:
+        if not isinstance(config, FlashConfig):
+            raise TypeError(f"config must be a kernel.FlashConfig or None, got "
+                            f"{type(config).__name__}; build one with FlashConfig.from_dict")
+        _check_config(problem, config)
+    platform = _platform(platform)
+    return _flash(q, k, v, causal, float(sm_scale), config, platform)
+
+
+# --- input checks and config resolution (trace time, static shapes) --------------------------
+
+def _problem(q: Any, k: Any, v: Any, causal: Any) -> Problem:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got "
+                             f"shape {tuple(x.shape)}")
+        if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype).name}; flash_attention "
+                            "supports float32 and bfloat16 (cast the inputs)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {jnp.dtype(q.dtype).name}, "
+                        f"{jnp.dtype(k.dtype).name}, {jnp.dtype(v.dtype).name}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    (batch, q_heads, q_len, head_dim), (kv_batch, kv_heads, kv_len, kv_dim) = q.shape, k.shape
+    if batch != kv_batch:
+        raise ValueError(f"q has batch {batch} but k/v have batch {kv_batch}")
+    if head_dim != kv_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k/v have head_dim {kv_dim}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) "
+                         "for grouped-query attention")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a Python bool (static), got {causal!r}")
+    for name, length in (("q_len", q_len), ("kv_len", kv_len)):
+        if not block_values(length):
+            raise ValueError(
+                f"{name}={length} admits no legal block: sequences longer than {MAX_BLOCK} "
+                f"must be a multiple of {LANES}. Padding is not supported; pad the sequence "
+                "to such a length and mask the padding yourself")
+    return Problem(batch, q_heads, kv_heads, q_len, kv_len, head_dim,
+                   dtype=jnp.dtype(q.dtype).name, causal=causal)
+
+
+def _check_config(problem: Problem, config: FlashConfig) -> None:
+    broken = static_violations(problem, config, supported_pipeline_depths())
+    if broken:
+        raise ConfigError(f"config {config.label()} is illegal for {problem.label()}: "
+                          + "; ".join(map(str, broken)))
+
+
+def _default_device() -> jax.Device:
+    device = jax.config.jax_default_device
+    if isinstance(device, jax.Device):
+        return device
+    return jax.devices(device)[0] if device else jax.devices()[0]
+
+
+def _platform(platform: str | None) -> str:
+    name = platform or _default_device().platform
+    if name not in PLATFORMS:
+        raise NotImplementedError(
+            f"flash_attention runs on TPU (compiled with Mosaic) and on CPU (TPU interpret "
+            f"mode); got platform {name!r}. Pass platform='tpu' or 'cpu', or run on one of those")
+    return name
+
+
+def _resolve(q: jax.Array, k: jax.Array, causal: bool, config: FlashConfig | None,
+             mode: str) -> FlashConfig:
+    """The explicit config (checked for ``mode``) or the one resolved for this problem."""
+    problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                      dtype=jnp.dtype(q.dtype).name, causal=causal, mode=mode)
+    if config is not None:
+        _check_config(problem, config)
+        return config
+    device_kind = _default_device().device_kind
+    resolution = get_resolver().resolve(problem, device_kind)
+    depths = supported_pipeline_depths()
+    if not static_violations(problem, resolution.config, depths):
+        return resolution.config
+    try:
+        target = get_target(device_kind)
+    except ConfigError:
+        target = get_target("cpu")
+    fallback = default_config(problem, target, depths=depths)
+    log.warning("flash-autotune: %s config %s is illegal for %s; using the default %s",
+                resolution.source, resolution.config.label(), problem.label(), fallback.label())
+    return fallback
+
+
+# --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _flash(q, k, v, causal, sm_scale, config, platform):
+    config = _resolve(q, k, causal, config, "fwd")
+    return _forward(q, k, v, config, causal, sm_scale, platform, save_lse=False)[0]
+
+
+def _flash_fwd(q, k, v, causal, sm_scale, config, platform):
+    # custom_vjp traces this rule only when differentiating: resolve the fwd_bwd-tuned config.
+    config = _resolve(q, k, causal, config, "fwd_bwd")
+    out, lse = _forward(q, k, v, config, causal, sm_scale, platform, save_lse=True)
+    return out, (q, k, v, out, lse[..., 0])  # keep one lane of the lane-replicated lse
+
+
+def _flash_bwd(causal, sm_scale, config, platform, residuals, d_out):
+    q, k, v, out, lse = residuals
+    config = _resolve(q, k, causal, config, "fwd_bwd")
+    # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
+    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
+    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, config, causal, sm_scale, platform)
+    dq = _backward_dq(q, k, v, d_out, lse, delta, config, causal, sm_scale, platform)
+    return dq, dk, dv
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+def _lanes(x: jax.Array, n: int) -> jax.Array:
+    """Widens a lane-replicated (rows, 128) value to (rows, n)."""
+    if n % LANES == 0:
+        return jnp.tile(x, (1, n // LANES))  # whole-vreg copies, no cross-lane work
+    if n < LANES:
+        return x[:, :n]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+
+
+def _causal_mask(shape: tuple[int, int], row0, col0, transposed: bool = False) -> jax.Array:
+    """True where key position <= query position; rows are queries (keys if ``transposed``)."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+    return rows <= cols if transposed else cols <= rows
+
+
+def _last_kv_block(q_block, block_q: int, block_kv: int):
+    """Index of the last kv block that a causal query block attends to."""
+    # lax.div, not //: floor division of traced ints lowers through sign(), which Mosaic
+    # lowers per TPU generation (and so fails when lowering on a host without one).
+    return lax.div((q_block + 1) * block_q - 1, block_kv)
+
+
+def _compiler_params(platform: str, semantics: tuple[str, ...]):
+    return pltpu.CompilerParams(dimension_semantics=semantics) if platform == "tpu" else None
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, sm_scale: float,
+                    block_kv_compute: int, save_lse: bool):
+    if save_lse:
+        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
+    block_q, head_dim = q_ref.shape
+    block_kv = k_ref.shape[0]
+    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kv_block == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def compute(sub):
+        start = pl.multiple_of(sub * block_kv_compute, block_kv_compute)
+        k = k_ref[pl.ds(start, block_kv_compute), :]
+        v = v_ref[pl.ds(start, block_kv_compute), :]
+        # Logits in f32 on the MXU; the scale is applied in f32, not to bf16 q.
+        s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * sm_scale
+        if causal:
+            mask = _causal_mask(s.shape, q_block * block_q, kv_block * block_kv + start)
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_prev = m_ref[...]  # (block_q, 128): stats stay lane-replicated, whole vregs
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - _lanes(m_next, block_kv_compute))
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * _lanes(alpha, head_dim) + pv
+
+    def sub_block(sub, carry):
+        if causal:  # skip compute sub-blocks wholly above the diagonal
+            first_key = kv_block * block_kv + sub * block_kv_compute
+            pl.when(first_key <= (q_block + 1) * block_q - 1)(lambda: compute(sub))
+        else:
+            compute(sub)
+        return carry
+
+    def run():
+        # Bounds the live f32 logits to (block_q, block_kv_compute) per iteration.
+        lax.fori_loop(0, block_kv // block_kv_compute, sub_block, 0)
+
+    if causal:  # kv blocks wholly above the diagonal do no work (and fetch nothing new)
+        pl.when(kv_block <= _last_kv_block(q_block, block_q, block_kv))(run)
+    else:
+        run()
+
+    @pl.when(kv_block == pl.num_programs(3) - 1)
+    def _finish():
+        inv_l = 1.0 / l_ref[...]  # every row sees key 0, so l > 0
+        o_ref[...] = (acc_ref[...] * _lanes(inv_l, head_dim)).astype(o_ref.dtype)
+        if save_lse:
+            lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+
+
+def _kv_index_map(group: int, block_q: int, block_kv: int, causal: bool):
+    """(batch, q_head, q_block, kv_block) -> K/V block; causal clamps to the last needed
+    block, so skipped steps revisit the resident block instead of fetching a new one."""
+
+    def index_map(b, h, i, j):
+        if causal:
+            j = jnp.minimum(j, _last_kv_block(i, block_q, block_kv))
+        return b, lax.div(h, group), j, 0
+
+    return index_map
+
+
+def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, platform: str,
+             save_lse: bool):
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    bq, bkv = config.block_q, config.block_kv
+    q_spec = pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, bkv, head_dim),
+                           _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
+                           pipeline_mode=pl.Buffered(config.pipeline_depth))
+    lse_spec = pl.BlockSpec((None, None, bq, LANES), lambda b, h, i, j: (b, h, i, 0))
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [q_spec]
+    if save_lse:
+        # Lane-replicated (…, 128) so the kernel stores whole vregs; callers keep one lane.
+        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, q_len, LANES), jnp.float32))
+        out_specs.append(lse_spec)
+    kernel = functools.partial(_forward_kernel, causal=causal, sm_scale=sm_scale,
+                               block_kv_compute=config.block_kv_compute, save_lse=save_lse)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, q_heads, q_len // bq, kv_len // bkv),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
+                        pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
+                        pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
+        compiler_params=_compiler_params(platform, ("parallel", "parallel", "parallel",
+                                                    "arbitrary")),
+        interpret=platform == "cpu",
+        name="flash_fwd",
+    )(q, k, v)
+    return outs[0], (outs[1] if save_lse else None)
