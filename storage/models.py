@@ -1,0 +1,72 @@
+"""Database tables (SQLAlchemy 2.0 typed models). Only ``Base.metadata`` is ours: Optuna keeps
+its own tables in the same database, and migrations ignore everything not listed here."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# The unique key, in index order: the columns shared by nearest-match candidates come first, so
+# the unique index also serves the nearest-match query.
+FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
+                  "mode")
+KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "platform")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class _ResultColumns:
+    """The columns of a tuned result, shared by the live table and its history."""
+
+    kernel: Mapped[str] = mapped_column(String(64))
+    kernel_version: Mapped[str] = mapped_column(String(64))
+    device_kind: Mapped[str] = mapped_column(String(128))
+    platform: Mapped[str] = mapped_column(String(32))
+    batch: Mapped[int] = mapped_column(Integer)
+    q_heads: Mapped[int] = mapped_column(Integer)
+    kv_heads: Mapped[int] = mapped_column(Integer)
+    q_len: Mapped[int] = mapped_column(Integer)
+    kv_len: Mapped[int] = mapped_column(Integer)
+    head_dim: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(16))
+    causal: Mapped[bool]
+    mode: Mapped[str] = mapped_column(String(16))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    median_ms: Mapped[float | None] = mapped_column(Float)
+    iqr_ms: Mapped[float | None] = mapped_column(Float)
+    default_median_ms: Mapped[float | None] = mapped_column(Float)
+    speedup: Mapped[float | None] = mapped_column(Float)
+    trials: Mapped[int | None] = mapped_column(Integer)
+    method: Mapped[str | None] = mapped_column(String(16))
+    jax_version: Mapped[str | None] = mapped_column(String(64))
+    jaxlib_version: Mapped[str | None] = mapped_column(String(64))
+    libtpu_version: Mapped[str | None] = mapped_column(String(64))
+    study: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class TunedConfigRow(_ResultColumns, Base):
+    """The best known config per key."""
+
+    __tablename__ = "autotune_configs"
+    __table_args__ = (UniqueConstraint(*KEY_COLUMNS, name="uq_autotune_configs_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+
+
+class TunedConfigHistoryRow(_ResultColumns, Base):
+    """Results that lost: a replaced best (``replaced``/``forced``) or a slower newcomer
+    (``rejected``). Nothing published is ever deleted."""
+
+    __tablename__ = "autotune_config_history"
+    __table_args__ = (Index("ix_autotune_config_history_key", *KEY_COLUMNS),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    reason: Mapped[str] = mapped_column(String(16))
+    archived_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,187 @@
+"""What the tuner publishes and the store hands back: plain, typed, validated dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from kernel.resolve import KERNEL_NAME
+from kernel.space import static_violations
+from kernel.table import TableEntry
+
+METHODS: tuple[str, ...] = ("device", "interpret", "replay")
+MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
+PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
+                     "study")
+
+
+class StorageError(ValueError):
+    """Base of the errors storage raises on bad input; messages name the field and the fix."""
+
+
+class ResultError(StorageError):
+    """A tuned result is malformed or its config is illegal for its problem."""
+
+
+class SchemaError(StorageError):
+    """The database has no schema, or an older one; ``autotune db upgrade`` fixes it."""
+
+
+def default_platform(device_kind: str) -> str:
+    """JAX's platform name for a device kind: the kernel targets TPUs, or the CPU (interpret)."""
+    return "cpu" if device_kind.lower() == "cpu" else "tpu"
+
+
+def installed_kernel_version() -> str:
+    """The version of the installed kernel (``kernel/__init__`` is jax-free to import)."""
+    from kernel import KERNEL_VERSION
+
+    return KERNEL_VERSION
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """What a tuned config is stored under: kernel, device and problem."""
+
+    kernel: str
+    kernel_version: str
+    device_kind: str
+    platform: str
+    problem: Problem
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat: the kernel and device fields, then the problem fields."""
+        return {"kernel": self.kernel, "kernel_version": self.kernel_version,
+                "device_kind": self.device_kind, "platform": self.platform,
+                **self.problem.to_dict()}
+
+
+def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ResultError(f"{name} must be a non-empty string, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TunedResult:
+    """One tuning outcome for one key: the winning config, its timings and provenance.
+
+    ``median_ms`` is None only for results imported without timings; such a result never beats
+    a measured one. Stored without a ``speedup``, it gets ``default_median_ms / median_ms``.
+    """
+
+    device_kind: str
+    problem: Problem
+    config: FlashConfig
+    median_ms: float | None
+    iqr_ms: float | None = None
+    default_median_ms: float | None = None
+    speedup: float | None = None
+    trials: int | None = None
+    method: Literal["device", "interpret", "replay"] | None = None
+    jax_version: str | None = None
+    jaxlib_version: str | None = None
+    libtpu_version: str | None = None
+    study: str | None = None
+    kernel: str = KERNEL_NAME
+    kernel_version: str = dataclasses.field(default_factory=installed_kernel_version)
+    platform: str = ""  # empty: derived from device_kind
+
+    def __post_init__(self) -> None:
+        for name in ("kernel", "kernel_version", "device_kind"):
+            _check_text(name, getattr(self, name))
+        for name in ("jax_version", "jaxlib_version", "libtpu_version", "study"):
+            _check_text(name, getattr(self, name), optional=True)
+        if not isinstance(self.problem, Problem):
+            raise ResultError(f"problem must be a kernel.problem.Problem, got {self.problem!r}")
+        if not isinstance(self.config, FlashConfig):
+            raise ResultError(f"config must be a kernel.config.FlashConfig, got {self.config!r}")
+        for name in MEASUREMENT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not math.isfinite(value) or value < 0):
+                raise ResultError(f"{name} must be a finite non-negative number, got {value!r}")
+        if self.trials is not None and (isinstance(self.trials, bool)
+                                        or not isinstance(self.trials, int) or self.trials < 0):
+            raise ResultError(f"trials must be a non-negative integer, got {self.trials!r}")
+        if self.method is not None and self.method not in METHODS:
+            raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not self.platform:
+            object.__setattr__(self, "platform", default_platform(self.device_kind))
+
+    @property
+    def key(self) -> ConfigKey:
+        return ConfigKey(self.kernel, self.kernel_version, self.device_kind, self.platform,
+                         self.problem)
+
+    def check_legal(self) -> None:
+        """Raises ResultError naming the first static rule the config breaks for its problem.
+
+        The pipeline-depth rule depends on the tuner's JAX, which storage does not load, so the
+        depth the tuner measured is taken as supported (as ``kernel.table.nearest_entry`` does).
+        """
+        broken = static_violations(self.problem, self.config,
+                                   depths=(self.config.pipeline_depth,))
+        if broken:
+            raise ResultError(f"config is illegal for {self.problem.label()}: "
+                              + "; ".join(str(v) for v in broken))
+
+    def beats(self, other: TunedResult) -> bool:
+        """Strictly faster than ``other``; a measured result beats an unmeasured one."""
+        if self.median_ms is None:
+            return False
+        return other.median_ms is None or self.median_ms < other.median_ms
+
+    def measurements(self) -> dict[str, Any]:
+        """Timings and provenance as plain fields (everything but key and config)."""
+        return {name: getattr(self, name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)}
+
+    def to_table_entry(self) -> TableEntry:
+        provenance = {name: value for name in ("platform", "iqr_ms", *PROVENANCE_FIELDS)
+                      if (value := getattr(self, name)) is not None}
+        return TableEntry(problem=self.problem, config=self.config, time_ms=self.median_ms,
+                          default_time_ms=self.default_median_ms, speedup=self.speedup,
+                          provenance=provenance)
+
+    @classmethod
+    def from_table_entry(cls, entry: TableEntry, *, kernel: str, kernel_version: str,
+                         device_kind: str) -> TunedResult:
+        """A result from a lookup-table entry; provenance fields this format knows are read
+        back, others are ignored."""
+        known = {name: entry.provenance[name] for name in ("platform", "iqr_ms",
+                                                           *PROVENANCE_FIELDS)
+                 if entry.provenance.get(name) is not None}
+        return cls(kernel=kernel, kernel_version=kernel_version, device_kind=device_kind,
+                   problem=entry.problem, config=entry.config, median_ms=entry.time_ms,
+                   default_median_ms=entry.default_time_ms, speedup=entry.speedup, **known)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A stored result with its timestamps (UTC)."""
+
+    result: TunedResult
+    created_at: datetime
+    updated_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire shape: ``key``, ``config``, measurements and provenance, timestamps."""
+        return {"key": self.result.key.to_dict(), "config": self.result.config.to_dict(),
+                **self.result.measurements(), "created_at": self.created_at.isoformat(),
+                "updated_at": self.updated_at.isoformat()}
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What a publish did: ``inserted`` a new key, ``replaced`` the stored result (now in
+    history), or ``kept`` the stored one (the newcomer went to history)."""
+
+    status: Literal["inserted", "replaced", "kept"]
+    entry: Entry  # the result now stored under the key
+    previous: TunedResult | None = None  # the result that was stored before, if any

@@ -1,0 +1,309 @@
+"""``Store``: publish, look up, list, export and import tuned configs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import bindparam, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from kernel.resolve import KERNEL_NAME
+from kernel.table import LookupTable, nearest_entry
+from storage.engine import WRITE_OPTIONS, make_engine, normalize_url
+from storage.models import FAMILY_COLUMNS, KEY_COLUMNS, TunedConfigHistoryRow, TunedConfigRow
+from storage.results import (
+    MEASUREMENT_FIELDS,
+    PROVENANCE_FIELDS,
+    ConfigKey,
+    Entry,
+    PublishOutcome,
+    ResultError,
+    SchemaError,
+    StorageError,
+    TunedResult,
+    installed_kernel_version,
+)
+from storage.schema import schema_problem
+from storage.settings import StorageSettings
+
+Match = Literal["exact", "nearest"]
+FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
+PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
+_PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
+                   "causal", "mode")
+_TABLE = TunedConfigRow.__table__
+
+
+def _select_where(names: Iterable[str]) -> Any:
+    """A prepared ``SELECT * ... WHERE name = :name AND ...`` (compiled once, then cached)."""
+    return select(_TABLE).where(*(_TABLE.c[name] == bindparam(name) for name in names))
+
+
+_EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
+_EXACT_ON_PLATFORM = _select_where(KEY_COLUMNS)
+_FAMILY = _select_where(FAMILY_COLUMNS)
+_FAMILY_ON_PLATFORM = _select_where((*FAMILY_COLUMNS, "platform"))
+
+
+@dataclass(frozen=True)
+class LookupRequest:
+    """One key to look up; ``platform`` None matches any platform of the device kind."""
+
+    device_kind: str
+    problem: Problem
+    kernel: str = KERNEL_NAME
+    kernel_version: str | None = None  # None: the installed kernel's version
+    platform: str | None = None
+
+    def params(self, names: Sequence[str]) -> dict[str, Any]:
+        values = {"kernel": self.kernel,
+                  "kernel_version": self.kernel_version or installed_kernel_version(),
+                  "device_kind": self.device_kind, "platform": self.platform}
+        return {name: values[name] if name in values else getattr(self.problem, name)
+                for name in names}
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """A result moved out of the live table, why (``replaced``/``forced``/``rejected``), when."""
+
+    result: TunedResult
+    reason: str
+    archived_at: datetime
+
+
+def _utc(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _columns(result: TunedResult) -> dict[str, Any]:
+    columns = {"kernel": result.kernel, "kernel_version": result.kernel_version,
+               "device_kind": result.device_kind, "platform": result.platform,
+               **result.problem.to_dict(), "config": result.config.to_dict(),
+               **result.measurements()}
+    if result.speedup is None and result.median_ms and result.default_median_ms is not None:
+        columns["speedup"] = result.default_median_ms / result.median_ms
+    return columns
+
+
+def _result(row: Any) -> TunedResult:
+    """A result from a table row (ORM object or Core row mapping)."""
+    get = row.__getitem__ if isinstance(row, Mapping) else row.__getattribute__
+    return TunedResult(
+        kernel=get("kernel"), kernel_version=get("kernel_version"),
+        device_kind=get("device_kind"), platform=get("platform"),
+        problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}),
+        config=FlashConfig.from_dict(get("config")),
+        **{name: get(name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)})
+
+
+def _entry(row: Any) -> Entry:
+    get = row.__getitem__ if isinstance(row, Mapping) else row.__getattribute__
+    return Entry(_result(row), _utc(get("created_at")), _utc(get("updated_at")))
+
+
+def _best(entries: Sequence[Entry]) -> Entry | None:
+    """The fastest of several platforms' entries for one key (usually there is one)."""
+    best = None
+    for entry in entries:
+        if best is None or entry.result.beats(best.result):
+            best = entry
+    return best
+
+
+def _nearest(problem: Problem, family: Sequence[Entry]) -> Entry | None:
+    entries = [entry.result.to_table_entry() for entry in family]
+    chosen = nearest_entry(problem, entries)
+    return next((e for e, t in zip(family, entries, strict=True) if t is chosen), None)
+
+
+class Store:
+    """Tuned configs in a SQL database (SQLite file or PostgreSQL), one live row per key.
+
+    Thread-safe: each call uses its own connection from the engine's pool.
+    """
+
+    def __init__(self, url: str | None = None, *, pool_size: int = 5) -> None:
+        self.url = normalize_url(url or StorageSettings().db_url)
+        self.engine = make_engine(self.url, pool_size=pool_size)
+        self._writer = self.engine.execution_options(**WRITE_OPTIONS)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def schema_problem(self) -> str | None:
+        """Why the database is unusable (with the fix), or None. See ``storage.schema``."""
+        return schema_problem(self.engine)
+
+    def require_current_schema(self) -> None:
+        """Raises SchemaError (saying ``autotune db upgrade --db URL`` fixes it) if needed."""
+        problem = self.schema_problem()
+        if problem:
+            raise SchemaError(problem)
+
+    # --- writes ---
+
+    def publish(self, result: TunedResult, force: bool = False) -> PublishOutcome:
+        """Stores ``result`` unless the stored one is at least as fast (``force`` overrides).
+
+        Whichever result loses goes to the history table. Raises ResultError if the config
+        breaks a static rule for its problem.
+        """
+        result.check_legal()
+        return self._write(lambda session: self._publish(session, result, force))
+
+    def import_table(self, table: LookupTable, force: bool = False) -> list[PublishOutcome]:
+        """Publishes every entry of ``table`` in one transaction: all or nothing.
+
+        Every entry is checked before anything is written; ResultError names the first bad one.
+        """
+        results = []
+        for index, table_entry in enumerate(table.entries):
+            try:
+                result = TunedResult.from_table_entry(
+                    table_entry, kernel=table.kernel, kernel_version=table.kernel_version,
+                    device_kind=table.device_kind)
+                result.check_legal()
+            except (ResultError, TypeError) as error:
+                raise ResultError(f"entry {index} ({table_entry.problem.label()}): {error}") \
+                    from None
+            results.append(result)
+        return self._write(lambda session: [self._publish(session, r, force) for r in results])
+
+    def _write(self, work: Any) -> Any:
+        for attempt in range(PUBLISH_ATTEMPTS):
+            try:
+                with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                    return work(session)
+            except IntegrityError:
+                # PostgreSQL: another writer inserted the same new key first; retrying finds it.
+                if attempt == PUBLISH_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _publish(session: Session, result: TunedResult, force: bool) -> PublishOutcome:
+        now = datetime.now(UTC)
+        key = LookupRequest(result.device_kind, result.problem, result.kernel,
+                            result.kernel_version, result.platform).params(KEY_COLUMNS)
+        row = session.scalars(select(TunedConfigRow).filter_by(**key).with_for_update()) \
+            .one_or_none()
+        if row is None:
+            row = TunedConfigRow(**_columns(result), created_at=now, updated_at=now)
+            session.add(row)
+            session.flush()
+            return PublishOutcome("inserted", _entry(row))
+        previous = _result(row)
+        wins = result.beats(previous)
+        if wins or force:
+            session.add(TunedConfigHistoryRow(
+                **_columns(previous), created_at=row.created_at, updated_at=row.updated_at,
+                reason="replaced" if wins else "forced", archived_at=now))
+            for name, value in _columns(result).items():
+                setattr(row, name, value)
+            row.updated_at = now
+            session.flush()
+            return PublishOutcome("replaced", _entry(row), previous)
+        session.add(TunedConfigHistoryRow(**_columns(result), created_at=now, updated_at=now,
+                                          reason="rejected", archived_at=now))
+        return PublishOutcome("kept", _entry(row), previous)
+
+    # --- reads ---
+
+    def get(self, key: ConfigKey) -> Entry | None:
+        request = LookupRequest(key.device_kind, key.problem, key.kernel, key.kernel_version,
+                                key.platform)
+        with self.engine.connect() as connection:
+            row = connection.execute(_EXACT_ON_PLATFORM, request.params(KEY_COLUMNS)) \
+                .mappings().one_or_none()
+        return _entry(row) if row else None
+
+    def lookup(self, kernel: str, device_kind: str, problem: Problem, *,
+               kernel_version: str | None = None,
+               platform: str | None = None) -> tuple[Entry, Match] | None:
+        """The entry stored for exactly ``problem``, else the nearest tuned problem whose config
+        is legal for it (``kernel.table.nearest_entry``); None when nothing fits."""
+        return self.lookup_many([LookupRequest(device_kind, problem, kernel, kernel_version,
+                                               platform)])[0]
+
+    def lookup_many(self, requests: Sequence[LookupRequest]) -> list[tuple[Entry, Match] | None]:
+        """``lookup`` for many keys on one connection; each family of candidates (same kernel,
+        device, dtype, head_dim, causal, mode) is read at most once."""
+        out: list[tuple[Entry, Match] | None] = []
+        families: dict[tuple[Any, ...], list[Entry]] = {}
+        with self.engine.connect() as connection:
+            for request in requests:
+                on_platform = request.platform is not None
+                exact_query = _EXACT_ON_PLATFORM if on_platform else _EXACT
+                names = KEY_COLUMNS if on_platform else KEY_COLUMNS[:-1]
+                rows = connection.execute(exact_query, request.params(names)).mappings().all()
+                if rows:
+                    out.append((_best([_entry(row) for row in rows]), "exact"))
+                    continue
+                family_names = (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS
+                params = request.params(family_names)
+                family_key = tuple(params.values())
+                if family_key not in families:
+                    query = _FAMILY_ON_PLATFORM if on_platform else _FAMILY
+                    families[family_key] = [_entry(row) for row in
+                                            connection.execute(query, params).mappings()]
+                nearest = _nearest(request.problem, families[family_key])
+                out.append((nearest, "nearest") if nearest else None)
+        return out
+
+    def history(self, key: ConfigKey) -> list[HistoryEntry]:
+        """Results archived under ``key``, oldest first."""
+        request = LookupRequest(key.device_kind, key.problem, key.kernel, key.kernel_version,
+                                key.platform)
+        query = select(TunedConfigHistoryRow).filter_by(**request.params(KEY_COLUMNS)) \
+            .order_by(TunedConfigHistoryRow.id)
+        with Session(self.engine) as session:
+            return [HistoryEntry(_result(row), row.reason, _utc(row.archived_at))
+                    for row in session.scalars(query)]
+
+    def device_kinds(self, kernel: str = KERNEL_NAME) -> list[str]:
+        query = select(TunedConfigRow.device_kind).where(TunedConfigRow.kernel == kernel) \
+            .distinct().order_by(TunedConfigRow.device_kind)
+        with self.engine.connect() as connection:
+            return list(connection.scalars(query))
+
+    def export_table(self, device_kind: str, kernel: str = KERNEL_NAME,
+                     kernel_version: str | None = None) -> LookupTable:
+        """Every entry of one kernel (version) on one device kind, as a lookup table."""
+        version = kernel_version or installed_kernel_version()
+        entries, _ = self.list({"kernel": kernel, "kernel_version": version,
+                                "device_kind": device_kind}, limit=None)
+        jax_versions = {entry.result.jax_version for entry in entries}
+        return LookupTable(kernel=kernel, kernel_version=version, device_kind=device_kind,
+                           entries=tuple(entry.result.to_table_entry() for entry in entries),
+                           jax_version=jax_versions.pop() if len(jax_versions) == 1 else None)
+
+    def list(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
+             limit: int | None = 100) -> tuple[Sequence[Entry], int]:
+        """Entries matching ``filters`` (column = value; see FILTER_FIELDS) in insertion
+        order, a page of them, and how many match in all."""
+        filters = dict(filters or {})
+        unknown = sorted(set(filters) - set(FILTER_FIELDS))
+        if unknown:
+            raise StorageError(f"unknown filter(s) {unknown}; known: {list(FILTER_FIELDS)}")
+        if offset < 0 or (limit is not None and limit < 0):
+            raise StorageError("offset and limit must be non-negative")
+        where = [_TABLE.c[name] == value for name, value in filters.items()]
+        page = select(_TABLE).where(*where).order_by(_TABLE.c.id).offset(offset).limit(limit)
+        count = select(func.count()).select_from(_TABLE).where(*where)
+        with self.engine.connect() as connection:
+            total = connection.scalar(count) or 0
+            entries = [_entry(row) for row in connection.execute(page).mappings()]
+        return entries, total
