@@ -319,3 +319,136 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, platfo
         name="flash_fwd",
     )(q, k, v)
     return outs[0], (outs[1] if save_lse else None)
+
+
+def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc,
+                *, causal: bool, sm_scale: float):
+    block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
+    kv_block, head_in_group, q_block = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+    @pl.when((head_in_group == 0) & (q_block == 0))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    def run():
+        # Transposed logits (keys x queries): lse/delta arrive as (1, block_q) rows and
+        # broadcast over sublanes, and every matmul below is a plain or a@b.T MXU product.
+        q, do = q_ref[...], do_ref[...]
+        s_t = lax.dot_general(k_ref[...], q, _NT, preferred_element_type=jnp.float32) * sm_scale
+        p_t = jnp.exp(s_t - lse_ref[...])
+        if causal:
+            mask = _causal_mask(p_t.shape, kv_block * block_kv, q_block * block_q,
+                                transposed=True)
+            p_t = jnp.where(mask, p_t, 0.0)
+        dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dp_t = lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
+        ds_t = p_t * (dp_t - delta_ref[...])
+        dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+
+    if causal:  # query blocks wholly above the diagonal contribute nothing
+        pl.when((q_block + 1) * block_q - 1 >= kv_block * block_kv)(run)
+    else:
+        run()
+
+    @pl.when((head_in_group == pl.num_programs(3) - 1) & (q_block == pl.num_programs(4) - 1))
+    def _finish():
+        dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
+                  sm_scale: float, platform: str):
+    """dK, dV: one grid row per kv block, summed over the query heads of its group and over
+    the query blocks in the two innermost ("arbitrary") grid axes, in a VMEM accumulator."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    bq, bkv = config.block_q_dkv, config.block_kv_dkv
+    num_q_blocks = q_len // bq
+
+    def q_index(b, hk, j, g, i):
+        if causal:  # clamp skipped leading query blocks onto the first one needed
+            first = jnp.minimum(lax.div(j * bkv, bq), num_q_blocks - 1)
+            i = jnp.maximum(i, first)
+        return b, hk * group + g, i, 0
+
+    def kv_index(b, hk, j, g, i):
+        return b, hk, j, 0
+
+    def row_index(b, hk, j, g, i):
+        b, h, i, _ = q_index(b, hk, j, g, i)
+        return b, h, 0, i
+
+    q_spec = pl.BlockSpec((None, None, bq, head_dim), q_index)
+    row_spec = pl.BlockSpec((None, None, 1, bq), row_index)
+    kv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_index)
+    rows = (batch, q_heads, 1, q_len)
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale),
+        grid=(batch, kv_heads, kv_len // bkv, group, num_q_blocks),
+        in_specs=[q_spec, q_spec, row_spec, row_spec, kv_spec, kv_spec],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
+                        pltpu.VMEM((bkv, head_dim), jnp.float32)],
+        compiler_params=_compiler_params(platform, ("parallel", "parallel", "parallel",
+                                                    "arbitrary", "arbitrary")),
+        interpret=platform == "cpu",
+        name="flash_bwd_dkv",
+    )(q, d_out, lse.reshape(rows), delta.reshape(rows), k, v)
+
+
+def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dq_acc, *,
+               causal: bool, sm_scale: float):
+    block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
+    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kv_block == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    def run():
+        k = k_ref[...]
+        s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * sm_scale
+        p = jnp.exp(s - lse_ref[...])  # (block_q, 1) columns broadcast over lanes
+        if causal:
+            p = jnp.where(_causal_mask(p.shape, q_block * block_q, kv_block * block_kv), p, 0.0)
+        dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_ref[...])
+        dq_acc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    if causal:
+        pl.when(kv_block <= _last_kv_block(q_block, block_q, block_kv))(run)
+    else:
+        run()
+
+    @pl.when(kv_block == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (dq_acc[...] * sm_scale).astype(dq_ref.dtype)
+
+
+def _backward_dq(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
+                 sm_scale: float, platform: str):
+    """dQ: the forward's grid and K/V pipelining, with its own block sizes."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    bq, bkv = config.block_q_dq, config.block_kv_dq
+    q_spec = pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
+    col_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, bkv, head_dim),
+                           _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
+                           pipeline_mode=pl.Buffered(config.pipeline_depth))
+    cols = (batch, q_heads, q_len, 1)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale),
+        grid=(batch, q_heads, q_len // bq, kv_len // bkv),
+        in_specs=[q_spec, q_spec, col_spec, col_spec, kv_spec, kv_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
+        compiler_params=_compiler_params(platform, ("parallel", "parallel", "parallel",
+                                                    "arbitrary")),
+        interpret=platform == "cpu",
+        name="flash_bwd_dq",
+    )(q, d_out, lse.reshape(cols), delta.reshape(cols), k, v)
