@@ -13,5 +13,22 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def root() -> None:
+    """Find, store and serve the fastest flash-attention tile shapes per shape and chip."""
+
+
 def main() -> None:
     app()
+
+
+from autotune.commands import precheck  # noqa: E402
+
+app.command()(precheck.precheck)
+
+from autotune.commands import db, serve, tables  # noqa: E402
+
+app.add_typer(db.app, name="db")
+app.command()(serve.serve)
+app.command("export")(tables.export_table)
+app.command("import")(tables.import_table)

@@ -1,0 +1,57 @@
+"""Request dependencies: the store, the metrics and the write guard."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.metrics import Metrics
+from api.settings import ApiSettings
+from storage import Store
+
+_bearer = HTTPBearer(auto_error=False, description="AUTOTUNE_API_TOKEN of the server")
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def get_settings(request: Request) -> ApiSettings:
+    return request.app.state.settings
+
+
+def require_writer(
+    settings: Annotated[ApiSettings, Depends(get_settings)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """Writes need ``Authorization: Bearer <AUTOTUNE_API_TOKEN>``; without a configured token
+    they are refused unless the server was started with ``--allow-anonymous-writes``."""
+    if settings.allow_anonymous_writes:
+        return
+    if settings.api_token is None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            "writes are disabled: this server has no API token; set "
+                            "AUTOTUNE_API_TOKEN before `autotune serve` (and send it as a bearer "
+                            "token), or start it with --allow-anonymous-writes")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if credentials is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED,
+                            "writes need the header `Authorization: Bearer <AUTOTUNE_API_TOKEN>`",
+                            headers=challenge)
+    expected = settings.api_token.get_secret_value().encode()
+    if not secrets.compare_digest(credentials.credentials.encode(), expected):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED,
+                            "the bearer token does not match this server's AUTOTUNE_API_TOKEN",
+                            headers=challenge)
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+Writer = Depends(require_writer)

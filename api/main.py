@@ -1,0 +1,70 @@
+"""The application factory: ``create_app(settings)`` wires settings, store, metrics, routers
+and error handlers. ``uvicorn --factory api.main:create_app`` reads settings from the env."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, status
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
+
+from api.metrics import Metrics, MetricsMiddleware
+from api.routers import configs, health, tables
+from api.settings import ApiSettings
+from kernel.config import ConfigError
+from kernel.problem import ProblemError
+from kernel.table import TableError
+from storage import StorageError, Store
+
+log = logging.getLogger("api")
+
+
+def _error(status_code: int, detail: str) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status_code)
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    """A new app with its own store (engine pool) and metrics registry."""
+    settings = settings or ApiSettings()
+    store = Store(settings.db_url, pool_size=settings.db_pool_size)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        store.close()
+
+    app = FastAPI(title="flash-autotune", version="1",
+                  summary="Tuned flash-attention block sizes per shape and chip.",
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.store = store
+    app.state.metrics = Metrics()
+    for router in (configs.router, tables.router, health.router):
+        app.include_router(router)
+
+    @app.exception_handler(ProblemError)
+    @app.exception_handler(ConfigError)
+    @app.exception_handler(TableError)
+    @app.exception_handler(StorageError)
+    async def _invalid(_request: Request, error: ValueError) -> JSONResponse:
+        # The kernel's and storage's own validation: the message names the field or rule.
+        return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(request: Request, error: SQLAlchemyError) -> JSONResponse:
+        log.error("database error on %s %s: %s", request.method, request.url.path, error)
+        return _error(status.HTTP_503_SERVICE_UNAVAILABLE,
+                      "the database is unavailable or its schema is not current; see /readyz")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        # Last resort: every expected failure has its own 4xx/503 above.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(status.HTTP_500_INTERNAL_SERVER_ERROR,
+                      "internal error; the server log has the details")
+
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    return app

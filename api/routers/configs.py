@@ -1,0 +1,111 @@
+"""``/v1/configs``: look up, publish and list tuned configs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+
+from api.deps import MetricsDep, StoreDep, Writer
+from api.schemas import (
+    BatchLookupRequest,
+    BatchLookupResponse,
+    ConfigPage,
+    Dtype,
+    ErrorResponse,
+    LookupKey,
+    LookupResponse,
+    Method,
+    Mode,
+    PublishRequest,
+    PublishResponse,
+    Text,
+    Version,
+    lookup_body,
+)
+from storage import LookupRequest
+
+router = APIRouter(prefix="/v1/configs", tags=["configs"])
+
+
+def _miss_detail(request: LookupRequest) -> str:
+    return (f"no tuned config for kernel {request.kernel!r} on {request.device_kind!r} fits "
+            f"{request.problem.label()} (no exact entry, and no entry with the same dtype, "
+            "head_dim, causal and mode whose config is legal for it); tune it with "
+            "`autotune tune` or import a table")
+
+
+@router.get("/lookup", response_model=LookupResponse,
+            responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
+def lookup(key: Annotated[LookupKey, Query()], store: StoreDep,
+           metrics: MetricsDep) -> dict[str, Any]:
+    """The config tuned for exactly this key, else the nearest tuned problem's (same kernel,
+    device kind, dtype, head_dim, causal, mode) whose config is legal for this shape."""
+    request = key.to_request()
+    found = store.lookup_many([request])[0]
+    if found is None:
+        metrics.lookups.labels("miss").inc()
+        raise HTTPException(status.HTTP_404_NOT_FOUND, _miss_detail(request))
+    entry, match = found
+    metrics.lookups.labels(match).inc()
+    return lookup_body(entry, match)
+
+
+@router.post("/lookup:batch", response_model=BatchLookupResponse,
+             responses={422: {"model": ErrorResponse}})
+def lookup_batch(body: BatchLookupRequest, store: StoreDep,
+                 metrics: MetricsDep) -> dict[str, Any]:
+    """Many lookups in one request; one result per key, in order, misses included."""
+    requests = []
+    for index, key in enumerate(body.keys):
+        try:
+            requests.append(key.to_request())
+        except ValueError as error:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"keys[{index}]: {error}") from None
+    results = []
+    for request, found in zip(requests, store.lookup_many(requests), strict=True):
+        metrics.lookups.labels(found[1] if found else "miss").inc()
+        results.append({"found": True, **lookup_body(*found)} if found else
+                       {"found": False, "detail": _miss_detail(request)})
+    return {"results": results}
+
+
+@router.put("", response_model=PublishResponse, dependencies=[Writer],
+            responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},
+                       422: {"model": ErrorResponse}})
+def publish(body: PublishRequest, store: StoreDep) -> dict[str, Any]:
+    """Stores a tuned result unless the stored one is at least as fast (``force`` overrides);
+    the loser is kept in the history table. The config must be legal for its problem."""
+    outcome = store.publish(body.to_result(), force=body.force)
+    previous = outcome.previous
+    return {"status": outcome.status, "entry": outcome.entry.to_dict(),
+            "previous": None if previous is None else {
+                "key": previous.key.to_dict(), "config": previous.config.to_dict(),
+                **previous.measurements()}}
+
+
+@router.get("", response_model=ConfigPage)
+def list_configs(
+    store: StoreDep,
+    kernel: Annotated[Text | None, Query()] = None,
+    kernel_version: Annotated[Version | None, Query()] = None,
+    device_kind: Annotated[Text | None, Query()] = None,
+    platform: Annotated[Text | None, Query()] = None,
+    dtype: Annotated[Dtype | None, Query()] = None,
+    mode: Annotated[Mode | None, Query()] = None,
+    causal: Annotated[bool | None, Query()] = None,
+    head_dim: Annotated[int | None, Query(ge=1, le=1 << 20)] = None,
+    method: Annotated[Method | None, Query()] = None,
+    study: Annotated[Text | None, Query()] = None,
+    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    """Stored entries matching every given filter, oldest first, a page at a time."""
+    filters = {name: value for name, value in {
+        "kernel": kernel, "kernel_version": kernel_version, "device_kind": device_kind,
+        "platform": platform, "dtype": dtype, "mode": mode, "causal": causal,
+        "head_dim": head_dim, "method": method, "study": study}.items() if value is not None}
+    entries, total = store.list(filters, offset=offset, limit=limit)
+    return {"items": [entry.to_dict() for entry in entries], "total": total, "offset": offset,
+            "limit": limit}

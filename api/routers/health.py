@@ -1,0 +1,35 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response, status
+from fastapi.responses import JSONResponse
+
+from api.deps import MetricsDep, StoreDep
+from api.metrics import CONTENT_TYPE
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "Database unreachable or schema "
+                                                       "not current; detail says the fix."}})
+def readyz(store: StoreDep) -> JSONResponse:
+    """The database is reachable and its schema is current."""
+    problem = store.schema_problem()
+    if problem:
+        return JSONResponse({"status": "unavailable", "detail": problem},
+                            status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE: {}}}})
+def metrics(registry: MetricsDep) -> Response:
+    """Prometheus text format."""
+    return Response(registry.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,199 @@
+"""Request and response bodies. Limits come from ``kernel.problem`` so that the service and
+the kernel refuse the same inputs; text fields refuse control characters (PostgreSQL cannot
+store NUL, and no device kind has them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from kernel.config import FlashConfig
+from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
+from kernel.resolve import KERNEL_NAME
+from storage import METHODS, Entry, LookupRequest, TunedResult
+
+TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+MAX_BATCH_KEYS = 1000
+
+Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
+Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
+Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Dtype = Literal[DTYPES]  # type: ignore[valid-type]
+Mode = Literal[MODES]  # type: ignore[valid-type]
+Method = Literal[METHODS]  # type: ignore[valid-type]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProblemFields(_Strict):
+    """The attention problem; ``kv_heads``/``kv_len`` default to ``q_heads``/``q_len``."""
+
+    batch: Annotated[int, Field(ge=1, le=MAX_BATCH)]
+    q_heads: Annotated[int, Field(ge=1, le=MAX_HEADS)]
+    kv_heads: Annotated[int | None, Field(ge=1, le=MAX_HEADS)] = None
+    q_len: Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)]
+    kv_len: Annotated[int | None, Field(ge=1, le=MAX_SEQ_LEN)] = None
+    head_dim: Annotated[int, Field(ge=1, le=MAX_HEAD_DIM)]
+    dtype: Dtype = "bfloat16"
+    causal: bool = False
+    mode: Mode = "fwd"
+
+    def to_problem(self) -> Problem:
+        """Raises ProblemError (a 422) for cross-field rules, e.g. grouped-query heads."""
+        names = [f.name for f in dataclasses.fields(Problem)]
+        return Problem.from_dict({n: v for n in names if (v := getattr(self, n)) is not None})
+
+
+class LookupKey(ProblemFields):
+    """What to look up. ``kernel_version`` defaults to the server's installed kernel;
+    ``platform`` to any platform of the device kind."""
+
+    kernel: Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)] = KERNEL_NAME
+    kernel_version: Version | None = None
+    device_kind: Text
+    platform: Annotated[str | None, Field(min_length=1, max_length=32,
+                                          pattern=TEXT_PATTERN)] = None
+
+    def to_request(self) -> LookupRequest:
+        return LookupRequest(device_kind=self.device_kind, problem=self.to_problem(),
+                             kernel=self.kernel, kernel_version=self.kernel_version,
+                             platform=self.platform)
+
+
+class KeyOut(BaseModel):
+    kernel: str
+    kernel_version: str
+    device_kind: str
+    platform: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    mode: str
+
+
+# The config fields, generated from kernel.config.FlashConfig (one definition of the tiles).
+ConfigFields = create_model(
+    "ConfigFields",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="Block sizes and pipeline depth (kernel.config.FlashConfig); missing fields take "
+            "the defaults.",
+    **{f.name: (Annotated[int, Field(ge=1, le=1 << 20)], f.default)
+       for f in dataclasses.fields(FlashConfig)},
+)
+
+
+class Measurements(_Strict):
+    """Timings and provenance of a tuned result (field names as in storage.TunedResult)."""
+
+    median_ms: Millis
+    iqr_ms: Millis | None = None
+    default_median_ms: Millis | None = None
+    speedup: Millis | None = None
+    trials: Annotated[int, Field(ge=0, le=1 << 31)] | None = None
+    method: Method | None = None
+    jax_version: Version | None = None
+    jaxlib_version: Version | None = None
+    libtpu_version: Version | None = None
+    study: Annotated[str, Field(min_length=1, max_length=256, pattern=TEXT_PATTERN)] | None = None
+
+
+class PublishRequest(Measurements):
+    """A tuned result to store; ``force`` replaces the stored one even if it is faster."""
+
+    key: LookupKey = Field(description="Where to store it (``platform`` defaults from the "
+                                       "device kind, ``kernel_version`` to the server's).")
+    config: ConfigFields  # type: ignore[valid-type]
+    force: bool = False
+
+    def to_result(self) -> TunedResult:
+        """Raises ProblemError/ConfigError/ResultError (422s) naming the field or rule."""
+        extra = {"kernel_version": self.key.kernel_version} if self.key.kernel_version else {}
+        return TunedResult(
+            kernel=self.key.kernel, device_kind=self.key.device_kind,
+            platform=self.key.platform or "", problem=self.key.to_problem(),
+            config=FlashConfig.from_dict(self.config.model_dump()),
+            **{name: getattr(self, name) for name in Measurements.model_fields}, **extra)
+
+
+class EntryOut(BaseModel):
+    key: KeyOut
+    config: dict[str, int]
+    median_ms: float | None
+    iqr_ms: float | None
+    default_median_ms: float | None
+    speedup: float | None
+    trials: int | None
+    method: str | None
+    jax_version: str | None
+    jaxlib_version: str | None
+    libtpu_version: str | None
+    study: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class PublishResponse(BaseModel):
+    status: Literal["inserted", "replaced", "kept"]
+    entry: EntryOut
+    previous: dict[str, Any] | None = Field(
+        None, description="The result stored before (key, config, measurements), if any.")
+
+
+class LookupResponse(BaseModel):
+    config: dict[str, int]
+    match: Literal["exact", "nearest"]
+    key: KeyOut = Field(description="The tuned key the config comes from.")
+    time_ms: float | None
+    speedup: float | None
+
+
+class BatchLookupRequest(_Strict):
+    keys: Annotated[list[LookupKey], Field(min_length=1, max_length=MAX_BATCH_KEYS)]
+
+
+class BatchLookupItem(BaseModel):
+    found: bool
+    config: dict[str, int] | None = None
+    match: Literal["exact", "nearest"] | None = None
+    key: KeyOut | None = None
+    time_ms: float | None = None
+    speedup: float | None = None
+    detail: str | None = None
+
+
+class BatchLookupResponse(BaseModel):
+    results: list[BatchLookupItem]
+
+
+class ConfigPage(BaseModel):
+    items: list[EntryOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class ImportResponse(BaseModel):
+    inserted: int
+    replaced: int
+    kept: int
+
+
+class ErrorResponse(BaseModel):
+    detail: Any
+
+
+def lookup_body(entry: Entry, match: str) -> dict[str, Any]:
+    """The JSON body of a found lookup (what ``kernel.resolve`` reads)."""
+    result = entry.result
+    return {"config": result.config.to_dict(), "match": match, "key": result.key.to_dict(),
+            "time_ms": result.median_ms, "speedup": result.speedup}

@@ -1,0 +1,16 @@
+"""Service settings, read from the environment (prefix ``AUTOTUNE_``)."""
+
+from __future__ import annotations
+
+from pydantic import SecretStr
+
+from storage.settings import StorageSettings
+
+
+class ApiSettings(StorageSettings):
+    """``AUTOTUNE_DB_URL``, ``AUTOTUNE_API_TOKEN`` (bearer token that writes need) and
+    ``AUTOTUNE_ALLOW_ANONYMOUS_WRITES`` (accept writes without a token; off by default)."""
+
+    api_token: SecretStr | None = None
+    allow_anonymous_writes: bool = False
+    db_pool_size: int = 8  # per worker process; the threadpool runs up to 40 requests at once

@@ -1,0 +1,72 @@
+"""``autotune db upgrade``: create or migrate the database schema; ``open_store`` for commands."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from storage import Store
+
+app = typer.Typer(help="Manage the database of tuned configs.", no_args_is_help=True)
+
+DbOption = Annotated[str | None, typer.Option(
+    "--db", help="SQLAlchemy database URL (default: $AUTOTUNE_DB_URL or sqlite:///autotune.db).",
+    show_default=False)]
+
+
+def resolve_url(db: str | None) -> str:
+    """The database URL to use: ``--db``, else the settings (``AUTOTUNE_DB_URL``); exits with
+    status 2 and the reason on a malformed one."""
+    from storage import DatabaseUrlError, StorageSettings, normalize_url
+
+    try:
+        return normalize_url(db or StorageSettings().db_url)
+    except DatabaseUrlError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
+def open_store(db: str | None) -> Store:
+    """A store on a reachable database with a current schema, or exit 1 saying the fix."""
+    from storage import DatabaseUrlError, Store
+
+    try:
+        store = Store(resolve_url(db))
+    except DatabaseUrlError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    problem = store.schema_problem()
+    if problem:
+        store.close()
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(1)
+    return store
+
+
+@app.command()
+def upgrade(db: DbOption = None) -> None:
+    """Create the tables, or migrate them to this version's schema (other tables, such as
+    Optuna's, are left alone)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from storage import DatabaseUrlError, make_engine, schema_problem
+    from storage import upgrade as upgrade_schema
+    from storage.schema import head_revision
+
+    url = resolve_url(db)
+    try:
+        engine = make_engine(url)
+        upgrade_schema(engine)
+        problem = schema_problem(engine)
+    except (SQLAlchemyError, DatabaseUrlError) as error:
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+        typer.echo(f"error: cannot upgrade {url}: {reason}", err=True)
+        raise typer.Exit(1) from None
+    if problem:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{engine.url.render_as_string(hide_password=True)}: schema at revision "
+               f"{head_revision()} (current)")
+    engine.dispose()

@@ -1,0 +1,73 @@
+"""``autotune export`` / ``autotune import``: lookup tables (kernel.table JSON) to and from the
+database."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from autotune.commands.db import DbOption, open_store
+from kernel.resolve import KERNEL_NAME
+from kernel.table import LookupTable, TableError
+
+
+def export_table(
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the table.",
+                                         dir_okay=False)],
+    device_kind: Annotated[str | None, typer.Option(
+        help="Device kind as JAX reports it, e.g. 'TPU v5 lite' (default: the only one stored).",
+        show_default=False)] = None,
+    kernel: Annotated[str, typer.Option(help="Kernel name.")] = KERNEL_NAME,
+    kernel_version: Annotated[str | None, typer.Option(
+        help="Kernel version (default: the installed kernel's).", show_default=False)] = None,
+    db: DbOption = None,
+) -> None:
+    """Write the tuned configs of one device kind as a lookup table to pin in a model build."""
+    with open_store(db) as store:
+        if device_kind is None:
+            kinds = store.device_kinds(kernel)
+            if len(kinds) != 1:
+                typer.echo(f"error: pass --device-kind; the database has configs for "
+                           f"{kinds or 'no device kind'}", err=True)
+                raise typer.Exit(2)
+            device_kind = kinds[0]
+        table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
+    if not table.entries:
+        typer.echo(f"error: no tuned configs of {kernel!r} version {table.kernel_version!r} on "
+                   f"{device_kind!r}", err=True)
+        raise typer.Exit(1)
+    try:
+        output.write_text(json.dumps(table.to_dict(), indent=2) + "\n")
+    except OSError as error:
+        typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"wrote {len(table.entries)} entries for {device_kind!r} to {output}")
+
+
+def import_table(
+    path: Annotated[Path, typer.Argument(help="A lookup table JSON file.", dir_okay=False)],
+    db: DbOption = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace stored entries even when they are faster.")] = False,
+) -> None:
+    """Import a lookup table: the whole file is checked first; one bad entry writes nothing."""
+    from storage import ResultError
+
+    try:
+        table = LookupTable.load(path)
+    except TableError as error:
+        typer.echo(f"error: {path}: {error}; nothing was imported", err=True)
+        raise typer.Exit(2) from None
+    with open_store(db) as store:
+        try:
+            outcomes = store.import_table(table, force=force)
+        except ResultError as error:
+            typer.echo(f"error: {path}: {error}; nothing was imported", err=True)
+            raise typer.Exit(2) from None
+    counts = {status: sum(o.status == status for o in outcomes)
+              for status in ("inserted", "replaced", "kept")}
+    typer.echo(f"imported {path} into {table.device_kind!r}: " +
+               ", ".join(f"{n} {status}" for status, n in counts.items()))
