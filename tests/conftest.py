@@ -1,0 +1,196 @@
+"""Shared fixtures.
+
+Databases: ``empty_db_url`` / ``db_url`` run each test against a new SQLite file and a new
+PostgreSQL database (on the server named by ``AUTOTUNE_TEST_POSTGRES_URL``, which ``.ci/run``
+starts; without it the PostgreSQL case skips, or fails when ``CI`` is set).
+Servers: ``start_server`` runs the real ``autotune serve`` on a free loopback port; ``server``
+is one such server for the whole session, with a bearer token.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+POSTGRES_ENV = "AUTOTUNE_TEST_POSTGRES_URL"
+AUTOTUNE = [str(Path(sys.executable).with_name("autotune"))]  # the console script of this env
+TOKEN = "test-token-" + uuid.uuid4().hex
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Runs ``autotune ARGS`` in a subprocess and returns it (never raises on exit status)."""
+    return subprocess.run([*AUTOTUNE, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# --- databases ---
+
+
+@pytest.fixture(scope="session")
+def postgres_databases() -> Iterator[Callable[[], str]]:
+    """A factory of new, empty PostgreSQL databases: each is a new schema (cheap, unlike
+    CREATE DATABASE) in one database created for this session and dropped at the end."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    from storage import normalize_url
+
+    base = os.environ.get(POSTGRES_ENV)
+    if not base:
+        if os.environ.get("CI"):
+            pytest.fail(f"{POSTGRES_ENV} is not set although CI is; .ci/run starts PostgreSQL "
+                        "and sets it")
+        pytest.skip(f"{POSTGRES_ENV} is not set; run .ci/run or point it at a PostgreSQL server")
+    name = f"autotune_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(normalize_url(base), isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    database = make_url(normalize_url(base)).set(database=name)
+    session_engine = create_engine(database, isolation_level="AUTOCOMMIT")
+
+    def create() -> str:
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        with session_engine.connect() as connection:
+            connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        url = database.update_query_dict({"options": f"-csearch_path={schema}"})
+        return url.render_as_string(hide_password=False)
+
+    yield create
+    session_engine.dispose()
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database with no tables: a new SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'autotune.db'}"
+    return request.getfixturevalue("postgres_databases")()
+
+
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
+    """A new database at the current schema (``storage.upgrade``)."""
+    from storage import upgrade
+
+    upgrade(empty_db_url)
+    return empty_db_url
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[object]:
+    """A ``storage.Store`` on ``db_url``, closed afterwards."""
+    from storage import Store
+
+    with Store(db_url) as opened:
+        yield opened
+
+
+@pytest.fixture
+def sqlite_db_url(tmp_path: Path) -> str:
+    """A new SQLite file at the current schema (for tests that need only one backend)."""
+    from storage import upgrade
+
+    url = f"sqlite:///{tmp_path / 'autotune.db'}"
+    upgrade(url)
+    return url
+
+
+# --- servers ---
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running ``autotune serve``: its base URL, database and token."""
+
+    url: str
+    db_url: str
+    token: str | None
+    process: subprocess.Popen = field(repr=False)
+    log: Path = field(repr=False)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+
+
+@contextmanager
+def running_server(db_url: str, log_dir: Path, *, token: str | None = TOKEN,
+                   args: tuple[str, ...] = ()) -> Iterator[Server]:
+    """Starts ``autotune serve`` on ``db_url`` (already upgraded) and waits for /readyz."""
+    port = free_port()
+    log = log_dir / f"server-{port}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    if token:
+        env["AUTOTUNE_API_TOKEN"] = token
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [*AUTOTUNE, "serve", "--db", db_url, "--port", str(port), *args],
+            stdout=sink, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", db_url, token, process, log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"autotune serve exited with {process.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{server.url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"autotune serve did not become ready:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
+    """A factory: ``start_server(db_url, token=..., args=(...))`` runs a server until the end
+    of the session."""
+    from contextlib import ExitStack
+
+    log_dir = tmp_path_factory.mktemp("servers")
+    with ExitStack() as stack:
+        yield lambda db_url, **kwargs: stack.enter_context(
+            running_server(db_url, log_dir, **kwargs))
+
+
+@pytest.fixture(scope="session")
+def server(start_server: Callable[..., Server], tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """One server for the session on a SQLite file created by ``autotune db upgrade``, with a
+    bearer token. Tests share it, so each uses its own device kind."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('server-db') / 'autotune.db'}"
+    upgraded = run_cli("db", "upgrade", "--db", url)
+    assert upgraded.returncode == 0, upgraded.stderr
+    return start_server(url)

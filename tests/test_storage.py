@@ -1,0 +1,255 @@
+"""Storage against real databases (a SQLite file and PostgreSQL): keep-better publishing with
+history, exact and nearest lookup, listing, table export/import (atomic), migrations that
+share a database with Optuna, SQLite concurrency settings, and no jax import."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import threading
+
+import pytest
+from sqlalchemy import text
+
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from kernel.table import LookupTable, TableEntry
+from storage import (
+    ConfigKey,
+    ResultError,
+    SchemaError,
+    Store,
+    StorageError,
+    TunedResult,
+    schema_is_current,
+    schema_problem,
+    upgrade,
+)
+from storage.schema import VERSION_TABLE
+
+DEVICE = "TPU v5 lite"
+
+
+def problem(q_len: int = 1024, **fields: object) -> Problem:
+    return Problem(**{"batch": 1, "q_heads": 8, "kv_heads": 8, "q_len": q_len, "kv_len": q_len,
+                      "head_dim": 128, **fields})
+
+
+def result(median_ms: float | None = 1.0, *, prob: Problem | None = None,
+           config: FlashConfig | None = None, **fields: object) -> TunedResult:
+    values = {"device_kind": DEVICE, "default_median_ms": 2.0, "trials": 20,
+              "method": "device", "jax_version": "0.10.2",
+              "speedup": 2.0 / median_ms if median_ms else None, **fields}
+    return TunedResult(problem=prob or problem(), median_ms=median_ms,
+                       config=config or FlashConfig(block_q=256, block_kv=512), **values)
+
+
+def test_publish_keeps_the_faster_result_and_archives_the_loser(store: Store) -> None:
+    first = result(1.0)
+    assert store.publish(first).status == "inserted"
+
+    slower = result(1.5, config=FlashConfig(block_q=128))
+    outcome = store.publish(slower)
+    assert (outcome.status, outcome.entry.result, outcome.previous) == ("kept", first, first)
+
+    faster = result(0.5, config=FlashConfig(block_q=512))
+    outcome = store.publish(faster)
+    assert (outcome.status, outcome.entry.result, outcome.previous) == ("replaced", faster, first)
+
+    forced = result(3.0, config=FlashConfig(block_q=1024))
+    outcome = store.publish(forced, force=True)
+    assert (outcome.status, outcome.previous) == ("replaced", faster)
+    assert store.get(first.key).result == forced
+    assert outcome.entry.created_at <= outcome.entry.updated_at
+
+    history = store.history(first.key)
+    assert [(h.reason, h.result) for h in history] == [
+        ("rejected", slower), ("replaced", first), ("forced", faster)]
+
+
+def test_speedup_is_derived_when_not_given(store: Store) -> None:
+    stored = store.publish(result(0.5, speedup=None)).entry.result
+    assert stored.speedup == pytest.approx(4.0)  # default 2.0 ms / 0.5 ms
+
+
+def test_unmeasured_result_never_replaces_a_measured_one(store: Store) -> None:
+    store.publish(result(1.0))
+    assert store.publish(result(None)).status == "kept"
+
+
+def test_illegal_config_is_refused_naming_the_rule(store: Store) -> None:
+    bad = result(config=FlashConfig(block_q=384))  # 384 does not divide q_len 1024
+    with pytest.raises(ResultError, match="block_divides"):
+        store.publish(bad)
+    assert store.list()[1] == 0
+
+
+def test_result_fields_are_validated() -> None:
+    with pytest.raises(ResultError, match="median_ms"):
+        result(-1.0)
+    with pytest.raises(ResultError, match="method"):
+        result(method="guess")
+    with pytest.raises(ResultError, match="device_kind"):
+        result(device_kind=" ")
+
+
+def test_lookup_exact_nearest_and_miss(store: Store) -> None:
+    # Closest to q_len 512, but its 1024-row block is illegal for 512.
+    exact = result(1.0, config=FlashConfig(block_q=1024))
+    legal_far = result(1.0, prob=problem(4096), config=FlashConfig(block_q=512, block_kv=512))
+    other_dtype = result(1.0, prob=problem(512, dtype="float32"),
+                         config=FlashConfig(block_q=128))
+    for r in (exact, legal_far, other_dtype):
+        store.publish(r)
+
+    entry, match = store.lookup("flash", DEVICE, exact.problem)
+    assert (entry.result, match) == (exact, "exact")
+
+    entry, match = store.lookup("flash", DEVICE, problem(512))
+    assert (entry.result, match) == (legal_far, "nearest")
+
+    entry, match = store.lookup("flash", DEVICE, problem(2048))
+    assert match == "nearest" and entry.result.problem.q_len in (1024, 4096)
+
+    assert store.lookup("flash", DEVICE, problem(64)) is None  # nothing legal for 64
+    assert store.lookup("flash", "TPU v4", exact.problem) is None
+    assert store.lookup("flash", DEVICE, exact.problem, kernel_version="0") is None
+    assert store.lookup("flash", DEVICE, exact.problem, platform="cpu") is None
+
+
+def test_lookup_many_answers_in_order(store: Store) -> None:
+    from storage import LookupRequest
+
+    store.publish(result(1.0))
+    answers = store.lookup_many([LookupRequest(DEVICE, problem(64)),
+                                 LookupRequest(DEVICE, problem(1024)),
+                                 LookupRequest(DEVICE, problem(2048))])
+    assert [a and a[1] for a in answers] == [None, "exact", "nearest"]
+
+
+def test_list_filters_and_pages(store: Store) -> None:
+    for q_len in (256, 512, 1024):
+        store.publish(result(prob=problem(q_len), config=FlashConfig(block_q=256, block_kv=256)))
+    store.publish(result(prob=problem(256, dtype="float32"), config=FlashConfig()))
+    entries, total = store.list({"dtype": "bfloat16"}, offset=1, limit=1)
+    assert total == 3 and [e.result.problem.q_len for e in entries] == [512]
+    assert store.list({"device_kind": "nope"}) == ([], 0)
+    with pytest.raises(StorageError, match="unknown filter"):
+        store.list({"colour": "red"})
+
+
+def test_export_and_import_round_trip(store: Store, tmp_path) -> None:
+    for q_len in (256, 512):
+        store.publish(result(prob=problem(q_len), config=FlashConfig(block_q=256,
+                                                                      block_kv=256)))
+    store.publish(result(prob=problem(512), device_kind="cpu", config=FlashConfig()))
+    table = store.export_table(DEVICE)
+    assert (table.kernel, table.device_kind, len(table.entries)) == ("flash", DEVICE, 2)
+    assert table.jax_version == "0.10.2"
+
+    url = f"sqlite:///{tmp_path / 'other.db'}"
+    upgrade(url)
+    with Store(url) as other:
+        outcomes = other.import_table(LookupTable.from_dict(table.to_dict()))
+        assert [o.status for o in outcomes] == ["inserted", "inserted"]
+        assert other.export_table(DEVICE).to_dict() == table.to_dict()
+        assert [o.status for o in other.import_table(table)] == ["kept", "kept"]
+        assert [o.status for o in other.import_table(table, force=True)] == ["replaced"] * 2
+
+
+def test_import_is_all_or_nothing(store: Store) -> None:
+    good = TableEntry(problem(512), FlashConfig(block_q=256, block_kv=256), time_ms=1.0)
+    bad = TableEntry(problem(512), FlashConfig(block_q=384), time_ms=1.0)
+    table = LookupTable("flash", "1", DEVICE, (good, good, bad))
+    with pytest.raises(ResultError, match=r"entry 2 .*block_divides"):
+        store.import_table(table)
+    assert store.list() == ([], 0)
+
+
+def test_concurrent_publishers_of_one_key_lose_nothing(store: Store) -> None:
+    medians = [1.0 + i / 10 for i in range(8)]
+    errors: list[BaseException] = []
+
+    def publish(median: float) -> None:
+        try:
+            store.publish(result(median))
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=publish, args=(m,)) for m in medians]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    key = result().key
+    assert store.get(key).result.median_ms == min(medians)
+    archived = sorted(h.result.median_ms for h in store.history(key))
+    assert archived == sorted(medians)[1:]
+
+
+def test_get_by_key(store: Store) -> None:
+    stored = result()
+    store.publish(stored)
+    assert store.get(stored.key).result == stored
+    assert store.get(dataclasses.replace(stored.key, platform="cpu")) is None
+    assert store.get(ConfigKey("flash", "1", DEVICE, "tpu", problem(2048))) is None
+
+
+def test_migrations_share_the_database_with_optuna(empty_db_url: str) -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=empty_db_url, study_name="shared")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
+
+    assert not schema_is_current(empty_db_url)
+    with Store(empty_db_url) as store:
+        with pytest.raises(SchemaError, match="autotune db upgrade --db"):
+            store.require_current_schema()
+    upgrade(empty_db_url)
+    upgrade(empty_db_url)  # idempotent
+    assert schema_is_current(empty_db_url)
+
+    with Store(empty_db_url) as store:
+        with store.engine.connect() as connection:
+            ours = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
+            optunas = connection.execute(text("SELECT version_num FROM alembic_version")).all()
+        assert len(ours) == 1 and len(optunas) == 1 and ours != optunas
+        store.publish(result())
+    reloaded = optuna.load_study(storage=empty_db_url, study_name="shared")
+    assert len(reloaded.trials) == 2
+
+
+def test_outdated_schema_is_reported(db_url: str) -> None:
+    with Store(db_url) as store:
+        with store.engine.begin() as connection:
+            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
+        assert "has schema revision 0000" in store.schema_problem()
+        assert "autotune db upgrade" in store.schema_problem()
+
+
+def test_unreachable_database_is_reported() -> None:
+    with Store("postgresql://nobody@127.0.0.1:1/none") as store:
+        assert store.url.startswith("postgresql+psycopg://")
+        assert store.schema_problem().startswith("cannot reach the database")
+
+
+def test_sqlite_uses_wal_and_a_busy_timeout(sqlite_db_url: str) -> None:
+    with Store(sqlite_db_url) as store, store.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
+
+
+def test_schema_problem_is_none_when_current(db_url: str) -> None:
+    with Store(db_url) as store:
+        assert schema_problem(store.engine) is None
+
+
+def test_storage_and_api_do_not_import_jax() -> None:
+    code = ("import sys, storage, api; api.create_app; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
