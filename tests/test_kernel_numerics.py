@@ -1,0 +1,136 @@
+"""The Pallas kernels (TPU interpret mode on CPU) against jax.nn.dot_product_attention:
+forward output and all three gradients, over GQA/MQA, causal, q_len != kv_len, both dtypes
+and configs that exercise several q/kv blocks, compute sub-blocks and both pipeline depths."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel.config import FlashConfig
+from kernel.flash import flash_attention, reference_attention
+
+# (batch, q_heads, kv_heads, q_len, kv_len, head_dim), dtype, causal, config
+CASES = [
+    pytest.param((2, 2, 2, 256, 256, 64), "float32", False,
+                 FlashConfig(block_q=128, block_kv=128, block_kv_compute=128,
+                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=128),
+                 id="mha-f32-full-2x2blocks"),
+    pytest.param((1, 4, 2, 512, 512, 128), "float32", True,
+                 FlashConfig(block_q=128, block_kv=256, block_kv_compute=128,
+                             block_q_dkv=128, block_kv_dkv=256, block_q_dq=256, block_kv_dq=128,
+                             pipeline_depth=1),
+                 id="gqa-f32-causal-subblocks-depth1"),
+    pytest.param((1, 4, 1, 256, 512, 64), "float32", True,
+                 FlashConfig(block_q=128, block_kv=128, block_kv_compute=128,
+                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=128, block_kv_dq=256),
+                 id="mqa-f32-causal-q<kv"),
+    pytest.param((1, 4, 2, 512, 256, 64), "float32", True,
+                 FlashConfig(block_q=256, block_kv=128, block_kv_compute=128,
+                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=256),
+                 id="gqa-f32-causal-q>kv"),
+    pytest.param((1, 4, 1, 128, 384, 64), "float32", False,
+                 FlashConfig(block_q=128, block_kv=384, block_kv_compute=128,
+                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=384,
+                             pipeline_depth=1),
+                 id="mqa-f32-full-q<kv-3subblocks"),
+    pytest.param((1, 2, 2, 200, 200, 64), "float32", True, None,
+                 id="f32-causal-unaligned-len-resolved-config"),
+    pytest.param((1, 4, 2, 512, 512, 128), "bfloat16", True,
+                 FlashConfig(block_q=256, block_kv=512, block_kv_compute=256,
+                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=128, block_kv_dq=128),
+                 id="gqa-bf16-causal-subblocks"),
+    pytest.param((1, 4, 1, 256, 512, 128), "bfloat16", True,
+                 FlashConfig(block_q=128, block_kv=256, block_kv_compute=128,
+                             block_q_dkv=128, block_kv_dkv=256, block_q_dq=128, block_kv_dq=128,
+                             pipeline_depth=1),
+                 id="mqa-bf16-causal-q<kv-depth1"),
+    pytest.param((2, 4, 2, 512, 256, 64), "bfloat16", False,
+                 FlashConfig(block_q=128, block_kv=128, block_kv_compute=128,
+                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=256, block_kv_dq=128),
+                 id="gqa-bf16-full-q>kv"),
+]
+
+
+def _inputs(shape, dtype):
+    batch, q_heads, kv_heads, q_len, kv_len, head_dim = shape
+    keys = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
+    q = jax.random.normal(keys[0], (batch, q_heads, q_len, head_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, kv_heads, kv_len, head_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, kv_heads, kv_len, head_dim), dtype)
+    d_out = jax.random.normal(keys[3], q.shape, dtype)
+    return q, k, v, d_out
+
+
+def _assert_close(name, got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), f"{name} has non-finite values"
+    # f32: a different summation order only. bf16: inputs to the MXU products are rounded to
+    # bf16 (8 mantissa bits), so compare relative to the size of the values.
+    scale = float(np.abs(want).max())
+    tol = 2e-5 * max(scale, 1.0) if dtype == "float32" else 1e-2 * scale
+    err = float(np.abs(got - want).max())
+    assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g} (max |ref| {scale:.3g})"
+
+
+def _flash_and_reference(q, k, v, d_out, causal, config, sm_scale=None):
+    """(plain output, vjp output, grads) of the kernel and (output, grads) of the reference,
+    one jit each so every case compiles once."""
+
+    @jax.jit
+    def run_flash(q, k, v, d_out):
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal,  # noqa: E731
+                                             sm_scale=sm_scale, config=config)
+        out_vjp, vjp = jax.vjp(fn, q, k, v)  # custom_vjp forward: also emits logsumexp
+        return fn(q, k, v), out_vjp, vjp(d_out)  # plain path: no logsumexp output
+
+    @jax.jit
+    def run_reference(q, k, v, d_out):
+        # In f32 on the same (possibly bf16-rounded) inputs.
+        fn = lambda q, k, v: reference_attention(q, k, v, causal=causal,  # noqa: E731
+                                                 sm_scale=sm_scale)
+        q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    return run_flash(q, k, v, d_out), run_reference(q, k, v, d_out)
+
+
+def _check(shape, dtype, causal, config, sm_scale=None):
+    q, k, v, d_out = _inputs(shape, jnp.dtype(dtype))
+    (out, out_vjp, grads), (want, want_grads) = _flash_and_reference(q, k, v, d_out, causal,
+                                                                     config, sm_scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    _assert_close("out", out, want, dtype)
+    _assert_close("out (vjp forward)", out_vjp, want, dtype)
+    for name, got, want_grad, primal in zip(("dq", "dk", "dv"), grads, want_grads, (q, k, v)):
+        assert got.dtype == primal.dtype and got.shape == primal.shape
+        _assert_close(name, got, want_grad, dtype)
+
+
+@pytest.mark.parametrize("shape, dtype, causal, config", CASES)
+def test_forward_and_gradients_match_reference(shape, dtype, causal, config):
+    _check(shape, dtype, causal, config)
+
+
+def test_sm_scale_is_applied():
+    config = FlashConfig(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,
+                         block_kv_dkv=128, block_q_dq=128, block_kv_dq=128)
+    _check((1, 2, 1, 128, 256, 64), "float32", True, config, sm_scale=0.3)
+
+
+def test_causal_is_top_left_aligned():
+    """Query i sees keys j <= i even when q_len < kv_len: row 0 attends to key 0 only."""
+    q, k, v, _ = _inputs((1, 1, 1, 128, 256, 64), jnp.float32)
+    out = flash_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(out[0, 0, 0]), np.asarray(v[0, 0, 0]), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_jit_matches_eager():
+    q, k, v, _ = _inputs((1, 2, 2, 256, 256, 64), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True))
+    np.testing.assert_array_equal(np.asarray(fn(q, k, v), np.float32),
+                                  np.asarray(flash_attention(q, k, v, causal=True), np.float32))
