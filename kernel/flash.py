@@ -47,7 +47,6 @@ def reference_attention(
 def flash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     sm_scale: float | None = None, config: FlashConfig | None = None,
-    platform: str | None = None,
 ) -> jax.Array:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable, with Pallas kernels both ways.
 
@@ -56,8 +55,11 @@ def flash_attention(
     after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
     defaults to ``head_dim ** -0.5``. ``config`` defaults to the one resolved for the problem
     and the default device (``kernel.resolve``), at trace time; an explicit config is checked
-    against the legality rules. ``platform`` (``"tpu"`` or ``"cpu"``) overrides the default
-    device's platform, e.g. ``"tpu"`` to lower or compile for TPU on a host without one.
+    against the legality rules.
+
+    The kernels are chosen when lowering, per platform: Mosaic for TPU (so ``jax.export`` or
+    an ahead-of-time compile for TPU on a CPU host gets the real kernels), interpret mode for
+    CPU.
     """
     problem = _problem(q, k, v, causal)
     if sm_scale is None:
@@ -70,8 +72,8 @@ def flash_attention(
             raise TypeError(f"config must be a kernel.FlashConfig or None, got "
                             f"{type(config).__name__}; build one with FlashConfig.from_dict")
         _check_config(problem, config)
-    platform = _platform(platform)
-    return _flash(q, k, v, causal, float(sm_scale), config, platform)
+    _check_platform()
+    return _flash(q, k, v, causal, float(sm_scale), config)
 
 
 # --- input checks and config resolution (trace time, static shapes) --------------------------
@@ -126,13 +128,12 @@ def _default_device() -> jax.Device:
     return jax.devices(device)[0] if device else jax.devices()[0]
 
 
-def _platform(platform: str | None) -> str:
-    name = platform or _default_device().platform
-    if name not in PLATFORMS:
+def _check_platform() -> None:
+    platform = _default_device().platform
+    if platform not in PLATFORMS:
         raise NotImplementedError(
             f"flash_attention runs on TPU (compiled with Mosaic) and on CPU (TPU interpret "
-            f"mode); got platform {name!r}. Pass platform='tpu' or 'cpu', or run on one of those")
-    return name
+            f"mode), not on {platform!r}; use a TPU or CPU default device")
 
 
 def _resolve(q: jax.Array, k: jax.Array, causal: bool, config: FlashConfig | None,
@@ -160,26 +161,26 @@ def _resolve(q: jax.Array, k: jax.Array, causal: bool, config: FlashConfig | Non
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, causal, sm_scale, config, platform):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _flash(q, k, v, causal, sm_scale, config):
     config = _resolve(q, k, causal, config, "fwd")
-    return _forward(q, k, v, config, causal, sm_scale, platform, save_lse=False)[0]
+    return _forward(q, k, v, config, causal, sm_scale, save_lse=False)[0]
 
 
-def _flash_fwd(q, k, v, causal, sm_scale, config, platform):
+def _flash_fwd(q, k, v, causal, sm_scale, config):
     # custom_vjp traces this rule only when differentiating: resolve the fwd_bwd-tuned config.
     config = _resolve(q, k, causal, config, "fwd_bwd")
-    out, lse = _forward(q, k, v, config, causal, sm_scale, platform, save_lse=True)
+    out, lse = _forward(q, k, v, config, causal, sm_scale, save_lse=True)
     return out, (q, k, v, out, lse[..., 0])  # keep one lane of the lane-replicated lse
 
 
-def _flash_bwd(causal, sm_scale, config, platform, residuals, d_out):
+def _flash_bwd(causal, sm_scale, config, residuals, d_out):
     q, k, v, out, lse = residuals
     config = _resolve(q, k, causal, config, "fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
-    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, config, causal, sm_scale, platform)
-    dq = _backward_dq(q, k, v, d_out, lse, delta, config, causal, sm_scale, platform)
+    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, config, causal, sm_scale)
+    dq = _backward_dq(q, k, v, d_out, lse, delta, config, causal, sm_scale)
     return dq, dk, dv
 
 
@@ -211,8 +212,16 @@ def _last_kv_block(q_block, block_q: int, block_kv: int):
     return lax.div((q_block + 1) * block_q - 1, block_kv)
 
 
-def _compiler_params(platform: str, semantics: tuple[str, ...]):
-    return pltpu.CompilerParams(dimension_semantics=semantics) if platform == "tpu" else None
+def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
+    """``pl.pallas_call`` that picks, when lowered, Mosaic for TPU or interpret mode for CPU
+    (the fast HLO interpreter; ``pltpu.force_tpu_interpret_mode`` still overrides it)."""
+
+    def call(interpret: bool, *args):
+        return pl.pallas_call(kernel, interpret=interpret, compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics), **kwargs)(*args)
+
+    return lambda *args: lax.platform_dependent(
+        *args, tpu=functools.partial(call, False), cpu=functools.partial(call, True))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, sm_scale: float,
@@ -286,8 +295,7 @@ def _kv_index_map(group: int, block_q: int, block_kv: int, causal: bool):
     return index_map
 
 
-def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, platform: str,
-             save_lse: bool):
+def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_lse: bool):
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     bq, bkv = config.block_q, config.block_kv
@@ -304,7 +312,7 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, platfo
         out_specs.append(lse_spec)
     kernel = functools.partial(_forward_kernel, causal=causal, sm_scale=sm_scale,
                                block_kv_compute=config.block_kv_compute, save_lse=save_lse)
-    outs = pl.pallas_call(
+    outs = _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq, kv_len // bkv),
         in_specs=[q_spec, kv_spec, kv_spec],
@@ -313,9 +321,7 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, platfo
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
                         pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
-        compiler_params=_compiler_params(platform, ("parallel", "parallel", "parallel",
-                                                    "arbitrary")),
-        interpret=platform == "cpu",
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_fwd",
     )(q, k, v)
     return outs[0], (outs[1] if save_lse else None)
@@ -358,7 +364,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
 
 
 def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
-                  sm_scale: float, platform: str):
+                  sm_scale: float):
     """dK, dV: one grid row per kv block, summed over the query heads of its group and over
     the query blocks in the two innermost ("arbitrary") grid axes, in a VMEM accumulator."""
     batch, q_heads, q_len, head_dim = q.shape
@@ -384,7 +390,7 @@ def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
     row_spec = pl.BlockSpec((None, None, 1, bq), row_index)
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_index)
     rows = (batch, q_heads, 1, q_len)
-    return pl.pallas_call(
+    return _pallas_call(
         functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale),
         grid=(batch, kv_heads, kv_len // bkv, group, num_q_blocks),
         in_specs=[q_spec, q_spec, row_spec, row_spec, kv_spec, kv_spec],
@@ -392,9 +398,7 @@ def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
-        compiler_params=_compiler_params(platform, ("parallel", "parallel", "parallel",
-                                                    "arbitrary", "arbitrary")),
-        interpret=platform == "cpu",
+        semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         name="flash_bwd_dkv",
     )(q, d_out, lse.reshape(rows), delta.reshape(rows), k, v)
 
@@ -429,7 +433,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dq_acc, 
 
 
 def _backward_dq(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
-                 sm_scale: float, platform: str):
+                 sm_scale: float):
     """dQ: the forward's grid and K/V pipelining, with its own block sizes."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -440,15 +444,13 @@ def _backward_dq(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
                            _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
                            pipeline_mode=pl.Buffered(config.pipeline_depth))
     cols = (batch, q_heads, q_len, 1)
-    return pl.pallas_call(
+    return _pallas_call(
         functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale),
         grid=(batch, q_heads, q_len // bq, kv_len // bkv),
         in_specs=[q_spec, q_spec, col_spec, col_spec, kv_spec, kv_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
-        compiler_params=_compiler_params(platform, ("parallel", "parallel", "parallel",
-                                                    "arbitrary")),
-        interpret=platform == "cpu",
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_bwd_dq",
     )(q, d_out, lse.reshape(cols), delta.reshape(cols), k, v)
