@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from api.cache import LookupCache
 from api.metrics import Metrics
 from api.settings import ApiSettings
 from storage import Store
@@ -15,19 +16,27 @@ from storage import Store
 _bearer = HTTPBearer(auto_error=False, description="AUTOTUNE_API_TOKEN of the server")
 
 
-def get_store(request: Request) -> Store:
+# Dependencies are ``async def`` although they do not await: FastAPI runs a plain ``def``
+# dependency in the threadpool, one thread hop each, which dominated the lookup latency.
+
+
+async def get_store(request: Request) -> Store:
     return request.app.state.store
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
-def get_settings(request: Request) -> ApiSettings:
+async def get_settings(request: Request) -> ApiSettings:
     return request.app.state.settings
 
 
-def require_writer(
+async def get_cache(request: Request) -> LookupCache:
+    return request.app.state.cache
+
+
+async def require_writer(
     settings: Annotated[ApiSettings, Depends(get_settings)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
@@ -54,4 +63,5 @@ def require_writer(
 
 StoreDep = Annotated[Store, Depends(get_store)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+CacheDep = Annotated[LookupCache, Depends(get_cache)]
 Writer = Depends(require_writer)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -133,9 +135,31 @@ class Store:
         self.url = normalize_url(url or StorageSettings().db_url)
         self.engine = make_engine(self.url, pool_size=pool_size)
         self._writer = self.engine.execution_options(**WRITE_OPTIONS)
+        self._watcher: sqlite3.Connection | None = None
+        self._watcher_lock = threading.Lock()
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         self.engine.dispose()
+
+    def data_version(self) -> int | None:
+        """A number that changes whenever any process commits to the database, so that
+        answers cached under one value are current while it holds; None where there is no
+        cheap signal (PostgreSQL, in-memory SQLite), and then nothing may be cached.
+
+        SQLite's ``PRAGMA data_version`` on a connection that never writes (a few
+        microseconds, no query of our tables).
+        """
+        database = self.engine.url.database
+        if self.engine.url.get_backend_name() != "sqlite" or database in (None, "", ":memory:"):
+            return None
+        with self._watcher_lock:
+            if self._watcher is None:
+                self._watcher = sqlite3.connect(database, check_same_thread=False,
+                                                isolation_level=None)
+            return self._watcher.execute("PRAGMA data_version").fetchone()[0]
 
     def __enter__(self) -> Store:
         return self

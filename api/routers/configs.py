@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, HTTPException, Query, Request, Response, status
+from fastapi.responses import JSONResponse
 
-from api.deps import MetricsDep, StoreDep, Writer
+from api.deps import CacheDep, MetricsDep, StoreDep, Writer
 from api.schemas import (
     BatchLookupRequest,
     BatchLookupResponse,
@@ -37,18 +38,24 @@ def _miss_detail(request: LookupRequest) -> str:
 
 @router.get("/lookup", response_model=LookupResponse,
             responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
-def lookup(key: Annotated[LookupKey, Query()], store: StoreDep,
-           metrics: MetricsDep) -> dict[str, Any]:
+def lookup(key: Annotated[LookupKey, Query()], request: Request, store: StoreDep,
+           metrics: MetricsDep, cache: CacheDep) -> Response:
     """The config tuned for exactly this key, else the nearest tuned problem's (same kernel,
     device kind, dtype, head_dim, causal, mode) whose config is legal for this shape."""
-    request = key.to_request()
-    found = store.lookup_many([request])[0]
+    version = cache.version()  # before reading, so a write during the read is not masked
+    lookup_request = key.to_request()
+    found = store.lookup_many([lookup_request])[0]
     if found is None:
-        metrics.lookups.labels("miss").inc()
-        raise HTTPException(status.HTTP_404_NOT_FOUND, _miss_detail(request))
-    entry, match = found
+        response = JSONResponse({"detail": _miss_detail(lookup_request)},
+                                status_code=status.HTTP_404_NOT_FOUND)
+        match = "miss"
+    else:
+        entry, match = found
+        response = JSONResponse(lookup_body(entry, match))
     metrics.lookups.labels(match).inc()
-    return lookup_body(entry, match)
+    cache.put(request.scope["query_string"], version, response.status_code, response.body,
+              match)
+    return response
 
 
 @router.post("/lookup:batch", response_model=BatchLookupResponse,

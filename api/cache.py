@@ -1,0 +1,69 @@
+"""A response cache for ``GET /v1/configs/lookup``, in front of FastAPI's parameter parsing.
+
+Keyed by the raw query string (a resolver sends the same bytes for the same key) and tagged
+with ``Store.data_version()``: an answer is served only while no process has committed to the
+database since it was computed, so a publish, an import or a tuner writing directly to the
+database is visible on the next request. Where the database offers no such signal
+(PostgreSQL), nothing is cached. Bounded: full means cleared, so odd query strings cannot grow
+memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.metrics import Metrics
+from storage import Store
+
+LOOKUP_PATH = "/v1/configs/lookup"
+
+
+class LookupCache:
+    def __init__(self, store: Store, max_entries: int) -> None:
+        self.store = store
+        self.max_entries = max_entries
+        # query string -> (data version, status, body, match label for the metrics)
+        self._entries: dict[bytes, tuple[int, int, bytes, str]] = {}
+
+    def version(self) -> int | None:
+        """The version to tag an answer computed from now on with; None: do not cache."""
+        return self.store.data_version() if self.max_entries else None
+
+    def get(self, query: bytes) -> tuple[int, bytes, str] | None:
+        entry = self._entries.get(query)
+        if entry is None or entry[0] != self.version():
+            return None
+        return entry[1:]
+
+    def put(self, query: bytes, version: int | None, status: int, body: bytes,
+            match: str) -> None:
+        """Caches an answer computed after ``version()`` returned ``version``."""
+        if version is None:
+            return
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        self._entries[query] = (version, status, body, match)
+
+
+class LookupCacheMiddleware:
+    """Answers a cached lookup without routing, parsing or a database query."""
+
+    def __init__(self, app: Any, cache: LookupCache, metrics: Metrics, route: Any) -> None:
+        self.app = app
+        self.cache = cache
+        self.metrics = metrics
+        self.route = route  # the lookup APIRoute, so request metrics label the hit like a miss
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == LOOKUP_PATH:
+            hit = self.cache.get(scope["query_string"])
+            if hit is not None:
+                status, body, match = hit
+                scope["route"] = self.route
+                self.metrics.lookups.labels(match).inc()
+                await send({"type": "http.response.start", "status": status, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

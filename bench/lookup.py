@@ -1,0 +1,280 @@
+"""Lookup latency and throughput of ``autotune serve`` against a bare uvicorn baseline.
+
+Runs both servers in the same run with the same uvicorn settings (one worker, no access log),
+each pinned to CPU 0 while the load generator runs on the other CPUs, and drives them over
+loopback with keep-alive connections from a minimal raw-socket HTTP/1.1 client (far cheaper
+per request than either server, so it is not the bottleneck). Our server answers exact hits on
+a SQLite database of 200 entries; the baseline returns the same JSON body as a constant.
+
+Also: server RSS before and after 20k lookups (a busy server keeps flat memory), and the
+per-call cost of a cached resolution in ``kernel.resolve.Resolver``.
+
+    python bench/lookup.py [--seconds 5] [--clients 1,32]
+
+Targets: throughput at 32 clients >= 0.6 of the baseline; p50 < 2 ms with one client;
+cached resolution < 5 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import httpx
+
+AUTOTUNE = str(Path(sys.executable).with_name("autotune"))
+DEVICE = "TPU v5 lite"
+SERVER_CPU = 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def problems(count: int) -> list[dict[str, int]]:
+    """``count`` distinct problems with legal 128-row blocks."""
+    out = []
+    for batch in (1, 2, 4, 8, 16):
+        for heads in (4, 8, 16, 32, 64):
+            for q_len in (128, 256, 512, 1024, 2048, 4096, 8192, 16384):
+                out.append({"batch": batch, "q_heads": heads, "q_len": q_len, "head_dim": 128})
+    return out[:count]
+
+
+def seed_database(url: str, count: int) -> list[dict[str, int]]:
+    from kernel.config import FlashConfig
+    from kernel.problem import Problem
+    from storage import Store, TunedResult, upgrade
+
+    upgrade(url)
+    keys = problems(count)
+    with Store(url) as store:
+        for i, key in enumerate(keys):
+            store.publish(TunedResult(device_kind=DEVICE, problem=Problem.from_dict(key),
+                                      config=FlashConfig(), median_ms=1.0 + i / 1000,
+                                      default_median_ms=2.0, trials=10, method="replay"))
+    return keys
+
+
+def wait_ready(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"server exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    sys.exit(f"server at {url} did not start")
+
+
+def start(command: list[str], ready_url: str, env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.sched_setaffinity(process.pid, {SERVER_CPU})
+    wait_ready(ready_url, process)
+    return process
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
+
+class RawClient:
+    """A keep-alive HTTP/1.1 client doing only what a benchmark needs (status, body length)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = b""
+
+    def request(self, data: bytes) -> int:
+        self.sock.sendall(data)
+        while b"\r\n\r\n" not in self.buffer:
+            self.buffer += self._recv()
+        head, _, rest = self.buffer.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+        while len(rest) < length:
+            rest += self._recv()
+        self.buffer = rest[length:]
+        return int(head[9:12])
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def request_bytes(port: int, key: dict[str, int]) -> bytes:
+    query = urllib.parse.urlencode({"kernel": "flash", "device_kind": DEVICE, **key})
+    return (f"GET /v1/configs/lookup?{query} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Accept: application/json\r\n\r\n").encode()
+
+
+def load(port: int, requests: list[bytes], clients: int, seconds: float) -> dict[str, float]:
+    """``clients`` connections each sending requests back to back for ``seconds``."""
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    bad: list[int] = []
+    start_at = threading.Barrier(clients + 1)
+    stop = threading.Event()
+
+    def run(index: int) -> None:
+        client = RawClient(port)
+        mine, i = latencies[index], index
+        start_at.wait()
+        while not stop.is_set():
+            began = time.perf_counter()
+            status = client.request(requests[i % len(requests)])
+            mine.append(time.perf_counter() - began)
+            if status != 200:
+                bad.append(status)
+            i += clients
+        client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    start_at.wait()
+    began = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    if bad:
+        sys.exit(f"{len(bad)} requests failed, e.g. HTTP {bad[0]}")
+    merged = sorted(x for per_client in latencies for x in per_client)
+    return {"rps": len(merged) / elapsed, "p50_ms": 1000 * merged[len(merged) // 2],
+            "p99_ms": 1000 * merged[int(len(merged) * 0.99)], "n": len(merged)}
+
+
+def resolver_cost_us() -> float:
+    from kernel.problem import Problem
+    from kernel.resolve import Resolver, ResolverSettings
+
+    resolver = Resolver(ResolverSettings())
+    problem = Problem(batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=128)
+    resolver.resolve(problem, DEVICE)  # first call resolves (default) and caches
+    calls, runs = 200_000, []
+    for _ in range(5):
+        began = time.perf_counter()
+        for _ in range(calls):
+            resolver.resolve(problem, DEVICE)
+        runs.append((time.perf_counter() - began) / calls * 1e6)
+    return min(runs)
+
+
+def serve_bare(port: int, body_path: str) -> None:
+    """The baseline: a plain ASGI app returning a constant JSON body, under uvicorn."""
+    import uvicorn
+
+    body = Path(body_path).read_bytes()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, access_log=False, log_level="info")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--clients", default="1,32")
+    parser.add_argument("--entries", type=int, default=200)
+    parser.add_argument("--serve-bare", nargs=2, metavar=("PORT", "BODY"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_bare:
+        serve_bare(int(args.serve_bare[0]), args.serve_bare[1])
+        return
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) > 1:  # keep the load generator off the servers' CPU
+        os.sched_setaffinity(0, cpus - {SERVER_CPU})
+    client_counts = [int(c) for c in args.clients.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{tmp}/bench.db"
+        keys = seed_database(url, args.entries)
+        ours_port, bare_port = free_port(), free_port()
+        ours = start([AUTOTUNE, "serve", "--db", url, "--port", str(ours_port)],
+                     f"http://127.0.0.1:{ours_port}/readyz", env={"AUTOTUNE_API_TOKEN": "x"})
+        try:
+            ours_requests = [request_bytes(ours_port, key) for key in keys]
+            sample = httpx.get(f"http://127.0.0.1:{ours_port}/v1/configs/lookup", params={
+                "kernel": "flash", "device_kind": DEVICE, **keys[0]})
+            assert sample.status_code == 200 and sample.json()["match"] == "exact"
+            body_path = Path(tmp) / "body.json"
+            body_path.write_bytes(sample.content)
+            bare = start([sys.executable, __file__, "--serve-bare", str(bare_port),
+                          str(body_path)], f"http://127.0.0.1:{bare_port}/")
+            try:
+                bare_requests = [request_bytes(bare_port, key) for key in keys]
+                results = {}
+                for clients in client_counts:
+                    for name, port, requests in (("bare", bare_port, bare_requests),
+                                                 ("ours", ours_port, ours_requests)):
+                        load(port, requests, clients, min(1.0, args.seconds))  # warm up
+                        results[name, clients] = load(port, requests, clients, args.seconds)
+            finally:
+                bare.terminate()
+                bare.wait()
+
+            rss_before = rss_mib(ours.pid)
+            client, served = RawClient(ours_port), 0
+            while served < 20_000:
+                assert client.request(ours_requests[served % len(ours_requests)]) == 200
+                served += 1
+            client.close()
+            rss_after = rss_mib(ours.pid)
+        finally:
+            ours.terminate()
+            ours.wait()
+
+    print(f"lookup service vs bare uvicorn (server on CPU {SERVER_CPU}, "
+          f"{args.entries} entries, exact hits, {args.seconds:.0f} s per run)")
+    print(f"{'clients':>7} {'server':>6} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'n':>8}")
+    for (name, clients), r in results.items():
+        print(f"{clients:>7} {name:>6} {r['rps']:>9.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
+              f"{r['n']:>8}")
+    summary = {}
+    for clients in client_counts:
+        summary[f"ratio_{clients}"] = results["ours", clients]["rps"] / \
+            results["bare", clients]["rps"]
+        print(f"throughput ratio ours/bare at {clients} clients: "
+              f"{summary[f'ratio_{clients}']:.2f}")
+    if 1 in client_counts:
+        print(f"p50 with one client: {results['ours', 1]['p50_ms']:.3f} ms (target < 2 ms)")
+    print(f"server RSS: {rss_before:.1f} MiB before, {rss_after:.1f} MiB after 20000 lookups "
+          f"({rss_after - rss_before:+.1f} MiB)")
+    cost = resolver_cost_us()
+    print(f"cached Resolver.resolve: {cost:.2f} us per call (target < 5 us)")
+    print(json.dumps({**summary, "rss_delta_mib": rss_after - rss_before,
+                      "resolve_us": cost}))
+
+
+if __name__ == "__main__":
+    main()

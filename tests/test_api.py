@@ -1,0 +1,386 @@
+"""The lookup service over real HTTP: ``autotune serve`` in a subprocess on loopback, on a
+SQLite file (and PostgreSQL for concurrency). Publish, exact and nearest lookup, keep-better
+and force with history, batch lookup, listing, table export (ETag) and atomic import, auth,
+bad input (4xx naming the field), readiness, metrics, 50 concurrent readers with a writer, and
+``serve`` refusing a missing or outdated schema."""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from conftest import Server, run_cli
+from storage import ConfigKey, Store
+from storage.schema import VERSION_TABLE
+from kernel.problem import Problem
+
+PROBLEM = {"batch": 1, "q_heads": 8, "q_len": 1024, "head_dim": 128}
+
+
+def device() -> str:
+    """A device kind of its own, so tests sharing the session server do not interact."""
+    return f"TPU test {uuid.uuid4().hex[:8]}"
+
+
+def body(device_kind: str, median_ms: float = 1.0, *, config: dict[str, int] | None = None,
+         force: bool = False, **problem: Any) -> dict[str, Any]:
+    return {"key": {"device_kind": device_kind, **PROBLEM, **problem},
+            "config": config or {"block_q": 256, "block_kv": 512},
+            "median_ms": median_ms, "default_median_ms": 2.0, "trials": 12, "method": "device",
+            "jax_version": "0.10.2", "force": force}
+
+
+def lookup_params(device_kind: str, **problem: Any) -> dict[str, Any]:
+    return {"kernel": "flash", "device_kind": device_kind, **PROBLEM, **problem}
+
+
+def publish(server: Server, payload: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.put(f"{server.url}/v1/configs", json=payload, headers=server.auth)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_publish_then_exact_lookup(server: Server) -> None:
+    kind = device()
+    assert publish(server, body(kind))["status"] == "inserted"
+    response = httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(kind))
+    assert response.status_code == 200
+    found = response.json()
+    assert found["match"] == "exact"
+    assert (found["config"]["block_q"], found["config"]["block_kv"]) == (256, 512)
+    assert found["key"] == {"kernel": "flash", "kernel_version": "1", "device_kind": kind,
+                            "platform": "tpu", "batch": 1, "q_heads": 8, "kv_heads": 8,
+                            "q_len": 1024, "kv_len": 1024, "head_dim": 128,
+                            "dtype": "bfloat16", "causal": False, "mode": "fwd"}
+    assert (found["time_ms"], found["speedup"]) == (1.0, 2.0)
+
+
+def test_nearest_lookup_uses_a_legal_config_and_misses_are_404(server: Server) -> None:
+    kind = device()
+    publish(server, body(kind, config={"block_q": 1024, "block_kv": 1024}))  # illegal for 512
+    publish(server, body(kind, q_len=4096, config={"block_q": 512, "block_kv": 512}))
+
+    found = httpx.get(f"{server.url}/v1/configs/lookup",
+                      params=lookup_params(kind, q_len=512)).json()
+    assert (found["match"], found["key"]["q_len"], found["config"]["block_q"]) == (
+        "nearest", 4096, 512)
+
+    miss = httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(kind, q_len=64))
+    assert miss.status_code == 404
+    assert "no tuned config" in miss.json()["detail"]
+    other_mode = httpx.get(f"{server.url}/v1/configs/lookup",
+                           params=lookup_params(kind, mode="fwd_bwd"))
+    assert other_mode.status_code == 404
+
+
+def test_lookups_see_writes_made_directly_to_the_database(server: Server) -> None:
+    """Answers are cached per data version: a tuner writing to the database (not through the
+    service) is visible on the next lookup, misses included."""
+    from kernel.config import FlashConfig
+    from storage import TunedResult
+
+    kind = device()
+    url = f"{server.url}/v1/configs/lookup"
+    for _ in range(2):
+        assert httpx.get(url, params=lookup_params(kind)).status_code == 404
+    with Store(server.db_url) as store:
+        tuned = TunedResult(device_kind=kind, problem=Problem.from_dict(PROBLEM),
+                            config=FlashConfig(block_q=512), median_ms=2.0)
+        store.publish(tuned)
+        for _ in range(2):
+            assert httpx.get(url, params=lookup_params(kind)).json()["config"]["block_q"] == 512
+        store.publish(TunedResult(device_kind=kind, problem=tuned.problem,
+                                  config=FlashConfig(block_q=256), median_ms=1.0))
+    assert httpx.get(url, params=lookup_params(kind)).json()["config"]["block_q"] == 256
+
+
+def test_keep_better_and_force_keep_history(server: Server) -> None:
+    kind = device()
+    publish(server, body(kind, 1.0))
+    kept = publish(server, body(kind, 2.0, config={"block_q": 128}))
+    assert (kept["status"], kept["entry"]["median_ms"], kept["previous"]["median_ms"]) == (
+        "kept", 1.0, 1.0)
+    replaced = publish(server, body(kind, 0.5, config={"block_q": 512}))
+    assert (replaced["status"], replaced["entry"]["config"]["block_q"]) == ("replaced", 512)
+    forced = publish(server, body(kind, 9.0, config={"block_q": 128}, force=True))
+    assert (forced["status"], forced["entry"]["median_ms"]) == ("replaced", 9.0)
+
+    with Store(server.db_url) as store:
+        key = ConfigKey("flash", "1", kind, "tpu", Problem.from_dict(PROBLEM))
+        assert [(h.reason, h.result.median_ms) for h in store.history(key)] == [
+            ("rejected", 2.0), ("replaced", 1.0), ("forced", 0.5)]
+
+
+def test_batch_lookup_answers_every_key_in_order(server: Server) -> None:
+    kind = device()
+    publish(server, body(kind))
+    keys = [lookup_params(kind, q_len=64), lookup_params(kind), lookup_params(kind, q_len=2048)]
+    response = httpx.post(f"{server.url}/v1/configs/lookup:batch", json={"keys": keys})
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert [(r["found"], r["match"]) for r in results] == [
+        (False, None), (True, "exact"), (True, "nearest")]
+    assert "no tuned config" in results[0]["detail"]
+
+    bad = httpx.post(f"{server.url}/v1/configs/lookup:batch",
+                     json={"keys": [lookup_params(kind), lookup_params(kind, kv_heads=3)]})
+    assert bad.status_code == 422 and "keys[1]" in bad.json()["detail"]
+
+
+def test_list_filters_and_pages(server: Server) -> None:
+    kind = device()
+    for q_len in (256, 512, 1024):
+        publish(server, body(kind, q_len=q_len, config={"block_q": 256, "block_kv": 256}))
+    page = httpx.get(f"{server.url}/v1/configs",
+                     params={"device_kind": kind, "offset": 1, "limit": 1}).json()
+    assert (page["total"], page["offset"], page["limit"]) == (3, 1, 1)
+    assert [item["key"]["q_len"] for item in page["items"]] == [512]
+    assert httpx.get(f"{server.url}/v1/configs",
+                     params={"device_kind": kind, "dtype": "float32"}).json()["total"] == 0
+
+
+def test_export_with_etag_and_import(server: Server) -> None:
+    kind = device()
+    for q_len in (256, 512):
+        publish(server, body(kind, q_len=q_len, config={"block_q": 256, "block_kv": 256}))
+    url = f"{server.url}/v1/tables/{kind}"
+    exported = httpx.get(url)
+    assert exported.status_code == 200
+    table = exported.json()
+    assert (table["device_kind"], len(table["entries"])) == (kind, 2)
+    etag = exported.headers["etag"]
+    assert httpx.get(url, headers={"If-None-Match": etag}).status_code == 304
+    assert httpx.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/tables/{device()}").status_code == 404
+
+    copy_kind = device()
+    imported = httpx.post(f"{server.url}/v1/tables", headers=server.auth,
+                          json={**table, "device_kind": copy_kind})
+    assert imported.json() == {"inserted": 2, "replaced": 0, "kept": 0}
+    copy = httpx.get(f"{server.url}/v1/tables/{copy_kind}").json()
+    assert copy["entries"] == table["entries"]
+    assert httpx.get(url, headers={"If-None-Match": etag}).status_code == 304  # unchanged
+
+    publish(server, body(kind, 0.1, q_len=256, config={"block_q": 128, "block_kv": 256}))
+    assert httpx.get(url, headers={"If-None-Match": etag}).status_code == 200  # changed
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128, "dtype": "int4"},
+      "config": {}}, "entry 1: dtype"),
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
+      "config": {"block_q": 384}, "time_ms": 1.0}, "entry 1 .*block_divides"),
+])
+def test_bad_table_import_writes_nothing(server: Server, entry: dict[str, Any],
+                                         message: str) -> None:
+    kind = device()
+    good = {"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
+            "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}
+    table = {"schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": kind,
+             "entries": [good, entry]}
+    response = httpx.post(f"{server.url}/v1/tables", headers=server.auth, json=table)
+    assert response.status_code == 422
+    assert re.search(message, response.json()["detail"])
+    listed = httpx.get(f"{server.url}/v1/configs", params={"device_kind": kind}).json()
+    assert listed["total"] == 0
+
+
+def test_writes_need_the_token(server: Server) -> None:
+    payload = body(device())
+    no_token = httpx.put(f"{server.url}/v1/configs", json=payload)
+    assert no_token.status_code == 401 and "Authorization: Bearer" in no_token.json()["detail"]
+    wrong = httpx.put(f"{server.url}/v1/configs", json=payload,
+                      headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "does not match" in wrong.json()["detail"]
+    table = {"schema_version": 1, "kernel": "flash", "kernel_version": "1",
+             "device_kind": "x", "entries": []}
+    assert httpx.post(f"{server.url}/v1/tables", json=table).status_code == 401
+    lookups = httpx.get(f"{server.url}/v1/configs/lookup",
+                        params=lookup_params(payload["key"]["device_kind"]))
+    assert lookups.status_code == 404  # reads are open; nothing was written
+
+
+@pytest.fixture(scope="module")
+def tokenless_server(start_server, tmp_path_factory) -> Server:
+    """A server started without AUTOTUNE_API_TOKEN (and without --allow-anonymous-writes)."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('tokenless') / 'autotune.db'}"
+    assert run_cli("db", "upgrade", "--db", url).returncode == 0
+    return start_server(url, token=None)
+
+
+def test_without_a_token_writes_are_refused_unless_allowed(start_server,
+                                                           tokenless_server: Server) -> None:
+    refused = httpx.put(f"{tokenless_server.url}/v1/configs", json=body("cpu"))
+    assert refused.status_code == 403
+    assert "AUTOTUNE_API_TOKEN" in refused.json()["detail"]
+    assert "--allow-anonymous-writes" in refused.json()["detail"]
+
+    opened = start_server(tokenless_server.db_url, token=None,
+                          args=("--allow-anonymous-writes",))
+    assert httpx.put(f"{opened.url}/v1/configs", json=body("cpu")).status_code == 200
+    assert httpx.get(f"{tokenless_server.url}/v1/configs/lookup",
+                     params=lookup_params("cpu")).status_code == 200
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"batch": None}, "batch"),
+    ({"q_len": -5}, "q_len"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"q_len": 10**9}, "q_len"),
+    ({"head_dim": "wide"}, "head_dim"),
+    ({"causal": "maybe"}, "causal"),
+    ({"kv_heads": 3}, "kv_heads"),
+    ({"device_kind": "TPU\x00"}, "device_kind"),
+    ({"colour": "red"}, "colour"),
+])
+def test_bad_lookup_input_is_a_4xx_naming_the_field(server: Server, params: dict[str, Any],
+                                                    field: str) -> None:
+    query = {k: v for k, v in {**lookup_params("cpu"), **params}.items() if v is not None}
+    response = httpx.get(f"{server.url}/v1/configs/lookup", params=query)
+    assert response.status_code == 422
+    assert field in response.text
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda b: b["key"].pop("batch"), "batch"),
+    (lambda b: b.update(median_ms=-1), "median_ms"),
+    (lambda b: b.update(method="guess"), "method"),
+    (lambda b: b["config"].update(block_q=100), "block_q"),
+    (lambda b: b["config"].update(block_size=128), "block_size"),
+    (lambda b: b["config"].update(pipeline_depth=0), "pipeline_depth"),
+    (lambda b: b["key"].update(dtype="int8"), "dtype"),
+])
+def test_bad_publish_is_a_422_naming_the_field(server: Server, mutate, field: str) -> None:
+    payload = body(device())
+    mutate(payload)
+    response = httpx.put(f"{server.url}/v1/configs", json=payload, headers=server.auth)
+    assert response.status_code == 422
+    assert field in response.text
+
+
+def test_malformed_json_is_a_4xx(server: Server) -> None:
+    response = httpx.put(f"{server.url}/v1/configs", content=b"{not json",
+                         headers={**server.auth, "Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500
+    response = httpx.post(f"{server.url}/v1/tables", content=b"[1, 2",
+                          headers={**server.auth, "Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500
+
+
+def test_metrics_count_lookups_by_match_kind(server: Server) -> None:
+    kind = device()
+    publish(server, body(kind))
+
+    def counts() -> dict[str, float]:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        return {m: float(v) for m, v in
+                re.findall(r'^autotune_lookups_total\{match="(\w+)"\} (\S+)$', metrics, re.M)}
+
+    before = counts()
+    for q_len in (1024, 1024, 2048, 64):
+        httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(kind, q_len=q_len))
+    after = counts()
+    assert {m: after[m] - before.get(m, 0) for m in after} == {
+        "exact": 2, "nearest": 1, "miss": 1}
+    text_metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'route="/v1/configs/lookup"' in text_metrics
+    assert "autotune_http_request_duration_seconds_bucket" in text_metrics
+
+
+def test_health_docs_and_openapi(server: Server) -> None:
+    assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready"}
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert {"/v1/configs/lookup", "/v1/configs/lookup:batch", "/v1/configs",
+            "/v1/tables/{device_kind}", "/v1/tables"} <= set(paths)
+
+
+def test_readyz_is_503_when_the_schema_is_not_current(tokenless_server: Server) -> None:
+    with Store(tokenless_server.db_url) as store:
+        with store.engine.begin() as connection:
+            head = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
+        try:
+            response = httpx.get(f"{tokenless_server.url}/readyz")
+            assert response.status_code == 503
+            assert "autotune db upgrade" in response.json()["detail"]
+        finally:
+            with store.engine.begin() as connection:
+                connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = :head"),
+                                   {"head": head})
+    assert httpx.get(f"{tokenless_server.url}/readyz").status_code == 200
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["missing", "outdated"])
+def test_serve_refuses_a_missing_or_outdated_schema(tmp_path, stale: bool) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    if stale:
+        assert run_cli("db", "upgrade", "--db", url).returncode == 0
+        with Store(url) as store, store.engine.begin() as connection:
+            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
+    done = run_cli("serve", "--db", url, "--port", "1", timeout=60)
+    assert done.returncode == 1
+    assert f"autotune db upgrade --db {url}" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def busy_server(request, server: Server, start_server) -> Server:
+    """The session server (SQLite), or a server on a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return server
+    url = request.getfixturevalue("postgres_databases")()
+    assert run_cli("db", "upgrade", "--db", url).returncode == 0
+    return start_server(url)
+
+
+def test_concurrent_readers_and_a_writer(busy_server: Server) -> None:
+    """50 clients look up keys while one writer publishes them: no errors, no lost write."""
+    kind, written = device(), 20
+    q_lens = [128 * (i + 1) for i in range(written)]
+    statuses: Counter[int] = Counter()
+    failures: list[BaseException] = []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def reader(index: int) -> None:
+        try:
+            with busy_server.client() as client:
+                i = index
+                while not done.is_set():
+                    q_len = q_lens[i % written]
+                    status = client.get("/v1/configs/lookup", params=lookup_params(
+                        kind, q_len=q_len)).status_code
+                    with lock:
+                        statuses[status] += 1
+                    i += 7
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            failures.append(error)
+
+    readers = [threading.Thread(target=reader, args=(i,)) for i in range(50)]
+    for thread in readers:
+        thread.start()
+    try:
+        with busy_server.client(headers=busy_server.auth) as writer:
+            for q_len in q_lens:
+                response = writer.put("/v1/configs", json=body(
+                    kind, q_len=q_len, config={"block_q": 128, "block_kv": 128}))
+                assert response.status_code == 200, response.text
+    finally:
+        done.set()
+        for thread in readers:
+            thread.join()
+    assert failures == []
+    assert set(statuses) <= {200, 404} and sum(statuses.values()) > written
+    with busy_server.client() as client:
+        for q_len in q_lens:
+            found = client.get("/v1/configs/lookup", params=lookup_params(kind, q_len=q_len))
+            assert found.status_code == 200 and found.json()["match"] == "exact"
