@@ -1,0 +1,208 @@
+"""Input validation, config resolution (explicit > table > default, fwd vs fwd_bwd) and the
+kernel package's import boundaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel.config import ConfigError, FlashConfig
+from kernel.flash import flash_attention
+from kernel.problem import Problem
+from kernel.resolve import ResolverSettings, reset_resolver, resolution_sources
+from kernel.space import default_config
+from kernel.table import LookupTable, TableEntry
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _sds(shape, dtype=F32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
+
+
+@pytest.mark.parametrize("q, k, v, kwargs, error, message", [
+    (_sds((4, 256, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
+     "q must have rank 4 [batch, heads, seq, head_dim], got shape (4, 256, 64)"),
+    (GOOD_Q, _sds((1, 2, 1, 256, 64)), GOOD_KV, {}, ValueError, "k must have rank 4"),
+    (_sds((1, 4, 256, 64), jnp.float16), _sds((1, 2, 256, 64), jnp.float16),
+     _sds((1, 2, 256, 64), jnp.float16), {}, TypeError,
+     "q has dtype float16; flash_attention supports float32 and bfloat16"),
+    (_sds((1, 4, 256, 64), jnp.int32), GOOD_KV, GOOD_KV, {}, TypeError, "q has dtype int32"),
+    (GOOD_Q, _sds((1, 2, 256, 64), BF16), _sds((1, 2, 256, 64), BF16), {}, TypeError,
+     "q, k and v must share one dtype, got float32, bfloat16, bfloat16"),
+    (GOOD_Q, GOOD_KV, _sds((1, 2, 128, 64)), {}, ValueError,
+     "k and v must have the same shape, got (1, 2, 256, 64) and (1, 2, 128, 64)"),
+    (_sds((2, 4, 256, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
+     "q has batch 2 but k/v have batch 1"),
+    (_sds((1, 4, 256, 128)), GOOD_KV, GOOD_KV, {}, ValueError,
+     "q has head_dim 128 but k/v have head_dim 64"),
+    (_sds((1, 3, 256, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
+     "q_heads (3) must be a multiple of kv_heads (2)"),
+    (_sds((1, 4, 5000, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
+     "q_len=5000 admits no legal block: sequences longer than 4096 must be a multiple of 128. "
+     "Padding is not supported"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"config": {"block_q": 128}}, TypeError,
+     "config must be a kernel.FlashConfig or None, got dict"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"sm_scale": -1.0}, TypeError,
+     "sm_scale must be a positive Python float"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"sm_scale": "0.1"}, TypeError,
+     "sm_scale must be a positive Python float"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"causal": "yes"}, TypeError,
+     "causal must be a Python bool"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"config": FlashConfig(block_kv=192, block_kv_compute=192)},
+     ConfigError, "[block_divides] block_kv=192 does not divide kv_len=256"),
+], ids=["rank-q", "rank-k", "float16", "int32", "mixed-dtypes", "kv-shapes", "batch",
+        "head-dim", "heads", "no-legal-block", "config-type", "sm-scale-negative",
+        "sm-scale-str", "causal-type", "illegal-config"])
+def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
+    with pytest.raises(error) as raised:
+        jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
+    assert message in str(raised.value)
+
+
+def test_non_array_input_is_refused():
+    k = jnp.zeros((1, 2, 128, 64))
+    with pytest.raises(TypeError, match="q must be a jax array, got list"):
+        flash_attention([[1.0]], k, k)
+
+
+def _pallas_grids(fn, *args) -> dict[str, tuple[int, ...]]:
+    """Grid of every Pallas kernel in ``fn``'s jaxpr, by kernel name."""
+    grids = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                name = getattr(eqn.params["name"], "name", eqn.params["name"])
+                grids[str(name)] = tuple(eqn.params["grid_mapping"].grid)
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(item, "jaxpr", item)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+# A GQA problem: batch 1, 4 query heads over 2 kv heads, 512 queries, 256 keys.
+Q, KV = _sds((1, 4, 512, 64)), _sds((1, 2, 256, 64))
+FWD = Problem(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=256, head_dim=64,
+              dtype="float32", causal=True, mode="fwd")
+FWD_BWD = Problem(**{**FWD.to_dict(), "mode": "fwd_bwd"})
+
+
+def _forward(**kwargs):
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, **kwargs)
+
+
+def _gradients(**kwargs):
+    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, **kwargs).sum()  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _grids(config: FlashConfig, with_backward: bool) -> dict[str, tuple[int, ...]]:
+    grids = {"flash_fwd": (1, 4, 512 // config.block_q, 256 // config.block_kv)}
+    if with_backward:
+        grids["flash_bwd_dkv"] = (1, 2, 256 // config.block_kv_dkv, 2, 512 // config.block_q_dkv)
+        grids["flash_bwd_dq"] = (1, 4, 512 // config.block_q_dq, 256 // config.block_kv_dq)
+    return grids
+
+
+@pytest.fixture
+def fresh_resolver():
+    """A resolver with no table and no service; the environment's one is restored after."""
+    yield lambda **settings: reset_resolver(ResolverSettings(**settings))
+    reset_resolver()
+
+
+def test_default_config_resolved_per_mode(fresh_resolver):
+    """A plain call resolves the fwd-tuned config; a differentiated one the fwd_bwd one."""
+    fresh_resolver()
+    assert _pallas_grids(_forward(), Q, KV, KV) == _grids(default_config(FWD), False)
+    assert resolution_sources() == {("cpu", FWD): "default"}
+    assert _pallas_grids(_gradients(), Q, KV, KV) == _grids(default_config(FWD_BWD), True)
+    assert resolution_sources() == {("cpu", FWD): "default", ("cpu", FWD_BWD): "default"}
+
+
+def _table(tmp_path, *entries: tuple[Problem, FlashConfig]) -> str:
+    table = LookupTable(kernel="flash", kernel_version="1", device_kind="cpu",
+                        entries=tuple(TableEntry(p, c) for p, c in entries))
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table.to_dict()))
+    return str(path)
+
+
+FWD_TUNED = FlashConfig(block_q=128, block_kv=256, block_kv_compute=128)
+FWD_BWD_TUNED = FlashConfig(block_q=256, block_kv=128, block_kv_compute=128, block_q_dkv=128,
+                            block_kv_dkv=256, block_q_dq=512, block_kv_dq=128, pipeline_depth=1)
+
+
+def test_pinned_table_wins_over_default_and_explicit_wins_over_table(fresh_resolver, tmp_path):
+    fresh_resolver(table_paths=(_table(tmp_path, (FWD, FWD_TUNED), (FWD_BWD, FWD_BWD_TUNED)),))
+    assert _pallas_grids(_forward(), Q, KV, KV) == _grids(FWD_TUNED, False)
+    assert _pallas_grids(_gradients(), Q, KV, KV) == _grids(FWD_BWD_TUNED, True)
+    assert resolution_sources() == {("cpu", FWD): "table", ("cpu", FWD_BWD): "table"}
+
+    explicit = FlashConfig(block_q=512, block_kv=128, block_kv_compute=128, block_q_dkv=512,
+                           block_kv_dkv=128, block_q_dq=128, block_kv_dq=256)
+    assert _pallas_grids(_forward(config=explicit), Q, KV, KV) == _grids(explicit, False)
+    assert _pallas_grids(_gradients(config=explicit), Q, KV, KV) == _grids(explicit, True)
+
+
+def test_resolved_config_that_breaks_a_rule_falls_back_to_the_default(fresh_resolver, tmp_path):
+    illegal = FlashConfig(block_q=384, block_kv=128, block_kv_compute=128)
+    fresh_resolver(table_paths=(_table(tmp_path, (FWD, illegal)),))
+    assert _pallas_grids(_forward(), Q, KV, KV) == _grids(default_config(FWD), False)
+
+
+def test_jitted_call_resolves_at_trace_time_only(fresh_resolver):
+    fresh_resolver()
+    fn = jax.jit(_forward())
+    q, k = jnp.ones(Q.shape, F32), jnp.ones(KV.shape, F32)
+    np.testing.assert_allclose(np.asarray(fn(q, k, k)), 1.0)
+    assert resolution_sources() == {("cpu", FWD): "default"}
+    fresh_resolver()  # a new, empty resolver: a per-call lookup would show up in it
+    fn(q, k, k)
+    assert resolution_sources() == {}
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_import_kernel_does_not_import_jax():
+    result = _python("import sys, kernel; kernel.FlashConfig(); kernel.violations; "
+                     "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_kernel_never_imports_the_service_stack():
+    code = """
+import sys
+import jax.numpy as jnp
+import kernel
+q = jnp.ones((1, 2, 128, 64), jnp.float32)
+out = kernel.flash_attention(q, q, q, causal=True)
+kernel.search_space(kernel.Problem(1, 2, 2, 128, 128, 64, "float32", True, "fwd_bwd"))
+kernel.supported_pipeline_depths()
+assert out.shape == q.shape
+print(sorted({m.split('.')[0] for m in sys.modules}
+             & {"storage", "api", "autotune", "optuna", "fastapi", "sqlalchemy", "httpx"}))
+"""
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
