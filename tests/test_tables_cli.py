@@ -1,0 +1,140 @@
+"""The table and database commands as a user runs them (``autotune`` in a subprocess, SQLite
+files): ``db upgrade``, ``export`` and ``import`` round trip, keep-better and ``--force`` on
+import, and clean failures (exit status, message naming the bad entry, no traceback, nothing
+written) for bad files, missing schemas and ambiguous exports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from storage import Store, TunedResult
+
+DEVICE = "TPU v5 lite"
+
+
+def seed(url: str, device_kind: str = DEVICE, median_ms: float = 1.0) -> None:
+    with Store(url) as store:
+        for q_len in (256, 512):
+            store.publish(TunedResult(
+                device_kind=device_kind, median_ms=median_ms, default_median_ms=2.0,
+                problem=Problem(batch=1, q_heads=8, kv_heads=8, q_len=q_len, kv_len=q_len,
+                                head_dim=128),
+                config=FlashConfig(block_q=256, block_kv=256), trials=4, method="replay"))
+
+
+def assert_clean_failure(done, status: int, *phrases: str) -> None:
+    assert done.returncode == status, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stdout + done.stderr
+    for phrase in phrases:
+        assert phrase in done.stderr
+
+
+def count(url: str) -> int:
+    with Store(url) as store:
+        return store.list()[1]
+
+
+def test_db_upgrade_creates_and_is_idempotent(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    for _ in range(2):
+        done = run_cli("db", "upgrade", "--db", url)
+        assert done.returncode == 0, done.stderr
+        assert "(current)" in done.stdout
+    assert count(url) == 0
+
+
+def test_db_upgrade_reports_an_unreachable_database() -> None:
+    done = run_cli("db", "upgrade", "--db", "postgresql+psycopg://nobody@127.0.0.1:1/none")
+    assert_clean_failure(done, 1, "cannot upgrade")
+
+
+def test_export_then_import_round_trip(sqlite_db_url: str, tmp_path: Path) -> None:
+    seed(sqlite_db_url)
+    table_path = tmp_path / "table.json"
+    done = run_cli("export", "--db", sqlite_db_url, "-o", str(table_path))
+    assert done.returncode == 0, done.stderr
+    table = json.loads(table_path.read_text())
+    assert (table["device_kind"], len(table["entries"])) == (DEVICE, 2)
+
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert run_cli("db", "upgrade", "--db", other).returncode == 0
+    done = run_cli("import", str(table_path), "--db", other)
+    assert done.returncode == 0, done.stderr
+    assert "2 inserted" in done.stdout
+    with Store(other) as store:
+        assert store.export_table(DEVICE).to_dict() == table
+
+    assert "2 kept" in run_cli("import", str(table_path), "--db", other).stdout
+    assert "2 replaced" in run_cli("import", str(table_path), "--db", other, "--force").stdout
+
+
+@pytest.mark.parametrize("bad_entry, phrase", [
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128, "dtype": "int4"},
+      "config": {}}, "entry 1: dtype"),
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
+      "config": {"block_q": 384}}, "block_divides"),
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
+      "config": {}, "provenance": {"method": "guess"}}, "entry 1"),
+])
+def test_a_bad_entry_imports_nothing(sqlite_db_url: str, tmp_path: Path, bad_entry: dict,
+                                     phrase: str) -> None:
+    good = {"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
+            "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"schema_version": 1, "kernel": "flash", "kernel_version": "1",
+                                "device_kind": DEVICE, "entries": [good, bad_entry]}))
+    done = run_cli("import", str(path), "--db", sqlite_db_url)
+    assert_clean_failure(done, 2, phrase, "nothing was imported")
+    assert count(sqlite_db_url) == 0
+
+
+@pytest.mark.parametrize("content, phrase", [
+    ("{not json", "not valid JSON"),
+    ('{"schema_version": 99}', "schema_version"),
+    (None, "cannot read table"),
+])
+def test_an_unreadable_file_imports_nothing(sqlite_db_url: str, tmp_path: Path,
+                                            content: str | None, phrase: str) -> None:
+    path = tmp_path / "table.json"
+    if content is not None:
+        path.write_text(content)
+    assert_clean_failure(run_cli("import", str(path), "--db", sqlite_db_url), 2, phrase)
+    assert count(sqlite_db_url) == 0
+
+
+def test_commands_refuse_a_database_without_schema(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"schema_version": 1, "kernel": "flash",
+                                 "kernel_version": "1", "device_kind": DEVICE,
+                                 "entries": []}))
+    for args in (("export", "-o", str(tmp_path / "out.json")), ("import", str(table))):
+        done = run_cli(*args, "--db", url)
+        assert_clean_failure(done, 1, f"autotune db upgrade --db {url}")
+
+
+def test_export_needs_a_device_kind_when_several_are_stored(sqlite_db_url: str,
+                                                            tmp_path: Path) -> None:
+    seed(sqlite_db_url)
+    seed(sqlite_db_url, device_kind="TPU v6 lite")
+    out = tmp_path / "out.json"
+    done = run_cli("export", "--db", sqlite_db_url, "-o", str(out))
+    assert_clean_failure(done, 2, "--device-kind", "TPU v6 lite")
+    assert not out.exists()
+    done = run_cli("export", "--db", sqlite_db_url, "-o", str(out), "--device-kind",
+                   "TPU v6 lite")
+    assert done.returncode == 0 and json.loads(out.read_text())["device_kind"] == "TPU v6 lite"
+
+
+def test_db_url_comes_from_the_environment(sqlite_db_url: str, tmp_path: Path) -> None:
+    seed(sqlite_db_url)
+    out = tmp_path / "out.json"
+    done = run_cli("export", "-o", str(out), env={"AUTOTUNE_DB_URL": sqlite_db_url})
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(out.read_text())["entries"]) == 2
