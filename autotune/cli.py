@@ -13,9 +13,18 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def root() -> None:
+    """Find, store and serve the fastest flash-attention tile shapes per shape and chip."""
+
+
 def main() -> None:
     app()
 
+
+from autotune.commands import precheck  # noqa: E402
+
+app.command()(precheck.precheck)
 
 from autotune.commands import db, serve, tables  # noqa: E402
 

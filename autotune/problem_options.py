@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -41,8 +42,10 @@ def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     A malformed problem exits with status 2 and a message naming the flag.
     """
+    hints = typing.get_type_hints(command, include_extras=True)  # resolves string annotations
     signature = inspect.signature(command)
-    own = [p for name, p in signature.parameters.items() if name != "problem"]
+    own = [p.replace(annotation=hints.get(name, p.annotation))
+           for name, p in signature.parameters.items() if name != "problem"]
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -53,5 +56,7 @@ def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.BadParameter(str(error)) from None
         return command(*args, problem=problem, **kwargs)
 
-    wrapper.__signature__ = signature.replace(parameters=own + _OPTIONS)  # type: ignore[attr-defined]
+    parameters = own + _OPTIONS
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
     return wrapper

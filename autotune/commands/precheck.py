@@ -1,0 +1,83 @@
+"""``autotune precheck``: compile the whole search space for a TPU generation on this CPU."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from autotune.problem_options import with_problem_options
+from kernel.problem import Problem
+from kernel.space import TARGETS, get_target
+
+
+@with_problem_options
+def precheck(
+    problem: Problem,
+    target: Annotated[str, typer.Option(help="TPU generation: v4, v5e, v5p or v6e.")] = "v5e",
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per config, "
+                                              "then a summary object.")] = False,
+    jobs: Annotated[int, typer.Option(min=1, help="Parallel compiler processes.")] = 2,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds allowed per compile.")] = 300,
+    include_rejected: Annotated[bool, typer.Option(
+        help="Also compile the configs the VMEM estimate rejects (to measure it).")] = False,
+    vmem_limit_kib: Annotated[int | None, typer.Option(
+        help="Scoped VMEM limit to check and compile against (default: the target's).")] = None,
+) -> None:
+    """Compile every legal config for a TPU generation (no TPU needed; needs libtpu) and report
+    ok / vmem_oom / compile_error / timeout per config, with compile seconds."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from autotune.precheck import Agreement, candidates, precheck as run_precheck
+    from kernel.depths import supported_pipeline_depths
+
+    if target not in TARGETS or TARGETS[target].topology is None:
+        raise typer.BadParameter(f"{target!r} is not a TPU generation; use v4, v5e, v5p or v6e",
+                                 param_hint="--target")
+    tpu = get_target(target)
+    vmem_limit = vmem_limit_kib * 1024 if vmem_limit_kib else None
+    options = {"xla_tpu_scoped_vmem_limit_kib": vmem_limit_kib} if vmem_limit_kib else None
+    depths = supported_pipeline_depths()
+    total = len(candidates(problem, tpu, depths, include_rejected=include_rejected,
+                           vmem_limit_bytes=vmem_limit))
+    console = Console(stderr=json_output)
+    with Progress(TextColumn("[bold]precheck {task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
+                  console=console, transient=json_output) as progress:
+        task = progress.add_task(f"{target} {problem.label()}", total=total, counts="")
+        counts: dict[str, int] = {}
+
+        def on_result(result):  # noqa: ANN001, ANN202 - a local callback
+            counts[result.status] = counts.get(result.status, 0) + 1
+            progress.update(task, advance=1, counts=" ".join(f"{k}={v}" for k, v in
+                                                             sorted(counts.items())))
+            if json_output:
+                print(json.dumps(result.to_dict()), flush=True)
+
+        results = run_precheck(problem, tpu, depths, jobs=jobs, timeout_s=timeout,
+                               include_rejected=include_rejected, vmem_limit_bytes=vmem_limit,
+                               compiler_options=options, on_result=on_result)
+    agreement = Agreement.of(results)
+    if json_output:
+        print(json.dumps(agreement.to_dict()))
+        return
+    _print_table(console, results, agreement)
+
+
+def _print_table(console, results, agreement) -> None:  # noqa: ANN001
+    from rich.table import Table
+
+    table = Table(title="precheck")
+    for column in ("config", "predicted fit", "status", "compile s", "error"):
+        table.add_column(column)
+    for r in sorted(results, key=lambda r: (r.status, r.compile_s)):
+        table.add_row(r.config.label(), "yes" if r.predicted_fit else "no", str(r.status),
+                      f"{r.compile_s:.2f}", r.error or "")
+    console.print(table)
+    fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    console.print(f"estimate admits {agreement.admitted}, of which {agreement.admitted_ok} "
+                  f"compile (precision {fmt(agreement.precision)}); the compiler accepts "
+                  f"{agreement.compiled_ok}, of which the estimate admits {agreement.admitted_ok} "
+                  f"(recall {fmt(agreement.recall)})")

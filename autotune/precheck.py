@@ -1,0 +1,202 @@
+"""Deviceless precheck: compile every candidate config for a TPU generation on this CPU.
+
+Compiles run in worker processes (each with its own JAX/libtpu), so a compile that hangs is
+killed at its timeout without taking the sweep down; the worker is replaced and the sweep goes on.
+
+For ``fwd_bwd`` problems the three kernels (forward, dK/dV, dQ) compile independently, so the
+full space (the product of their tiles) is covered by compiling each kernel's own tiles with the
+others at the default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full
+config compiles exactly when each of its three parts does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.failures import Status, classify_compile_error, first_line
+from kernel.config import BACKWARD_FIELDS, FORWARD_FIELDS, FlashConfig
+from kernel.problem import Problem
+from kernel.space import Target, default_config, search_space, space_params, vmem_violations
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A config to compile, and whether the VMEM estimate predicts it fits."""
+
+    config: FlashConfig
+    predicted_fit: bool
+
+
+@dataclass
+class PrecheckResult:
+    config: FlashConfig
+    status: Status
+    compile_s: float
+    predicted_fit: bool
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "status": str(self.status),
+                "compile_s": round(self.compile_s, 3), "predicted_fit": self.predicted_fit,
+                "error": self.error}
+
+
+@dataclass
+class Agreement:
+    """How the VMEM estimate's verdicts compare with the compiler's."""
+
+    admitted: int = 0  # the estimate says it fits
+    admitted_ok: int = 0  # ... and it compiles
+    compiled_ok: int = 0  # the compiler accepts it
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, results: list[PrecheckResult]) -> Agreement:
+        agreement = cls()
+        for result in results:
+            agreement.counts[result.status] = agreement.counts.get(result.status, 0) + 1
+            ok = result.status == Status.OK
+            agreement.admitted += result.predicted_fit
+            agreement.admitted_ok += result.predicted_fit and ok
+            agreement.compiled_ok += ok
+        return agreement
+
+    @property
+    def precision(self) -> float | None:
+        """Share of admitted configs that compile (target: 1.0)."""
+        return self.admitted_ok / self.admitted if self.admitted else None
+
+    @property
+    def recall(self) -> float | None:
+        """Share of compiling configs that the estimate admits (target: >= 0.9)."""
+        return self.admitted_ok / self.compiled_ok if self.compiled_ok else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": True, "counts": self.counts, "admitted": self.admitted,
+                "admitted_and_compiled": self.admitted_ok, "compiled": self.compiled_ok,
+                "precision": self.precision, "recall": self.recall}
+
+
+def candidates(
+    problem: Problem, target: Target, depths: tuple[int, ...], *,
+    include_rejected: bool = False, vmem_limit_bytes: int | None = None,
+) -> list[Candidate]:
+    """The configs precheck compiles (see the module docstring for ``fwd_bwd``)."""
+    base = default_config(problem, target, depths=depths, vmem_limit_bytes=vmem_limit_bytes)
+    fwd_problem = Problem(**{**problem.to_dict(), "mode": "fwd"})
+    variants = [config.replace(**{f: getattr(base, f) for f in BACKWARD_FIELDS})
+                for config in search_space(fwd_problem, target, depths=depths,
+                                           include_vmem_rejected=True)]
+    if problem.mode == "fwd_bwd":
+        params = space_params(problem, depths)
+        for part in (("block_q_dkv", "block_kv_dkv"), ("block_q_dq", "block_kv_dq")):
+            variants += [base.replace(**{part[0]: a, part[1]: b})
+                         for a in params[part[0]] for b in params[part[1]]]
+    unique = list(dict.fromkeys(variants))
+    out = [Candidate(c, not vmem_violations(problem, c, target, vmem_limit_bytes))
+           for c in unique]
+    return out if include_rejected else [c for c in out if c.predicted_fit]
+
+
+def _worker(slot_id: int, target_name: str, tasks: Any, results: Any) -> None:
+    """Worker process: compiles the configs it is sent, one at a time."""
+    from kernel.aot import compile_for_target, topology_device
+
+    topology_device(target_name)  # pay libtpu start-up once, before the first deadline
+    results.put(("ready", slot_id, None))
+    while (task := tasks.get()) is not None:
+        index, problem_dict, config_dict, options = task
+        start = time.perf_counter()
+        try:
+            seconds = compile_for_target(Problem.from_dict(problem_dict),
+                                         FlashConfig.from_dict(config_dict), target_name, options)
+            results.put(("done", index, (Status.OK, seconds, None)))
+        except Exception as error:  # any compiler failure is a result, not a crash
+            message = str(error)
+            results.put(("done", index, (classify_compile_error(message),
+                                         time.perf_counter() - start, first_line(message))))
+
+
+class _Slot:
+    """One worker process and the task it is running."""
+
+    def __init__(self, ctx: Any, slot_id: int, target_name: str, results: Any) -> None:
+        self.id = slot_id
+        self.tasks = ctx.Queue()
+        self.process = ctx.Process(target=_worker, args=(slot_id, target_name, self.tasks,
+                                                         results), daemon=True)
+        self.process.start()
+        self.index: int | None = None
+        self.started = 0.0
+
+
+def precheck(
+    problem: Problem, target: Target, depths: tuple[int, ...], *,
+    jobs: int = 2, timeout_s: float = 300.0, include_rejected: bool = False,
+    vmem_limit_bytes: int | None = None, compiler_options: dict[str, Any] | None = None,
+    on_result: Callable[[PrecheckResult], None] | None = None,
+) -> list[PrecheckResult]:
+    """Compiles every candidate for ``target`` in ``jobs`` processes, each with a timeout."""
+    todo = candidates(problem, target, depths, include_rejected=include_rejected,
+                      vmem_limit_bytes=vmem_limit_bytes)
+    results: list[PrecheckResult | None] = [None] * len(todo)
+    ctx = mp.get_context("spawn")
+    inbox = ctx.Queue()
+    pending: Iterator[int] = iter(range(len(todo)))
+    slot_ids = iter(range(1 << 30))
+    slots = [_Slot(ctx, next(slot_ids), target.name, inbox)
+             for _ in range(max(1, min(jobs, len(todo))))]
+
+    def record(index: int, status: Status, seconds: float, error: str | None) -> None:
+        result = PrecheckResult(todo[index].config, status, seconds, todo[index].predicted_fit,
+                                error)
+        results[index] = result
+        if on_result:
+            on_result(result)
+
+    def feed(slot: _Slot) -> None:
+        index = next(pending, None)
+        slot.index, slot.started = index, time.monotonic()
+        if index is not None:
+            slot.tasks.put((index, problem.to_dict(), todo[index].config.to_dict(),
+                            compiler_options))
+
+    try:
+        while any(r is None for r in results):
+            try:
+                kind, index, payload = inbox.get(timeout=1.0)
+            except queue.Empty:
+                kind = None
+            if kind == "ready":
+                feed(next(s for s in slots if s.id == index))
+            elif kind == "done" and results[index] is None:  # else: late answer of a killed one
+                record(index, *payload)
+                feed(next(s for s in slots if s.index == index))
+            for i, slot in enumerate(slots):
+                if slot.index is not None and time.monotonic() - slot.started > timeout_s:
+                    slot.process.kill()
+                    record(slot.index, Status.TIMEOUT, time.monotonic() - slot.started,
+                           f"no result within {timeout_s:.0f} s")
+                    slots[i] = _Slot(ctx, next(slot_ids), target.name, inbox)
+                elif not slot.process.is_alive() and slot.index is not None:
+                    record(slot.index, Status.COMPILE_ERROR, time.monotonic() - slot.started,
+                           f"compiler process died (exit code {slot.process.exitcode})")
+                    slots[i] = _Slot(ctx, next(slot_ids), target.name, inbox)
+                elif not slot.process.is_alive() and not slot.started:
+                    raise RuntimeError(
+                        f"a compiler process failed to start (exit code "
+                        f"{slot.process.exitcode}); is libtpu installed? "
+                        "(pip install 'flash-autotune[tpu]')")
+    finally:
+        for slot in slots:
+            if slot.process.is_alive():
+                slot.tasks.put(None)
+                slot.process.join(timeout=5)
+                if slot.process.is_alive():
+                    slot.process.kill()
+    return [r for r in results if r is not None]
