@@ -384,3 +384,22 @@ def test_concurrent_readers_and_a_writer(busy_server: Server) -> None:
         for q_len in q_lens:
             found = client.get("/v1/configs/lookup", params=lookup_params(kind, q_len=q_len))
             assert found.status_code == 200 and found.json()["match"] == "exact"
+
+
+def test_the_kernel_resolver_reads_the_service(server: Server) -> None:
+    """``kernel.resolve`` (urllib) against the real service: exact, nearest, and a miss that
+    falls back to the default config."""
+    from kernel.resolve import Resolver, ResolverSettings
+
+    kind = device()
+    publish(server, body(kind, config={"block_q": 512, "block_kv": 512}))
+    resolver = Resolver(ResolverSettings(url=server.url, timeout_s=10))
+    exact = resolver.resolve(Problem.from_dict(PROBLEM), kind)
+    assert (exact.source, exact.config.block_q, exact.detail) == (
+        "service", 512, "exact match from service")
+    nearest = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 2048}), kind)
+    assert (nearest.source, nearest.config.block_q) == ("service", 512)
+    assert nearest.detail == "nearest match from service"
+    miss = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 256}), kind)
+    assert miss.source == "default" and "no config" in miss.detail
+    assert resolver.service_requests == 3
