@@ -64,14 +64,13 @@ def flash_attention(
     problem = _problem(q, k, v, causal)
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not (
-            math.isfinite(sm_scale) and sm_scale > 0):
-        raise TypeError(f"sm_scale must be a positive Python float (static), got {sm_scale!r}")
-    if config is not None:
-        if not isinstance(config, FlashConfig):
-            raise TypeError(f"config must be a kernel.FlashConfig or None, got "
-                            f"{type(config).__name__}; build one with FlashConfig.from_dict")
-        _check_config(problem, config)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a Python float (static), got {sm_scale!r}")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    if config is not None and not isinstance(config, FlashConfig):
+        raise TypeError(f"config must be a kernel.FlashConfig or None, got "
+                        f"{type(config).__name__}; build one with FlashConfig.from_dict")
     _check_platform()
     return _flash(q, k, v, causal, float(sm_scale), config)
 
@@ -114,13 +113,6 @@ def _problem(q: Any, k: Any, v: Any, causal: Any) -> Problem:
                    dtype=jnp.dtype(q.dtype).name, causal=causal)
 
 
-def _check_config(problem: Problem, config: FlashConfig) -> None:
-    broken = static_violations(problem, config, supported_pipeline_depths())
-    if broken:
-        raise ConfigError(f"config {config.label()} is illegal for {problem.label()}: "
-                          + "; ".join(map(str, broken)))
-
-
 def _default_device() -> jax.Device:
     device = jax.config.jax_default_device
     if isinstance(device, jax.Device):
@@ -142,7 +134,10 @@ def _resolve(q: jax.Array, k: jax.Array, causal: bool, config: FlashConfig | Non
     problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                       dtype=jnp.dtype(q.dtype).name, causal=causal, mode=mode)
     if config is not None:
-        _check_config(problem, config)
+        broken = static_violations(problem, config, supported_pipeline_depths())
+        if broken:
+            raise ConfigError(f"config {config.label()} is illegal for {problem.label()}: "
+                              + "; ".join(map(str, broken)))
         return config
     device_kind = _default_device().device_kind
     resolution = get_resolver().resolve(problem, device_kind)
