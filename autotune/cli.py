@@ -32,3 +32,10 @@ app.add_typer(db.app, name="db")
 app.command()(serve.serve)
 app.command("export")(tables.export_table)
 app.command("import")(tables.import_table)
+
+from autotune.commands import tune  # noqa: E402
+
+app.command()(tune.tune)
+from autotune.commands import demo  # noqa: E402
+
+app.command()(demo.demo)

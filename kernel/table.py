@@ -126,7 +126,7 @@ class LookupTable:
         return (entry, "nearest") if entry else None
 
 
-def _shape_distance(a: Problem, b: Problem) -> float:
+def shape_distance(a: Problem, b: Problem) -> float:
     """How far apart two problems are, in octaves of their sizes."""
     return (abs(math.log2(a.q_len / b.q_len)) + abs(math.log2(a.kv_len / b.kv_len))
             + 0.5 * abs(math.log2(a.batch * a.q_heads / (b.batch * b.q_heads)))
@@ -142,4 +142,4 @@ def nearest_entry(problem: Problem, entries: Iterable[TableEntry]) -> TableEntry
             entry.problem.mode) == (problem.dtype, problem.head_dim, problem.causal, problem.mode)
         and not static_violations(problem, entry.config, depths=(entry.config.pipeline_depth,))
     ]
-    return min(candidates, key=lambda e: _shape_distance(problem, e.problem), default=None)
+    return min(candidates, key=lambda e: shape_distance(problem, e.problem), default=None)

@@ -1,0 +1,117 @@
+"""``autotune demo``: the whole loop on the local device, end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+from autotune.commands.db import DbOption, open_store, resolve_url
+from autotune.commands.tune import ensure_schema
+from kernel.problem import Problem
+
+DEMO_PROBLEM = Problem(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
+                       dtype="bfloat16", causal=True, mode="fwd")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(db_url: str, port: int) -> subprocess.Popen:
+    """``autotune serve`` in a subprocess, once it answers /readyz."""
+    import httpx
+
+    process = subprocess.Popen([sys.executable, "-m", "autotune", "serve", "--db", db_url,
+                                "--port", str(port)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"autotune serve exited: {process.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("autotune serve did not become ready within 60 s")
+
+
+def demo(
+    db: DbOption = None,
+    trials: Annotated[int, typer.Option(min=2, help="Measured configs.")] = 10,
+) -> None:
+    """Tune a small attention problem on this device, publish the winner, serve it over HTTP,
+    and show the kernel wrapper resolving that config from the service at trace time."""
+    from rich.console import Console
+
+    from autotune.progress import TuneProgress
+    from autotune.tune import TuneOptions, tune
+
+    console = Console()
+    db_url = resolve_url(db)
+    ensure_schema(db_url)
+    store = open_store(db_url)
+    console.rule("1. tune")
+    try:
+        with TuneProgress(DEMO_PROBLEM, trials) as progress:
+            summary = tune(DEMO_PROBLEM, store, db_url, TuneOptions(trials=trials),
+                           observer=progress)
+    finally:
+        store.close()
+    console.print(f"winner {summary.best_config.label()}: {summary.best_time_ms:.3f} ms vs "
+                  f"default {summary.default_time_ms:.3f} ms on {summary.device_kind} "
+                  f"({summary.method}); stored: {summary.publish}")
+
+    console.rule("2. serve")
+    port = _free_port()
+    server = _start_server(db_url, port)
+    url = f"http://127.0.0.1:{port}"
+    console.print(f"autotune serve on {url} (database {db_url})")
+    try:
+        console.rule("3. resolve at trace time")
+        source, config, error = _trace_with_service(url)
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
+    console.print(f"kernel.flash_attention traced {DEMO_PROBLEM.label()}: config "
+                  f"{config.label()} from [bold]{source}[/]; max error vs XLA reference "
+                  f"{error:.2e}")
+    if source != "service" or config != summary.best_config:
+        console.print("[red]the traced config is not the one the service published[/]")
+        raise typer.Exit(1)
+    console.print("[green]the wrapper used the tuned config served over HTTP[/]")
+
+
+def _trace_with_service(url: str) -> tuple[str, object, float]:
+    """Jits the kernel with ``AUTOTUNE_URL`` pointing at the service; returns the resolution
+    source, the config used and the error against the reference."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernel
+    from kernel.flash import reference_attention
+    from kernel.resolve import reset_resolver
+
+    os.environ["AUTOTUNE_URL"] = url
+    resolver = reset_resolver()
+    p = DEMO_PROBLEM
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (p.batch, p.q_heads, p.q_len, p.head_dim), p.dtype)
+    k, v = (jax.random.normal(key, (p.batch, p.kv_heads, p.kv_len, p.head_dim), p.dtype)
+            for key in keys[1:])
+    attend = jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v, causal=p.causal))
+    out = attend(q, k, v)
+    want = reference_attention(q, k, v, causal=p.causal)
+    error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+    resolution = resolver.resolve(p, jax.devices()[0].device_kind)
+    return resolution.source, resolution.config, error

@@ -1,0 +1,121 @@
+"""``autotune tune``: search, confirm and publish the best config for one or more problems."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from autotune.commands.db import DbOption, open_store, resolve_url
+from autotune.problem_options import with_problem_options
+from kernel.problem import Problem, ProblemError
+
+SAMPLER_NAMES = ("tpe", "random", "grid")
+
+
+def load_shapes(path: Path) -> list[Problem]:
+    """Problems from a YAML or JSON list of problem objects (a model's attention shapes)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    except OSError as error:
+        raise typer.BadParameter(f"cannot read {path}: {error.strerror}",
+                                 param_hint="--shapes") from None
+    except yaml.YAMLError as error:
+        raise typer.BadParameter(f"{path} is not valid YAML/JSON: {error}",
+                                 param_hint="--shapes") from None
+    if not isinstance(data, list) or not data:
+        raise typer.BadParameter(f"{path} must hold a non-empty list of problems",
+                                 param_hint="--shapes")
+    problems = []
+    for index, item in enumerate(data):
+        try:
+            problems.append(Problem.from_dict(item))
+        except ProblemError as error:
+            raise typer.BadParameter(f"{path}, problem {index}: {error}",
+                                     param_hint="--shapes") from None
+    return problems
+
+
+def ensure_schema(db_url: str) -> None:
+    """Creates the tables in a database that has none; an out-of-date schema is left for
+    ``autotune db upgrade`` (``open_store`` then says so)."""
+    from sqlalchemy import inspect
+
+    from storage import make_engine, upgrade
+    from storage.schema import VERSION_TABLE
+
+    engine = make_engine(db_url)
+    try:
+        if not inspect(engine).has_table(VERSION_TABLE):
+            upgrade(engine)
+    finally:
+        engine.dispose()
+
+
+@with_problem_options
+def tune(
+    problem: Problem,
+    shapes: Annotated[Path | None, typer.Option(
+        help="YAML/JSON list of problems to tune in one job (instead of the problem flags).")]
+    = None,
+    trials: Annotated[int, typer.Option(min=1, help="Measured configs per problem.")] = 30,
+    timeout: Annotated[float | None, typer.Option(min=0, help="Wall seconds per problem.")]
+    = None,
+    patience: Annotated[int | None, typer.Option(
+        min=1, help="Stop after this many measured configs without improvement.")] = None,
+    sampler: Annotated[str, typer.Option(help="tpe | random | grid.")] = "tpe",
+    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
+    db: DbOption = None,
+    study: Annotated[str | None, typer.Option(
+        help="Optuna study name (default: derived from the key, so a rerun resumes).")] = None,
+    force: Annotated[bool, typer.Option(
+        help="Publish even if the stored result is better.")] = False,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="One JSON object per trial, then one summary object per problem.")]
+    = False,
+) -> None:
+    """Tune flash-attention block sizes and pipeline depth on the local device, confirm the
+    winner against the default, and publish it with provenance."""
+    if sampler not in SAMPLER_NAMES:
+        raise typer.BadParameter(f"{sampler!r}: use one of {', '.join(SAMPLER_NAMES)}",
+                                 param_hint="--sampler")
+    problems = load_shapes(shapes) if shapes else [problem]
+    if study and len(problems) > 1:
+        raise typer.BadParameter("--study names one study; leave it out with --shapes",
+                                 param_hint="--study")
+    db_url = resolve_url(db)
+    ensure_schema(db_url)
+    store = open_store(db_url)
+
+    from autotune.progress import TuneProgress
+    from autotune.tune import TuneOptions
+    from autotune.tune import tune as run_tune
+
+    options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
+                          seed=seed, study=study, force=force)
+    try:
+        for item in problems:
+            with TuneProgress(item, trials, json_output=json_output) as progress:
+                summary = run_tune(item, store, db_url, options, observer=progress)
+            _report(summary, json_output)
+    finally:
+        store.close()
+
+
+def _report(summary: Any, json_output: bool) -> None:
+    if json_output:
+        print(json.dumps({"summary": True, **summary.to_dict()}), flush=True)
+        return
+    from rich.console import Console
+
+    verdict = ("the default stays: no candidate beat it beyond the measured noise"
+               if summary.winner_is_default else f"{summary.speedup:.2f}x over the default")
+    Console().print(
+        f"[bold]{summary.problem.label()}[/] on {summary.device_kind} ({summary.method}): "
+        f"best {summary.best_config.label()} at {summary.best_time_ms:.3f} ms, {verdict}; "
+        f"{summary.measured} measured, failures {summary.failures or 'none'}; "
+        f"published: {summary.publish} (study {summary.study!r})")

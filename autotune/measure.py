@@ -1,0 +1,189 @@
+"""Measuring flash configs on the attached device.
+
+Per candidate: an ahead-of-time compile (started early, in a small thread pool, for the
+candidates the search will ask about next), a correctness gate against the XLA reference, then
+timing: warm-up, repeated runs with ``block_until_ready``, median and spread. Every failure is
+classified and returned, never raised. On a CPU-only machine the kernel runs in TPU interpret
+mode: the pipeline is exercised for real, but the times are no TPU figure (method
+``interpret``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autotune.failures import Status, classify_compile_error, first_line
+from autotune.search import Measurement
+from kernel.aot import attention_fn, input_specs
+from kernel.config import FlashConfig
+from kernel.flash import reference_attention
+from kernel.problem import Problem
+
+# Largest error allowed, relative to the reference's largest magnitude (per output).
+TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}
+
+BuildFn = Callable[[Problem, FlashConfig], Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall times of repeated runs of one compiled config, in milliseconds."""
+
+    samples_ms: tuple[float, ...]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def iqr_ms(self) -> float:
+        if len(self.samples_ms) < 4:
+            return max(self.samples_ms) - min(self.samples_ms)
+        q1, _, q3 = statistics.quantiles(self.samples_ms, n=4)
+        return q3 - q1
+
+
+def _reference_fn(problem: Problem) -> Callable[..., Any]:
+    attend = lambda q, k, v: reference_attention(q, k, v, causal=problem.causal)  # noqa: E731
+    if problem.mode == "fwd":
+        return attend
+    return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """Largest absolute error over every output, relative to that output's largest magnitude."""
+    worst = 0.0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if not np.all(np.isfinite(g)):
+            return float("inf")
+        worst = max(worst, float(np.max(np.abs(g - w)) / (np.max(np.abs(w)) + 1e-6)))
+    return worst
+
+
+@dataclass
+class FlashMeasurer:
+    """Measures configs of one problem on ``jax.devices()[0]``; a search ``Measure``.
+
+    ``prepare(config)`` starts compiling a config the search will ask about soon; calling the
+    measurer with a config waits for its compile (``compile_timeout_s``), checks the result
+    and times it. ``build`` makes the function to measure (the kernel's by default).
+    """
+
+    problem: Problem
+    base: FlashConfig  # fields the search does not vary come from here
+    compile_timeout_s: float = 300.0
+    min_runs: int = 5
+    max_runs: int = 50
+    min_time_s: float = 0.2  # keep timing until this much wall time (or max_runs) is spent
+    warmup: int = 1
+    tolerance: float | None = None
+    pool_size: int = 2
+    build: BuildFn = attention_fn
+    seed: int = 0
+    _pool: ThreadPoolExecutor = field(init=False, repr=False)
+    _compiles: dict[FlashConfig, Future] = field(init=False, repr=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.device = jax.devices()[0]
+        self.method = "device" if self.device.platform == "tpu" else "interpret"
+        self.tolerance = self.tolerance or TOLERANCE[self.problem.dtype]
+        self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
+        keys = jax.random.split(jax.random.key(self.seed), 3)
+        self.inputs = [jax.device_put(jax.random.normal(key, spec.shape, spec.dtype), self.device)
+                       for key, spec in zip(keys, input_specs(self.problem), strict=True)]
+        self.expected = jax.jit(_reference_fn(self.problem))(*self.inputs)
+
+    def config(self, params: dict[str, Any]) -> FlashConfig:
+        return self.base.replace(**params)
+
+    def _compile(self, config: FlashConfig) -> tuple[Any, float]:
+        start = time.perf_counter()
+        compiled = jax.jit(self.build(self.problem, config)).lower(*self.inputs).compile()
+        return compiled, time.perf_counter() - start
+
+    def prepare(self, params: dict[str, Any]) -> None:
+        """Starts compiling ``params`` in the background (no-op if already started)."""
+        config = self.config(params)
+        with self._lock:
+            if config not in self._compiles:
+                self._compiles[config] = self._pool.submit(self._compile, config)
+
+    def __call__(self, params: dict[str, Any]) -> Measurement:
+        config = self.config(params)
+        self.prepare(params)
+        with self._lock:
+            future = self._compiles[config]
+        try:
+            compiled, compile_s = future.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            # A running compile cannot be interrupted; it finishes in the background and is
+            # dropped. The config is classified and the search moves on.
+            return Measurement.failure(Status.TIMEOUT, error=f"compile took longer than "
+                                       f"{self.compile_timeout_s:.0f} s")
+        except Exception as error:  # a failed compile is a result, not a crash
+            return Measurement.failure(classify_compile_error(str(error)),
+                                       error=first_line(str(error)))
+        finally:
+            with self._lock:  # drop the executable once measured: flat memory over long runs
+                self._compiles.pop(config, None)
+        return self._check_and_time(compiled, compile_s)
+
+    def _check_and_time(self, compiled: Any, compile_s: float) -> Measurement:
+        try:
+            got = jax.block_until_ready(compiled(*self.inputs))
+        except Exception as error:
+            return Measurement.failure(Status.RUNTIME_ERROR, compile_s=compile_s,
+                                       error=first_line(str(error)))
+        error = relative_error(got, self.expected)
+        if not error <= self.tolerance:
+            return Measurement.failure(Status.WRONG_RESULT, compile_s=compile_s,
+                                       error=f"relative error {error:.3g} over tolerance "
+                                             f"{self.tolerance:g}")
+        timing = self.time(compiled)
+        return Measurement(timing.median_ms, Status.OK, {
+            "compile_s": round(compile_s, 4), "iqr_ms": timing.iqr_ms,
+            "runs": len(timing.samples_ms), "max_error": error})
+
+    def time(self, compiled: Any, *, runs: int | None = None) -> Timing:
+        """Times ``compiled`` after ``warmup`` runs: exactly ``runs`` runs when given, else at
+        least ``min_runs`` and until ``min_time_s`` has passed (at most ``max_runs``)."""
+        for _ in range(self.warmup):
+            jax.block_until_ready(compiled(*self.inputs))
+        samples: list[float] = []
+        begin = time.perf_counter()
+        while len(samples) < (runs or self.max_runs):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*self.inputs))
+            samples.append((time.perf_counter() - start) * 1e3)
+            if runs is None and len(samples) >= self.min_runs and (
+                    time.perf_counter() - begin >= self.min_time_s):
+                break
+        return Timing(tuple(samples))
+
+    def confirm(self, configs: Sequence[FlashConfig], rounds: int = 5,
+                runs_per_round: int = 3) -> dict[FlashConfig, Timing]:
+        """Re-measures ``configs`` interleaved (A B C A B C ...), so drift and noise hit all
+        alike; each round contributes the median of ``runs_per_round`` runs per config."""
+        compiled = {config: self._compile(config)[0] for config in dict.fromkeys(configs)}
+        samples: dict[FlashConfig, list[float]] = {config: [] for config in compiled}
+        for _ in range(rounds):
+            for config, executable in compiled.items():
+                samples[config].append(self.time(executable, runs=runs_per_round).median_ms)
+        return {config: Timing(tuple(values)) for config, values in samples.items()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compiles.clear()

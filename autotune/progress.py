@@ -1,0 +1,63 @@
+"""Progress of a tuning run: a Rich bar with the current best, or JSON lines per trial."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune.search import TrialResult
+from kernel.problem import Problem
+
+
+class TuneProgress:
+    """A :class:`autotune.tune.TuneObserver` for the CLI."""
+
+    def __init__(self, problem: Problem, budget: int, *, json_output: bool = False) -> None:
+        self.problem = problem
+        self.json_output = json_output
+        self.failures: Counter[str] = Counter()
+        self.measured = 0
+        self._progress = None if json_output else Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
+        self._task = None if self._progress is None else self._progress.add_task(
+            problem.label(), total=budget, status="starting")
+
+    def __enter__(self) -> TuneProgress:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def on_trial(self, result: TrialResult, best: TrialResult | None,
+                 default_ms: float | None) -> None:
+        self.measured += 1
+        if not result.measurement.ok:
+            self.failures[result.measurement.status] += 1
+        if self.json_output:
+            print(json.dumps({"problem": self.problem.to_dict(), "trial": result.number,
+                              "config": result.config, "status": result.measurement.status,
+                              "time_ms": result.value, **dict(result.measurement.attrs)}),
+                  flush=True)
+            return
+        self._progress.update(self._task, completed=self.measured,
+                              status=self._status(best, default_ms))
+
+    def on_phase(self, phase: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, status=phase)
+
+    def _status(self, best: TrialResult | None, default_ms: float | None) -> str:
+        parts: list[str] = []
+        if best is not None:
+            parts.append(f"best {best.value:.3f} ms")
+            if default_ms:
+                parts.append(f"{default_ms / best.value:.2f}x vs default")
+        if self.failures:
+            parts.append("failures " + " ".join(f"{k}={v}" for k, v in
+                                                sorted(self.failures.items())))
+        return ", ".join(parts)

@@ -1,0 +1,211 @@
+"""Tuning one problem end to end: search, confirm the winner, publish it with provenance.
+
+Composes ``kernel`` (space, rules, default, the measured function) and ``storage`` (where the
+winner goes, and where warm-start seeds come from). The Optuna study lives in the same database
+as the results, named after the key, so re-running the same command resumes it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+import optuna
+
+from autotune.measure import FlashMeasurer, Timing
+from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
+from autotune.space import Space
+from kernel import KERNEL_NAME, KERNEL_VERSION
+from kernel.config import ConfigError, FlashConfig
+from kernel.depths import supported_pipeline_depths
+from kernel.problem import Problem
+from kernel.space import TARGETS, Target, default_config, space_params, violations
+from kernel.table import shape_distance
+from storage import Store, TunedResult
+
+MAX_WARM_SEEDS = 3
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    trials: int = 30
+    timeout: float | None = None
+    patience: int | None = None
+    sampler: SamplerName = "tpe"
+    seed: int | None = 0
+    study: str | None = None  # default: derived from the key, so a rerun resumes
+    confirm_top: int = 3
+    confirm_rounds: int = 5
+    compile_timeout_s: float = 300.0
+    force: bool = False  # publish even if the stored entry is better
+
+
+@dataclass
+class TuneSummary:
+    """The outcome of tuning one problem (what ``autotune tune --json`` ends with)."""
+
+    problem: Problem
+    device_kind: str
+    method: str
+    study: str
+    best_config: FlashConfig
+    best_time_ms: float
+    default_time_ms: float
+    speedup: float
+    measured: int
+    failures: dict[str, int]
+    winner_is_default: bool
+    publish: str  # what storage did: inserted, replaced, kept
+    stop_reason: str
+    confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"problem": self.problem.to_dict(), "device_kind": self.device_kind,
+                "method": self.method, "study": self.study,
+                "best_config": self.best_config.to_dict(),
+                "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
+                "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
+                "winner_is_default": self.winner_is_default, "publish": self.publish,
+                "stop_reason": self.stop_reason}
+
+
+def device_target(device: jax.Device) -> Target:
+    """The rules' target for a device (the CPU interprets, with no VMEM limit)."""
+    return next((t for t in TARGETS.values() if t.device_kind == device.device_kind),
+                TARGETS["cpu"])
+
+
+def study_name(problem: Problem, device_kind: str) -> str:
+    return f"{KERNEL_NAME}/{device_kind}/{problem.label()}"
+
+
+def flash_space(problem: Problem, target: Target, depths: tuple[int, ...]) -> tuple[Space,
+                                                                                    FlashConfig]:
+    """The search space of ``problem`` (only fields that matter for its mode) and the default
+    config, whose values fill the fields the search does not vary."""
+    base = default_config(problem, target, depths=depths)
+
+    def is_legal(params: dict[str, Any]) -> bool:
+        try:
+            config = base.replace(**params)
+        except ConfigError:  # e.g. a compute block that does not divide the kv block
+            return False
+        return not violations(problem, config, target, depths=depths)
+
+    return Space(space_params(problem, depths), is_legal), base
+
+
+def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
+               base: FlashConfig) -> list[dict[str, Any]]:
+    """The default first, then winners of the nearest tuned problems on the same device."""
+    family = {"kernel": KERNEL_NAME, "device_kind": device_kind, "dtype": problem.dtype,
+              "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
+    entries, _ = store.list(family, limit=None)
+    nearest = sorted((e.result for e in entries if e.result.problem != problem),
+                     key=lambda r: shape_distance(problem, r.problem))
+    seeds = [base] + [r.config for r in nearest]
+    params = [{name: getattr(config, name) for name in space.names} for config in seeds]
+    legal = [p for p in params if space.is_legal(p)]
+    return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
+
+
+def versions() -> dict[str, str | None]:
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
+            "libtpu_version": version("libtpu")}
+
+
+def _top_configs(name: str, base: FlashConfig, count: int, storage: Any) -> list[FlashConfig]:
+    study = optuna.load_study(study_name=name, storage=storage)
+    ok = sorted((t for t in study.get_trials(deepcopy=False)
+                 if t.state == optuna.trial.TrialState.COMPLETE
+                 and t.user_attrs.get("status", "ok") == "ok"), key=lambda t: t.value)
+    return list(dict.fromkeys(base.replace(**t.params) for t in ok))[:count]
+
+
+def _failures(name: str, storage: Any) -> dict[str, int]:
+    study = optuna.load_study(study_name=name, storage=storage)
+    return dict(Counter(t.user_attrs["status"] for t in study.get_trials(deepcopy=False)
+                        if t.user_attrs.get("status", OK) not in (OK, *NOT_MEASURED)))
+
+
+def choose_winner(timings: dict[FlashConfig, Timing], default: FlashConfig) -> FlashConfig:
+    """The fastest confirmed config, unless it does not beat the default beyond the noise:
+    its median must be lower by more than the larger of the two spreads (IQR) and 1%."""
+    best = min(timings, key=lambda c: timings[c].median_ms)
+    gain = timings[default].median_ms - timings[best].median_ms
+    noise = max(timings[best].iqr_ms, timings[default].iqr_ms,
+                0.01 * timings[default].median_ms)
+    return best if gain > noise else default
+
+
+class TuneObserver(Protocol):
+    """What a progress display gets told while a problem is tuned."""
+
+    def on_trial(self, result: TrialResult, best: TrialResult | None,
+                 default_ms: float | None) -> None: ...
+
+    def on_phase(self, phase: str) -> None: ...
+
+
+def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
+         observer: TuneObserver | None = None) -> TuneSummary:
+    """Searches, confirms and publishes the best config for ``problem`` on this device."""
+    device = jax.devices()[0]
+    target = device_target(device)
+    depths = supported_pipeline_depths()
+    space, base = flash_space(problem, target, depths)
+    name = options.study or study_name(problem, device.device_kind)
+    storage = open_storage(db_url)
+    measurer = FlashMeasurer(problem, base, compile_timeout_s=options.compile_timeout_s)
+    default_params = {name: getattr(base, name) for name in space.names}
+    default_ms: list[float] = []  # the default's search-time measurement, once seen
+
+    def on_trial(result: TrialResult, best: TrialResult | None) -> None:
+        if result.config == default_params and result.measurement.ok:
+            default_ms.append(result.measurement.value)
+        if observer:
+            observer.on_trial(result, best, default_ms[0] if default_ms else None)
+
+    try:
+        result = search(space, measurer, storage=storage, study_name=name,
+                        sampler=options.sampler, trials=options.trials, timeout=options.timeout,
+                        patience=options.patience,
+                        seeds=warm_seeds(store, problem, device.device_kind, space, base),
+                        seed=options.seed, on_trial=on_trial)
+        if observer:
+            observer.on_phase("confirming")
+        top = _top_configs(name, base, options.confirm_top, storage)
+        timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+    finally:
+        measurer.close()
+    winner = choose_winner(timings, base)
+    default_ms, winner_ms = timings[base].median_ms, timings[winner].median_ms
+    outcome = store.publish(TunedResult(
+        device_kind=device.device_kind, problem=problem, config=winner, median_ms=winner_ms,
+        iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
+        speedup=default_ms / winner_ms, trials=result.measured, method=measurer.method,
+        study=name, **versions()), force=options.force)
+    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                "is_default": c == base, "is_winner": c == winner}
+                    for c, t in timings.items()}
+    study = optuna.load_study(study_name=name, storage=storage)
+    study.set_user_attr("confirmation", list(confirmation.values()))
+    study.set_user_attr("problem", problem.to_dict())
+    study.set_user_attr("device_kind", device.device_kind)
+    return TuneSummary(
+        problem=problem, device_kind=device.device_kind, method=measurer.method, study=name,
+        best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
+        speedup=default_ms / winner_ms, measured=result.measured,
+        failures=_failures(name, storage), winner_is_default=winner == base,
+        publish=outcome.status,
+        stop_reason=result.stop_reason, confirmation=confirmation)
