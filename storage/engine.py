@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTIONS = {"autotune_write": True}  # execution option: this transaction will write
@@ -42,9 +42,9 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     try:
         return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size,
                              pool_pre_ping=True)
-    except ModuleNotFoundError as error:
-        raise DatabaseUrlError(f"no driver for {url.split(':')[0]!r} ({error.name} is not "
-                               "installed); use sqlite:/// or postgresql+psycopg://") from None
+    except (ModuleNotFoundError, NoSuchModuleError) as error:
+        raise DatabaseUrlError(f"no driver for {url.split(':')[0]!r} ({error}); use "
+                               "sqlite:///PATH or postgresql+psycopg://...") from None
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from storage.results import TEXT_LIMITS
+
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
 FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
@@ -23,10 +25,10 @@ class Base(DeclarativeBase):
 class _ResultColumns:
     """The columns of a tuned result, shared by the live table and its history."""
 
-    kernel: Mapped[str] = mapped_column(String(64))
-    kernel_version: Mapped[str] = mapped_column(String(64))
-    device_kind: Mapped[str] = mapped_column(String(128))
-    platform: Mapped[str] = mapped_column(String(32))
+    kernel: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel"]))
+    kernel_version: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel_version"]))
+    device_kind: Mapped[str] = mapped_column(String(TEXT_LIMITS["device_kind"]))
+    platform: Mapped[str] = mapped_column(String(TEXT_LIMITS["platform"]))
     batch: Mapped[int] = mapped_column(Integer)
     q_heads: Mapped[int] = mapped_column(Integer)
     kv_heads: Mapped[int] = mapped_column(Integer)
@@ -42,11 +44,11 @@ class _ResultColumns:
     default_median_ms: Mapped[float | None] = mapped_column(Float)
     speedup: Mapped[float | None] = mapped_column(Float)
     trials: Mapped[int | None] = mapped_column(Integer)
-    method: Mapped[str | None] = mapped_column(String(16))
-    jax_version: Mapped[str | None] = mapped_column(String(64))
-    jaxlib_version: Mapped[str | None] = mapped_column(String(64))
-    libtpu_version: Mapped[str | None] = mapped_column(String(64))
-    study: Mapped[str | None] = mapped_column(String(256))
+    method: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["method"]))
+    jax_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jax_version"]))
+    jaxlib_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jaxlib_version"]))
+    libtpu_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["libtpu_version"]))
+    study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

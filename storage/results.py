@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -61,11 +62,21 @@ class ConfigKey:
                 **self.problem.to_dict()}
 
 
+# The longest value each text field may hold (the column sizes of storage.models).
+TEXT_LIMITS = {"kernel": 64, "kernel_version": 64, "device_kind": 128, "platform": 32,
+               "method": 16, "jax_version": 64, "jaxlib_version": 64, "libtpu_version": 64,
+               "study": 256}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str) or not value.strip():
         raise ResultError(f"{name} must be a non-empty string, got {value!r}")
+    if len(value) > TEXT_LIMITS[name] or _CONTROL.search(value):
+        raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters without "
+                          f"control characters, got {value[:40]!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,7 @@ class TunedResult:
             raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.platform:
             object.__setattr__(self, "platform", default_platform(self.device_kind))
+        _check_text("platform", self.platform)
 
     @property
     def key(self) -> ConfigKey:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
@@ -35,6 +35,7 @@ from storage.schema import schema_problem
 from storage.settings import StorageSettings
 
 Match = Literal["exact", "nearest"]
+_T = TypeVar("_T")
 FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
 PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
 _PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
@@ -206,7 +207,7 @@ class Store:
             results.append(result)
         return self._write(lambda session: [self._publish(session, r, force) for r in results])
 
-    def _write(self, work: Any) -> Any:
+    def _write(self, work: Callable[[Session], _T]) -> _T:
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 with Session(self._writer, expire_on_commit=False) as session, session.begin():

@@ -167,6 +167,22 @@ def test_import_is_all_or_nothing(store: Store) -> None:
     assert store.list() == ([], 0)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("device_kind", "TPU " + "v" * 200), ("device_kind", "TPU\x00v5"),
+    ("study", "s" * 300), ("platform", 5)])
+def test_text_that_a_column_cannot_hold_is_refused(store: Store, field: str,
+                                                   value: object) -> None:
+    with pytest.raises(ResultError, match=field):
+        result(**{field: value})
+    provenance = {field: value} if field != "device_kind" else {}
+    entry = TableEntry(problem(512), FlashConfig(block_q=256, block_kv=256), time_ms=1.0,
+                       provenance=provenance)
+    table = LookupTable("flash", "1", value if field == "device_kind" else DEVICE, (entry,))
+    with pytest.raises(ResultError, match=f"entry 0 .*{field}"):
+        store.import_table(table)
+    assert store.list() == ([], 0)
+
+
 def test_concurrent_publishers_of_one_key_lose_nothing(store: Store) -> None:
     medians = [1.0 + i / 10 for i in range(8)]
     errors: list[BaseException] = []

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 
 from api.deps import MetricsDep, StoreDep
-from api.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["health"])
 

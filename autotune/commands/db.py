@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -28,6 +30,23 @@ def resolve_url(db: str | None) -> str:
         raise typer.Exit(2) from None
 
 
+def _reason(error: Exception) -> str:
+    return str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+
+
+@contextmanager
+def database_errors(url: str) -> Iterator[None]:
+    """Turns a database failure (unreachable, rejected statement) into a one-line error and
+    exit status 1."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as error:
+        typer.echo(f"error: database {url}: {_reason(error)}", err=True)
+        raise typer.Exit(1) from None
+
+
 def open_store(db: str | None) -> Store:
     """A store on a reachable database with a current schema, or exit 1 saying the fix."""
     from storage import DatabaseUrlError, Store
@@ -49,8 +68,6 @@ def open_store(db: str | None) -> Store:
 def upgrade(db: DbOption = None) -> None:
     """Create the tables, or migrate them to this version's schema (other tables, such as
     Optuna's, are left alone)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     from storage import DatabaseUrlError, make_engine, schema_problem
     from storage import upgrade as upgrade_schema
     from storage.schema import head_revision
@@ -58,15 +75,15 @@ def upgrade(db: DbOption = None) -> None:
     url = resolve_url(db)
     try:
         engine = make_engine(url)
+    except DatabaseUrlError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    with database_errors(url):
         upgrade_schema(engine)
         problem = schema_problem(engine)
-    except (SQLAlchemyError, DatabaseUrlError) as error:
-        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
-        typer.echo(f"error: cannot upgrade {url}: {reason}", err=True)
-        raise typer.Exit(1) from None
+    engine.dispose()
     if problem:
         typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(1)
     typer.echo(f"{engine.url.render_as_string(hide_password=True)}: schema at revision "
                f"{head_revision()} (current)")
-    engine.dispose()

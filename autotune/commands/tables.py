@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.commands.db import DbOption, open_store
+from autotune.commands.db import DbOption, database_errors, open_store
 from kernel.resolve import KERNEL_NAME
 from kernel.table import LookupTable, TableError
 
@@ -26,7 +26,7 @@ def export_table(
     db: DbOption = None,
 ) -> None:
     """Write the tuned configs of one device kind as a lookup table to pin in a model build."""
-    with open_store(db) as store:
+    with open_store(db) as store, database_errors(store.url):
         if device_kind is None:
             kinds = store.device_kinds(kernel)
             if len(kinds) != 1:
@@ -61,7 +61,7 @@ def import_table(
     except TableError as error:
         typer.echo(f"error: {path}: {error}; nothing was imported", err=True)
         raise typer.Exit(2) from None
-    with open_store(db) as store:
+    with open_store(db) as store, database_errors(store.url):
         try:
             outcomes = store.import_table(table, force=force)
         except ResultError as error:
