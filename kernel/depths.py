@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from kernel import space
 from kernel.config import FlashConfig
@@ -27,16 +28,20 @@ def pipeline_depth_lowers(depth: int) -> bool:
         o_ref[...] = x_ref[...]
 
     block = (8, 128)
-    call = pl.pallas_call(
-        copy_kernel,
-        grid=(_PROBE_SHAPE[0] // block[0],),
-        in_specs=[pl.BlockSpec(block, lambda i: (i, 0), pipeline_mode=pl.Buffered(depth))],
-        out_specs=pl.BlockSpec(block, lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32),
-    )
     try:
-        jax.export.export(jax.jit(call), platforms=["tpu"])(
-            jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32))
+        # Lower for real even inside a caller's force_tpu_interpret_mode context (pallas_call
+        # reads that context when it is built).
+        with pltpu.force_tpu_interpret_mode(None):
+            call = pl.pallas_call(
+                copy_kernel,
+                grid=(_PROBE_SHAPE[0] // block[0],),
+                in_specs=[pl.BlockSpec(block, lambda i: (i, 0),
+                                       pipeline_mode=pl.Buffered(depth))],
+                out_specs=pl.BlockSpec(block, lambda i: (i, 0)),
+                out_shape=jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32),
+            )
+            jax.export.export(jax.jit(call), platforms=["tpu"])(
+                jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32))
     except Exception:  # noqa: BLE001 - Mosaic raises several private exception types
         return False
     return True

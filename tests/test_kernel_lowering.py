@@ -130,6 +130,13 @@ def test_supported_pipeline_depths_are_exactly_those_that_lower():
     assert {c.pipeline_depth for c in kernel.search_space(problem, "v5e")} == set(depths)
 
 
+def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
+    from jax.experimental.pallas import tpu as pltpu
+
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        assert pipeline_depth_lowers(1)
+
+
 @pytest.mark.parametrize("depth_ok", [True, False], ids=["supported", "first-unsupported"])
 def test_kernels_buffer_kv_with_the_configured_depth(depth_ok):
     """The forward and dQ kernels really pass pipeline_depth to Mosaic: the first depth that

@@ -134,3 +134,14 @@ def test_jit_matches_eager():
     fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True))
     np.testing.assert_array_equal(np.asarray(fn(q, k, v), np.float32),
                                   np.asarray(flash_attention(q, k, v, causal=True), np.float32))
+
+
+def test_tpu_simulator_finds_no_uninitialised_reads_or_races():
+    """Pallas' TPU simulator fills unwritten VMEM with NaN and checks DMAs for races."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    config = FlashConfig(block_q=128, block_kv=256, block_kv_compute=128, block_q_dkv=128,
+                         block_kv_dkv=128, block_q_dq=128, block_kv_dq=128, pipeline_depth=1)
+    params = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+    with pltpu.force_tpu_interpret_mode(params):
+        _check((1, 2, 1, 128, 256, 64), "float32", True, config)
