@@ -9,7 +9,7 @@ a SQLite database of 200 entries; the baseline returns the same JSON body as a c
 Also: server RSS before and after 20k lookups (a busy server keeps flat memory), and the
 per-call cost of a cached resolution in ``kernel.resolve.Resolver``.
 
-    python bench/lookup.py [--seconds 5] [--clients 1,32]
+    python bench/lookup.py [--seconds 6] [--rounds 6] [--clients 1,32]
 
 Targets: throughput at 32 clients >= 0.6 of the baseline; p50 < 2 ms with one client;
 cached resolution < 5 us.
@@ -91,6 +91,12 @@ def start(command: list[str], ready_url: str, env: dict[str, str] | None = None
     return process
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
@@ -131,8 +137,10 @@ def request_bytes(port: int, key: dict[str, int]) -> bytes:
             "Accept: application/json\r\n\r\n").encode()
 
 
-def load(port: int, requests: list[bytes], clients: int, seconds: float) -> dict[str, float]:
-    """``clients`` connections each sending requests back to back for ``seconds``."""
+def load(port: int, requests: list[bytes], clients: int, seconds: float,
+         server_pid: int) -> tuple[list[float], float, float]:
+    """``clients`` connections each sending requests back to back for ``seconds``: the
+    latencies, the elapsed time and the server's CPU time."""
     latencies: list[list[float]] = [[] for _ in range(clients)]
     bad: list[int] = []
     start_at = threading.Barrier(clients + 1)
@@ -155,17 +163,38 @@ def load(port: int, requests: list[bytes], clients: int, seconds: float) -> dict
     for thread in threads:
         thread.start()
     start_at.wait()
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), cpu_seconds(server_pid)
     time.sleep(seconds)
     stop.set()
     for thread in threads:
         thread.join()
-    elapsed = time.perf_counter() - began
+    elapsed, cpu = time.perf_counter() - began, cpu_seconds(server_pid) - cpu_began
     if bad:
         sys.exit(f"{len(bad)} requests failed, e.g. HTTP {bad[0]}")
-    merged = sorted(x for per_client in latencies for x in per_client)
-    return {"rps": len(merged) / elapsed, "p50_ms": 1000 * merged[len(merged) // 2],
-            "p99_ms": 1000 * merged[int(len(merged) * 0.99)], "n": len(merged)}
+    return [x for per_client in latencies for x in per_client], elapsed, cpu
+
+
+def compare(servers: dict[str, tuple[int, int, list[bytes]]], clients: int, seconds: float,
+            rounds: int) -> dict[str, dict[str, float]]:
+    """Runs the servers in alternating short rounds (so that drifting load from other
+    processes on the machine hits both alike) and pools each server's rounds. Also reports the
+    server's CPU time per request, which other load disturbs less than throughput."""
+    pooled = {name: ([], 0.0, 0.0) for name in servers}
+    for name, (pid, port, requests) in servers.items():
+        load(port, requests, clients, 0.5, pid)  # warm up: connections, caches
+    for _ in range(rounds):
+        for name, (pid, port, requests) in servers.items():
+            latencies, elapsed, cpu = load(port, requests, clients, seconds / rounds, pid)
+            all_latencies, all_elapsed, all_cpu = pooled[name]
+            pooled[name] = (all_latencies + latencies, all_elapsed + elapsed, all_cpu + cpu)
+    out = {}
+    for name, (latencies, elapsed, cpu) in pooled.items():
+        latencies.sort()
+        out[name] = {"rps": len(latencies) / elapsed,
+                     "p50_ms": 1000 * latencies[len(latencies) // 2],
+                     "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)],
+                     "n": len(latencies), "cpu_us": 1e6 * cpu / len(latencies)}
+    return out
 
 
 def resolver_cost_us() -> float:
@@ -203,7 +232,8 @@ def serve_bare(port: int, body_path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=6.0, help="per server and load")
+    parser.add_argument("--rounds", type=int, default=6, help="alternations per load")
     parser.add_argument("--clients", default="1,32")
     parser.add_argument("--entries", type=int, default=200)
     parser.add_argument("--serve-bare", nargs=2, metavar=("PORT", "BODY"), help=argparse.SUPPRESS)
@@ -233,12 +263,13 @@ def main() -> None:
                           str(body_path)], f"http://127.0.0.1:{bare_port}/")
             try:
                 bare_requests = [request_bytes(bare_port, key) for key in keys]
+                servers = {"bare": (bare.pid, bare_port, bare_requests),
+                           "ours": (ours.pid, ours_port, ours_requests)}
                 results = {}
                 for clients in client_counts:
-                    for name, port, requests in (("bare", bare_port, bare_requests),
-                                                 ("ours", ours_port, ours_requests)):
-                        load(port, requests, clients, min(1.0, args.seconds))  # warm up
-                        results[name, clients] = load(port, requests, clients, args.seconds)
+                    for name, result in compare(servers, clients, args.seconds,
+                                                args.rounds).items():
+                        results[name, clients] = result
             finally:
                 bare.terminate()
                 bare.wait()
@@ -255,17 +286,22 @@ def main() -> None:
             ours.wait()
 
     print(f"lookup service vs bare uvicorn (server on CPU {SERVER_CPU}, "
-          f"{args.entries} entries, exact hits, {args.seconds:.0f} s per run)")
-    print(f"{'clients':>7} {'server':>6} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'n':>8}")
+          f"{args.entries} entries, exact hits, {args.seconds:.0f} s per server and load in "
+          f"{args.rounds} alternating rounds)")
+    print(f"{'clients':>7} {'server':>6} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'n':>8} "
+          f"{'server CPU us/req':>18}")
     for (name, clients), r in results.items():
         print(f"{clients:>7} {name:>6} {r['rps']:>9.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
-              f"{r['n']:>8}")
+              f"{r['n']:>8} {r['cpu_us']:>18.0f}")
     summary = {}
     for clients in client_counts:
         summary[f"ratio_{clients}"] = results["ours", clients]["rps"] / \
             results["bare", clients]["rps"]
+        summary[f"cpu_ratio_{clients}"] = results["bare", clients]["cpu_us"] / \
+            results["ours", clients]["cpu_us"]
         print(f"throughput ratio ours/bare at {clients} clients: "
-              f"{summary[f'ratio_{clients}']:.2f}")
+              f"{summary[f'ratio_{clients}']:.2f} (server CPU per request, bare/ours: "
+              f"{summary[f'cpu_ratio_{clients}']:.2f})")
     if 1 in client_counts:
         print(f"p50 with one client: {results['ours', 1]['p50_ms']:.3f} ms (target < 2 ms)")
     print(f"server RSS: {rss_before:.1f} MiB before, {rss_after:.1f} MiB after 20000 lookups "
