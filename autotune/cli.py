@@ -39,3 +39,6 @@ app.command()(tune.tune)
 from autotune.commands import demo  # noqa: E402
 
 app.command()(demo.demo)
+from autotune.commands import report  # noqa: E402
+
+app.command()(report.report)

@@ -1,0 +1,58 @@
+"""``autotune report``: one self-contained HTML file of what tuning found.
+
+An index of the stored winners per device kind (speedup over the default, trials, failures,
+method, versions), then per problem the four plots of ``autotune.plots`` (landscape,
+convergence, confirmation, failures) embedded as PNG data URIs, so the file opens offline.
+Rendered with the same templates as the service's detail page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from autotune.plots import ProblemView, problem_view, read_storage, template_env
+from storage import Store
+
+
+class ReportError(ValueError):
+    """Nothing to report; the message says what the database holds instead."""
+
+
+def collect(store: Store, filters: Mapping[str, Any]) -> dict[str, list[ProblemView]]:
+    """The stored winners matching ``filters`` (``Store.list`` fields) with their studies,
+    by device kind. Raises ReportError when none match."""
+    entries, _ = store.list(filters, limit=None)
+    if not entries:
+        kinds = store.device_kinds()
+        if not kinds:
+            raise ReportError(f"no tuned configs in {_safe(store.url)}; tune one with "
+                              "`autotune tune --db URL` first")
+        wanted = ", ".join(f"{k}={v!r}" for k, v in filters.items())
+        raise ReportError(f"no tuned configs match {wanted}; the database has configs for "
+                          f"device kind(s) {', '.join(map(repr, kinds))}")
+    storage = read_storage(store.url, store.engine)
+    devices: dict[str, list[ProblemView]] = {}
+    for index, entry in enumerate(sorted(entries, key=lambda e: (
+            e.result.device_kind, e.result.problem.label()))):
+        devices.setdefault(entry.result.device_kind, []).append(
+            problem_view(entry, storage, anchor=f"problem-{index + 1}"))
+    return devices
+
+
+def render(store: Store, filters: Mapping[str, Any] | None = None) -> str:
+    """The report's HTML for the winners matching ``filters``."""
+    filters = dict(filters or {})
+    devices = collect(store, filters)
+    return template_env().get_template("report.html").render(
+        devices=devices, database=_safe(store.url),
+        selection=", ".join(f"{k} = {v}" for k, v in filters.items()),
+        generated_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def _safe(url: str) -> str:
+    """The URL without its password."""
+    return make_url(url).render_as_string(hide_password=True)
