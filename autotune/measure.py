@@ -99,7 +99,8 @@ class FlashMeasurer:
     def __post_init__(self) -> None:
         self.device = jax.devices()[0]
         self.method = "device" if self.device.platform == "tpu" else "interpret"
-        self.tolerance = self.tolerance or TOLERANCE[self.problem.dtype]
+        if self.tolerance is None:
+            self.tolerance = TOLERANCE[self.problem.dtype]
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
         keys = jax.random.split(jax.random.key(self.seed), 3)
         self.inputs = [jax.device_put(jax.random.normal(key, spec.shape, spec.dtype), self.device)
@@ -132,7 +133,7 @@ class FlashMeasurer:
             # A running compile cannot be interrupted; it finishes in the background and is
             # dropped. The config is classified and the search moves on.
             return Measurement.failure(Status.TIMEOUT, error=f"compile took longer than "
-                                       f"{self.compile_timeout_s:.0f} s")
+                                       f"{self.compile_timeout_s:g} s")
         except Exception as error:  # a failed compile is a result, not a crash
             return Measurement.failure(classify_compile_error(str(error)),
                                        error=first_line(str(error)))

@@ -19,9 +19,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from kernel.problem import Problem
 
 POSTGRES_ENV = "AUTOTUNE_TEST_POSTGRES_URL"
 AUTOTUNE = [str(Path(sys.executable).with_name("autotune"))]  # the console script of this env
@@ -33,6 +37,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
     """Runs ``autotune ARGS`` in a subprocess and returns it (never raises on exit status)."""
     return subprocess.run([*AUTOTUNE, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def problem_flags(problem: Problem) -> list[str]:
+    """The ``autotune`` problem flags (``--batch ... --mode``) that select ``problem``."""
+    fields = problem.to_dict()
+    flags = [f"--{name.replace('_', '-')}={fields[name]}" for name in
+             ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype", "mode")]
+    return [*flags, "--causal" if fields["causal"] else "--no-causal"]
 
 
 # --- databases ---
