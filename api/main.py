@@ -14,7 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from api.cache import LOOKUP_PATH, LookupCache, LookupCacheMiddleware
 from api.metrics import Metrics, MetricsMiddleware
-from api.routers import configs, health, tables
+from api.routers import configs, health, pages, tables
 from api.settings import ApiSettings
 from kernel.config import ConfigError
 from kernel.problem import ProblemError
@@ -47,7 +47,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.store = store
     app.state.metrics = Metrics()
-    for router in (configs.router, tables.router, health.router):
+    for router in (configs.router, tables.router, health.router, pages.router):
         app.include_router(router)
 
     @app.exception_handler(ProblemError)

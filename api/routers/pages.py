@@ -1,0 +1,160 @@
+"""Server-rendered HTML pages (read-only): ``GET /`` lists the tuned configs, filterable by
+device kind, kernel and dtype; ``GET /configs/detail?<key>`` shows one with the plots of its
+tuning study (the same templates and plots as ``autotune report``).
+
+Plots are drawn on demand and cached per study and database version (SQLite's
+``data_version``; where there is none, as on PostgreSQL, they are drawn every time). Bad
+parameters get an HTML page with status 422 naming them, an unknown key a 404; not in the
+OpenAPI schema (these are pages, not API operations).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import select
+
+from api.deps import StoreDep
+from api.schemas import Dtype, ProblemFields, Text, Version
+from kernel.problem import DTYPES
+from storage import ConfigKey, Store
+from storage.models import TunedConfigRow
+
+router = APIRouter(include_in_schema=False)
+
+LIST_LIMIT = 500
+PLOT_CACHE_SIZE = 64  # studies whose plots are kept per worker
+
+
+class Filters(BaseModel):
+    """The list page's filters; the form sends an empty value for "any"."""
+
+    device_kind: Text | None = None
+    kernel: Text | None = None
+    dtype: Dtype | None = None
+
+
+class DetailKey(ProblemFields):
+    """The full key of a stored config, as the list page links it."""
+
+    kernel: Text
+    kernel_version: Version
+    device_kind: Text
+    platform: Text
+
+
+class PlotCache:
+    """Rendered plots per (study, database version); bounded, least recently used out."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple[str, int], dict[str, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> dict[str, str] | None:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+            return self._items.get(key)
+
+    def put(self, key: tuple[str, int], images: dict[str, str]) -> None:
+        with self._lock:
+            self._items[key] = images
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
+def _page(request: Request, template: str, status_code: int = 200, **context: Any
+          ) -> HTMLResponse:
+    env = getattr(request.app.state, "page_templates", None)
+    if env is None:
+        from autotune.plots import template_env
+
+        env = request.app.state.page_templates = template_env()
+    return HTMLResponse(env.get_template(template).render(**context), status_code=status_code)
+
+
+def _invalid(request: Request, title: str, error: ValidationError, hint: str) -> HTMLResponse:
+    return _error(request, 422, title, *(f"{'.'.join(map(str, e['loc'])) or 'query'}: "
+                                         f"{e['msg']}" for e in error.errors()), hint)
+
+
+def _error(request: Request, status_code: int, title: str, *messages: str) -> HTMLResponse:
+    return _page(request, "error.html", status_code, status=status_code, title=title,
+                 messages=messages)
+
+
+def _distinct(store: Store, column: Any) -> list[str]:
+    with store.engine.connect() as connection:
+        return list(connection.scalars(select(column).distinct().order_by(column)))
+
+
+def detail_link(key: ConfigKey) -> str:
+    fields = {name: str(value).lower() if isinstance(value, bool) else value
+              for name, value in key.to_dict().items()}
+    return "/configs/detail?" + urlencode(fields)
+
+
+@router.get("/", response_class=HTMLResponse)
+def index(request: Request, store: StoreDep) -> HTMLResponse:
+    """The tuned configs, filtered by the form's ``device_kind``, ``kernel`` and ``dtype``
+    (an empty value means any)."""
+    try:
+        filters = Filters.model_validate(
+            {k: v for k, v in request.query_params.items() if v}).model_dump(exclude_none=True)
+    except ValidationError as error:
+        return _invalid(request, "Invalid filter", error,
+                        "Pick the values from the form's lists, or leave them empty for any.")
+    entries, total = store.list(filters, limit=LIST_LIMIT)
+    selects = [("device_kind", "device kind", _distinct(store, TunedConfigRow.device_kind)),
+               ("kernel", "kernel", _distinct(store, TunedConfigRow.kernel)),
+               ("dtype", "dtype", list(DTYPES))]
+    return _page(request, "index.html", filters=filters, selects=selects, total=total,
+                 entries=[(entry, detail_link(entry.result.key)) for entry in entries])
+
+
+@router.get("/configs/detail", response_class=HTMLResponse)
+def detail(request: Request, store: StoreDep) -> HTMLResponse:
+    """One stored config by its full key, with the plots of its tuning study."""
+    try:
+        key = DetailKey.model_validate(dict(request.query_params))
+        problem = key.to_problem()
+    except ValidationError as error:
+        return _invalid(request, "Invalid config key", error,
+                        "Open a config from the list of tuned configs.")
+    except ValueError as error:  # ProblemError: a cross-field rule of the problem
+        return _error(request, 422, "Invalid config key", str(error))
+    entry = store.get(ConfigKey(key.kernel, key.kernel_version, key.device_kind, key.platform,
+                                problem))
+    if entry is None:
+        return _error(request, 404, "No such tuned config",
+                      f"Nothing is stored for {key.kernel} {key.kernel_version} on "
+                      f"{key.device_kind!r} ({key.platform}) for {problem.label()}.")
+
+    from autotune.plots import images, problem_view, read_storage
+
+    state = request.app.state
+    cache: PlotCache = getattr(state, "plot_cache", None) or PlotCache(PLOT_CACHE_SIZE)
+    state.plot_cache = cache
+    # Kept once Optuna's tables exist (a tuner may create them after the server started).
+    storage = getattr(state, "optuna_storage", None) or read_storage(store.url, store.engine)
+    state.optuna_storage = storage
+    version = store.data_version()
+
+    def render(study: Any) -> dict[str, str]:
+        if version is None:
+            return images(study)
+        drawn = cache.get((study.name, version))
+        if drawn is None:
+            drawn = images(study)
+            cache.put((study.name, version), drawn)
+        return drawn
+
+    view = problem_view(entry, storage, render=render)
+    return _page(request, "detail.html", view=view)

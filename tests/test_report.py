@@ -1,0 +1,341 @@
+"""``autotune report`` and the plots it shares with the service.
+
+A real small tuning run (``autotune tune`` on the CPU, once for the module) is reported as one
+self-contained HTML file; a study with failures, written through Optuna into a real SQLite
+file, checks what each plot draws (cells, lines, boxes, bars), not its pixels; the same
+database opens in optuna-dashboard with readable parameters and user attributes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import numpy as np
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from autotune.plots import (
+    FAILURE_LETTERS,
+    StudyData,
+    confirmation_figure,
+    convergence_figure,
+    failures_figure,
+    landscape_figure,
+    read_storage,
+)
+from conftest import free_port, run_cli
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from storage import Store, TunedResult, upgrade
+
+TUNED = Problem(1, 1, 1, 256, 256, 128, "float32", False, "fwd")
+FAILING = Problem(1, 2, 2, 512, 512, 128, "bfloat16", False, "fwd")
+FAILING_STUDY = "flash/TPU v5 lite/" + FAILING.label()
+DEFAULT = FlashConfig(block_q=256, block_kv=256, block_kv_compute=128, pipeline_depth=2)
+WINNER = DEFAULT.replace(block_q=128, block_kv=128)
+PNG = b"\x89PNG\r\n\x1a\n"
+EXTERNAL = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:)?//""", re.I)
+
+
+@pytest.fixture(scope="module")
+def tuned_db(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SQLite file holding a real (small) ``autotune tune`` run on this machine's CPU."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('tuned') / 'autotune.db'}"
+    tuned = run_cli("tune", "--q-len", "256", "--q-heads", "1", "--head-dim", "128",
+                    "--dtype", "float32", "--trials", "5", "--db", url, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr
+    return url
+
+
+# --- a study with failures: every (block_q, block_kv, depth) of a 3 x 3 x 2 grid ---
+
+SPACE = {"block_q": [128, 256, 512], "block_kv": [128, 256, 512], "block_kv_compute": [128],
+         "pipeline_depth": [2, 3]}
+OOM = "RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem. Used 140M of 128M"
+MOSAIC = "Mosaic failed to compile: unsupported layout"
+
+
+def _outcome(q: int, kv: int, depth: int) -> tuple[str, float | None]:
+    if q == 512 and kv == 512:
+        return "vmem_oom", None
+    if q == 512 and kv == 256 and depth == 3:
+        return "compile_error", None
+    return "ok", 1 + q / 512 + kv / 1024 + depth / 10
+
+
+def _write_failing_study(url: str) -> None:
+    """The study as ``autotune tune`` stores it (params, user attrs, confirmation)."""
+    study = optuna.create_study(study_name=FAILING_STUDY, storage=url)
+    study.set_user_attr("params", SPACE)
+    study.set_user_attr("problem", FAILING.to_dict())
+    study.set_user_attr("device_kind", "TPU v5 lite")
+    distributions = {n: CategoricalDistribution(v) for n, v in SPACE.items()}
+    cells = [(q, kv, d) for d in (2, 3) for q in (512, 256, 128) for kv in (512, 256, 128)]
+    for q, kv, d in cells[:-3]:  # three configs never measured: (128, *, 3)
+        status, value = _outcome(q, kv, d)
+        params = {"block_q": q, "block_kv": kv, "block_kv_compute": 128, "pipeline_depth": d}
+        attrs = {"status": status, "compile_s": 2.5}
+        if status != "ok":
+            attrs["error"] = f"{OOM if status == 'vmem_oom' else MOSAIC}\n  at line 3"
+        study.add_trial(create_trial(
+            params=params, distributions=distributions, user_attrs=attrs, value=value,
+            state=TrialState.COMPLETE if value is not None else TrialState.PRUNED))
+    study.set_user_attr("confirmation", [
+        {"config": DEFAULT.to_dict(), "samples_ms": [2.0, 2.1, 2.3, 1.9, 2.2],
+         "median_ms": 2.1, "iqr_ms": 0.2, "is_default": True, "is_winner": False},
+        {"config": WINNER.to_dict(), "samples_ms": [1.5, 1.6, 1.55, 1.7],
+         "median_ms": 1.575, "iqr_ms": 0.1, "is_default": False, "is_winner": True}])
+
+
+@pytest.fixture(scope="module")
+def failing_db(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A SQLite file with the failing study and its published winner."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('failing') / 'autotune.db'}"
+    upgrade(url)
+    _write_failing_study(url)
+    with Store(url) as store:
+        store.publish(TunedResult(
+            device_kind="TPU v5 lite", problem=FAILING, config=WINNER, median_ms=1.575,
+            iqr_ms=0.1, default_median_ms=2.1, trials=15, method="device", study=FAILING_STUDY))
+    return url
+
+
+@pytest.fixture(scope="module")
+def failing(failing_db: str) -> StudyData:
+    with Store(failing_db) as store:
+        data = StudyData.load(read_storage(store.url, store.engine), FAILING_STUDY)
+    assert data is not None
+    return data
+
+
+# --- the report file ---
+
+
+class _Page(HTMLParser):
+    """The report's sections (by class) and the images inside each, per problem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.problems: dict[str, dict[str, list[str]]] = {}
+        self.index_rows = 0
+        self._problem: str | None = None
+        self._section: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "tr" and a.get("class") == "index-row":
+            self.index_rows += 1
+        if tag == "section" and a.get("class") == "problem":
+            self._problem = a["id"] or ""
+            self.problems[self._problem] = {}
+        elif tag == "section" and self._problem is not None:
+            self._section = a.get("class") or ""
+            self.problems[self._problem][self._section] = []
+        elif tag == "img" and self._problem is not None and self._section is not None:
+            self.problems[self._problem][self._section].append(a.get("src") or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            if self._section is not None:
+                self._section = None
+            else:
+                self._problem = None
+
+
+def _parse(html: str) -> _Page:
+    page = _Page()
+    page.feed(html)
+    return page
+
+
+def _png(src: str) -> bytes:
+    assert src.startswith("data:image/png;base64,"), src[:40]
+    return base64.b64decode(src.split(",", 1)[1])
+
+
+def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
+    output = tmp_path / "report.html"
+    result = run_cli("report", "--db", tuned_db, "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    assert str(output) in result.stdout
+    html = output.read_text()
+    assert not EXTERNAL.findall(html), "the report must not load anything from elsewhere"
+    page = _parse(html)
+    assert page.index_rows == 1
+    assert TUNED.label() in html and "<h2" in html and ">cpu</h2>" in html
+    (sections,) = page.problems.values()
+    assert list(sections) == ["landscape", "convergence", "confirmation", "failures"]
+    for name, sources in sections.items():
+        assert len(sources) == 1, name
+        assert _png(sources[0]).startswith(PNG)
+    with Store(tuned_db) as store:
+        (entry,) = store.list()[0]
+    assert entry.result.trials == 5
+    assert f"{entry.result.speedup:.2f}×" in html
+    assert "No failures" in html
+
+
+def test_report_names_each_distinct_error(failing_db: str, tmp_path: Path) -> None:
+    output = tmp_path / "report.html"
+    result = run_cli("report", "--db", failing_db, "--device-kind", "TPU v5 lite",
+                     "--dtype", "bfloat16", "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    html = output.read_text()
+    assert not EXTERNAL.findall(html)
+    assert OOM in html and MOSAIC in html and "at line 3" not in html  # first lines only
+    row = re.search(r"<td>vmem_oom</td><td class=\"num\">(\d+)</td>", html)
+    assert row and int(row.group(1)) == 2  # (512, 512) at both depths
+
+
+def test_report_on_an_empty_database_says_so(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    upgrade(url)
+    output = tmp_path / "report.html"
+    result = run_cli("report", "--db", url, "-o", str(output))
+    assert result.returncode == 1
+    assert "no tuned configs in" in result.stderr and "autotune tune" in result.stderr
+    assert not output.exists()
+
+
+def test_report_on_an_unknown_device_names_the_known_ones(failing_db: str,
+                                                          tmp_path: Path) -> None:
+    output = tmp_path / "report.html"
+    result = run_cli("report", "--db", failing_db, "--device-kind", "TPU v9", "-o",
+                     str(output))
+    assert result.returncode == 1
+    assert "device_kind='TPU v9'" in result.stderr and "'TPU v5 lite'" in result.stderr
+    assert not output.exists()
+    bad = run_cli("report", "--db", failing_db, "--dtype", "float8", "-o", str(output))
+    assert bad.returncode == 2 and "--dtype" in bad.stderr and "bfloat16" in bad.stderr
+
+
+# --- what the plots draw ---
+
+
+def test_study_data_reads_measurements_failures_and_errors(failing: StudyData) -> None:
+    assert len(failing.points) == 15
+    statuses = [p.status for p in failing.points]
+    assert statuses.count("vmem_oom") == 2 and statuses.count("compile_error") == 1
+    assert failing.outcomes() == {"ok": 12, "vmem_oom": 2, "compile_error": 1}
+    assert list(failing.outcomes()) == ["ok", "vmem_oom", "compile_error"]
+    assert failing.errors() == [("compile_error", MOSAIC, 1), ("vmem_oom", OOM, 2)]
+    ok = [p.value_ms for p in failing.points if p.value_ms is not None]
+    assert failing.curve()[-1] == min(ok)
+    curve = [v for v in failing.curve() if v is not None]
+    assert curve == sorted(curve, reverse=True)
+
+
+def test_landscape_draws_one_cell_per_measured_block_pair_per_depth(
+        failing: StudyData) -> None:
+    figure = landscape_figure(failing)
+    panels = [ax for ax in figure.axes if ax.get_title().startswith("pipeline_depth=")]
+    assert [ax.get_title() for ax in panels] == ["pipeline_depth=2", "pipeline_depth=3"]
+    for ax, depth in zip(panels, (2, 3), strict=True):
+        points = [p for p in failing.points if p.params["pipeline_depth"] == depth]
+        cells = {(p.params["block_q"], p.params["block_kv"]) for p in points}
+        ok_cells = {(p.params["block_q"], p.params["block_kv"]) for p in points if p.value_ms}
+        assert len(ax.texts) == len(cells)
+        assert int(np.ma.count(ax.images[0].get_array())) == len(ok_cells)
+        hatched = [p for p in ax.patches if p.get_hatch()]
+        assert len(hatched) == len(cells - ok_cells)
+        letters = sorted(t.get_text() for t in ax.texts if not t.get_text()[0].isdigit())
+        expected = sorted(FAILURE_LETTERS[p.status] for p in points
+                          if (p.params["block_q"], p.params["block_kv"]) not in ok_cells)
+        assert letters == expected
+    winner_frames = [p for ax in panels for p in ax.patches
+                     if not p.get_fill() and p.get_linewidth() > 2]
+    assert len(winner_frames) == 1  # only in the depth-2 panel
+
+
+def test_convergence_draws_best_so_far_and_the_default(failing: StudyData) -> None:
+    ax = convergence_figure(failing).axes[0]
+    best = next(line for line in ax.lines if line.get_label() == "best so far")
+    curve = np.array([np.nan if v is None else v for v in failing.curve()])
+    assert np.allclose(best.get_ydata(), curve, equal_nan=True)
+    default = failing.default_point()
+    assert default is not None
+    (line,) = [line for line in ax.lines if line.get_label().startswith("default")]
+    assert set(line.get_ydata()) == {default.value_ms}
+    failed = next(line for line in ax.lines if line.get_label() == "failed")
+    assert len(failed.get_xdata()) == len(failing.failed)
+
+
+def test_confirmation_draws_every_sample(failing: StudyData) -> None:
+    ax = confirmation_figure(failing).axes[0]
+    dots = [c.get_offsets() for c in ax.collections]
+    assert [len(d) for d in dots] == [len(c.samples_ms) for c in failing.confirmation]
+    for offsets, confirmed in zip(dots, failing.confirmation, strict=True):
+        assert sorted(offsets[:, 0]) == sorted(confirmed.samples_ms)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels[0].endswith("(default)") and labels[1].endswith("(winner)")
+
+
+def test_failures_draws_one_bar_per_outcome(failing: StudyData) -> None:
+    ax = failures_figure(failing).axes[0]
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert names == ["ok", "vmem_oom", "compile_error"]
+    assert [p.get_width() for p in ax.patches] == [12, 2, 1]
+
+
+# --- optuna-dashboard ---
+
+
+@pytest.fixture
+def dashboard(tuned_db: str) -> Iterator[str]:
+    """optuna-dashboard on the tuned database, on a free loopback port."""
+    executable = Path(sys.executable).with_name("optuna-dashboard")
+    if not executable.exists():
+        pytest.fail("optuna-dashboard is not installed; pip install -e '.[test]'")
+    port = free_port()
+    command = [str(executable), tuned_db,
+               "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"optuna-dashboard exited: {process.stderr.read()}")
+            try:
+                httpx.get(f"{url}/api/studies", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    pytest.fail("optuna-dashboard did not answer within 60 s")
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def test_optuna_dashboard_shows_the_study(dashboard: str) -> None:
+    studies = httpx.get(f"{dashboard}/api/studies", timeout=10).json()["study_summaries"]
+    (summary,) = studies
+    assert summary["study_name"] == "flash/cpu/" + TUNED.label()
+    study_attrs = {a["key"] for a in summary["user_attrs"]}
+    assert {"problem", "device_kind", "confirmation", "params"} <= study_attrs
+    detail = httpx.get(f"{dashboard}/api/studies/{summary['study_id']}", params={"after": 0},
+                       timeout=10).json()
+    declared = json.loads(next(a["value"] for a in summary["user_attrs"]
+                               if a["key"] == "params"))
+    assert len(detail["trials"]) >= 5
+    for trial in detail["trials"]:
+        params = {p["name"]: p["param_external_value"] for p in trial["params"]}
+        assert {"block_q", "block_kv", "pipeline_depth"} <= params.keys()
+        for name, value in params.items():  # the real block sizes, not indices
+            assert int(value) in declared[name], (name, value)
+        attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
+        assert attrs["status"] == "ok" and float(attrs["compile_s"]) > 0
