@@ -9,7 +9,7 @@ a SQLite database of 200 entries; the baseline returns the same JSON body as a c
 Also: server RSS before and after 20k lookups (a busy server keeps flat memory), and the
 per-call cost of a cached resolution in ``kernel.resolve.Resolver``.
 
-    python bench/lookup.py [--seconds 6] [--rounds 6] [--clients 1,32]
+    python bench/lookup.py [--seconds 6] [--rounds 6] [--clients 1,32] [--uncached]
 
 Targets: throughput at 32 clients >= 0.6 of the baseline; p50 < 2 ms with one client;
 cached resolution < 5 us.
@@ -236,6 +236,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternations per load")
     parser.add_argument("--clients", default="1,32")
     parser.add_argument("--entries", type=int, default=200)
+    parser.add_argument("--uncached", action="store_true",
+                        help="also run a server with the lookup cache off")
     parser.add_argument("--serve-bare", nargs=2, metavar=("PORT", "BODY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_bare:
@@ -265,6 +267,13 @@ def main() -> None:
                 bare_requests = [request_bytes(bare_port, key) for key in keys]
                 servers = {"bare": (bare.pid, bare_port, bare_requests),
                            "ours": (ours.pid, ours_port, ours_requests)}
+                if args.uncached:  # every lookup parsed and read from the database
+                    port = free_port()
+                    uncached = start([AUTOTUNE, "serve", "--db", url, "--port", str(port)],
+                                     f"http://127.0.0.1:{port}/readyz",
+                                     env={"AUTOTUNE_LOOKUP_CACHE_SIZE": "0"})
+                    servers["nocache"] = (uncached.pid, port,
+                                          [request_bytes(port, key) for key in keys])
                 results = {}
                 for clients in client_counts:
                     for name, result in compare(servers, clients, args.seconds,
@@ -273,6 +282,9 @@ def main() -> None:
             finally:
                 bare.terminate()
                 bare.wait()
+                if args.uncached:
+                    uncached.terminate()
+                    uncached.wait()
 
             rss_before = rss_mib(ours.pid)
             client, served = RawClient(ours_port), 0
