@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import jax
 import optuna
+from sqlalchemy.exc import SQLAlchemyError
 
 from autotune.measure import FlashMeasurer, Timing
 from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
@@ -123,6 +124,16 @@ def versions() -> dict[str, str | None]:
             "libtpu_version": version("libtpu")}
 
 
+def _open_storage(db_url: str | None) -> Any:
+    """``open_storage``, once more if the first open lost the race to create Optuna's tables:
+    jobs started together on an empty database all try to, and the others fail with "already
+    exists" (or a duplicate version row); on the second open the tables are there."""
+    try:
+        return open_storage(db_url)
+    except SQLAlchemyError:
+        return open_storage(db_url)
+
+
 def _top_configs(name: str, base: FlashConfig, count: int, storage: Any) -> list[FlashConfig]:
     study = optuna.load_study(study_name=name, storage=storage)
     ok = sorted((t for t in study.get_trials(deepcopy=False)
@@ -164,7 +175,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     depths = supported_pipeline_depths()
     space, base = flash_space(problem, target, depths)
     name = options.study or study_name(problem, device.device_kind)
-    storage = open_storage(db_url)
+    storage = _open_storage(db_url)
     measurer = FlashMeasurer(problem, base, compile_timeout_s=options.compile_timeout_s)
     default_params = {name: getattr(base, name) for name in space.names}
     default_ms: list[float] = []  # the default's search-time measurement, once seen

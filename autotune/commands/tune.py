@@ -44,14 +44,21 @@ def ensure_schema(db_url: str) -> None:
     """Creates the tables in a database that has none; an out-of-date schema is left for
     ``autotune db upgrade`` (``open_store`` then says so)."""
     from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import make_engine, upgrade
+    from storage import make_engine, schema_is_current, upgrade
     from storage.schema import VERSION_TABLE
 
     engine = make_engine(db_url)
     try:
         if not inspect(engine).has_table(VERSION_TABLE):
-            upgrade(engine)
+            try:
+                upgrade(engine)
+            except SQLAlchemyError:
+                # Jobs started together on an empty database race to create the tables; a
+                # loser is fine if the winner left a current schema.
+                if not schema_is_current(engine):
+                    raise
     finally:
         engine.dispose()
 
