@@ -30,6 +30,9 @@ router = APIRouter(include_in_schema=False)
 
 LIST_LIMIT = 500
 PLOT_CACHE_SIZE = 64  # studies whose plots are kept per worker
+# matplotlib's font and text caches are shared by all figures and not documented as
+# thread-safe, so request threads draw one at a time (drawing holds the GIL anyway).
+_DRAWING = threading.Lock()
 
 
 class Filters(BaseModel):
@@ -148,12 +151,12 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
     version = store.data_version()
 
     def render(study: Any) -> dict[str, str]:
-        if version is None:
-            return images(study)
-        drawn = cache.get((study.name, version))
+        drawn = None if version is None else cache.get((study.name, version))
         if drawn is None:
-            drawn = images(study)
-            cache.put((study.name, version), drawn)
+            with _DRAWING:
+                drawn = images(study)
+            if version is not None:
+                cache.put((study.name, version), drawn)
         return drawn
 
     view = problem_view(entry, storage, render=render)
