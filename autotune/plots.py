@@ -195,7 +195,22 @@ def landscape_figure(data: StudyData) -> Figure:
     measured stay blank, and the confirmed winner's cell is framed."""
     rows, columns = data.space.get(ROW, []), data.space.get(COLUMN, [])
     depths = data.space.get(PANEL, [None])
-    times = [p.value_ms for p in data.ok]
+    panels = {}  # depth -> (best time per cell, failure classes per cell, measured cells)
+    for depth in depths:
+        best = np.full((len(rows), len(columns)), np.nan)
+        failures: dict[tuple[int, int], set[str]] = {}
+        measured = set()
+        for p in data.points:
+            if depth is not None and p.params.get(PANEL) != depth:
+                continue
+            i, j = rows.index(p.params[ROW]), columns.index(p.params[COLUMN])
+            measured.add((i, j))
+            if p.value_ms is not None:
+                best[i, j] = np.fmin(best[i, j], p.value_ms)
+            else:
+                failures.setdefault((i, j), set()).add(p.status)
+        panels[depth] = best, failures, measured
+    times = [t for best, _, _ in panels.values() for t in best[~np.isnan(best)]]
     low, high = (min(times), max(times)) if times else (0.0, 1.0)
     figure = _figure(0.6 + 3.4 * len(depths), 1.2 + 0.5 * max(len(rows), 3))
     axes = figure.subplots(1, len(depths), squeeze=False)[0]
@@ -203,20 +218,10 @@ def landscape_figure(data: StudyData) -> Figure:
                    and {ROW, COLUMN} <= c.params.keys()), None)
     image = None
     for ax, depth in zip(axes, depths, strict=True):
-        cells = [p for p in data.points if depth is None or p.params.get(PANEL) == depth]
-        best = np.full((len(rows), len(columns)), np.nan)
-        failures: dict[tuple[int, int], set[str]] = {}
-        for p in cells:
-            i, j = rows.index(p.params[ROW]), columns.index(p.params[COLUMN])
-            if p.value_ms is not None:
-                best[i, j] = np.fmin(best[i, j], p.value_ms)
-            else:
-                failures.setdefault((i, j), set()).add(p.status)
+        best, failures, measured = panels[depth]
         image = ax.imshow(np.ma.masked_invalid(best), cmap="viridis_r", vmin=low, vmax=high,
                           origin="lower", aspect="auto")
         ax.set_facecolor("#f2f2f2")
-        measured = {(rows.index(p.params[ROW]), columns.index(p.params[COLUMN]))
-                    for p in cells}
         for i, j in sorted(measured):
             letters = "".join(sorted(failure_letter(s) for s in failures.get((i, j), ())))
             if np.isnan(best[i, j]):

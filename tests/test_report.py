@@ -253,6 +253,9 @@ def test_landscape_draws_one_cell_per_measured_block_pair_per_depth(
         expected = sorted(FAILURE_LETTERS[p.status] for p in points
                           if (p.params["block_q"], p.params["block_kv"]) not in ok_cells)
         assert letters == expected
+    shown = np.ma.concatenate([ax.images[0].get_array().ravel() for ax in panels])
+    for ax in panels:  # one colour scale: the fastest and slowest cell over all panels
+        assert (ax.images[0].norm.vmin, ax.images[0].norm.vmax) == (shown.min(), shown.max())
     winner_frames = [p for ax in panels for p in ax.patches
                      if not p.get_fill() and p.get_linewidth() > 2]
     assert len(winner_frames) == 1  # only in the depth-2 panel
