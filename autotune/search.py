@@ -1,0 +1,542 @@
+"""The tuner's search engine, independent of any kernel.
+
+``search(space, measure, ...)`` runs (or resumes) an Optuna study in an RDB storage given by URL
+(or in memory) and returns the best config found. It measures only legal configs that the study
+has not measured yet, so several workers (processes or machines) pointing at the same database
+cooperate on one study, and a killed job resumes where it stopped.
+
+Samplers (``SAMPLERS``):
+
+- ``tpe`` (default): our searcher. Uniformly random *legal* startup configs, then multivariate
+  TPE over ordinal parameters whose candidates are filtered to legal, unmeasured configs and
+  mixed with one-step neighbours of the best configs, all ranked by TPE's acquisition (l/g).
+- ``random``: uniformly random legal unmeasured configs.
+- ``grid``: every legal config in lexicographic order of the declared values.
+- ``plain-tpe``: the baseline, Optuna's ``TPESampler`` over one categorical per parameter; an
+  illegal proposal is told as pruned and a repeated one is answered from the study, both free.
+
+Trial layout (what optuna-dashboard shows): params are the config's real values; user attrs
+``status`` (``ok`` or a failure class), ``measure_s`` (seconds in ``measure``), ``worker`` and
+every attr of the :class:`Measurement`. A failed measurement is stored PRUNED (TPE ranks pruned
+trials below every completed one, so it learns to avoid the region; FAIL trials it ignores).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import optuna
+from optuna.samplers import TPESampler
+from optuna.samplers._tpe.sampler import _split_trials, default_gamma
+from optuna.storages import BaseStorage, InMemoryStorage, RDBStorage, fail_stale_trials
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.space import Config, Key, Space
+
+SamplerName = Literal["tpe", "random", "grid", "plain-tpe"]
+SAMPLERS: tuple[str, ...] = ("tpe", "random", "grid", "plain-tpe")
+
+OK = "ok"
+# Failure classes a measure function reports; any other non-"ok" string is accepted too.
+FAILURES = ("compile_error", "vmem_oom", "runtime_error", "wrong_result", "timeout")
+# Trial statuses that are not measurements (never count against the budget).
+NOT_MEASURED = frozenset({"illegal", "repeat", "duplicate", "surplus", "exhausted"})
+
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+_LIVE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+_PLAIN_TPE_STALL = 2000  # consecutive free proposals after which plain TPE counts as stuck
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The outcome of measuring one config: ``value`` (time in ms, lower is better) when
+    ``status`` is ``"ok"``, else ``value`` is None and ``status`` names the failure class.
+    ``attrs`` (JSON-serialisable: compile_s, spread, error, ...) are stored on the trial."""
+
+    value: float | None = None
+    status: str = OK
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status == OK:
+            if self.value is None or not math.isfinite(self.value):
+                raise ValueError(f"an ok measurement needs a finite value, got {self.value!r}")
+        elif self.value is not None:
+            raise ValueError(f"a failed measurement ({self.status}) carries no value")
+        if self.status in NOT_MEASURED:
+            raise ValueError(f"status {self.status!r} is reserved for configs never measured")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @classmethod
+    def failure(cls, status: str, **attrs: Any) -> Measurement:
+        return cls(None, status, attrs)
+
+
+Measure = Callable[[Config], Measurement]
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One measured config of the study."""
+
+    number: int  # Optuna trial number
+    config: Config
+    measurement: Measurement
+    measure_s: float  # wall seconds spent in ``measure``
+
+    @property
+    def value(self) -> float | None:
+        return self.measurement.value
+
+
+@dataclass
+class SearchResult:
+    """What one ``search`` call leaves: study-wide figures and this worker's own trials."""
+
+    study_name: str
+    best: TrialResult | None  # study-wide best ok measurement
+    measured: int  # study-wide number of measured configs
+    curve: list[float | None]  # study-wide best value after each measured config, in order
+    trials: list[TrialResult]  # measured by this call
+    stop_reason: str  # budget | patience | timeout | exhausted
+    overhead_s: float  # wall seconds of this call not spent in ``measure``
+
+    @property
+    def overhead_per_trial_s(self) -> float:
+        return self.overhead_s / max(1, len(self.trials))
+
+
+OnTrial = Callable[[TrialResult, TrialResult | None], None]
+
+
+def open_storage(
+    url: str | None, *, heartbeat_interval: int = 10, grace_period: int = 120
+) -> BaseStorage:
+    """An Optuna storage: in memory for ``None``, else an RDB storage on ``url``.
+
+    SQLite gets a 30 s busy timeout so concurrent workers wait for the write lock instead of
+    failing with "database is locked". Trials send a heartbeat every ``heartbeat_interval`` s
+    while measured; one silent for ``grace_period`` s (its worker was killed) is failed by the
+    next worker, and its config becomes measurable again.
+    """
+    if url is None:
+        return InMemoryStorage()
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        engine_kwargs = {"connect_args": {"timeout": 30}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RDBStorage(url, engine_kwargs=engine_kwargs,
+                          heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+
+
+def _status(trial: FrozenTrial) -> str:
+    return trial.user_attrs.get("status", OK if trial.state == TrialState.COMPLETE else "")
+
+
+def _is_measurement(trial: FrozenTrial) -> bool:
+    return trial.state in _FINISHED and _status(trial) not in NOT_MEASURED
+
+
+def _result(space: Space, trial: FrozenTrial) -> TrialResult:
+    attrs = {k: v for k, v in trial.user_attrs.items() if k not in ("status", "measure_s")}
+    status = _status(trial)
+    measurement = Measurement(trial.value if status == OK else None, status, attrs)
+    return TrialResult(trial.number, space.project(trial.params), measurement,
+                       trial.user_attrs.get("measure_s", 0.0))
+
+
+@dataclass
+class _View:
+    """The study as one worker sees it before asking for its next trial."""
+
+    measured: list[FrozenTrial]  # finished measurements, by trial number
+    running: list[FrozenTrial]
+    waiting: int
+    keys: set[Key]  # configs measured, being measured or queued
+
+    @classmethod
+    def read(cls, study: optuna.Study, space: Space) -> _View:
+        trials = study.get_trials(deepcopy=False)
+        return cls(
+            measured=[t for t in trials if _is_measurement(t)],
+            running=[t for t in trials if t.state == TrialState.RUNNING],
+            waiting=sum(t.state == TrialState.WAITING for t in trials),
+            keys={space.key(space.project(t.params)) for t in trials
+                  if t.state != TrialState.FAIL and t.params.keys() >= set(space.names)},
+        )
+
+    def best(self) -> FrozenTrial | None:
+        ok = [t for t in self.measured if _status(t) == OK]
+        return min(ok, key=lambda t: (t.value, t.number)) if ok else None
+
+    def since_best(self) -> int:
+        best = self.best()
+        return len(self.measured) if best is None else sum(
+            t.number > best.number for t in self.measured)
+
+    def curve(self) -> list[float | None]:
+        out: list[float | None] = []
+        best = None
+        for t in self.measured:
+            if _status(t) == OK and (best is None or t.value < best):
+                best = t.value
+            out.append(best)
+        return out
+
+
+class _EngineSampler(TPESampler):
+    """Proposes legal, unmeasured configs: ``tpe``, ``random`` or ``grid`` (see module doc).
+
+    It overrides TPE's candidate selection (private Optuna API, pinned by tests/test_search.py)
+    so that an illegal or already-measured candidate never takes a trial slot.
+    """
+
+    def __init__(self, space: Space, mode: str, seed: int | None, *, n_startup: int = 10,
+                 n_candidates: int = 64, n_local: int = 3, local_every: int = 0,
+                 hamming: bool = False, gamma: float = 0.1, gamma_cap: int = 25,
+                 pseudo: bool = False, rounds: int = 20) -> None:
+        super().__init__(seed=seed, multivariate=True, n_startup_trials=n_startup,
+                         n_ei_candidates=n_candidates, constant_liar=True)
+        self._space, self._mode, self._n_local = space, mode, n_local
+        self._local_every, self._hamming, self._count = local_every, hamming, 0
+        self._gamma_frac, self._gamma_cap = gamma, gamma_cap
+        self._pseudo_mode, self._rounds, self._pseudo = pseudo, rounds, []
+        self._rand = random.Random(seed)
+        self._grid = space.configs() if mode == "grid" else None
+        self.exhausted = False
+
+    def infer_relative_search_space(self, study, trial):  # noqa: ANN001, ANN201
+        return {n: d for n, d in self._space.distributions.items() if not d.single()}
+
+    def sample_relative(self, study, trial, search_space):  # noqa: ANN001, ANN201
+        if "fixed_params" in trial.system_attrs:  # an enqueued seed
+            return {}
+        others = [t for t in study._get_trials(deepcopy=False, states=_LIVE, use_cache=False)
+                  if t.number != trial.number]
+        taken = {self._space.key(self._space.project(t.params)) for t in others
+                 if t.params.keys() >= search_space.keys()}
+        config = self._propose(study, others, taken, search_space)
+        self.exhausted = config is None
+        return {} if config is None else {n: config[n] for n in search_space}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):  # noqa
+        # Reached only for single-valued parameters or when the space is exhausted.
+        return self._space.params[param_name][0]
+
+    def _propose(self, study: optuna.Study, others: list[FrozenTrial], taken: set[Key],
+                 search_space: dict) -> Config | None:
+        space = self._space
+        if self._grid is not None:
+            for config in self._grid:
+                if space.key(config) not in taken and space.is_legal(config):
+                    return config
+            return None
+        finished = [t for t in others if t.state in _FINISHED]
+        if self._mode == "random" or len(finished) < self._n_startup_trials or not search_space:
+            return space.random_legal(self._rand, taken)
+        return self._tpe(study, others, finished, taken, search_space) or space.random_legal(
+            self._rand, taken)
+
+    def _estimators(self, study, trials, search_space):  # noqa: ANN001, ANN202
+        n = sum(t.state != TrialState.RUNNING for t in trials)
+        below, above = _split_trials(study, trials, min(math.ceil(self._gamma_frac * n), self._gamma_cap))
+        return (self._build_parzen_estimator(study, search_space, below, handle_below=True),
+                self._build_parzen_estimator(study, search_space, above, handle_below=False))
+
+    def _acq(self, pool, search_space, mpe_below, mpe_above):  # noqa: ANN001, ANN202
+        internal = {n: np.asarray([d.to_internal_repr(c[n]) for c in pool])
+                    for n, d in search_space.items()}
+        return mpe_below.log_pdf(internal) - mpe_above.log_pdf(internal)
+
+    def _tpe(self, study: optuna.Study, others: list[FrozenTrial], finished: list[FrozenTrial],
+             taken: set[Key], search_space: dict) -> Config | None:
+        space = self._space
+        by_key = {space.key(space.project(t.params)): t for t in finished}
+        ranked = sorted((t for t in finished if _status(t) == OK), key=lambda t: t.value)
+        self._count += 1
+        nb = (lambda c: [{**c, n: v} for n, vs in space.params.items() for v in vs if v != c[n]]) if self._hamming else space.neighbours
+        for _ in range(self._rounds):
+            mpe_below, mpe_above = self._estimators(study, others + self._pseudo, search_space)
+            samples = mpe_below.sample(self._rng.rng, self._n_ei_candidates)
+            candidates = [space.project({n: search_space[n].to_external_repr(samples[n][i])
+                                         for n in search_space})
+                          for i in range(self._n_ei_candidates)]
+            if self._local_every and self._count % self._local_every == 0:
+                local = []
+                for i, t in enumerate(ranked):
+                    local += [c for c in nb(space.project(t.params)) if space.key(c) not in taken and space.is_legal(c)]
+                    if local and i + 1 >= self._n_local:
+                        break
+                if local:
+                    candidates = local
+            elif not self._local_every:
+                for t in ranked[: self._n_local]:
+                    candidates += nb(space.project(t.params))
+            if not self._pseudo_mode:
+                break
+            best = candidates[int(np.argmax(self._acq(candidates, search_space, mpe_below, mpe_above)))]
+            k = space.key(best)
+            dists = {n: search_space[n] for n in search_space}
+            params = {n: best[n] for n in search_space}
+            if not space.is_legal(best):
+                self._pseudo.append(optuna.trial.create_trial(state=TrialState.PRUNED, params=params, distributions=dists))
+            elif k in by_key:
+                t = by_key[k]
+                if t.state == TrialState.COMPLETE:
+                    self._pseudo.append(optuna.trial.create_trial(value=t.value, params=params, distributions=dists))
+                else:
+                    self._pseudo.append(optuna.trial.create_trial(state=TrialState.PRUNED, params=params, distributions=dists))
+            elif k not in taken:
+                return best
+        fresh: dict[Key, Config] = {}
+        for c in candidates:
+            k = space.key(c)
+            if k not in taken and k not in fresh and space.is_legal(c):
+                fresh[k] = c
+        if not fresh:
+            return None
+        pool = list(fresh.values())
+        return pool[int(np.argmax(self._acq(pool, search_space, mpe_below, mpe_above)))]
+
+
+def _make_sampler(name: str, space: Space, seed: int | None) -> optuna.samplers.BaseSampler:
+    if name == "plain-tpe":
+        return TPESampler(seed=seed)
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+    return _EngineSampler(space, name, seed)
+
+
+@contextmanager
+def _heartbeat(storage: BaseStorage, trial_id: int):  # noqa: ANN202
+    """Records the trial's heartbeat while its config is measured (RDB storages only)."""
+    interval = storage.get_heartbeat_interval() if isinstance(storage, RDBStorage) else None
+    if not interval:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            storage.record_heartbeat(trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _measure(measure: Measure, config: Config) -> Measurement:
+    """Calls ``measure``; an exception becomes a ``runtime_error`` measurement."""
+    try:
+        result = measure(dict(config))
+    except Exception as exc:  # noqa: BLE001 - a failing config must not end the study
+        return Measurement.failure("runtime_error", error=f"{type(exc).__name__}: {exc}")
+    if not isinstance(result, Measurement):
+        raise TypeError(f"measure() must return a Measurement, got {type(result).__name__}")
+    return result
+
+
+def _enqueue_seeds(study: optuna.Study, space: Space, seeds: Iterable[Mapping[str, Any]],
+                   view: _View) -> None:
+    queued = set(view.keys)
+    for seed in seeds:
+        missing = [n for n in space.names if n not in seed]
+        if missing:
+            raise ValueError(f"seed config {dict(seed)} lacks parameter(s) {missing}")
+        config = {n: seed[n] for n in space.names}
+        key = space.key(config)
+        if key in queued or not space.is_legal(config):
+            continue
+        queued.add(key)
+        study.enqueue_trial(config, user_attrs={"seed": True})
+
+
+def search(
+    space: Space,
+    measure: Measure,
+    *,
+    storage: str | BaseStorage | None = None,
+    study_name: str = "search",
+    sampler: SamplerName = "tpe",
+    trials: int = 100,
+    timeout: float | None = None,
+    patience: int | None = None,
+    seeds: Iterable[Mapping[str, Any]] = (),
+    seed: int | None = None,
+    on_trial: OnTrial | None = None,
+) -> SearchResult:
+    """Runs or resumes the study ``study_name`` until one of the stop rules holds.
+
+    ``storage``: a URL (``sqlite:///autotune.db``, ``postgresql+psycopg://...``), a storage
+    from :func:`open_storage`, or None (in memory). ``trials``: the study-wide number of
+    measured configs to reach (a resumed study counts what it already has; cooperating workers
+    share it). ``timeout``: wall seconds of this call. ``patience``: stop when that many
+    measured configs in a row brought no improvement. ``seeds``: configs measured first
+    (illegal or already-known ones are skipped). ``on_trial(result, best)`` runs after each
+    measurement of this call. Illegal and repeated configs never reach ``measure`` and never
+    count. An exception in ``measure`` is recorded as a ``runtime_error``.
+    """
+    if trials < 0:
+        raise ValueError(f"trials must be >= 0, got {trials}")
+    optuna_storage = storage if isinstance(storage, BaseStorage) else open_storage(storage)
+    engine = _make_sampler(sampler, space, seed)
+    distributions = (Space(space.params, ordinal=False).distributions if sampler == "plain-tpe"
+                     else space.distributions)
+    study = optuna.create_study(storage=optuna_storage, study_name=study_name,
+                                direction="minimize", sampler=engine, load_if_exists=True)
+    if "params" not in study.user_attrs:
+        study.set_user_attr("params", space.params)
+        study.set_user_attr("sampler", sampler)
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    start = time.perf_counter()
+    measure_total = 0.0
+    own: list[TrialResult] = []
+    stalled = 0
+    view = _View.read(study, space)
+    _enqueue_seeds(study, space, seeds, view)
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            fail_stale_trials(study)
+        view = _View.read(study, space)
+        reason = _stop_reason(view, trials, patience, timeout, start, stalled)
+        if reason:
+            break
+        with warnings.catch_warnings():  # heartbeats are sent by _heartbeat, not optimize()
+            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+            trial = study.ask(distributions)
+        config = space.project(trial.params)
+        key = space.key(config)
+        if isinstance(engine, _EngineSampler) and engine.exhausted:
+            _drop(study, trial, "exhausted")
+            reason = "exhausted"
+            break
+        if not space.is_legal(config):  # only plain TPE proposes these
+            trial.set_user_attr("status", "illegal")
+            study.tell(trial, state=TrialState.PRUNED)
+            stalled += 1
+            continue
+        conflict = _conflict(study, space, trial.number, key, trials)
+        if conflict == "duplicate" and sampler == "plain-tpe":
+            _answer_from_study(study, space, trial, key)
+            stalled += 1
+            continue
+        if conflict:
+            _drop(study, trial, conflict)
+            continue
+        stalled = 0
+        t0 = time.perf_counter()
+        try:
+            with _heartbeat(optuna_storage, trial._trial_id):
+                measurement = _measure(measure, config)
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        measure_s = time.perf_counter() - t0
+        measure_total += measure_s
+        _record(study, trial, measurement, measure_s, worker)
+        result = TrialResult(trial.number, config, measurement, measure_s)
+        own.append(result)
+        if on_trial is not None:
+            best = view.best()
+            best_result = _result(space, best) if best is not None else None
+            if measurement.ok and (best_result is None or measurement.value < best_result.value):
+                best_result = result
+            on_trial(result, best_result)
+    best = view.best()
+    return SearchResult(
+        study_name=study_name,
+        best=_result(space, best) if best is not None else None,
+        measured=len(view.measured),
+        curve=view.curve(),
+        trials=own,
+        stop_reason=reason,
+        overhead_s=time.perf_counter() - start - measure_total,
+    )
+
+
+def _stop_reason(view: _View, trials: int, patience: int | None, timeout: float | None,
+                 start: float, stalled: int) -> str:
+    if len(view.measured) + len(view.running) >= trials:
+        return "budget"
+    if patience is not None and view.measured and view.since_best() >= patience:
+        return "patience"
+    if timeout is not None and time.perf_counter() - start >= timeout:
+        return "timeout"
+    if stalled >= _PLAIN_TPE_STALL:
+        return "exhausted"
+    return ""
+
+
+def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: int) -> str:
+    """Why this freshly claimed trial must not be measured, or "" when it may.
+
+    Workers claim a config by writing its params, then re-read the study: a config that is
+    finished, or claimed by a trial with a lower number, belongs to the other trial; a trial
+    beyond the study-wide budget is surplus. Of two racing claims, the later-numbered one
+    always sees the earlier one, so no config is measured twice.
+    """
+    earlier = 0
+    for t in study._get_trials(deepcopy=False, states=_LIVE, use_cache=False):
+        if t.number == number:
+            continue
+        if t.state == TrialState.RUNNING and t.number > number:
+            continue
+        if t.params.keys() >= set(space.names) and space.key(space.project(t.params)) == key:
+            if t.state == TrialState.RUNNING or _is_measurement(t):
+                return "duplicate"
+        earlier += t.state == TrialState.RUNNING or _is_measurement(t)
+    return "surplus" if earlier >= trials else ""
+
+
+def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, key: Key) -> None:
+    """Plain TPE: tells a repeated config the value it already has, without measuring."""
+    for t in study.get_trials(deepcopy=False, states=_FINISHED):
+        if _is_measurement(t) and t.params.keys() >= set(space.names) and space.key(
+                space.project(t.params)) == key:
+            trial.set_user_attr("status", "repeat")
+            if t.state == TrialState.COMPLETE:
+                study.tell(trial, t.value)
+            else:
+                study.tell(trial, state=TrialState.PRUNED)
+            return
+    _drop(study, trial, "duplicate")  # the other claim is still running
+
+
+def _drop(study: optuna.Study, trial: optuna.Trial, status: str) -> None:
+    trial.set_user_attr("status", status)
+    study.tell(trial, state=TrialState.FAIL)
+
+
+def _record(study: optuna.Study, trial: optuna.Trial, measurement: Measurement,
+            measure_s: float, worker: str) -> None:
+    trial.set_user_attr("status", measurement.status)
+    trial.set_user_attr("measure_s", round(measure_s, 6))
+    trial.set_user_attr("worker", worker)
+    for name, value in measurement.attrs.items():
+        trial.set_user_attr(name, value)
+    if measurement.ok:
+        study.tell(trial, measurement.value)
+    else:
+        study.tell(trial, state=TrialState.PRUNED)

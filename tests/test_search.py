@@ -1,0 +1,213 @@
+"""The search engine on small synthetic landscapes: legality, no repeats, failures, budget,
+resume, cooperating processes on one SQLite study, patience, seeds."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.landscape import load_landscape
+from autotune.search import Measurement, search
+from autotune.space import Space
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+PARAMS = {"a": [1, 2, 4, 8, 16], "b": [1, 2, 3, 4], "c": [0, 1], "d": [7]}
+
+
+def _time(a: int, b: int, c: int) -> float:
+    return 1.0 + (a.bit_length() - 3) ** 2 + (b - 3) ** 2 + 0.5 * c
+
+
+def write_landscape(path: Path) -> Path:
+    """A landscape in the shared format: a*b > 32 is illegal (no record); two configs fail."""
+    records = []
+    for a in PARAMS["a"]:
+        for b in PARAMS["b"]:
+            for c in PARAMS["c"]:
+                if a * b > 32:
+                    continue
+                config = {"a": a, "b": b, "c": c, "d": 7}
+                if (a, b) == (16, 2):
+                    records.append({"config": config, "status": "compile_error", "time_ms": None,
+                                    "compile_s": 1.5, "benchmark_s": None})
+                else:
+                    records.append({"config": config, "status": "ok", "time_ms": _time(a, b, c),
+                                    "compile_s": 0.5, "benchmark_s": 0.1})
+    doc = {"name": "synthetic", "params": PARAMS, "records": records}
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+    return path
+
+
+@pytest.fixture
+def land(tmp_path):
+    return load_landscape(write_landscape(tmp_path / "synthetic.json.gz"))
+
+
+class Recorder:
+    """A measure function over a landscape that remembers every call."""
+
+    def __init__(self, land):
+        self.land, self.calls = land, []
+
+    def __call__(self, config):
+        self.calls.append(self.land.key(config))
+        return self.land.measure(config)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "grid", "plain-tpe"])
+def test_enough_budget_finds_the_optimum_without_illegal_or_repeated_measurements(land, sampler):
+    rec = Recorder(land)
+    legal = len(land.records)
+    result = search(land.space, rec, sampler=sampler, trials=legal, seed=1)
+    assert result.best.value == land.optimum_ms
+    assert len(rec.calls) == len(set(rec.calls)) == result.measured == legal
+    assert all(key in land.records for key in rec.calls)
+    assert result.stop_reason == "budget"
+    assert result.curve[-1] == land.optimum_ms
+    assert all(x is None or y <= x for x, y in zip(result.curve, result.curve[1:], strict=False))
+
+
+def test_budget_counts_measured_configs_only_and_failures_count(land):
+    rec = Recorder(land)
+    result = search(land.space, rec, trials=25, seed=3)
+    assert len(rec.calls) == 25 == result.measured == len(result.trials)
+    statuses = {t.measurement.status for t in result.trials}
+    assert statuses <= {"ok", "compile_error"}
+    failed = [t for t in result.trials if not t.measurement.ok]
+    assert all(t.value is None and t.measurement.attrs["compile_s"] == 1.5 for t in failed)
+
+
+def test_exception_in_measure_is_a_runtime_error_and_the_study_goes_on(land):
+    def measure(config):
+        if config["c"] == 1:
+            raise RuntimeError("kernel crashed")
+        return land.measure(config)
+
+    result = search(land.space, measure, trials=12, seed=0)
+    assert result.measured == 12
+    errors = [t for t in result.trials if t.measurement.status == "runtime_error"]
+    assert errors and all("kernel crashed" in t.measurement.attrs["error"] for t in errors)
+    assert result.best is not None and result.best.config["c"] == 0
+
+
+def test_space_exhausted_stops_the_search(land):
+    rec = Recorder(land)
+    result = search(land.space, rec, trials=1000, seed=0)
+    assert result.stop_reason == "exhausted"
+    assert sorted(rec.calls) == sorted(land.records)
+
+
+def test_patience_stops_after_that_many_measurements_without_improvement():
+    space = Space({"x": list(range(50))})
+    result = search(space, lambda c: Measurement(10.0 + c["x"] % 3), trials=50, patience=5,
+                    seeds=[{"x": 0}], seed=0)
+    # The seed (x=0, 10 ms) is already the best possible value: nothing can improve on it.
+    assert result.stop_reason == "patience"
+    assert result.measured == 6
+    assert result.trials[0].config == {"x": 0}
+
+
+def test_seeds_are_measured_first_in_order_skipping_illegal_and_duplicate_ones(land):
+    rec = Recorder(land)
+    seeds = [{"a": 4, "b": 3, "c": 1, "d": 7}, {"a": 16, "b": 4, "c": 0, "d": 7},  # illegal
+             {"a": 4, "b": 3, "c": 1, "d": 7, "extra": "ignored"}, {"a": 1, "b": 1, "c": 0, "d": 7}]
+    search(land.space, rec, trials=5, seeds=seeds, seed=0)
+    assert rec.calls[:2] == [(4, 3, 1, 7), (1, 1, 0, 7)]
+    assert len(set(rec.calls)) == 5
+
+
+def test_a_seed_missing_a_parameter_is_a_clear_error(land):
+    with pytest.raises(ValueError, match=r"lacks parameter\(s\) \['d'\]"):
+        search(land.space, land.measure, trials=3, seeds=[{"a": 1, "b": 1, "c": 0}])
+
+
+def test_resumed_study_measures_only_new_configs(land, tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first, second = Recorder(land), Recorder(land)
+    assert search(land.space, first, storage=url, study_name="s", trials=10, seed=0).measured == 10
+    result = search(land.space, second, storage=url, study_name="s", trials=20, seed=0)
+    assert len(second.calls) == 10 and not set(first.calls) & set(second.calls)
+    assert result.measured == 20 and len(result.curve) == 20
+    study = optuna.load_study(study_name="s", storage=url)
+    assert study.user_attrs["params"]["a"] == PARAMS["a"]
+    trial = study.best_trial
+    assert trial.user_attrs["status"] == "ok" and "measure_s" in trial.user_attrs
+    assert trial.params == result.best.config
+
+
+def test_stale_trial_of_a_killed_worker_is_failed_and_its_config_measured_again(land, tmp_path):
+    from autotune.search import open_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = open_storage(url, heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(storage=storage, study_name="s")
+    killed = study.ask(land.space.distributions)  # a worker claimed a config, then died
+    storage.record_heartbeat(killed._trial_id)
+    lost = land.space.key(killed.params)
+    import time
+    time.sleep(2.5)
+    rec = Recorder(land)
+    result = search(land.space, rec, storage=storage, study_name="s", trials=len(land.records))
+    assert optuna.load_study(study_name="s", storage=url).trials[0].state.name == "FAIL"
+    assert lost in rec.calls and result.measured == len(land.records)
+
+
+WORKER = textwrap.dedent("""
+    import json, sys, time
+    import optuna
+    from autotune.landscape import load_landscape
+    from autotune.search import search
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    land = load_landscape(sys.argv[1])
+    calls = []
+    def measure(config):
+        calls.append(list(land.key(config)))
+        time.sleep(0.01)
+        return land.measure(config)
+    result = search(land.space, measure, storage=sys.argv[2], study_name="shared", trials=30,
+                    seed=int(sys.argv[3]))
+    print(json.dumps({"calls": calls, "measured": result.measured}))
+""")
+
+
+def test_two_processes_share_one_sqlite_study_without_locks_or_duplicates(land, tmp_path):
+    path = write_landscape(tmp_path / "synthetic.json.gz")
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    optuna.create_study(storage=url, study_name="shared")  # both workers then load it
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(path), url, str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for seed in (1, 2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err
+        assert "locked" not in err
+    calls = [tuple(c) for out, _ in outputs for c in json.loads(out)["calls"]]
+    assert len(calls) == len(set(calls)) == 30
+    assert all(json.loads(out)["calls"] for out, _ in outputs)  # both workers measured
+    measured = [t for t in optuna.load_study(study_name="shared", storage=url).trials
+                if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(measured) == 30
+
+
+def test_measurement_rejects_inconsistent_outcomes():
+    with pytest.raises(ValueError, match="finite value"):
+        Measurement(None)
+    with pytest.raises(ValueError, match="carries no value"):
+        Measurement(1.0, "compile_error")
+    assert not Measurement.failure("vmem_oom", compile_s=2.0).ok
+
+
+def test_space_rejects_bad_declarations():
+    with pytest.raises(ValueError, match="repeats a value"):
+        Space({"a": [1, 1]})
+    with pytest.raises(ValueError, match="no values"):
+        Space({"a": []})
