@@ -132,6 +132,7 @@ class FlashMeasurer:
         except FutureTimeout:
             # A running compile cannot be interrupted; it finishes in the background and is
             # dropped. The config is classified and the search moves on.
+            self._abandon_pool()
             return Measurement.failure(Status.TIMEOUT, error=f"compile took longer than "
                                        f"{self.compile_timeout_s:g} s")
         except Exception as error:  # a failed compile is a result, not a crash
@@ -141,6 +142,16 @@ class FlashMeasurer:
             with self._lock:  # drop the executable once measured: flat memory over long runs
                 self._compiles.pop(config, None)
         return self._check_and_time(compiled, compile_s)
+
+    def _abandon_pool(self) -> None:
+        """Leaves an overrunning compile its thread and gives later compiles a new pool, so
+        they do not queue behind it and time out too; queued compiles are dropped (a config
+        is compiled again when asked for)."""
+        with self._lock:
+            stuck, self._pool = self._pool, ThreadPoolExecutor(
+                self.pool_size, thread_name_prefix="compile")
+            stuck.shutdown(wait=False, cancel_futures=True)
+            self._compiles = {c: f for c, f in self._compiles.items() if not f.cancelled()}
 
     def _check_and_time(self, compiled: Any, compile_s: float) -> Measurement:
         try:

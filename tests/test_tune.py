@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,29 @@ def test_compile_timeout_is_a_failed_trial(tiny_base: FlashConfig) -> None:
     assert trial.measurement.status == Status.TIMEOUT
     assert "compile took longer than 0.01 s" in trial.measurement.attrs["error"]
     assert result.best is None and result.stop_reason == "budget"
+
+
+def test_a_hung_compile_does_not_time_out_the_configs_after_it(tiny_base: FlashConfig) -> None:
+    """A compile that overruns its limit keeps its thread (threads cannot be interrupted); the
+    next config must still get a compile slot instead of queueing behind it and timing out."""
+    from kernel.flash import reference_attention
+
+    release = threading.Event()
+
+    def build(problem: Problem, config: FlashConfig) -> Any:
+        if config.block_q == 128:
+            release.wait(timeout=120)  # stands in for a compiler that does not return
+        return reference_attention  # passes the gate, compiles in about a second
+
+    measurer = FlashMeasurer(TINY, tiny_base, build=build, pool_size=1, compile_timeout_s=4,
+                             min_runs=1, min_time_s=0.0)
+    try:
+        result = search(Space({"block_q": [128, 256]}), measurer, sampler="grid", trials=2)
+    finally:
+        release.set()
+        measurer.close()
+    assert [(t.config["block_q"], t.measurement.status) for t in result.trials] == [
+        (128, Status.TIMEOUT), (256, Status.OK)]
 
 
 def test_illegal_configs_never_reach_the_measurer() -> None:
