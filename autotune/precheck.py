@@ -6,7 +6,9 @@ killed at its timeout without taking the sweep down; the worker is replaced and 
 For ``fwd_bwd`` problems the three kernels (forward, dK/dV, dQ) compile independently, so the
 full space (the product of their tiles) is covered by compiling each kernel's own tiles with the
 others at the default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full
-config compiles exactly when each of its three parts does.
+config compiles exactly when each of its three parts does. The forward variants compile only the
+forward kernel (as training runs it, saving the logsumexp): the default backward kernels they
+share are compiled with every backward variant already.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,7 @@ class Candidate:
 
     config: FlashConfig
     predicted_fit: bool
+    forward_only: bool = False  # compile just the forward kernel of a fwd_bwd problem
 
 
 @dataclass
@@ -89,17 +92,18 @@ def candidates(
     """The configs precheck compiles (see the module docstring for ``fwd_bwd``)."""
     base = default_config(problem, target, depths=depths, vmem_limit_bytes=vmem_limit_bytes)
     fwd_problem = Problem(**{**problem.to_dict(), "mode": "fwd"})
-    variants = [config.replace(**{f: getattr(base, f) for f in BACKWARD_FIELDS})
+    fwd_bwd = problem.mode == "fwd_bwd"
+    # config -> forward_only, in order; a backward variant (and the default) compiles whole.
+    variants = {config.replace(**{f: getattr(base, f) for f in BACKWARD_FIELDS}): fwd_bwd
                 for config in search_space(fwd_problem, target, depths=depths,
-                                           include_vmem_rejected=True)]
-    if problem.mode == "fwd_bwd":
+                                           include_vmem_rejected=True)}
+    if fwd_bwd:
         params = space_params(problem, depths)
         for part in (("block_q_dkv", "block_kv_dkv"), ("block_q_dq", "block_kv_dq")):
-            variants += [base.replace(**{part[0]: a, part[1]: b})
-                         for a in params[part[0]] for b in params[part[1]]]
-    unique = list(dict.fromkeys(variants))
-    out = [Candidate(c, not vmem_violations(problem, c, target, vmem_limit_bytes))
-           for c in unique]
+            variants.update({base.replace(**{part[0]: a, part[1]: b}): False
+                             for a in params[part[0]] for b in params[part[1]]})
+    out = [Candidate(c, not vmem_violations(problem, c, target, vmem_limit_bytes), forward_only)
+           for c, forward_only in variants.items()]
     return out if include_rejected else [c for c in out if c.predicted_fit]
 
 
@@ -110,11 +114,12 @@ def _worker(slot_id: int, target_name: str, tasks: Any, results: Any) -> None:
     topology_device(target_name)  # pay libtpu start-up once, before the first deadline
     results.put(("ready", slot_id, None))
     while (task := tasks.get()) is not None:
-        index, problem_dict, config_dict, options = task
+        index, problem_dict, config_dict, options, forward_only = task
         start = time.perf_counter()
         try:
             seconds = compile_for_target(Problem.from_dict(problem_dict),
-                                         FlashConfig.from_dict(config_dict), target_name, options)
+                                         FlashConfig.from_dict(config_dict), target_name, options,
+                                         forward_only=forward_only)
             results.put(("done", index, (Status.OK, seconds, None)))
         except Exception as error:  # any compiler failure is a result, not a crash
             message = str(error)
@@ -147,7 +152,7 @@ def precheck(
     results: list[PrecheckResult | None] = [None] * len(todo)
     ctx = mp.get_context("spawn")
     inbox = ctx.Queue()
-    pending: Iterator[int] = iter(range(len(todo)))
+    next_index = 0  # the next candidate to hand to a worker
     slot_ids = iter(range(1 << 30))
     slots = [_Slot(ctx, next(slot_ids), target.name, inbox)
              for _ in range(max(1, min(jobs, len(todo))))]
@@ -160,33 +165,50 @@ def precheck(
             on_result(result)
 
     def feed(slot: _Slot) -> None:
-        index = next(pending, None)
-        slot.index, slot.started = index, time.monotonic()
-        if index is not None:
-            slot.tasks.put((index, problem.to_dict(), todo[index].config.to_dict(),
-                            compiler_options))
+        nonlocal next_index
+        if next_index == len(todo):
+            slot.index = None
+            return
+        slot.index, slot.started = next_index, time.monotonic()
+        slot.tasks.put((next_index, problem.to_dict(), todo[next_index].config.to_dict(),
+                        compiler_options, todo[next_index].forward_only))
+        next_index += 1
+
+    def replace(i: int) -> None:
+        """Retires slot ``i`` (killed or dead); a new worker takes its place while work is left."""
+        if next_index < len(todo):
+            slots[i] = _Slot(ctx, next(slot_ids), target.name, inbox)
+        else:
+            slots[i].index = None
 
     try:
         while any(r is None for r in results):
+            now = time.monotonic()
+            # Wake up no later than the nearest deadline, so a timeout is enforced on time.
+            wait = min([1.0] + [max(0.0, s.started + timeout_s - now) for s in slots
+                                if s.index is not None])
             try:
-                kind, index, payload = inbox.get(timeout=1.0)
+                kind, index, payload = inbox.get(timeout=wait)
             except queue.Empty:
                 kind = None
             if kind == "ready":
                 feed(next(s for s in slots if s.id == index))
             elif kind == "done" and results[index] is None:  # else: late answer of a killed one
-                record(index, *payload)
+                status, seconds, error = payload
+                if seconds > timeout_s:  # finished, but later than allowed
+                    status, error = Status.TIMEOUT, f"no result within {timeout_s:g} s"
+                record(index, status, seconds, error)
                 feed(next(s for s in slots if s.index == index))
             for i, slot in enumerate(slots):
                 if slot.index is not None and time.monotonic() - slot.started > timeout_s:
                     slot.process.kill()
                     record(slot.index, Status.TIMEOUT, time.monotonic() - slot.started,
-                           f"no result within {timeout_s:.0f} s")
-                    slots[i] = _Slot(ctx, next(slot_ids), target.name, inbox)
+                           f"no result within {timeout_s:g} s")
+                    replace(i)
                 elif not slot.process.is_alive() and slot.index is not None:
                     record(slot.index, Status.COMPILE_ERROR, time.monotonic() - slot.started,
                            f"compiler process died (exit code {slot.process.exitcode})")
-                    slots[i] = _Slot(ctx, next(slot_ids), target.name, inbox)
+                    replace(i)
                 elif not slot.process.is_alive() and not slot.started:
                     raise RuntimeError(
                         f"a compiler process failed to start (exit code "

@@ -10,6 +10,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,18 @@ def topology_device(target_name: str) -> jax.Device:
     return topology.devices[0]
 
 
-def attention_fn(problem: Problem, config: FlashConfig) -> Callable[..., jax.Array]:
-    """The function the tuner measures: the forward pass, or forward plus all three gradients."""
+def attention_fn(problem: Problem, config: FlashConfig, *,
+                 forward_only: bool = False) -> Callable[..., Any]:
+    """The function the tuner measures: the forward pass, or forward plus all three gradients.
+
+    ``forward_only`` (``fwd_bwd`` mode): just the forward kernel as training runs it, saving
+    the logsumexp for the backward pass (``jax.vjp``), without the two backward kernels.
+    """
     attend = functools.partial(flash_attention, causal=problem.causal, config=config)
     if problem.mode == "fwd":
         return attend
+    if forward_only:
+        return lambda q, k, v: jax.vjp(attend, q, k, v)
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return attend(q, k, v).astype(jnp.float32).sum()
@@ -61,15 +69,18 @@ def input_specs(problem: Problem, device: jax.Device | None = None) -> list[jax.
 
 def compile_for_target(
     problem: Problem, config: FlashConfig, target: Target | str,
-    compiler_options: dict[str, str | int | bool] | None = None,
+    compiler_options: dict[str, str | int | bool] | None = None, *,
+    forward_only: bool = False,
 ) -> float:
     """Compiles ``config`` for ``target`` without a TPU and returns the compile seconds.
 
     Raises whatever the compiler raises (e.g. ``RESOURCE_EXHAUSTED ... vmem``).
+    ``forward_only``: see ``attention_fn``.
     """
     target_name = target if isinstance(target, str) else target.name
     device = topology_device(target_name)
     start = time.perf_counter()
-    lowered = jax.jit(attention_fn(problem, config)).trace(*input_specs(problem, device)).lower()
+    fn = attention_fn(problem, config, forward_only=forward_only)
+    lowered = jax.jit(fn).trace(*input_specs(problem, device)).lower()
     lowered.compile(compiler_options=compiler_options)
     return time.perf_counter() - start

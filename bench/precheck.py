@@ -1,0 +1,120 @@
+"""Deviceless precheck: the VMEM estimate against the Mosaic compiler, and the sweep time it saves.
+
+For each realistic problem (batch 1, 8 heads, 4096 tokens, head_dim 128, bf16, causal; ``fwd``
+and ``fwd_bwd``) and TPU generation (v5e: 16 MiB scoped VMEM, v6e: 32 MiB), in one run:
+
+1. compile every candidate, including those the estimate rejects (``--include-rejected``):
+   the compiler's verdict per config gives the estimate's precision (share of admitted configs
+   that compile; must be 1.0) and recall (share of compiling configs it admits; target >= 0.9);
+2. the sweep time with the estimate against compiling everything, as a ratio: the compile
+   seconds of the admitted configs over those of all configs, both measured per config in
+   sweep (1); with ``--separate-sweeps`` also the wall time of a second sweep that compiles
+   only the admitted configs, over the wall time of sweep (1).
+
+    python bench/precheck.py [--jobs 2] [--timeout 300] [--targets v5e v6e]
+                             [--modes fwd fwd_bwd] [--separate-sweeps] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from autotune.failures import Status
+from autotune.precheck import Agreement, PrecheckResult, precheck
+from kernel.depths import supported_pipeline_depths
+from kernel.problem import Problem
+from kernel.space import get_target
+
+
+def problem(mode: str) -> Problem:
+    return Problem(batch=1, q_heads=8, kv_heads=8, q_len=4096, kv_len=4096, head_dim=128,
+                   dtype="bfloat16", causal=True, mode=mode)
+
+
+def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int,
+                timeout: float) -> tuple[list[PrecheckResult], float]:
+    done = 0
+
+    def progress(result: PrecheckResult) -> None:
+        nonlocal done
+        done += 1
+        print(f"\r  {target} {prob.mode} {'all' if include_rejected else 'admitted'}: "
+              f"{done} compiled", end="", file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    results = precheck(prob, get_target(target), supported_pipeline_depths(), jobs=jobs,
+                       timeout_s=timeout, include_rejected=include_rejected,
+                       on_result=progress)
+    seconds = time.perf_counter() - start
+    print(f" in {seconds:.0f} s", file=sys.stderr)
+    return results, seconds
+
+
+def mean_s(results: list[PrecheckResult], status: Status) -> str:
+    times = [r.compile_s for r in results if r.status == status]
+    return f"{statistics.mean(times):.1f}" if times else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compiler processes")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per compile")
+    parser.add_argument("--targets", nargs="+", default=["v5e", "v6e"])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"])
+    parser.add_argument("--separate-sweeps", action="store_true",
+                        help="also time a sweep of the admitted configs alone (wall time)")
+    parser.add_argument("--out", type=Path, help="write every compile result here (JSON)")
+    args = parser.parse_args()
+
+    rows, saved = [], []
+    for target in args.targets:
+        for mode in args.modes:
+            prob = problem(mode)
+            everything, all_s = timed_sweep(prob, target, include_rejected=True,
+                                            jobs=args.jobs, timeout=args.timeout)
+            agreement = Agreement.of(everything)
+            admitted_s = None
+            if args.separate_sweeps:
+                admitted, admitted_s = timed_sweep(prob, target, include_rejected=False,
+                                                   jobs=args.jobs, timeout=args.timeout)
+                assert len(admitted) == agreement.admitted  # the same estimate both times
+            rows.append((target, mode, agreement, everything, all_s, admitted_s))
+            saved.append({"target": target, "problem": prob.to_dict(), "all_s": all_s,
+                          "admitted_s": admitted_s, "agreement": agreement.to_dict(),
+                          "results": [r.to_dict() for r in everything]})
+            if args.out:
+                args.out.write_text(json.dumps(saved, indent=1))
+
+    header = (f"{'target':6} {'mode':7} {'configs':>7} {'ok':>4} {'oom':>4} {'other':>5} "
+              f"{'admit':>5} {'prec':>5} {'recall':>6} {'ok s':>5} {'oom s':>5} "
+              f"{'cpu all':>7} {'cpu est':>7} {'ratio':>5} {'wall all':>8} {'wall est':>8} "
+              f"{'ratio':>5}")
+    print(f"\nflash 1x8x4096x128 bf16 causal, jobs={args.jobs}, timeout={args.timeout:g} s")
+    print(header)
+    print("-" * len(header))
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    for target, mode, agreement, everything, all_s, admitted_s in rows:
+        ok = agreement.counts.get(Status.OK, 0)
+        oom = agreement.counts.get(Status.VMEM_OOM, 0)
+        cpu_all = sum(r.compile_s for r in everything)
+        cpu_est = sum(r.compile_s for r in everything if r.predicted_fit)
+        wall = (f"{all_s:8.0f} {admitted_s:8.0f} {admitted_s / all_s:5.2f}"
+                if admitted_s is not None else f"{all_s:8.0f} {'-':>8} {'-':>5}")
+        print(f"{target:6} {mode:7} {len(everything):7d} {ok:4d} {oom:4d} "
+              f"{len(everything) - ok - oom:5d} {agreement.admitted:5d} "
+              f"{fmt(agreement.precision):>5} {fmt(agreement.recall):>6} "
+              f"{mean_s(everything, Status.OK):>5} {mean_s(everything, Status.VMEM_OOM):>5} "
+              f"{cpu_all:7.0f} {cpu_est:7.0f} {cpu_est / cpu_all:5.2f} {wall}")
+    print("ok s / oom s: mean compile seconds of a config that compiles / overflows VMEM. "
+          "cpu all / est: compile seconds summed over all / admitted configs; wall all / est: "
+          "wall time of the sweep of all configs / of a separate sweep of the admitted ones "
+          "(--separate-sweeps); ratio = est / all.")
+
+
+if __name__ == "__main__":
+    main()

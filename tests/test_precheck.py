@@ -1,0 +1,148 @@
+"""Deviceless precheck: real Mosaic compiles for v5e and v6e on this CPU-only host (libtpu),
+classification of the compiler's failures (VMEM overflow, timeout), the ``autotune precheck``
+CLI and the agreement of the VMEM estimate with the compiler on a small problem.
+
+Failing compiles fail fast here because the scoped VMEM limit is lowered
+(``xla_tpu_scoped_vmem_limit_kib``) instead of the blocks being made huge.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from autotune.failures import Status, classify_compile_error
+from autotune.precheck import Agreement, PrecheckResult, candidates, precheck
+from kernel.aot import compile_for_target
+from kernel.config import FlashConfig
+from kernel.depths import supported_pipeline_depths
+from kernel.problem import Problem
+from kernel.space import default_config, get_target, vmem_estimate, vmem_violations
+
+TARGETS = ["v5e", "v6e"]
+SMALL = Problem(batch=1, q_heads=2, kv_heads=1, q_len=512, kv_len=512, head_dim=128,
+                dtype="bfloat16", causal=True, mode="fwd")
+TINY = Problem(**{**SMALL.to_dict(), "q_len": 256, "kv_len": 256})  # 12 forward configs
+BIG_BLOCKS = FlashConfig(block_q=512, block_kv=512, block_kv_compute=512)
+# A limit far below the footprint of BIG_BLOCKS (several MiB), so its compile fails at once.
+LOW_LIMIT_KIB = 256
+FIELDS = {"config", "status", "compile_s", "predicted_fit", "error"}
+
+
+def test_classify_compile_error_reads_both_vmem_messages():
+    scoped = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in "
+              "memory space vmem while allocating on stack for %flash_fwd.1 = ... Scoped "
+              "allocation with size 73.39M and limit 16.00M exceeded scoped vmem limit by 57.39M.")
+    physical = "INTERNAL: Mosaic failed: Ran out of memory in memory space vmem. Used 275.35M " \
+               "of 128.00M vmem"
+    assert classify_compile_error(scoped) == Status.VMEM_OOM
+    assert classify_compile_error(physical) == Status.VMEM_OOM
+    assert classify_compile_error("INVALID_ARGUMENT: Mosaic failed to compile TPU kernel: "
+                                  "unsupported shape") == Status.COMPILE_ERROR
+    assert classify_compile_error("RESOURCE_EXHAUSTED: out of HBM memory") \
+        == Status.COMPILE_ERROR
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_default_config_compiles_for_target(target):
+    problem = Problem(**{**SMALL.to_dict(), "mode": "fwd_bwd"})
+    config = default_config(problem, target, depths=supported_pipeline_depths())
+    assert not vmem_violations(problem, config, get_target(target))
+    assert compile_for_target(problem, config, target) > 0
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_config_over_the_scoped_limit_is_classified_vmem_oom(target):
+    limit = LOW_LIMIT_KIB * 1024
+    assert vmem_violations(SMALL, BIG_BLOCKS, get_target(target), limit)  # estimate agrees
+    with pytest.raises(Exception) as raised:
+        compile_for_target(SMALL, BIG_BLOCKS, target,
+                           {"xla_tpu_scoped_vmem_limit_kib": LOW_LIMIT_KIB})
+    assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM, str(raised.value)
+    # ... while the same config compiles under the target's own limit.
+    assert not vmem_violations(SMALL, BIG_BLOCKS, get_target(target))
+    assert compile_for_target(SMALL, BIG_BLOCKS, target) > 0
+
+
+def _smallest_estimate_kib(problem: Problem) -> int:
+    """The smallest estimated footprint (KiB) in the problem's space: used as the scoped limit,
+    the estimate admits at least that config, and the largest configs (which need more than
+    that) overflow."""
+    return min(max(vmem_estimate(problem, c.config).values())
+               for c in candidates(problem, get_target("v5e"), supported_pipeline_depths(),
+                                   include_rejected=True)) // 1024
+
+
+@pytest.fixture(scope="module")
+def cli_sweep() -> tuple[list[dict], dict, int]:
+    """``autotune precheck --json --include-rejected`` on a tiny problem, under a lowered
+    limit: (per-config objects, summary object, number of candidates)."""
+    limit_kib = _smallest_estimate_kib(TINY)
+    done = run_cli("precheck", "--target", "v5e", "--q-len", str(TINY.q_len), "--q-heads",
+                   str(TINY.q_heads), "--kv-heads", str(TINY.kv_heads), "--head-dim",
+                   str(TINY.head_dim), "--causal", "--json", "--jobs", "2",
+                   "--include-rejected", "--vmem-limit-kib", str(limit_kib), "--timeout", "120",
+                   timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    expected = len(candidates(TINY, get_target("v5e"), supported_pipeline_depths(),
+                              include_rejected=True, vmem_limit_bytes=limit_kib * 1024))
+    return lines[:-1], lines[-1], expected
+
+
+def test_cli_prints_one_object_per_config_then_a_summary(cli_sweep):
+    rows, summary, expected = cli_sweep
+    assert len(rows) == expected
+    assert len({json.dumps(r["config"], sort_keys=True) for r in rows}) == expected
+    for row in rows:
+        assert set(row) == FIELDS
+        FlashConfig.from_dict(row["config"])
+        assert row["status"] in {s.value for s in Status}
+        assert row["compile_s"] >= 0 and isinstance(row["predicted_fit"], bool)
+        assert (row["error"] is None) == (row["status"] == "ok")
+    assert summary["summary"] is True
+    assert sum(summary["counts"].values()) == expected
+    assert summary["admitted"] == sum(r["predicted_fit"] for r in rows)
+    assert summary["compiled"] == sum(r["status"] == "ok" for r in rows)
+
+
+def test_estimate_agrees_with_the_compiler_on_the_small_problem(cli_sweep):
+    rows, summary, _ = cli_sweep
+    statuses = {r["status"] for r in rows}
+    assert {"ok", "vmem_oom"} <= statuses, statuses  # the limit splits the space
+    assert statuses <= {"ok", "vmem_oom"}, [r for r in rows if r["status"] not in
+                                            ("ok", "vmem_oom")]
+    for row in rows:
+        if row["predicted_fit"]:  # never admit a config that overflows
+            assert row["status"] == "ok", row
+        if row["status"] == "vmem_oom":
+            assert not row["predicted_fit"], row
+    assert summary["precision"] == 1.0
+    assert summary["recall"] == summary["admitted_and_compiled"] / summary["compiled"] > 0
+
+
+@pytest.mark.parametrize("target", ["cpu", "v9x"])
+def test_cli_refuses_a_target_that_is_not_a_tpu_generation(target):
+    done = run_cli("precheck", "--target", target, "--q-len", "256", "--json")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr + done.stdout
+    message = " ".join(done.stderr.replace("│", " ").split())  # unwrap rich's error panel
+    assert f"'{target}' is not a TPU generation; use v4, v5e, v5p or v6e" in message, message
+
+
+def test_compile_over_the_timeout_is_classified_timeout_and_the_sweep_finishes():
+    problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=128)
+    depths = supported_pipeline_depths()
+    todo = candidates(problem, get_target("v5e"), depths)
+    assert len(todo) >= 2  # one worker is killed and replaced for the second candidate
+    seen: list[PrecheckResult] = []
+    results = precheck(problem, get_target("v5e"), depths, jobs=1, timeout_s=0.001,
+                       on_result=seen.append)
+    assert [r.config for r in results] == [c.config for c in todo]
+    assert seen and len(seen) == len(results)
+    for result in results:
+        assert result.status == Status.TIMEOUT and result.compile_s > 0.001
+        assert "0.001 s" in result.error
+    assert Agreement.of(results).counts == {Status.TIMEOUT: len(todo)}
