@@ -1,0 +1,168 @@
+"""Tunes the ``pallas_gpu`` kernel (JAX's Pallas Triton attention) on one GPU and compares, in
+the same run, the tuned config with the kernel's default config and with cuDNN attention
+(``jax.nn.dot_product_attention(..., implementation="cudnn")``).
+
+Per mode (``fwd``, ``fwd_bwd``): a small Optuna search (``autotune.search``, our TPE sampler,
+the default config measured first), then the default, the best configs and cuDNN re-measured
+interleaved (A B C A B C ...) so drift hits all alike. Every config is checked against the XLA
+reference before it is timed. Prints one line per mode and a JSON line with the figures.
+All three run in our layout ``[batch, heads, seq, head_dim]`` (the transposes to the kernels'
+``[batch, seq, heads, head_dim]`` are part of every measured function).
+
+On a GPU machine (needs only jax with CUDA, numpy and optuna; the project need not be
+installed). Without network access, bring optuna and its dependencies as wheels: on a machine
+with network, from the repository root::
+
+    pip download --only-binary=:all: --python-version 3.12 \\
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
+        --dest .whl optuna
+
+(``.whl/`` is ignored by git). Then on the GPU machine::
+
+    python -m pip install --no-index --find-links .whl optuna
+    PYTHONPATH=. python bench/gpu_check.py                       # 4x16x4096x128 bf16 causal
+
+On this CPU-only host the kernels run in interpret mode (a correctness run of the pipeline;
+the times say nothing about a GPU)::
+
+    python bench/gpu_check.py --interpret --shape 1,2,256,64 --trials 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interpret", action="store_true",
+                        help="run on CPU in interpret mode (tiny default shape)")
+    parser.add_argument("--shape", default=None,
+                        help="batch,heads,seq,head_dim (default 4,16,4096,128; "
+                             "1,2,256,64 with --interpret)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--no-causal", dest="causal", action="store_false")
+    parser.add_argument("--modes", default="fwd,fwd_bwd")
+    parser.add_argument("--trials", type=int, default=16, help="configs measured per mode")
+    parser.add_argument("--top", type=int, default=2, help="best configs re-measured")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def shape_of(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    text = args.shape or ("1,2,256,64" if args.interpret else "4,16,4096,128")
+    try:
+        batch, heads, seq, head_dim = (int(x) for x in text.split(","))
+    except ValueError:
+        sys.exit(f"--shape must be four integers batch,heads,seq,head_dim, got {text!r}")
+    return batch, heads, seq, head_dim
+
+
+def cudnn_fn(problem: Any) -> Any:
+    """cuDNN attention in our layout, forward or forward plus the three gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernel.registry import measured_fn
+
+    def attend(q, k, v):
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=problem.causal,
+                                           implementation="cudnn")
+        return jnp.swapaxes(out, 1, 2)
+
+    return measured_fn(problem, attend)
+
+
+def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
+    from autotune.measure import FlashMeasurer, relative_error
+    from autotune.search import search
+    from autotune.space import Space
+    from kernel.registry import device_target, get_kernel
+
+    kernel = get_kernel("pallas_gpu")
+    device = jax.devices()[0]
+    target = device_target(device.platform, device.device_kind)
+    default = kernel.default_config(problem, target)
+    params = kernel.space_params(problem)
+    space = Space(params, lambda p: kernel.is_legal(problem, default.replace(**p), target))
+    measurer = FlashMeasurer(problem, default, build=kernel.build)
+    start = time.perf_counter()
+    try:
+        result = search(space, measurer, trials=args.trials, seed=args.seed,
+                        seeds=[{name: getattr(default, name) for name in space.names}])
+        search_s = time.perf_counter() - start
+        ok = sorted((t for t in result.trials if t.measurement.ok), key=lambda t: t.value)
+        best = list(dict.fromkeys(default.replace(**t.config) for t in ok))[:args.top]
+        contenders = {"default": default}
+        contenders.update((f"tuned{i}", c) for i, c in enumerate(c for c in best if c != default))
+        executables = {name: jax.jit(kernel.build(problem, config)).lower(
+            *measurer.inputs).compile() for name, config in contenders.items()}
+        baseline_error = None
+        if device.platform == "gpu":
+            try:
+                compiled = jax.jit(cudnn_fn(problem)).lower(*measurer.inputs).compile()
+                baseline_error = relative_error(compiled(*measurer.inputs), measurer.expected)
+                executables["cudnn"] = compiled
+            except Exception as error:  # noqa: BLE001 - cuDNN may not support the shape
+                print(f"  cudnn unavailable: {str(error).splitlines()[0][:200]}")
+        samples: dict[str, list[float]] = {name: [] for name in executables}
+        for _ in range(args.rounds):
+            for name, executable in executables.items():
+                samples[name].append(measurer.time(executable, runs=3).median_ms)
+    finally:
+        measurer.close()
+    median = {name: sorted(s)[len(s) // 2] for name, s in samples.items()}
+    tuned = min(contenders, key=median.__getitem__)  # the default when nothing beat it
+    return {
+        "problem": problem.label(), "device": device.device_kind, "trials": result.measured,
+        "failures": dict(Counter(t.measurement.status for t in result.trials
+                                 if not t.measurement.ok)),
+        "search_s": round(search_s, 1),
+        "default_config": default.label(), "tuned_config": contenders[tuned].label(),
+        "default_ms": median["default"], "tuned_ms": median[tuned],
+        "cudnn_ms": median.get("cudnn"), "cudnn_max_error": baseline_error,
+        "default_over_tuned": median["default"] / median[tuned],
+        "cudnn_over_tuned": median["cudnn"] / median[tuned] if "cudnn" in median else None,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.interpret:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    from kernel.problem import Problem
+
+    if not args.interpret and jax.devices()[0].platform != "gpu":
+        sys.exit(f"no GPU found (JAX sees {jax.devices()[0].device_kind}); pass --interpret "
+                 "to run on CPU")
+    batch, heads, seq, head_dim = shape_of(args)
+    for mode in args.modes.split(","):
+        problem = Problem(batch, heads, heads, seq, seq, head_dim, dtype=args.dtype,
+                          causal=args.causal, mode=mode)
+        out = run_mode(problem, args)
+        cudnn = (f"cudnn {out['cudnn_ms']:.3f} ms ({out['cudnn_over_tuned']:.2f}x tuned)"
+                 if out["cudnn_ms"] else "cudnn n/a")
+        print(f"{out['problem']}: tuned {out['tuned_ms']:.3f} ms [{out['tuned_config']}], "
+              f"default {out['default_ms']:.3f} ms ({out['default_over_tuned']:.2f}x tuned), "
+              f"{cudnn}; {out['trials']} trials in {out['search_s']} s, "
+              f"failures {out['failures']}")
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

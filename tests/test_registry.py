@@ -1,0 +1,301 @@
+"""The kernel registry: three tunable kernels, each with legal defaults, rules that agree with
+what its upstream code accepts when lowered, and a build that matches the XLA reference on
+CPU (interpret mode), forward and gradients. The reference uses jax.nn.dot_product_attention's
+default scale, so a kernel left at its upstream default (1.0) fails the numerics."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from kernel.aot import input_specs
+from kernel.config import ConfigError
+from kernel.jax_tpu_flash import JaxTpuFlashKernel
+from kernel.pallas_gpu import PallasGpuKernel
+from kernel.problem import Problem
+from kernel.registry import (
+    GPU_TARGET,
+    KERNELS,
+    TunableKernel,
+    compile_for_target,
+    device_target,
+    get_kernel,
+    kernel_names,
+)
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+NAMES = ["flash", "jax_tpu_flash", "pallas_gpu"]
+TOLERANCE = 2e-3  # float32, relative to the reference's largest magnitude (as the tuner)
+
+
+def _problem(mode: str = "fwd", **changes) -> Problem:
+    fields = dict(batch=1, q_heads=2, kv_heads=1, q_len=256, kv_len=256, head_dim=64,
+                  dtype="float32", causal=True, mode=mode)
+    return Problem(**{**fields, **changes})
+
+
+def _target(kernel: TunableKernel) -> str:
+    return "gpu" if "gpu" in kernel.targets else "v5e"
+
+
+def _inputs(problem: Problem) -> list[jax.Array]:
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [jax.random.normal(key, spec.shape, spec.dtype)
+            for key, spec in zip(keys, input_specs(problem), strict=True)]
+
+
+def _max_error(got, want) -> float:
+    worst = 0.0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape
+        worst = max(worst, float(np.max(np.abs(g - w)) / np.max(np.abs(w))))
+    return worst
+
+
+def _run(fn, args):
+    # The interpret-mode kernels are large XLA programs; LLVM's -O0 halves their compile time.
+    compiled = jax.jit(fn).trace(*args).lower().compile({"xla_backend_optimization_level": 0})
+    return compiled(*args)
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+def test_registry_lists_the_three_kernels():
+    assert kernel_names() == NAMES
+    assert list(KERNELS) == NAMES
+    for name in NAMES:
+        kernel = get_kernel(name)
+        assert kernel.name == name and kernel.version and kernel.description
+        assert "cpu" in kernel.targets
+        assert kernel.config_type.from_dict({}) == kernel.config_type()
+    assert get_kernel("pallas_gpu").platforms == ("gpu",)
+    with pytest.raises(ConfigError, match="unknown kernel 'splash'.*flash, jax_tpu_flash, "
+                                          "pallas_gpu"):
+        get_kernel("splash")
+
+
+def test_targets_resolve_per_kernel():
+    assert device_target("gpu", "NVIDIA H200") == GPU_TARGET
+    assert device_target("tpu", "TPU v5 lite").name == "v5e"
+    assert device_target("cpu", "cpu").name == "cpu"
+    assert get_kernel("jax_tpu_flash").target("TPU v6 lite").name == "v6e"
+    with pytest.raises(ConfigError, match="kernel 'pallas_gpu' has no target 'v5e'"):
+        get_kernel("pallas_gpu").default_config(_problem(), "v5e")
+    with pytest.raises(ConfigError, match="kernel 'flash' has no target 'gpu'"):
+        get_kernel("flash").violations(_problem(), get_kernel("flash").default_config(_problem()),
+                                       "gpu")
+
+
+def test_importing_the_registry_does_not_import_jax():
+    code = (
+        "import sys\n"
+        "import kernel.registry as r\n"
+        "from kernel.problem import Problem\n"
+        "p = Problem(2, 4, 2, 512, 1024, 128, 'bfloat16', True, 'fwd_bwd')\n"
+        "for k in r.KERNELS.values():\n"
+        "    t = 'gpu' if 'gpu' in k.targets else 'v5e'\n"
+        "    c = k.config_from_dict(k.default_config(p, t).to_dict())\n"
+        "    assert not k.violations(p, c, t), (k.name, k.violations(p, c, t))\n"
+        "    assert k.space_params(p)\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+# --- rules -------------------------------------------------------------------------------------
+
+SHAPES = [dict(), dict(q_len=512, kv_len=1024), dict(q_len=1024, kv_len=512),
+          dict(batch=3, q_heads=4, kv_heads=4, q_len=128, kv_len=128, head_dim=128),
+          dict(batch=4, q_len=4096, kv_len=4096, head_dim=128, dtype="bfloat16")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_default_is_legal_and_in_the_space(name, mode):
+    kernel = get_kernel(name)
+    for shape in SHAPES:
+        problem = _problem(mode, **shape)
+        for target in kernel.targets:
+            default = kernel.default_config(problem, target)
+            assert kernel.violations(problem, default, target) == [], (problem.label(), target)
+            params = kernel.space_params(problem)
+            assert all(getattr(default, f) in values for f, values in params.items()) or \
+                name == "flash", (problem.label(), params)
+    small = _problem(mode)
+    space = kernel.search_space(small, _target(kernel))
+    assert kernel.default_config(small, _target(kernel)) in space
+    assert len(space) >= (4 if mode == "fwd" else 10)
+    # the search varies only what the mode runs: no backward field in fwd mode
+    assert len(kernel.space_params(small)) < len(kernel.space_params(_problem("fwd_bwd"))) or \
+        mode == "fwd_bwd"
+
+
+# (kernel, mode, field changes, the rule that must be named)
+ILLEGAL = [
+    ("flash", "fwd", dict(block_q=96), "block_divides"),
+    ("flash", "fwd", dict(pipeline_depth=7), "pipeline_depth"),
+    ("jax_tpu_flash", "fwd", dict(block_k_major=128, block_k=256), "minor_divides_major"),
+    ("jax_tpu_flash", "fwd", dict(block_q=512), "block_max"),
+    ("jax_tpu_flash", "fwd", dict(block_k=64), "block_tiling"),
+    ("jax_tpu_flash", "fwd", dict(block_b=2), "block_b"),
+    ("jax_tpu_flash", "fwd_bwd", dict(block_q_major_dkv=128, block_q_dkv=256),
+     "minor_divides_major"),
+    ("pallas_gpu", "fwd", dict(block_q=48), "block_pow2"),
+    ("pallas_gpu", "fwd", dict(block_k=512), "block_max"),
+    ("pallas_gpu", "fwd", dict(num_warps=3), "num_warps"),
+    ("pallas_gpu", "fwd", dict(num_stages=9), "num_stages"),
+    ("pallas_gpu", "fwd_bwd", dict(block_q_dq=32, block_kv_dkv=64), "fused_backward"),
+]
+
+
+@pytest.mark.parametrize("name,mode,changes,rule", ILLEGAL,
+                         ids=[f"{n}-{r}-{m}" for n, m, _, r in ILLEGAL])
+def test_illegal_configs_are_refused_naming_the_rule(name, mode, changes, rule):
+    kernel = get_kernel(name)
+    problem = _problem(mode)
+    config = kernel.default_config(problem).replace(**changes)
+    assert rule in [v.rule for v in kernel.violations(problem, config)]
+    assert config not in kernel.search_space(problem)
+    with pytest.raises(ConfigError, match=rf"\[{rule}\]"):
+        kernel.build(problem, config)
+
+
+def test_problem_rules_name_what_no_config_can_run():
+    tpu, gpu = get_kernel("jax_tpu_flash"), get_kernel("pallas_gpu")
+    odd = _problem(q_len=200, kv_len=200, head_dim=192)
+    assert {v.rule for v in tpu.violations(odd, tpu.default_config(odd))} >= {"kv_len",
+                                                                             "head_dim"}
+    assert tpu.search_space(odd) == []
+    tiny = _problem(q_len=24, kv_len=24, head_dim=8)
+    assert {v.rule for v in gpu.violations(tiny, gpu.default_config(tiny))} >= {"seq_len",
+                                                                              "head_dim"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_from_dict_names_the_bad_field(name):
+    kernel = get_kernel(name)
+    field = next(iter(kernel.space_params(_problem())))
+    with pytest.raises(ConfigError, match="unknown config field.*'block_zz'"):
+        kernel.config_from_dict({"block_zz": 128})
+    with pytest.raises(ConfigError, match=f"{field} must be an integer"):
+        kernel.config_from_dict({field: "128"})
+    with pytest.raises(ConfigError, match=f"{field} must be positive"):
+        kernel.config_from_dict({field: 0})
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        kernel.config_from_dict([128])
+    with pytest.raises(ConfigError, match=f"takes a {kernel.config_type.__name__}"):
+        other = get_kernel(next(n for n in NAMES if n != name))
+        kernel.check(_problem(), other.default_config(_problem(), _target(other)))
+
+
+# --- numerics: build runs on CPU (interpret mode) and matches the reference ------------------
+
+def _cases() -> list[tuple[str, str, int]]:
+    """Per kernel: the default forward, one sampled forward config, one sampled fwd_bwd one
+    (index -1 is the default, else a seeded pick from the space)."""
+    return [(name, mode, index) for name in NAMES
+            for mode, index in (("fwd", -1), ("fwd", 0), ("fwd_bwd", 0))]
+
+
+@pytest.mark.parametrize("name,mode,index", _cases(),
+                         ids=[f"{n}-{m}-{'default' if i < 0 else 'sample'}"
+                              for n, m, i in _cases()])
+def test_build_matches_the_reference_on_cpu(name, mode, index):
+    kernel = get_kernel(name)
+    problem = _problem(mode)  # grouped-query: 2 query heads share one K/V head
+    if index < 0:
+        config = kernel.default_config(problem)
+    else:
+        default = kernel.default_config(problem)
+        others = [c for c in kernel.search_space(problem) if c != default]
+        config = random.Random(f"{name}{mode}").choice(others)
+    args = _inputs(problem)
+    got = _run(kernel.build(problem, config), args)
+    want = jax.jit(kernel.reference(problem))(*args)
+    if mode == "fwd_bwd":
+        assert len(got) == 3  # dq, dk, dv
+    assert _max_error(got, want) <= TOLERANCE, config.label()
+
+
+# --- rules agree with upstream: lowering for the real platform on this CPU host --------------
+
+@dataclasses.dataclass(frozen=True)
+class _UncheckedTpu(JaxTpuFlashKernel):
+    """The upstream call with our rules switched off: what upstream alone accepts."""
+
+    def check(self, problem, config, target="cpu") -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _UncheckedGpu(PallasGpuKernel):
+    def check(self, problem, config, target="cpu") -> None:
+        return None
+
+
+def _lowers(kernel: TunableKernel, problem: Problem, config, platform: str) -> bool:
+    checks = ([jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+              if platform == "cuda" else [])
+    try:
+        jax.export.export(jax.jit(kernel.build(problem, config)), platforms=[platform],
+                          disabled_checks=checks)(*input_specs(problem))
+    except (ValueError, NotImplementedError, TypeError):  # upstream's checks, or bad shapes
+        return False
+    return True
+
+
+def test_every_admitted_jax_tpu_flash_config_lowers_for_tpu():
+    kernel = get_kernel("jax_tpu_flash")
+    fwd = _problem(batch=2, q_len=256, kv_len=512, head_dim=128, dtype="bfloat16")
+    space = kernel.search_space(fwd, "v5e")
+    assert len(space) >= 20
+    assert all(_lowers(kernel, fwd, c, "tpu") for c in space)
+    fwd_bwd = dataclasses.replace(fwd, mode="fwd_bwd")
+    sample = random.Random(0).sample(kernel.search_space(fwd_bwd, "v5e"), 5)
+    assert all(_lowers(kernel, fwd_bwd, c, "tpu") for c in sample)
+
+
+# Rejected configs that upstream itself refuses when lowering (our block_q and block_b rules
+# are stricter than upstream's: it pads a last partial block).
+TPU_REJECTED = [("fwd", dict(block_k=64)), ("fwd", dict(block_k_major=384, block_k=128)),
+                ("fwd", dict(block_q=1024)), ("fwd_bwd", dict(block_k_dkv=64)),
+                ("fwd_bwd", dict(block_q_major_dkv=128, block_q_dkv=256))]
+
+
+@pytest.mark.parametrize("mode,changes", TPU_REJECTED, ids=[str(c) for _, c in TPU_REJECTED])
+def test_jax_tpu_flash_rejections_fail_upstream(mode, changes):
+    problem = _problem(mode, q_len=512, kv_len=512, head_dim=128, dtype="bfloat16")
+    kernel = get_kernel("jax_tpu_flash")
+    config = kernel.default_config(problem).replace(**changes)
+    assert kernel.violations(problem, config)
+    assert not _lowers(_UncheckedTpu(), problem, config, "tpu")
+
+
+def test_pallas_gpu_configs_lower_for_cuda_and_rejections_fail_upstream():
+    kernel = get_kernel("pallas_gpu")
+    problem = _problem("fwd_bwd", q_len=512, kv_len=512, head_dim=128, dtype="bfloat16")
+    space = kernel.search_space(problem, "gpu")
+    sample = [kernel.default_config(problem, "gpu"), *random.Random(0).sample(space, 4)]
+    assert all(_lowers(kernel, problem, c, "cuda") for c in sample)
+    for changes in (dict(block_q_dq=32, block_kv_dkv=64), dict(block_k=192)):
+        config = kernel.default_config(problem).replace(**changes)
+        assert kernel.violations(problem, config)
+        assert not _lowers(_UncheckedGpu(), problem, config, "cuda"), changes
+
+
+def test_jax_tpu_flash_default_compiles_for_v5e_without_a_tpu():
+    kernel = get_kernel("jax_tpu_flash")
+    problem = _problem("fwd_bwd", q_len=512, kv_len=512, head_dim=128, dtype="bfloat16")
+    seconds = compile_for_target(kernel, problem, kernel.default_config(problem, "v5e"), "v5e")
+    assert seconds > 0
