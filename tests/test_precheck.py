@@ -16,7 +16,7 @@ from conftest import run_cli
 from autotune.failures import Status, classify_compile_error
 from autotune.precheck import Agreement, PrecheckResult, candidates, precheck
 from kernel.aot import compile_for_target
-from kernel.config import FlashConfig
+from kernel.config import BACKWARD_FIELDS, FlashConfig
 from kernel.depths import supported_pipeline_depths
 from kernel.problem import Problem
 from kernel.space import default_config, get_target, vmem_estimate, vmem_violations
@@ -34,9 +34,8 @@ FIELDS = {"config", "status", "compile_s", "predicted_fit", "error"}
 def test_classify_compile_error_reads_both_vmem_messages():
     scoped = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in "
               "memory space vmem while allocating on stack for %flash_fwd.1 = ... Scoped "
-              "allocation with size 73.39M and limit 16.00M exceeded scoped vmem limit by 57.39M.")
-    physical = "INTERNAL: Mosaic failed: Ran out of memory in memory space vmem. Used 275.35M " \
-               "of 128.00M vmem"
+              "allocation with size 18.02M and limit 16.00M exceeded scoped vmem limit by 2.02M.")
+    physical = "Ran out of memory in memory space vmem. Used 275.35M of 128.00M vmem"
     assert classify_compile_error(scoped) == Status.VMEM_OOM
     assert classify_compile_error(physical) == Status.VMEM_OOM
     assert classify_compile_error("INVALID_ARGUMENT: Mosaic failed to compile TPU kernel: "
@@ -64,6 +63,19 @@ def test_config_over_the_scoped_limit_is_classified_vmem_oom(target):
     # ... while the same config compiles under the target's own limit.
     assert not vmem_violations(SMALL, BIG_BLOCKS, get_target(target))
     assert compile_for_target(SMALL, BIG_BLOCKS, target) > 0
+
+
+def test_fwd_bwd_forward_variants_compile_the_forward_kernel_alone():
+    problem = Problem(**{**TINY.to_dict(), "mode": "fwd_bwd"})
+    depths = supported_pipeline_depths()
+    base = default_config(problem, "v5e", depths=depths)
+    todo = candidates(problem, get_target("v5e"), depths, include_rejected=True)
+    for candidate in todo:  # backward variants and the default compile the whole gradient
+        backward_at_default = all(getattr(candidate.config, f) == getattr(base, f)
+                                  for f in BACKWARD_FIELDS)
+        assert candidate.forward_only == (backward_at_default and candidate.config != base)
+    forward_variant = next(c.config for c in todo if c.forward_only)
+    assert compile_for_target(problem, forward_variant, "v5e", forward_only=True) > 0
 
 
 def _smallest_estimate_kib(problem: Problem) -> int:
