@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Self
 
-from kernel import space
+from kernel import KERNEL_NAME, KERNEL_VERSION, space
 from kernel.config import ConfigError, FlashConfig
 from kernel.problem import Problem
 from kernel.space import DEFAULT_DEPTHS, TARGETS, Target, Violation
@@ -228,8 +228,8 @@ class FlashKernel(TunableKernel):
 
     depths: tuple[int, ...] = DEFAULT_DEPTHS
 
-    name: ClassVar[str] = "flash"
-    version: ClassVar[str] = "1"  # kernel.KERNEL_VERSION
+    name: ClassVar[str] = KERNEL_NAME
+    version: ClassVar[str] = KERNEL_VERSION
     description: ClassVar[str] = ("Our Pallas flash attention for TPU: grouped-query, causal, "
                                   "tiled forward, dK/dV and dQ kernels with K/V pipelining")
     layout: ClassVar[str] = "[batch, heads, seq, head_dim]"
