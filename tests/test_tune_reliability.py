@@ -78,7 +78,7 @@ def wait_for_finished_trials(db_file: Path, count: int, process: subprocess.Pope
 
 def test_kill_9_mid_study_then_rerun_resumes(tmp_path: Path) -> None:
     db_file = tmp_path / "tune.db"
-    db, study, trials = f"sqlite:///{db_file}", "killed", 5
+    db, study, trials = f"sqlite:///{db_file}", "killed", 4
     log = tmp_path / "first.log"
     first = start(tune_args(db, study, trials), log)
     try:
@@ -125,7 +125,7 @@ def fresh_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_two_jobs_share_one_study(fresh_db: str, tmp_path: Path) -> None:
-    study, trials = "shared", 6
+    study, trials = "shared", 5
     logs = [tmp_path / f"job{i}.log" for i in range(2)]
     jobs = [start(tune_args(fresh_db, study, trials), log) for log in logs]
     try:
