@@ -42,3 +42,6 @@ app.command()(demo.demo)
 from autotune.commands import report  # noqa: E402
 
 app.command()(report.report)
+from autotune.commands import replay  # noqa: E402
+
+app.command()(replay.replay)

@@ -8,8 +8,8 @@ cooperate on one study, and a killed job resumes where it stopped.
 Samplers (``SAMPLERS``):
 
 - ``tpe`` (default): our searcher. Uniformly random *legal* startup configs, then multivariate
-  TPE over ordinal parameters whose candidates are filtered to legal, unmeasured configs and
-  mixed with one-step neighbours of the best configs, all ranked by TPE's acquisition (l/g).
+  TPE whose illegal or already-measured proposals cost neither a measurement nor a trial: they
+  become in-memory pseudo-observations and TPE is asked again (see ``_EngineSampler``).
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
 - ``plain-tpe``: the baseline, Optuna's ``TPESampler`` over one categorical per parameter; an
@@ -56,6 +56,9 @@ NOT_MEASURED = frozenset({"illegal", "repeat", "duplicate", "surplus", "exhauste
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 _LIVE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
 _PLAIN_TPE_STALL = 2000  # consecutive free proposals after which plain TPE counts as stuck
+_STARTUP = 10  # uniformly random legal configs measured before TPE takes over
+_CLAIM_WAIT_S = 2.0  # longest wait for an earlier trial's params to be written
+_TPE_ROUNDS = 20  # TPE re-asks per proposal while its best candidate is illegal or known
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def _result(space: Space, trial: FrozenTrial) -> TrialResult:
     attrs = {k: v for k, v in trial.user_attrs.items() if k not in ("status", "measure_s")}
     status = _status(trial)
     measurement = Measurement(trial.value if status == OK else None, status, attrs)
-    return TrialResult(trial.number, space.project(trial.params), measurement,
+    return TrialResult(trial.number, space.config(trial.params), measurement,
                        trial.user_attrs.get("measure_s", 0.0))
 
 
@@ -176,7 +179,7 @@ class _View:
             measured=[t for t in trials if _is_measurement(t)],
             running=[t for t in trials if t.state == TrialState.RUNNING],
             waiting=sum(t.state == TrialState.WAITING for t in trials),
-            keys={space.key(space.project(t.params)) for t in trials
+            keys={space.key(space.config(t.params)) for t in trials
                   if t.state != TrialState.FAIL and t.params.keys() >= set(space.names)},
         )
 
@@ -202,22 +205,21 @@ class _View:
 class _EngineSampler(TPESampler):
     """Proposes legal, unmeasured configs: ``tpe``, ``random`` or ``grid`` (see module doc).
 
-    It overrides TPE's candidate selection (private Optuna API, pinned by tests/test_search.py)
-    so that an illegal or already-measured candidate never takes a trial slot.
+    ``tpe`` keeps plain TPE's model dynamics but pays for none of them with a trial: when TPE's
+    best candidate is illegal, or a config the study has already measured, it is remembered as
+    a pseudo-observation in this worker's memory (pruned, or a copy of the measured value), as
+    plain TPE would have told it, and TPE is asked again. The pseudo-observations steer it away
+    from illegal regions and reinforce the incumbent. This overrides TPE's candidate selection
+    (private Optuna API, exercised by tests/test_search.py).
     """
 
-    def __init__(self, space: Space, mode: str, seed: int | None, *, n_startup: int = 10,
-                 n_candidates: int = 64, n_local: int = 3, local_every: int = 0,
-                 hamming: bool = False, gamma: float = 0.1, gamma_cap: int = 25,
-                 pseudo: bool = False, rounds: int = 20) -> None:
-        super().__init__(seed=seed, multivariate=True, n_startup_trials=n_startup,
-                         n_ei_candidates=n_candidates, constant_liar=True)
-        self._space, self._mode, self._n_local = space, mode, n_local
-        self._local_every, self._hamming, self._count = local_every, hamming, 0
-        self._gamma_frac, self._gamma_cap = gamma, gamma_cap
-        self._pseudo_mode, self._rounds, self._pseudo = pseudo, rounds, []
+    def __init__(self, space: Space, mode: str, seed: int | None) -> None:
+        super().__init__(seed=seed, multivariate=True, n_startup_trials=_STARTUP,
+                         constant_liar=True)
+        self._space, self._mode = space, mode
         self._rand = random.Random(seed)
         self._grid = space.configs() if mode == "grid" else None
+        self._pseudo: list[FrozenTrial] = []
         self.exhausted = False
 
     def infer_relative_search_space(self, study, trial):  # noqa: ANN001, ANN201
@@ -228,8 +230,8 @@ class _EngineSampler(TPESampler):
             return {}
         others = [t for t in study._get_trials(deepcopy=False, states=_LIVE, use_cache=False)
                   if t.number != trial.number]
-        taken = {self._space.key(self._space.project(t.params)) for t in others
-                 if t.params.keys() >= search_space.keys()}
+        names = set(self._space.names)  # a trial being claimed may lack some params yet
+        taken = {self._space.key(t.params) for t in others if t.params.keys() >= names}
         config = self._propose(study, others, taken, search_space)
         self.exhausted = config is None
         return {} if config is None else {n: config[n] for n in search_space}
@@ -252,66 +254,38 @@ class _EngineSampler(TPESampler):
         return self._tpe(study, others, finished, taken, search_space) or space.random_legal(
             self._rand, taken)
 
-    def _estimators(self, study, trials, search_space):  # noqa: ANN001, ANN202
-        n = sum(t.state != TrialState.RUNNING for t in trials)
-        below, above = _split_trials(study, trials, min(math.ceil(self._gamma_frac * n), self._gamma_cap))
-        return (self._build_parzen_estimator(study, search_space, below, handle_below=True),
-                self._build_parzen_estimator(study, search_space, above, handle_below=False))
-
-    def _acq(self, pool, search_space, mpe_below, mpe_above):  # noqa: ANN001, ANN202
-        internal = {n: np.asarray([d.to_internal_repr(c[n]) for c in pool])
-                    for n, d in search_space.items()}
-        return mpe_below.log_pdf(internal) - mpe_above.log_pdf(internal)
-
     def _tpe(self, study: optuna.Study, others: list[FrozenTrial], finished: list[FrozenTrial],
              taken: set[Key], search_space: dict) -> Config | None:
         space = self._space
-        by_key = {space.key(space.project(t.params)): t for t in finished}
-        ranked = sorted((t for t in finished if _status(t) == OK), key=lambda t: t.value)
-        self._count += 1
-        nb = (lambda c: [{**c, n: v} for n, vs in space.params.items() for v in vs if v != c[n]]) if self._hamming else space.neighbours
-        for _ in range(self._rounds):
-            mpe_below, mpe_above = self._estimators(study, others + self._pseudo, search_space)
+        measured = {space.key(t.params): t for t in finished if _is_measurement(t)}
+        fixed = {n: values[0] for n, values in space.params.items()}  # single-valued names
+        for _ in range(_TPE_ROUNDS):
+            trials = others + self._pseudo
+            below, above = _split_trials(study, trials, default_gamma(
+                sum(t.state != TrialState.RUNNING for t in trials)))
+            mpe_below = self._build_parzen_estimator(study, search_space, below, True)
+            mpe_above = self._build_parzen_estimator(study, search_space, above, False)
             samples = mpe_below.sample(self._rng.rng, self._n_ei_candidates)
-            candidates = [space.project({n: search_space[n].to_external_repr(samples[n][i])
-                                         for n in search_space})
-                          for i in range(self._n_ei_candidates)]
-            if self._local_every and self._count % self._local_every == 0:
-                local = []
-                for i, t in enumerate(ranked):
-                    local += [c for c in nb(space.project(t.params)) if space.key(c) not in taken and space.is_legal(c)]
-                    if local and i + 1 >= self._n_local:
-                        break
-                if local:
-                    candidates = local
-            elif not self._local_every:
-                for t in ranked[: self._n_local]:
-                    candidates += nb(space.project(t.params))
-            if not self._pseudo_mode:
-                break
-            best = candidates[int(np.argmax(self._acq(candidates, search_space, mpe_below, mpe_above)))]
-            k = space.key(best)
-            dists = {n: search_space[n] for n in search_space}
+            acquisition = (mpe_below.log_pdf(samples) - mpe_above.log_pdf(samples)).tolist()
+            order = sorted(range(len(acquisition)), key=lambda i: -acquisition[i])
+            candidates = [{**fixed, **{n: search_space[n].to_external_repr(samples[n][i])
+                                       for n in search_space}} for i in order]
+            best = candidates[0]
+            key = space.key(best)
             params = {n: best[n] for n in search_space}
             if not space.is_legal(best):
-                self._pseudo.append(optuna.trial.create_trial(state=TrialState.PRUNED, params=params, distributions=dists))
-            elif k in by_key:
-                t = by_key[k]
-                if t.state == TrialState.COMPLETE:
-                    self._pseudo.append(optuna.trial.create_trial(value=t.value, params=params, distributions=dists))
-                else:
-                    self._pseudo.append(optuna.trial.create_trial(state=TrialState.PRUNED, params=params, distributions=dists))
-            elif k not in taken:
+                self._pseudo.append(optuna.trial.create_trial(
+                    state=TrialState.PRUNED, params=params, distributions=search_space))
+            elif key in measured:
+                old = measured[key]
+                self._pseudo.append(optuna.trial.create_trial(
+                    state=old.state, value=old.value if old.state == TrialState.COMPLETE
+                    else None, params=params, distributions=search_space))
+            elif key not in taken:
                 return best
-        fresh: dict[Key, Config] = {}
-        for c in candidates:
-            k = space.key(c)
-            if k not in taken and k not in fresh and space.is_legal(c):
-                fresh[k] = c
-        if not fresh:
-            return None
-        pool = list(fresh.values())
-        return pool[int(np.argmax(self._acq(pool, search_space, mpe_below, mpe_above)))]
+        # TPE keeps insisting on known configs: take its best fresh legal candidate, if any.
+        return next((c for c in candidates
+                     if space.key(c) not in taken and space.is_legal(c)), None)
 
 
 def _make_sampler(name: str, space: Space, seed: int | None) -> optuna.samplers.BaseSampler:
@@ -401,8 +375,7 @@ def search(
         raise ValueError(f"trials must be >= 0, got {trials}")
     optuna_storage = storage if isinstance(storage, BaseStorage) else open_storage(storage)
     engine = _make_sampler(sampler, space, seed)
-    distributions = (Space(space.params, ordinal=False).distributions if sampler == "plain-tpe"
-                     else space.distributions)
+    distributions = space.distributions
     study = optuna.create_study(storage=optuna_storage, study_name=study_name,
                                 direction="minimize", sampler=engine, load_if_exists=True)
     if "params" not in study.user_attrs:
@@ -426,7 +399,7 @@ def search(
         with warnings.catch_warnings():  # heartbeats are sent by _heartbeat, not optimize()
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask(distributions)
-        config = space.project(trial.params)
+        config = space.config(trial.params)
         key = space.key(config)
         if isinstance(engine, _EngineSampler) and engine.exhausted:
             _drop(study, trial, "exhausted")
@@ -492,29 +465,34 @@ def _stop_reason(view: _View, trials: int, patience: int | None, timeout: float 
 def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: int) -> str:
     """Why this freshly claimed trial must not be measured, or "" when it may.
 
-    Workers claim a config by writing its params, then re-read the study: a config that is
+    Workers claim a config by writing all its params, then re-read the study: a config that is
     finished, or claimed by a trial with a lower number, belongs to the other trial; a trial
-    beyond the study-wide budget is surplus. Of two racing claims, the later-numbered one
-    always sees the earlier one, so no config is measured twice.
+    beyond the study-wide budget is surplus. An earlier trial whose params are still being
+    written is waited for (briefly: its worker may have died), so of two racing claims the
+    later-numbered one always sees the earlier one and no config is measured twice.
     """
-    earlier = 0
-    for t in study._get_trials(deepcopy=False, states=_LIVE, use_cache=False):
-        if t.number == number:
-            continue
-        if t.state == TrialState.RUNNING and t.number > number:
-            continue
-        if t.params.keys() >= set(space.names) and space.key(space.project(t.params)) == key:
-            if t.state == TrialState.RUNNING or _is_measurement(t):
+    names = set(space.names)
+    deadline = time.monotonic() + _CLAIM_WAIT_S
+    while True:
+        earlier = [t for t in study._get_trials(deepcopy=False, states=_LIVE, use_cache=False)
+                   if t.number != number and (t.state != TrialState.RUNNING or t.number < number)]
+        if all(t.params.keys() >= names for t in earlier) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    count = 0
+    for t in earlier:
+        if t.state == TrialState.RUNNING or _is_measurement(t):
+            count += 1
+            if t.params.keys() >= names and space.key(t.params) == key:
                 return "duplicate"
-        earlier += t.state == TrialState.RUNNING or _is_measurement(t)
-    return "surplus" if earlier >= trials else ""
+    return "surplus" if count >= trials else ""
 
 
 def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, key: Key) -> None:
     """Plain TPE: tells a repeated config the value it already has, without measuring."""
     for t in study.get_trials(deepcopy=False, states=_FINISHED):
         if _is_measurement(t) and t.params.keys() >= set(space.names) and space.key(
-                space.project(t.params)) == key:
+                space.config(t.params)) == key:
             trial.set_user_attr("status", "repeat")
             if t.state == TrialState.COMPLETE:
                 study.tell(trial, t.value)
