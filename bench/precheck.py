@@ -12,7 +12,10 @@ and ``fwd_bwd``) and TPU generation (v5e: 16 MiB scoped VMEM, v6e: 32 MiB), in o
    only the admitted configs, over the wall time of sweep (1).
 
     python bench/precheck.py [--jobs 2] [--timeout 300] [--targets v5e v6e]
-                             [--modes fwd fwd_bwd] [--separate-sweeps] [--out results.json]
+                             [--modes fwd fwd_bwd] [--separate-sweeps] [--out results.jsonl]
+
+``--out`` gets one JSON line per compile result as it arrives (target, mode, result), then one
+summary line per problem, so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from autotune.failures import Status
 from autotune.precheck import Agreement, PrecheckResult, precheck
@@ -37,12 +41,16 @@ def problem(mode: str) -> Problem:
 
 
 def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int,
-                timeout: float) -> tuple[list[PrecheckResult], float]:
+                timeout: float, out: TextIO | None) -> tuple[list[PrecheckResult], float]:
     done = 0
 
     def progress(result: PrecheckResult) -> None:
         nonlocal done
         done += 1
+        if out:
+            out.write(json.dumps({"target": target, "mode": prob.mode, "all": include_rejected,
+                                  **result.to_dict()}) + "\n")
+            out.flush()
         print(f"\r  {target} {prob.mode} {'all' if include_rejected else 'admitted'}: "
               f"{done} compiled", end="", file=sys.stderr, flush=True)
 
@@ -68,27 +76,28 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"])
     parser.add_argument("--separate-sweeps", action="store_true",
                         help="also time a sweep of the admitted configs alone (wall time)")
-    parser.add_argument("--out", type=Path, help="write every compile result here (JSON)")
+    parser.add_argument("--out", type=Path, help="append every compile result here (JSON lines)")
     args = parser.parse_args()
 
-    rows, saved = [], []
+    out = args.out.open("a") if args.out else None
+    rows = []
     for target in args.targets:
         for mode in args.modes:
             prob = problem(mode)
             everything, all_s = timed_sweep(prob, target, include_rejected=True,
-                                            jobs=args.jobs, timeout=args.timeout)
+                                            jobs=args.jobs, timeout=args.timeout, out=out)
             agreement = Agreement.of(everything)
             admitted_s = None
             if args.separate_sweeps:
                 admitted, admitted_s = timed_sweep(prob, target, include_rejected=False,
-                                                   jobs=args.jobs, timeout=args.timeout)
+                                                   jobs=args.jobs, timeout=args.timeout, out=out)
                 assert len(admitted) == agreement.admitted  # the same estimate both times
             rows.append((target, mode, agreement, everything, all_s, admitted_s))
-            saved.append({"target": target, "problem": prob.to_dict(), "all_s": all_s,
-                          "admitted_s": admitted_s, "agreement": agreement.to_dict(),
-                          "results": [r.to_dict() for r in everything]})
-            if args.out:
-                args.out.write_text(json.dumps(saved, indent=1))
+            if out:
+                out.write(json.dumps({"target": target, "problem": prob.to_dict(),
+                                      "all_s": all_s, "admitted_s": admitted_s,
+                                      **agreement.to_dict()}) + "\n")
+                out.flush()
 
     header = (f"{'target':6} {'mode':7} {'configs':>7} {'ok':>4} {'oom':>4} {'other':>5} "
               f"{'admit':>5} {'prec':>5} {'recall':>6} {'ok s':>5} {'oom s':>5} "

@@ -46,7 +46,7 @@ def test_classify_compile_error_reads_both_vmem_messages():
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_default_config_compiles_for_target(target):
-    problem = Problem(**{**SMALL.to_dict(), "mode": "fwd_bwd"})
+    problem = Problem(**{**TINY.to_dict(), "mode": "fwd_bwd"})
     config = default_config(problem, target, depths=supported_pipeline_depths())
     assert not vmem_violations(problem, config, get_target(target))
     assert compile_for_target(problem, config, target) > 0
