@@ -8,12 +8,10 @@ import dataclasses
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
-
-from kernel.config import FlashConfig
+from pydantic import BaseModel, ConfigDict, Field
 from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
 from kernel.resolve import KERNEL_NAME
-from storage import METHODS, Entry, LookupRequest, TunedResult
+from storage import METHODS, Entry, LookupRequest, TunedResult, registered_kernel
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 MAX_BATCH_KEYS = 1000
@@ -81,15 +79,9 @@ class KeyOut(BaseModel):
     mode: str
 
 
-# The config fields, generated from kernel.config.FlashConfig (one definition of the tiles).
-ConfigFields = create_model(
-    "ConfigFields",
-    __config__=ConfigDict(extra="forbid"),
-    __doc__="Block sizes and pipeline depth (kernel.config.FlashConfig); missing fields take "
-            "the defaults.",
-    **{f.name: (Annotated[int, Field(ge=1, le=1 << 20)], f.default)
-       for f in dataclasses.fields(FlashConfig)},
-)
+# A config of the key's kernel: its fields are that kernel's (``TunableKernel.config_type``),
+# checked in ``to_result``; missing fields take the defaults.
+ConfigFields = dict[str, Annotated[int, Field(ge=1, le=1 << 20)]]
 
 
 class Measurements(_Strict):
@@ -112,7 +104,8 @@ class PublishRequest(Measurements):
 
     key: LookupKey = Field(description="Where to store it (``platform`` defaults from the "
                                        "device kind, ``kernel_version`` to the server's).")
-    config: ConfigFields  # type: ignore[valid-type]
+    config: ConfigFields = Field(description="A config of the key's kernel (its field names; "
+                                             "missing fields take the defaults).")
     force: bool = False
 
     def to_result(self) -> TunedResult:
@@ -121,7 +114,7 @@ class PublishRequest(Measurements):
         return TunedResult(
             kernel=self.key.kernel, device_kind=self.key.device_kind,
             platform=self.key.platform or "", problem=self.key.to_problem(),
-            config=FlashConfig.from_dict(self.config.model_dump()),
+            config=registered_kernel(self.key.kernel).config_from_dict(self.config),
             **{name: getattr(self, name) for name in Measurements.model_fields}, **extra)
 
 

@@ -1,11 +1,11 @@
-"""Measuring flash configs on the attached device.
+"""Measuring a registered kernel's configs on the attached device.
 
 Per candidate: an ahead-of-time compile (started early, in a small thread pool, for the
 candidates the search will ask about next), a correctness gate against the XLA reference, then
 timing: warm-up, repeated runs with ``block_until_ready``, median and spread. Every failure is
-classified and returned, never raised. On a CPU-only machine the kernel runs in TPU interpret
-mode: the pipeline is exercised for real, but the times are no TPU figure (method
-``interpret``).
+classified and returned, never raised. Off the kernel's platforms (a CPU-only machine) the
+kernel runs in Pallas interpret mode: the pipeline is exercised for real, but the times are no
+device figure (method ``interpret``).
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from autotune.failures import Status, classify_compile_error, first_line
 from autotune.search import Measurement
-from kernel.aot import attention_fn, input_specs
-from kernel.config import FlashConfig
-from kernel.flash import reference_attention
+from kernel.aot import input_specs
 from kernel.problem import Problem
+from kernel.registry import FLASH, TunableKernel
 
 # Largest error allowed, relative to the reference's largest magnitude (per output).
 TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}
 
-BuildFn = Callable[[Problem, FlashConfig], Callable[..., Any]]
+Config = Any  # the measured kernel's config type (``TunableKernel.config_type``)
+BuildFn = Callable[[Problem, Config], Callable[..., Any]]
 
 
 @dataclass(frozen=True)
@@ -54,13 +53,6 @@ class Timing:
         return q3 - q1
 
 
-def _reference_fn(problem: Problem) -> Callable[..., Any]:
-    attend = lambda q, k, v: reference_attention(q, k, v, causal=problem.causal)  # noqa: E731
-    if problem.mode == "fwd":
-        return attend
-    return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-
-
 def relative_error(got: Any, want: Any) -> float:
     """Largest absolute error over every output, relative to that output's largest magnitude."""
     worst = 0.0
@@ -73,16 +65,19 @@ def relative_error(got: Any, want: Any) -> float:
 
 
 @dataclass
-class FlashMeasurer:
-    """Measures configs of one problem on ``jax.devices()[0]``; a search ``Measure``.
+class Measurer:
+    """Measures configs of one problem and one kernel on ``jax.devices()[0]``; a search
+    ``Measure``.
 
     ``prepare(config)`` starts compiling a config the search will ask about soon; calling the
     measurer with a config waits for its compile (``compile_timeout_s``), checks the result
-    and times it. ``build`` makes the function to measure (the kernel's by default).
+    against ``kernel.reference`` and times it. ``build`` makes the function to measure
+    (``kernel.build`` by default).
     """
 
     problem: Problem
-    base: FlashConfig  # fields the search does not vary come from here
+    base: Config  # a config of ``kernel``; fields the search does not vary come from here
+    kernel: TunableKernel = FLASH
     compile_timeout_s: float = 300.0
     min_runs: int = 5
     max_runs: int = 50
@@ -90,27 +85,29 @@ class FlashMeasurer:
     warmup: int = 1
     tolerance: float | None = None
     pool_size: int = 2
-    build: BuildFn = attention_fn
+    build: BuildFn | None = None
     seed: int = 0
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
-    _compiles: dict[FlashConfig, Future] = field(init=False, repr=False, default_factory=dict)
+    _compiles: dict[Config, Future] = field(init=False, repr=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.device = jax.devices()[0]
-        self.method = "device" if self.device.platform == "tpu" else "interpret"
+        self.method = "device" if self.device.platform in self.kernel.platforms else "interpret"
+        if self.build is None:
+            self.build = self.kernel.build
         if self.tolerance is None:
             self.tolerance = TOLERANCE[self.problem.dtype]
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
         keys = jax.random.split(jax.random.key(self.seed), 3)
         self.inputs = [jax.device_put(jax.random.normal(key, spec.shape, spec.dtype), self.device)
                        for key, spec in zip(keys, input_specs(self.problem), strict=True)]
-        self.expected = jax.jit(_reference_fn(self.problem))(*self.inputs)
+        self.expected = jax.jit(self.kernel.reference(self.problem))(*self.inputs)
 
-    def config(self, params: dict[str, Any]) -> FlashConfig:
+    def config(self, params: dict[str, Any]) -> Config:
         return self.base.replace(**params)
 
-    def _compile(self, config: FlashConfig) -> tuple[Any, float]:
+    def _compile(self, config: Config) -> tuple[Any, float]:
         start = time.perf_counter()
         compiled = jax.jit(self.build(self.problem, config)).lower(*self.inputs).compile()
         return compiled, time.perf_counter() - start
@@ -185,12 +182,12 @@ class FlashMeasurer:
                 break
         return Timing(tuple(samples))
 
-    def confirm(self, configs: Sequence[FlashConfig], rounds: int = 5,
-                runs_per_round: int = 3) -> dict[FlashConfig, Timing]:
+    def confirm(self, configs: Sequence[Config], rounds: int = 5,
+                runs_per_round: int = 3) -> dict[Config, Timing]:
         """Re-measures ``configs`` interleaved (A B C A B C ...), so drift and noise hit all
         alike; each round contributes the median of ``runs_per_round`` runs per config."""
         compiled = {config: self._compile(config)[0] for config in dict.fromkeys(configs)}
-        samples: dict[FlashConfig, list[float]] = {config: [] for config in compiled}
+        samples: dict[Config, list[float]] = {config: [] for config in compiled}
         for _ in range(rounds):
             for config, executable in compiled.items():
                 samples[config].append(self.time(executable, runs=runs_per_round).median_ms)

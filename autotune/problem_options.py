@@ -1,4 +1,4 @@
-"""The problem flags shared by every CLI command that takes a problem."""
+"""The problem flags shared by every CLI command that takes a problem, and ``--kernel``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
+from kernel.config import ConfigError
 from kernel.problem import Problem, ProblemError
+from kernel.registry import get_kernel, kernel_names
+from kernel.resolve import KERNEL_NAME
 
 _PANEL = "Problem"
 _OPTIONS: list[inspect.Parameter] = [
@@ -35,6 +38,20 @@ _OPTIONS: list[inspect.Parameter] = [
     ]
 ]
 _NAMES = [p.name for p in _OPTIONS]
+
+
+def _known_kernel(name: str) -> str:
+    try:
+        return get_kernel(name).name
+    except ConfigError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+# ``--kernel`` of every command that tunes, checks or looks up a kernel (default ``flash``).
+KernelOption = Annotated[str, typer.Option(
+    "--kernel", callback=_known_kernel,
+    help=f"Registered kernel: {' | '.join(kernel_names())}.")]
+DEFAULT_KERNEL = KERNEL_NAME
 
 
 def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:

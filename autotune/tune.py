@@ -1,7 +1,8 @@
 """Tuning one problem end to end: search, confirm the winner, publish it with provenance.
 
-Composes ``kernel`` (space, rules, default, the measured function) and ``storage`` (where the
-winner goes, and where warm-start seeds come from). The Optuna study lives in the same database
+Composes a registered kernel (``kernel.registry``: space, rules, default, the measured function)
+and ``storage`` (where the winner goes, and where warm-start seeds come from); nothing here
+depends on which kernel is tuned. The Optuna study lives in the same database
 as the results, named after the key, so re-running the same command resumes it.
 """
 
@@ -16,14 +17,14 @@ import jax
 import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
-from autotune.measure import FlashMeasurer, Timing
+from autotune.measure import Config, Measurer, Timing
 from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
 from autotune.space import Space
-from kernel import KERNEL_NAME, KERNEL_VERSION
-from kernel.config import ConfigError, FlashConfig
-from kernel.depths import supported_pipeline_depths
+from kernel import KERNEL_NAME
+from kernel.config import ConfigError
 from kernel.problem import Problem
-from kernel.space import TARGETS, Target, default_config, space_params, violations
+from kernel.registry import TunableKernel, device_target, get_kernel
+from kernel.space import Target
 from kernel.table import shape_distance
 from storage import Store, TunedResult
 
@@ -49,10 +50,11 @@ class TuneSummary:
     """The outcome of tuning one problem (what ``autotune tune --json`` ends with)."""
 
     problem: Problem
+    kernel: str
     device_kind: str
     method: str
     study: str
-    best_config: FlashConfig
+    best_config: Config
     best_time_ms: float
     default_time_ms: float
     speedup: float
@@ -64,7 +66,8 @@ class TuneSummary:
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"problem": self.problem.to_dict(), "device_kind": self.device_kind,
+        return {"problem": self.problem.to_dict(), "kernel": self.kernel,
+                "device_kind": self.device_kind,
                 "method": self.method, "study": self.study,
                 "best_config": self.best_config.to_dict(),
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
@@ -73,36 +76,40 @@ class TuneSummary:
                 "stop_reason": self.stop_reason}
 
 
-def device_target(device: jax.Device) -> Target:
-    """The rules' target for a device (the CPU interprets, with no VMEM limit)."""
-    return next((t for t in TARGETS.values() if t.device_kind == device.device_kind),
-                TARGETS["cpu"])
+def study_name(problem: Problem, device_kind: str, kernel: str = KERNEL_NAME) -> str:
+    return f"{kernel}/{device_kind}/{problem.label()}"
 
 
-def study_name(problem: Problem, device_kind: str) -> str:
-    return f"{KERNEL_NAME}/{device_kind}/{problem.label()}"
-
-
-def flash_space(problem: Problem, target: Target, depths: tuple[int, ...]) -> tuple[Space,
-                                                                                    FlashConfig]:
-    """The search space of ``problem`` (only fields that matter for its mode) and the default
-    config, whose values fill the fields the search does not vary."""
-    base = default_config(problem, target, depths=depths)
+def kernel_space(kernel: TunableKernel, problem: Problem,
+                 target: Target) -> tuple[Space, Config]:
+    """The search space of ``problem`` for ``kernel`` (only fields that matter for its mode)
+    and the default config, whose values fill the fields the search does not vary."""
+    base = kernel.default_config(problem, target)
 
     def is_legal(params: dict[str, Any]) -> bool:
         try:
             config = base.replace(**params)
         except ConfigError:  # e.g. a compute block that does not divide the kv block
             return False
-        return not violations(problem, config, target, depths=depths)
+        return kernel.is_legal(problem, config, target)
 
-    return Space(space_params(problem, depths), is_legal), base
+    return Space(kernel.space_params(problem), is_legal), base
+
+
+def tunable(kernel: TunableKernel, problem: Problem, target: Target) -> None:
+    """Raises ``ConfigError`` when ``kernel`` cannot be tuned for ``problem`` on ``target``:
+    a device the kernel has no rules for, or a problem no config of it can run."""
+    kernel.target(target)  # names the kernel's targets when the device is not one of them
+    broken = kernel.problem_violations(problem)
+    if broken:
+        raise ConfigError(f"kernel {kernel.name!r} cannot run {problem.label()}: "
+                          + "; ".join(map(str, broken)))
 
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
-               base: FlashConfig) -> list[dict[str, Any]]:
+               base: Config, kernel: str = KERNEL_NAME) -> list[dict[str, Any]]:
     """The default first, then winners of the nearest tuned problems on the same device."""
-    family = {"kernel": KERNEL_NAME, "device_kind": device_kind, "dtype": problem.dtype,
+    family = {"kernel": kernel, "device_kind": device_kind, "dtype": problem.dtype,
               "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
     entries, _ = store.list(family, limit=None)
     nearest = sorted((e.result for e in entries if e.result.problem != problem),
@@ -134,7 +141,7 @@ def _open_storage(db_url: str | None) -> Any:
         return open_storage(db_url)
 
 
-def _top_configs(name: str, base: FlashConfig, count: int, storage: Any) -> list[FlashConfig]:
+def _top_configs(name: str, base: Config, count: int, storage: Any) -> list[Config]:
     study = optuna.load_study(study_name=name, storage=storage)
     ok = sorted((t for t in study.get_trials(deepcopy=False)
                  if t.state == optuna.trial.TrialState.COMPLETE
@@ -148,7 +155,7 @@ def _failures(name: str, storage: Any) -> dict[str, int]:
                         if t.user_attrs.get("status", OK) not in (OK, *NOT_MEASURED)))
 
 
-def choose_winner(timings: dict[FlashConfig, Timing], default: FlashConfig) -> FlashConfig:
+def choose_winner(timings: dict[Config, Timing], default: Config) -> Config:
     """The fastest confirmed config, unless it does not beat the default beyond the noise:
     its median must be lower by more than the larger of the two spreads (IQR) and 1%."""
     best = min(timings, key=lambda c: timings[c].median_ms)
@@ -168,15 +175,18 @@ class TuneObserver(Protocol):
 
 
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
-         observer: TuneObserver | None = None) -> TuneSummary:
-    """Searches, confirms and publishes the best config for ``problem`` on this device."""
+         observer: TuneObserver | None = None, kernel_name: str = KERNEL_NAME) -> TuneSummary:
+    """Searches, confirms and publishes the best config of kernel ``kernel_name`` for
+    ``problem`` on this device. Raises ``ConfigError`` (before anything is written) for an
+    unknown kernel, a device it has no target for, or a problem it cannot run."""
+    kernel = get_kernel(kernel_name).discover()
     device = jax.devices()[0]
-    target = device_target(device)
-    depths = supported_pipeline_depths()
-    space, base = flash_space(problem, target, depths)
-    name = options.study or study_name(problem, device.device_kind)
+    target = device_target(device.platform, device.device_kind)
+    tunable(kernel, problem, target)
+    space, base = kernel_space(kernel, problem, target)
+    name = options.study or study_name(problem, device.device_kind, kernel.name)
     storage = _open_storage(db_url)
-    measurer = FlashMeasurer(problem, base, compile_timeout_s=options.compile_timeout_s)
+    measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
     default_params = {name: getattr(base, name) for name in space.names}
     default_ms: list[float] = []  # the default's search-time measurement, once seen
 
@@ -190,7 +200,8 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         result = search(space, measurer, storage=storage, study_name=name,
                         sampler=options.sampler, trials=options.trials, timeout=options.timeout,
                         patience=options.patience,
-                        seeds=warm_seeds(store, problem, device.device_kind, space, base),
+                        seeds=warm_seeds(store, problem, device.device_kind, space, base,
+                                         kernel.name),
                         seed=options.seed, on_trial=on_trial)
         if observer:
             observer.on_phase("confirming")
@@ -201,7 +212,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     winner = choose_winner(timings, base)
     default_ms, winner_ms = timings[base].median_ms, timings[winner].median_ms
     outcome = store.publish(TunedResult(
-        device_kind=device.device_kind, problem=problem, config=winner, median_ms=winner_ms,
+        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind, problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
         speedup=default_ms / winner_ms, trials=result.measured, method=measurer.method,
         study=name, **versions()), force=options.force)
@@ -214,7 +225,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     study.set_user_attr("problem", problem.to_dict())
     study.set_user_attr("device_kind", device.device_kind)
     return TuneSummary(
-        problem=problem, device_kind=device.device_kind, method=measurer.method, study=name,
+        problem=problem, kernel=kernel.name, device_kind=device.device_kind, method=measurer.method, study=name,
         best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
         speedup=default_ms / winner_ms, measured=result.measured,
         failures=_failures(name, storage), winner_is_default=winner == base,

@@ -87,7 +87,7 @@ def cudnn_fn(problem: Any) -> Any:
 def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
-    from autotune.measure import FlashMeasurer, relative_error
+    from autotune.measure import Measurer, relative_error
     from autotune.search import search
     from autotune.space import Space
     from kernel.registry import device_target, get_kernel
@@ -98,7 +98,7 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
     default = kernel.default_config(problem, target)
     params = kernel.space_params(problem)
     space = Space(params, lambda p: kernel.is_legal(problem, default.replace(**p), target))
-    measurer = FlashMeasurer(problem, default, build=kernel.build)
+    measurer = Measurer(problem, default, kernel)
     start = time.perf_counter()
     try:
         result = search(space, measurer, trials=args.trials, seed=args.seed,

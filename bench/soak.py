@@ -1,7 +1,7 @@
 """Memory of a long tuning run: 200 measured configs in one process.
 
 Tunes several small forward problems one after the other (grid sampler, one Optuna study per
-problem in one SQLite file, a FlashMeasurer per problem, as ``autotune tune --shapes`` does)
+problem in one SQLite file, a Measurer per problem, as ``autotune tune --shapes`` does)
 until ``--trials`` distinct configs have been compiled, checked and timed, and prints the
 process's resident set size every ``--every`` trials. The figure of merit is the growth from
 trial ``--every`` (caches and the compiler warmed up) to the last trial, per 100 trials.
@@ -49,13 +49,14 @@ def main() -> int:
 
     import jax
 
-    from autotune.measure import FlashMeasurer
+    from autotune.measure import Measurer
     from autotune.search import open_storage, search
-    from autotune.tune import device_target, flash_space
-    from kernel.depths import supported_pipeline_depths
+    from autotune.tune import kernel_space
+    from kernel.registry import FLASH, device_target
 
-    target = device_target(jax.devices()[0])
-    depths = supported_pipeline_depths()
+    device = jax.devices()[0]
+    target = device_target(device.platform, device.device_kind)
+    kernel = FLASH.discover()
     marks: list[dict[str, float]] = []
     start = time.perf_counter()
     measured = 0
@@ -78,8 +79,8 @@ def main() -> int:
         for problem in PROBLEMS:  # the grid sampler measures each problem's space, then stops
             if measured >= args.trials:
                 break
-            space, base = flash_space(problem, target, depths)
-            measurer = FlashMeasurer(problem, base)
+            space, base = kernel_space(kernel, problem, target)
+            measurer = Measurer(problem, base, kernel)
             try:
                 search(space, measurer, storage=storage, study_name=f"soak/{problem.label()}",
                        sampler="grid", trials=args.trials - measured, on_trial=on_trial)

@@ -198,6 +198,11 @@ class TunableKernel(ABC):
             raise ConfigError(f"config {config.label()} of kernel {self.name!r} is illegal for "
                               f"{problem.label()}: " + "; ".join(map(str, broken)))
 
+    def stored_violations(self, problem: Problem, config: Any) -> list[Violation]:
+        """The rules a stored config must pass whatever device tuned it: the ``cpu`` target's
+        (no VMEM limit). What storage, the service and lookup tables check, without jax."""
+        return self.violations(problem, config, "cpu")
+
     def is_legal(self, problem: Problem, config: Any, target: Target | str = "cpu") -> bool:
         return not self.violations(problem, config, target)
 
@@ -246,6 +251,11 @@ class FlashKernel(TunableKernel):
 
     def default_config(self, problem: Problem, target: Target | str = "cpu") -> FlashConfig:
         return space.default_config(problem, self.target(target), depths=self.depths)
+
+    def stored_violations(self, problem: Problem, config: FlashConfig) -> list[Violation]:
+        # The pipeline-depth rule depends on the tuner's JAX: the depth it measured is taken
+        # as supported.
+        return space.static_violations(problem, config, depths=(config.pipeline_depth,))
 
     def build(self, problem: Problem, config: FlashConfig) -> AttentionFn:
         from kernel.aot import attention_fn

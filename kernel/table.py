@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernel.config import ConfigError, FlashConfig
+from kernel.config import ConfigError
 from kernel.problem import Problem, ProblemError
-from kernel.space import static_violations
 
 TABLE_SCHEMA_VERSION = 1
 
@@ -29,7 +28,7 @@ class TableEntry:
     """One tuned result: the problem, the winning config, and how it was measured."""
 
     problem: Problem
-    config: FlashConfig
+    config: Any  # a config of the table's kernel (``TunableKernel.config_type``)
     time_ms: float | None = None
     default_time_ms: float | None = None
     speedup: float | None = None
@@ -41,7 +40,8 @@ class TableEntry:
                 "speedup": self.speedup, "provenance": dict(self.provenance)}
 
     @classmethod
-    def from_dict(cls, data: Any) -> TableEntry:
+    def from_dict(cls, data: Any, kernel: str) -> TableEntry:
+        """An entry whose config is one of kernel ``kernel``'s."""
         if not isinstance(data, dict):
             raise TableError(f"an entry must be a JSON object, got {type(data).__name__}")
         for name in ("problem", "config"):
@@ -49,7 +49,7 @@ class TableEntry:
                 raise TableError(f"entry is missing {name!r}")
         try:
             problem = Problem.from_dict(data["problem"])
-            config = FlashConfig.from_dict(data["config"])
+            config = _kernel(kernel).config_from_dict(data["config"])
         except (ProblemError, ConfigError, TypeError) as error:
             raise TableError(str(error)) from None
         numbers = {}
@@ -94,13 +94,14 @@ class LookupTable:
         for name in ("kernel", "kernel_version", "device_kind"):
             if not isinstance(data.get(name), str) or not data[name]:
                 raise TableError(f"table field {name!r} must be a non-empty string")
+        _kernel(data["kernel"])
         raw_entries = data.get("entries")
         if not isinstance(raw_entries, list):
             raise TableError("table field 'entries' must be a list")
         entries = []
         for index, raw in enumerate(raw_entries):
             try:
-                entries.append(TableEntry.from_dict(raw))
+                entries.append(TableEntry.from_dict(raw, data["kernel"]))
             except TableError as error:
                 raise TableError(f"entry {index}: {error}") from None
         return cls(kernel=data["kernel"], kernel_version=data["kernel_version"],
@@ -122,7 +123,7 @@ class LookupTable:
         for entry in self.entries:
             if entry.problem == problem:
                 return entry, "exact"
-        entry = nearest_entry(problem, self.entries)
+        entry = nearest_entry(problem, self.entries, self.kernel)
         return (entry, "nearest") if entry else None
 
 
@@ -133,13 +134,28 @@ def shape_distance(a: Problem, b: Problem) -> float:
             + 0.25 * abs(math.log2(a.group_size / b.group_size)))
 
 
-def nearest_entry(problem: Problem, entries: Iterable[TableEntry]) -> TableEntry | None:
+def _kernel(name: str) -> Any:
+    """The registered kernel ``name``; an unknown one is a ``TableError`` listing the known."""
+    # Imported here: kernel/__init__ imports this module before the registry can load.
+    from kernel.registry import get_kernel
+
+    try:
+        return get_kernel(name)
+    except ConfigError as error:
+        raise TableError(str(error)) from None
+
+
+def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
+                  kernel: str) -> TableEntry | None:
     """The closest tuned problem with the same dtype, head_dim, causality and mode whose
-    config passes the kernel's static rules for ``problem``; None when none does."""
+    config (one of kernel ``kernel``'s) passes that kernel's stored-config rules for
+    ``problem``; None when none does."""
+    rules = _kernel(kernel)
     candidates = [
         entry for entry in entries
         if (entry.problem.dtype, entry.problem.head_dim, entry.problem.causal,
             entry.problem.mode) == (problem.dtype, problem.head_dim, problem.causal, problem.mode)
-        and not static_violations(problem, entry.config, depths=(entry.config.pipeline_depth,))
+        and isinstance(entry.config, rules.config_type)
+        and not rules.stored_violations(problem, entry.config)
     ]
     return min(candidates, key=lambda e: shape_distance(problem, e.problem), default=None)

@@ -13,6 +13,7 @@ from storage.results import (
     SchemaError,
     StorageError,
     TunedResult,
+    registered_kernel,
 )
 from storage.schema import schema_is_current, schema_problem, upgrade
 from storage.settings import DEFAULT_DB_URL, StorageSettings
@@ -22,5 +23,5 @@ __all__ = [
     "DEFAULT_DB_URL", "FILTER_FIELDS", "METHODS", "ConfigKey", "DatabaseUrlError", "Entry",
     "HistoryEntry", "LookupRequest", "PublishOutcome", "ResultError", "SchemaError",
     "StorageError", "StorageSettings", "Store", "TunedResult", "make_engine", "normalize_url",
-    "schema_is_current", "schema_problem", "upgrade",
+    "registered_kernel", "schema_is_current", "schema_problem", "upgrade",
 ]

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from kernel.config import FlashConfig
+from kernel.config import ConfigError
 from kernel.problem import Problem
+from kernel.registry import TunableKernel, get_kernel
 from kernel.resolve import KERNEL_NAME
-from kernel.space import static_violations
 from kernel.table import TableEntry
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
@@ -38,11 +37,17 @@ def default_platform(device_kind: str) -> str:
     return "cpu" if device_kind.lower() == "cpu" else "tpu"
 
 
-def installed_kernel_version() -> str:
-    """The version of the installed kernel (``kernel/__init__`` is jax-free to import)."""
-    from kernel import KERNEL_VERSION
+def installed_kernel_version(kernel: str = KERNEL_NAME) -> str:
+    """The installed version of kernel ``kernel`` (the registry is jax-free to import)."""
+    return registered_kernel(kernel).version
 
-    return KERNEL_VERSION
+
+def registered_kernel(name: str) -> TunableKernel:
+    """The registered kernel ``name``; an unknown one is a ``ResultError`` listing the known."""
+    try:
+        return get_kernel(name)
+    except ConfigError as error:
+        raise ResultError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class TunedResult:
 
     device_kind: str
     problem: Problem
-    config: FlashConfig
+    config: Any  # a config of ``kernel`` (its ``TunableKernel.config_type``)
     median_ms: float | None
     iqr_ms: float | None = None
     default_median_ms: float | None = None
@@ -101,18 +106,23 @@ class TunedResult:
     libtpu_version: str | None = None
     study: str | None = None
     kernel: str = KERNEL_NAME
-    kernel_version: str = dataclasses.field(default_factory=installed_kernel_version)
+    kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
 
     def __post_init__(self) -> None:
-        for name in ("kernel", "kernel_version", "device_kind"):
+        _check_text("kernel", self.kernel)
+        rules = registered_kernel(self.kernel)
+        if not self.kernel_version:
+            object.__setattr__(self, "kernel_version", rules.version)
+        for name in ("kernel_version", "device_kind"):
             _check_text(name, getattr(self, name))
         for name in ("jax_version", "jaxlib_version", "libtpu_version", "study"):
             _check_text(name, getattr(self, name), optional=True)
         if not isinstance(self.problem, Problem):
             raise ResultError(f"problem must be a kernel.problem.Problem, got {self.problem!r}")
-        if not isinstance(self.config, FlashConfig):
-            raise ResultError(f"config must be a kernel.config.FlashConfig, got {self.config!r}")
+        if not isinstance(self.config, rules.config_type):
+            raise ResultError(f"config of kernel {self.kernel!r} must be a "
+                              f"{rules.config_type.__name__}, got {self.config!r}")
         for name in MEASUREMENT_FIELDS:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
@@ -133,13 +143,9 @@ class TunedResult:
                          self.problem)
 
     def check_legal(self) -> None:
-        """Raises ResultError naming the first static rule the config breaks for its problem.
-
-        The pipeline-depth rule depends on the tuner's JAX, which storage does not load, so the
-        depth the tuner measured is taken as supported (as ``kernel.table.nearest_entry`` does).
-        """
-        broken = static_violations(self.problem, self.config,
-                                   depths=(self.config.pipeline_depth,))
+        """Raises ResultError naming every rule of its kernel the config breaks for its problem
+        (``TunableKernel.stored_violations``, as ``kernel.table.nearest_entry`` checks)."""
+        broken = get_kernel(self.kernel).stored_violations(self.problem, self.config)
         if broken:
             raise ResultError(f"config is illegal for {self.problem.label()}: "
                               + "; ".join(str(v) for v in broken))

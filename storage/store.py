@@ -13,7 +13,6 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernel.config import FlashConfig
 from kernel.problem import Problem
 from kernel.resolve import KERNEL_NAME
 from kernel.table import LookupTable, nearest_entry
@@ -30,6 +29,7 @@ from storage.results import (
     StorageError,
     TunedResult,
     installed_kernel_version,
+    registered_kernel,
 )
 from storage.schema import schema_problem
 from storage.settings import StorageSettings
@@ -66,7 +66,7 @@ class LookupRequest:
 
     def params(self, names: Sequence[str]) -> dict[str, Any]:
         values = {"kernel": self.kernel,
-                  "kernel_version": self.kernel_version or installed_kernel_version(),
+                  "kernel_version": self.kernel_version or installed_kernel_version(self.kernel),
                   "device_kind": self.device_kind, "platform": self.platform}
         return {name: values[name] if name in values else getattr(self.problem, name)
                 for name in names}
@@ -102,7 +102,7 @@ def _result(row: Any) -> TunedResult:
         kernel=get("kernel"), kernel_version=get("kernel_version"),
         device_kind=get("device_kind"), platform=get("platform"),
         problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}),
-        config=FlashConfig.from_dict(get("config")),
+        config=registered_kernel(get("kernel")).config_from_dict(get("config")),
         **{name: get(name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)})
 
 
@@ -120,9 +120,9 @@ def _best(entries: Sequence[Entry]) -> Entry | None:
     return best
 
 
-def _nearest(problem: Problem, family: Sequence[Entry]) -> Entry | None:
+def _nearest(problem: Problem, kernel: str, family: Sequence[Entry]) -> Entry | None:
     entries = [entry.result.to_table_entry() for entry in family]
-    chosen = nearest_entry(problem, entries)
+    chosen = nearest_entry(problem, entries, kernel)
     return next((e for e, t in zip(family, entries, strict=True) if t is chosen), None)
 
 
@@ -284,7 +284,7 @@ class Store:
                     query = _FAMILY_ON_PLATFORM if on_platform else _FAMILY
                     families[family_key] = [_entry(row) for row in
                                             connection.execute(query, params).mappings()]
-                nearest = _nearest(request.problem, families[family_key])
+                nearest = _nearest(request.problem, request.kernel, families[family_key])
                 out.append((nearest, "nearest") if nearest else None)
         return out
 
@@ -307,7 +307,7 @@ class Store:
     def export_table(self, device_kind: str, kernel: str = KERNEL_NAME,
                      kernel_version: str | None = None) -> LookupTable:
         """Every entry of one kernel (version) on one device kind, as a lookup table."""
-        version = kernel_version or installed_kernel_version()
+        version = kernel_version or installed_kernel_version(kernel)
         entries, _ = self.list({"kernel": kernel, "kernel_version": version,
                                 "device_kind": device_kind}, limit=None)
         jax_versions = {entry.result.jax_version for entry in entries}

@@ -24,15 +24,16 @@ import pytest
 import yaml
 
 from autotune.failures import Status, classify_compile_error
-from autotune.measure import FlashMeasurer, Timing
+from autotune.measure import Measurer, Timing
 from autotune.search import Measurement, search
 from autotune.space import Space
-from autotune.tune import choose_winner, device_target, flash_space
+from autotune.tune import choose_winner, kernel_space
 from conftest import problem_flags, run_cli
 from kernel.aot import attention_fn, compile_for_target
 from kernel.config import FlashConfig
 from kernel.depths import supported_pipeline_depths
 from kernel.problem import Problem
+from kernel.registry import device_target, get_kernel
 from kernel.space import default_config, violations
 
 TINY = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
@@ -200,7 +201,7 @@ def test_every_failure_class_is_kept_on_its_trial_and_the_study_goes_on(
     space = Space({"block_q": [128, 256], "block_kv": [128, 256], "pipeline_depth": [1, 2]},
                   lambda c: (c["block_q"], c["block_kv"], c["pipeline_depth"]) in BEHAVIOUR)
     storage = optuna.storages.InMemoryStorage()
-    measurer = FlashMeasurer(TINY, tiny_base, build=_faulty_build, min_time_s=0.01)
+    measurer = Measurer(TINY, tiny_base, build=_faulty_build, min_time_s=0.01)
     try:
         result = search(space, measurer, storage=storage, study_name="failures",
                         sampler="grid", trials=10)
@@ -245,7 +246,7 @@ def test_vmem_oom_from_the_real_compiler_is_classified(tiny_base: FlashConfig) -
 
 def test_compile_timeout_is_a_failed_trial(tiny_base: FlashConfig) -> None:
     space = Space({"block_q": [256]})
-    measurer = FlashMeasurer(TINY, tiny_base, compile_timeout_s=0.01)
+    measurer = Measurer(TINY, tiny_base, compile_timeout_s=0.01)
     try:
         result = search(space, measurer, sampler="grid", trials=1)
     finally:
@@ -268,7 +269,7 @@ def test_a_hung_compile_does_not_time_out_the_configs_after_it(tiny_base: FlashC
             release.wait(timeout=120)  # stands in for a compiler that does not return
         return reference_attention  # passes the gate, compiles in about a second
 
-    measurer = FlashMeasurer(TINY, tiny_base, build=build, pool_size=1, compile_timeout_s=4,
+    measurer = Measurer(TINY, tiny_base, build=build, pool_size=1, compile_timeout_s=4,
                              min_runs=1, min_time_s=0.0)
     try:
         result = search(Space({"block_q": [128, 256]}), measurer, sampler="grid", trials=2)
@@ -282,13 +283,14 @@ def test_a_hung_compile_does_not_time_out_the_configs_after_it(tiny_base: FlashC
 def test_illegal_configs_never_reach_the_measurer() -> None:
     """Plain Optuna TPE proposes illegal configs (a compute block larger than its kv block);
     the engine must record them as ``illegal`` without measuring them."""
-    target = device_target(jax.devices()[0])
-    space, base = flash_space(TINY, target, supported_pipeline_depths())
+    device = jax.devices()[0]
+    target = device_target(device.platform, device.device_kind)
+    space, base = kernel_space(get_kernel("flash").discover(), TINY, target)
     # The XLA reference passes the correctness gate and compiles in milliseconds, so the study
     # can measure the whole legal space and plain TPE proposes many illegal configs on the way.
     from kernel.flash import reference_attention
 
-    measurer = FlashMeasurer(TINY, base, build=lambda p, c: reference_attention,
+    measurer = Measurer(TINY, base, build=lambda p, c: reference_attention,
                              min_runs=1, min_time_s=0.0)
     seen: list[FlashConfig] = []
 

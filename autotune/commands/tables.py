@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
-from kernel.resolve import KERNEL_NAME
+from autotune.problem_options import DEFAULT_KERNEL, KernelOption
 from kernel.table import LookupTable, TableError
 
 
@@ -20,7 +20,7 @@ def export_table(
     device_kind: Annotated[str | None, typer.Option(
         help="Device kind as JAX reports it, e.g. 'TPU v5 lite' (default: the only one stored).",
         show_default=False)] = None,
-    kernel: Annotated[str, typer.Option(help="Kernel name.")] = KERNEL_NAME,
+    kernel: KernelOption = DEFAULT_KERNEL,
     kernel_version: Annotated[str | None, typer.Option(
         help="Kernel version (default: the installed kernel's).", show_default=False)] = None,
     db: DbOption = None,

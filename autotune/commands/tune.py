@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autotune.commands.db import DbOption, open_store, resolve_url
-from autotune.problem_options import with_problem_options
+from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
 from kernel.problem import Problem, ProblemError
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
@@ -74,6 +74,7 @@ def tune(
     = None,
     patience: Annotated[int | None, typer.Option(
         min=1, help="Stop after this many measured configs without improvement.")] = None,
+    kernel: KernelOption = DEFAULT_KERNEL,
     sampler: Annotated[str, typer.Option(help="tpe | random | grid.")] = "tpe",
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
     db: DbOption = None,
@@ -85,8 +86,8 @@ def tune(
         "--json", help="One JSON object per trial, then one summary object per problem.")]
     = False,
 ) -> None:
-    """Tune flash-attention block sizes and pipeline depth on the local device, confirm the
-    winner against the default, and publish it with provenance."""
+    """Tune a kernel's block sizes (and pipeline depth) on the local device, confirm the
+    winner against the default, and publish it with provenance under the kernel's name."""
     if sampler not in SAMPLER_NAMES:
         raise typer.BadParameter(f"{sampler!r}: use one of {', '.join(SAMPLER_NAMES)}",
                                  param_hint="--sampler")
@@ -101,13 +102,18 @@ def tune(
     from autotune.progress import TuneProgress
     from autotune.tune import TuneOptions
     from autotune.tune import tune as run_tune
+    from kernel.config import ConfigError
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
                           seed=seed, study=study, force=force)
     try:
         for item in problems:
-            with TuneProgress(item, trials, json_output=json_output) as progress:
-                summary = run_tune(item, store, db_url, options, observer=progress)
+            try:
+                with TuneProgress(item, trials, json_output=json_output) as progress:
+                    summary = run_tune(item, store, db_url, options, observer=progress,
+                                       kernel_name=kernel)
+            except ConfigError as error:  # a device or problem the kernel cannot tune
+                raise typer.BadParameter(str(error), param_hint="--kernel") from None
             _report(summary, json_output)
     finally:
         store.close()
@@ -122,7 +128,8 @@ def _report(summary: Any, json_output: bool) -> None:
     verdict = ("the default stays: no candidate beat it beyond the measured noise"
                if summary.winner_is_default else f"{summary.speedup:.2f}x over the default")
     Console().print(
-        f"[bold]{summary.problem.label()}[/] on {summary.device_kind} ({summary.method}): "
+        f"[bold]{summary.kernel} {summary.problem.label()}[/] on {summary.device_kind} "
+        f"({summary.method}): "
         f"best {summary.best_config.label()} at {summary.best_time_ms:.3f} ms, {verdict}; "
         f"{summary.measured} measured, failures {summary.failures or 'none'}; "
         f"published: {summary.publish} (study {summary.study!r})")

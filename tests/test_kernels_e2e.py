@@ -1,0 +1,110 @@
+"""Every registered kernel through the tuner, storage and service, on this machine's CPU.
+
+``autotune tune --kernel NAME --json`` tunes a tiny problem with ``jax_tpu_flash`` and with
+``pallas_gpu`` (Pallas interpret mode) into one database; the real service then answers each
+kernel's lookup with that kernel's own winner, and nothing for ``flash``, which was not tuned.
+Storage keeps the kernel name apart for the same problem and device, exact and nearest alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import problem_flags, run_cli
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from kernel.registry import get_kernel
+from storage import ResultError, Store, TunedResult
+
+# Tiny f32 problems, one head: a few seconds per interpreted compile.
+PROBLEMS = {
+    "jax_tpu_flash": Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256,
+                             head_dim=64, dtype="float32", causal=False, mode="fwd"),
+    "pallas_gpu": Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=64,
+                          dtype="float32", causal=True, mode="fwd"),
+}
+
+
+def lookup_params(kernel: str, problem: Problem) -> dict[str, Any]:
+    fields = problem.to_dict()
+    return {"kernel": kernel, "device_kind": "cpu", **fields,
+            "causal": str(fields["causal"]).lower()}
+
+
+def test_tune_each_kernel_and_look_it_up_under_its_own_name(tmp_path: Path,
+                                                             start_server: Any) -> None:
+    db = f"sqlite:///{tmp_path / 'kernels.db'}"
+    summaries = {}
+    for name, problem in PROBLEMS.items():
+        done = run_cli("tune", "--kernel", name, *problem_flags(problem), "--trials", "3",
+                       "--db", db, "--json", timeout=300)
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        trials = [line for line in lines if not line.get("summary")]
+        [summary] = [line for line in lines if line.get("summary")]
+        kernel = get_kernel(name)
+        assert len(trials) == 3 and all(t["status"] == "ok" for t in trials), trials
+        assert (summary["kernel"], summary["method"]) == (name, "interpret")
+        assert summary["study"] == f"{name}/cpu/{problem.label()}"
+        best = kernel.config_from_dict(summary["best_config"])
+        assert kernel.is_legal(problem, best)
+        summaries[name] = best
+
+    server = start_server(db)
+    for name, problem in PROBLEMS.items():
+        found = httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(name, problem))
+        assert found.status_code == 200, found.text
+        body = found.json()
+        assert body["match"] == "exact" and body["key"]["kernel"] == name
+        assert body["key"]["kernel_version"] == get_kernel(name).version
+        assert get_kernel(name).config_from_dict(body["config"]) == summaries[name]
+        # Nothing was tuned under our own kernel: the other kernels' entries are not its.
+        missing = httpx.get(f"{server.url}/v1/configs/lookup",
+                            params=lookup_params("flash", problem))
+        assert missing.status_code == 404, missing.text
+    unknown = httpx.get(f"{server.url}/v1/configs/lookup",
+                        params=lookup_params("nope", PROBLEMS["pallas_gpu"]))
+    assert unknown.status_code == 422
+    assert "'nope'" in unknown.text and "jax_tpu_flash" in unknown.text
+
+
+def test_an_unknown_kernel_or_device_is_refused_before_anything_is_written(
+        tmp_path: Path) -> None:
+    db = tmp_path / "refused.db"
+    flags = problem_flags(PROBLEMS["pallas_gpu"])
+    unknown = run_cli("tune", "--kernel", "nope", *flags, "--db", f"sqlite:///{db}",
+                      env={"COLUMNS": "400"})
+    assert unknown.returncode == 2
+    assert "unknown kernel 'nope'; choose one of flash, jax_tpu_flash, pallas_gpu" in (
+        unknown.stderr)
+    assert not db.exists()
+
+
+def test_stored_entries_and_lookups_keep_the_kernel_name_apart(sqlite_db_url: str) -> None:
+    problem = PROBLEMS["jax_tpu_flash"]
+    wider = Problem(**{**problem.to_dict(), "q_len": 512, "kv_len": 512})
+    flash = get_kernel("flash").default_config(problem)
+    tpu = get_kernel("jax_tpu_flash").default_config(problem).replace(block_q=256)
+    store = Store(sqlite_db_url)
+    try:
+        store.publish(TunedResult(kernel="flash", device_kind="cpu", problem=problem,
+                                  config=flash, median_ms=2.0))
+        store.publish(TunedResult(kernel="jax_tpu_flash", device_kind="cpu", problem=problem,
+                                  config=tpu, median_ms=1.0))
+        for kernel, config in (("flash", flash), ("jax_tpu_flash", tpu)):
+            for asked, match in ((problem, "exact"), (wider, "nearest")):
+                entry, found = store.lookup(kernel, "cpu", asked)
+                assert (entry.result.kernel, entry.result.config, found) == (
+                    kernel, config, match)
+                assert entry.result.kernel_version == get_kernel(kernel).version
+        assert store.lookup("pallas_gpu", "cpu", problem) is None
+        with pytest.raises(ResultError, match="must be a JaxTpuFlashConfig"):
+            TunedResult(kernel="jax_tpu_flash", device_kind="cpu", problem=problem,
+                        config=FlashConfig(), median_ms=1.0)
+    finally:
+        store.close()
