@@ -286,8 +286,9 @@ def test_illegal_configs_never_reach_the_measurer() -> None:
     device = jax.devices()[0]
     target = device_target(device.platform, device.device_kind)
     space, base = kernel_space(get_kernel("flash").discover(), TINY, target)
-    # The XLA reference passes the correctness gate and compiles in milliseconds, so the study
-    # can measure the whole legal space and plain TPE proposes many illegal configs on the way.
+    # The XLA reference passes the correctness gate and is the same program for every config
+    # (compiled once), so the study can measure the whole legal space cheaply; plain TPE
+    # proposes many illegal configs on the way.
     from kernel.flash import reference_attention
 
     measurer = Measurer(TINY, base, build=lambda p, c: reference_attention,
