@@ -8,7 +8,9 @@ full space (the product of their tiles) is covered by compiling each kernel's ow
 others at the default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full
 config compiles exactly when each of its three parts does. The forward variants compile only the
 forward kernel (as training runs it, saving the logsumexp): the default backward kernels they
-share are compiled with every backward variant already.
+share are compiled with every backward variant already. Another registered kernel compiles its
+whole space (its own rules, ``vmem`` included as the prediction) with
+:func:`kernel.registry.compile_for_target`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.failures import Status, classify_compile_error, first_line
-from kernel.config import BACKWARD_FIELDS, FORWARD_FIELDS, FlashConfig
+from kernel.config import BACKWARD_FIELDS, FORWARD_FIELDS
 from kernel.problem import Problem
+from kernel.registry import FLASH, TunableKernel, get_kernel
 from kernel.space import Target, default_config, search_space, space_params, vmem_violations
 
 
@@ -30,14 +33,14 @@ from kernel.space import Target, default_config, search_space, space_params, vme
 class Candidate:
     """A config to compile, and whether the VMEM estimate predicts it fits."""
 
-    config: FlashConfig
+    config: Any  # a config of the prechecked kernel
     predicted_fit: bool
     forward_only: bool = False  # compile just the forward kernel of a fwd_bwd problem
 
 
 @dataclass
 class PrecheckResult:
-    config: FlashConfig
+    config: Any
     status: Status
     compile_s: float
     predicted_fit: bool
@@ -88,8 +91,14 @@ class Agreement:
 def candidates(
     problem: Problem, target: Target, depths: tuple[int, ...], *,
     include_rejected: bool = False, vmem_limit_bytes: int | None = None,
+    kernel: TunableKernel = FLASH,
 ) -> list[Candidate]:
     """The configs precheck compiles (see the module docstring for ``fwd_bwd``)."""
+    if kernel.name != FLASH.name:  # no split into parts: the kernel's whole space
+        out = [Candidate(c, not any(v.rule == "vmem" for v in kernel.violations(problem, c,
+                                                                               target)))
+               for c in kernel.search_space(problem, target, ignore=frozenset({"vmem"}))]
+        return out if include_rejected else [c for c in out if c.predicted_fit]
     base = default_config(problem, target, depths=depths, vmem_limit_bytes=vmem_limit_bytes)
     fwd_problem = Problem(**{**problem.to_dict(), "mode": "fwd"})
     fwd_bwd = problem.mode == "fwd_bwd"
@@ -109,17 +118,23 @@ def candidates(
 
 def _worker(slot_id: int, target_name: str, tasks: Any, results: Any) -> None:
     """Worker process: compiles the configs it is sent, one at a time."""
+    from kernel import registry
     from kernel.aot import compile_for_target, topology_device
 
     topology_device(target_name)  # pay libtpu start-up once, before the first deadline
     results.put(("ready", slot_id, None))
     while (task := tasks.get()) is not None:
-        index, problem_dict, config_dict, options, forward_only = task
+        index, kernel_name, problem_dict, config_dict, options, forward_only = task
+        kernel = get_kernel(kernel_name)
+        problem, config = Problem.from_dict(problem_dict), kernel.config_from_dict(config_dict)
         start = time.perf_counter()
         try:
-            seconds = compile_for_target(Problem.from_dict(problem_dict),
-                                         FlashConfig.from_dict(config_dict), target_name, options,
-                                         forward_only=forward_only)
+            if kernel.name == FLASH.name:
+                seconds = compile_for_target(problem, config, target_name, options,
+                                             forward_only=forward_only)
+            else:
+                seconds = registry.compile_for_target(kernel, problem, config, target_name,
+                                                      options)
             results.put(("done", index, (Status.OK, seconds, None)))
         except Exception as error:  # any compiler failure is a result, not a crash
             message = str(error)
@@ -144,11 +159,12 @@ def precheck(
     problem: Problem, target: Target, depths: tuple[int, ...], *,
     jobs: int = 2, timeout_s: float = 300.0, include_rejected: bool = False,
     vmem_limit_bytes: int | None = None, compiler_options: dict[str, Any] | None = None,
-    on_result: Callable[[PrecheckResult], None] | None = None,
+    on_result: Callable[[PrecheckResult], None] | None = None, kernel: TunableKernel = FLASH,
 ) -> list[PrecheckResult]:
-    """Compiles every candidate for ``target`` in ``jobs`` processes, each with a timeout."""
+    """Compiles every candidate of ``kernel`` for ``target`` in ``jobs`` processes, each with
+    a timeout."""
     todo = candidates(problem, target, depths, include_rejected=include_rejected,
-                      vmem_limit_bytes=vmem_limit_bytes)
+                      vmem_limit_bytes=vmem_limit_bytes, kernel=kernel)
     results: list[PrecheckResult | None] = [None] * len(todo)
     ctx = mp.get_context("spawn")
     inbox = ctx.Queue()
@@ -170,7 +186,8 @@ def precheck(
             slot.index = None
             return
         slot.index, slot.started = next_index, time.monotonic()
-        slot.tasks.put((next_index, problem.to_dict(), todo[next_index].config.to_dict(),
+        slot.tasks.put((next_index, kernel.name, problem.to_dict(),
+                        todo[next_index].config.to_dict(),
                         compiler_options, todo[next_index].forward_only))
         next_index += 1
 

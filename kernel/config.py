@@ -1,4 +1,5 @@
-"""Block sizes and pipeline depth of the flash kernel: a frozen, typed, validated config.
+"""Configs of the kernels: frozen, typed, validated dataclasses of integers (``IntConfig``),
+and the flash kernel's block sizes and pipeline depth (``FlashConfig``).
 
 Pure Python (no jax): the service and storage read and write configs too.
 """
@@ -6,8 +7,9 @@ Pure Python (no jax): the service and storage read and write configs too.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 
 class ConfigError(ValueError):
@@ -15,7 +17,47 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class FlashConfig:
+class IntConfig:
+    """Base of the kernels' configs: frozen dataclasses of positive integers.
+
+    Subclasses declare fields with defaults and ``label``. Relations between fields (a minor
+    block dividing its major block, ...) are legality rules of the kernel, not errors here, so
+    the search can ask about any combination and get the broken rule's name (``FlashConfig``
+    still refuses one relation itself).
+    """
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{field.name} must be an integer, got {value!r}")
+            if value < 1:
+                raise ConfigError(f"{field.name} must be positive, got {value}")
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Builds a config from a mapping; missing fields take their defaults."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown} for {cls.__name__}; "
+                              f"known: {names}")
+        return cls(**data)
+
+    def replace(self, **changes: int) -> Self:
+        return dataclasses.replace(self, **changes)
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+
+@dataclass(frozen=True)
+class FlashConfig(IntConfig):
     """Tiles of the forward and backward kernels and the K/V pipeline depth.
 
     Forward: the grid walks ``block_q`` query rows against ``block_kv`` keys per step; inside a
@@ -35,34 +77,12 @@ class FlashConfig:
     pipeline_depth: int = 2
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{field.name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ConfigError(f"{field.name} must be positive, got {value}")
+        super().__post_init__()
         if self.block_kv % self.block_kv_compute:
             raise ConfigError(
                 f"block_kv_compute ({self.block_kv_compute}) must divide block_kv "
                 f"({self.block_kv})"
             )
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FlashConfig:
-        """Builds a config from a mapping; missing fields take their defaults."""
-        if not isinstance(data, dict):
-            raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}; known: {sorted(names)}")
-        return cls(**data)
-
-    def replace(self, **changes: int) -> FlashConfig:
-        return dataclasses.replace(self, **changes)
 
     def label(self) -> str:
         return (

@@ -24,10 +24,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 from kernel import KERNEL_NAME, KERNEL_VERSION, space
-from kernel.config import ConfigError, FlashConfig
+from kernel.config import ConfigError, FlashConfig, IntConfig
 from kernel.problem import Problem
 from kernel.space import DEFAULT_DEPTHS, TARGETS, Target, Violation
 
@@ -46,45 +46,6 @@ def device_target(platform: str, device_kind: str) -> Target:
     if platform in ("gpu", "cuda", "rocm"):
         return GPU_TARGET
     return next((t for t in TARGETS.values() if t.device_kind == device_kind), TARGETS["cpu"])
-
-
-@dataclass(frozen=True)
-class IntConfig:
-    """Base of the kernels' configs: frozen dataclasses of positive integers.
-
-    Subclasses declare fields with defaults and ``label``. Relations between fields (a minor
-    block dividing its major block, ...) are legality rules of the kernel, not errors here, so
-    the search can ask about any combination and get the broken rule's name.
-    """
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{field.name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ConfigError(f"{field.name} must be positive, got {value}")
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Self:
-        """Builds a config from a mapping; missing fields take their defaults."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"a config must be a JSON object, got {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown} for {cls.__name__}; "
-                              f"known: {names}")
-        return cls(**data)
-
-    def replace(self, **changes: int) -> Self:
-        return dataclasses.replace(self, **changes)
-
-    def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.to_dict().items())
 
 
 def measured_fn(problem: Problem, attend: AttentionFn) -> AttentionFn:
@@ -134,7 +95,7 @@ class TunableKernel(ABC):
     layout: ClassVar[str]  # the layout the implementation takes (``build`` always takes ours)
     targets: ClassVar[tuple[str, ...]]  # what it can be tuned / prechecked for
     platforms: ClassVar[tuple[str, ...]]  # JAX platforms where it runs for real
-    config_type: ClassVar[type[IntConfig] | type[FlashConfig]]
+    config_type: ClassVar[type[IntConfig]]
 
     @abstractmethod
     def space_params(self, problem: Problem) -> Params:
@@ -206,8 +167,10 @@ class TunableKernel(ABC):
     def is_legal(self, problem: Problem, config: Any, target: Target | str = "cpu") -> bool:
         return not self.violations(problem, config, target)
 
-    def search_space(self, problem: Problem, target: Target | str = "cpu") -> list[Any]:
-        """Every legal config (the product of ``space_params`` filtered by the rules).
+    def search_space(self, problem: Problem, target: Target | str = "cpu", *,
+                     ignore: frozenset[str] = frozenset()) -> list[Any]:
+        """Every legal config (the product of ``space_params`` filtered by the rules, except
+        those named in ``ignore``: precheck compiles the ``vmem``-rejected ones too).
         Enumerates the whole product: for small problems and tests; the tuner samples."""
         target = self.target(target)
         base = self.default_config(problem, target)
@@ -218,7 +181,7 @@ class TunableKernel(ABC):
                 config = base.replace(**dict(zip(params, values)))
             except ConfigError:  # a config type that refuses a field relation (FlashConfig)
                 continue
-            if not self.violations(problem, config, target):
+            if all(v.rule in ignore for v in self.violations(problem, config, target)):
                 out.append(config)
         return out
 

@@ -108,3 +108,32 @@ def test_stored_entries_and_lookups_keep_the_kernel_name_apart(sqlite_db_url: st
                         config=FlashConfig(), median_ms=1.0)
     finally:
         store.close()
+
+
+def test_precheck_compiles_the_jax_tpu_flash_space_for_v5e() -> None:
+    """Deviceless: the upstream TPU kernel's whole space for a tiny problem, compiled by the
+    real Mosaic compiler for v5e; the VMEM rule admits what compiles."""
+    from autotune.precheck import candidates
+    from kernel.space import get_target
+
+    problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
+                      dtype="bfloat16", causal=False, mode="fwd")
+    kernel = get_kernel("jax_tpu_flash")
+    done = run_cli("precheck", "--kernel", "jax_tpu_flash", "--target", "v5e",
+                   *problem_flags(problem), "--json", "--jobs", "2", "--timeout", "120",
+                   timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *rows, summary = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    expected = candidates(problem, get_target("v5e"), (), kernel=kernel)
+    compiled = [kernel.config_from_dict(r["config"]) for r in rows]  # in completion order
+    assert len(compiled) == len(set(compiled)) == len(kernel.search_space(problem, "v5e")) > 1
+    assert set(compiled) == {c.config for c in expected}
+    assert all(r["status"] == "ok" and r["predicted_fit"] for r in rows), rows
+    assert summary["precision"] == 1.0
+
+
+def test_precheck_refuses_a_kernel_without_tpu_targets() -> None:
+    done = run_cli("precheck", "--kernel", "pallas_gpu", "--target", "v5e", "--q-len", "256",
+                   env={"COLUMNS": "400"})
+    assert done.returncode == 2
+    assert "kernel 'pallas_gpu' has no target 'v5e'; choose one of gpu, cpu" in done.stderr

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.problem_options import with_problem_options
+from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
 from kernel.problem import Problem
 from kernel.space import TARGETS, get_target
 
@@ -16,6 +16,7 @@ from kernel.space import TARGETS, get_target
 def precheck(
     problem: Problem,
     target: Annotated[str, typer.Option(help="TPU generation: v4, v5e, v5p or v6e.")] = "v5e",
+    kernel: KernelOption = DEFAULT_KERNEL,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per config, "
                                               "then a summary object.")] = False,
     jobs: Annotated[int, typer.Option(min=1, help="Parallel compiler processes.")] = 2,
@@ -25,28 +26,36 @@ def precheck(
     vmem_limit_kib: Annotated[int | None, typer.Option(
         min=1, help="Scoped VMEM limit to check and compile against (default: the target's).")] = None,
 ) -> None:
-    """Compile every legal config for a TPU generation (no TPU needed; needs libtpu) and report
-    ok / vmem_oom / compile_error / timeout per config, with compile seconds."""
+    """Compile every legal config of a TPU kernel for a TPU generation (no TPU needed; needs
+    libtpu) and report ok / vmem_oom / compile_error / timeout per config, with compile
+    seconds."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from autotune.precheck import Agreement, candidates, precheck as run_precheck
+    from kernel.config import ConfigError
     from kernel.depths import supported_pipeline_depths
+    from kernel.registry import get_kernel
 
     if target not in TARGETS or TARGETS[target].topology is None:
         raise typer.BadParameter(f"{target!r} is not a TPU generation; use v4, v5e, v5p or v6e",
                                  param_hint="--target")
-    tpu = get_target(target)
+    rules = get_kernel(kernel)
+    try:
+        tpu = rules.target(get_target(target))
+    except ConfigError as error:  # a GPU kernel has no TPU generation to compile for
+        raise typer.BadParameter(str(error), param_hint="--kernel") from None
     vmem_limit = vmem_limit_kib * 1024 if vmem_limit_kib else None
     options = {"xla_tpu_scoped_vmem_limit_kib": vmem_limit_kib} if vmem_limit_kib else None
     depths = supported_pipeline_depths()
     total = len(candidates(problem, tpu, depths, include_rejected=include_rejected,
-                           vmem_limit_bytes=vmem_limit))
+                           vmem_limit_bytes=vmem_limit, kernel=rules))
     console = Console(stderr=json_output)
     with Progress(TextColumn("[bold]precheck {task.description}"), BarColumn(),
                   MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
                   console=console, transient=json_output) as progress:
-        task = progress.add_task(f"{target} {problem.label()}", total=total, counts="")
+        task = progress.add_task(f"{kernel} {target} {problem.label()}", total=total,
+                                 counts="")
         counts: dict[str, int] = {}
 
         def on_result(result):  # noqa: ANN001, ANN202 - a local callback
@@ -58,7 +67,7 @@ def precheck(
 
         results = run_precheck(problem, tpu, depths, jobs=jobs, timeout_s=timeout,
                                include_rejected=include_rejected, vmem_limit_bytes=vmem_limit,
-                               compiler_options=options, on_result=on_result)
+                               compiler_options=options, on_result=on_result, kernel=rules)
     agreement = Agreement.of(results)
     if json_output:
         print(json.dumps(agreement.to_dict()))
