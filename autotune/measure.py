@@ -150,17 +150,24 @@ class Measurer:
             stuck.shutdown(wait=False, cancel_futures=True)
             self._compiles = {c: f for c, f in self._compiles.items() if not f.cancelled()}
 
-    def _check_and_time(self, compiled: Any, compile_s: float) -> Measurement:
+    def _check(self, compiled: Any, compile_s: float) -> tuple[Measurement | None, float]:
+        """Runs ``compiled`` once against the reference: (its failure or None, its error)."""
         try:
             got = jax.block_until_ready(compiled(*self.inputs))
         except Exception as error:
             return Measurement.failure(Status.RUNTIME_ERROR, compile_s=compile_s,
-                                       error=first_line(str(error)))
+                                       error=first_line(str(error))), float("inf")
         error = relative_error(got, self.expected)
         if not error <= self.tolerance:
             return Measurement.failure(Status.WRONG_RESULT, compile_s=compile_s,
                                        error=f"relative error {error:.3g} over tolerance "
-                                             f"{self.tolerance:g}")
+                                             f"{self.tolerance:g}"), error
+        return None, error
+
+    def _check_and_time(self, compiled: Any, compile_s: float) -> Measurement:
+        failure, error = self._check(compiled, compile_s)
+        if failure is not None:
+            return failure
         timing = self.time(compiled)
         return Measurement(timing.median_ms, Status.OK, {
             "compile_s": round(compile_s, 4), "iqr_ms": timing.iqr_ms,
@@ -185,8 +192,17 @@ class Measurer:
     def confirm(self, configs: Sequence[Config], rounds: int = 5,
                 runs_per_round: int = 3) -> dict[Config, Timing]:
         """Re-measures ``configs`` interleaved (A B C A B C ...), so drift and noise hit all
-        alike; each round contributes the median of ``runs_per_round`` runs per config."""
-        compiled = {config: self._compile(config)[0] for config in dict.fromkeys(configs)}
+        alike; each round contributes the median of ``runs_per_round`` runs per config.
+        Configs that fail to compile, run or pass the correctness gate here are left out (the
+        default is confirmed even when the search never measured it)."""
+        compiled = {}
+        for config in dict.fromkeys(configs):
+            try:
+                executable, compile_s = self._compile(config)
+            except Exception:  # noqa: BLE001 - any compiler failure leaves the config out
+                continue
+            if self._check(executable, compile_s)[0] is None:
+                compiled[config] = executable
         samples: dict[Config, list[float]] = {config: [] for config in compiled}
         for _ in range(rounds):
             for config, executable in compiled.items():

@@ -56,8 +56,8 @@ class TuneSummary:
     study: str
     best_config: Config
     best_time_ms: float
-    default_time_ms: float
-    speedup: float
+    default_time_ms: float | None  # None: the default failed on this device
+    speedup: float | None
     measured: int
     failures: dict[str, int]
     winner_is_default: bool
@@ -157,12 +157,19 @@ def _failures(name: str, storage: Any) -> dict[str, int]:
 
 def choose_winner(timings: dict[Config, Timing], default: Config) -> Config:
     """The fastest confirmed config, unless it does not beat the default beyond the noise:
-    its median must be lower by more than the larger of the two spreads (IQR) and 1%."""
+    its median must be lower by more than the larger of the two spreads (IQR) and 1%. Without
+    a timing of the default (it failed here) the fastest wins."""
     best = min(timings, key=lambda c: timings[c].median_ms)
+    if default not in timings:
+        return best
     gain = timings[default].median_ms - timings[best].median_ms
     noise = max(timings[best].iqr_ms, timings[default].iqr_ms,
                 0.01 * timings[default].median_ms)
     return best if gain > noise else default
+
+
+class NothingToPublish(RuntimeError):
+    """No config of the problem worked on this device, not even the default."""
 
 
 class TuneObserver(Protocol):
@@ -209,12 +216,18 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
     finally:
         measurer.close()
+    if not timings:
+        raise NothingToPublish(f"no config of {problem.label()} compiled, ran and passed the "
+                               f"correctness check on {device.device_kind} (the default and "
+                               f"the best {options.confirm_top} measured); nothing published")
     winner = choose_winner(timings, base)
-    default_ms, winner_ms = timings[base].median_ms, timings[winner].median_ms
+    winner_ms = timings[winner].median_ms
+    default_ms = timings[base].median_ms if base in timings else None
+    speedup = default_ms / winner_ms if default_ms is not None else None
     outcome = store.publish(TunedResult(
         kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind, problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
-        speedup=default_ms / winner_ms, trials=result.measured, method=measurer.method,
+        speedup=speedup, trials=result.measured, method=measurer.method,
         study=name, **versions()), force=options.force)
     confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                 "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
@@ -227,7 +240,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     return TuneSummary(
         problem=problem, kernel=kernel.name, device_kind=device.device_kind, method=measurer.method, study=name,
         best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
-        speedup=default_ms / winner_ms, measured=result.measured,
+        speedup=speedup, measured=result.measured,
         failures=_failures(name, storage), winner_is_default=winner == base,
         publish=outcome.status,
         stop_reason=result.stop_reason, confirmation=confirmation)

@@ -345,3 +345,21 @@ def test_clearly_faster_candidate_wins(configs: tuple[FlashConfig, ...]) -> None
     assert choose_winner(timings, default) == candidate
     slower = {default: timings[default], candidate: _timing(2.0, 2.1, 1.9, 2.0, 2.0)}
     assert choose_winner(slower, default) == default
+
+
+def test_confirmation_leaves_out_configs_that_fail_here(tiny_base: FlashConfig) -> None:
+    """A default that fails on the device (wrong result, or no compile) is never published:
+    confirmation times only working configs, and then the fastest of them wins."""
+    from kernel.flash import reference_attention
+
+    wrong, broken, good = (tiny_base, tiny_base.replace(block_q=128),
+                           tiny_base.replace(block_kv=128))
+    builds = {wrong: lambda q, k, v: q, broken: _trace_time_failure,
+              good: lambda q, k, v: reference_attention(q, k, v)}
+    measurer = Measurer(TINY, tiny_base, build=lambda problem, config: builds[config])
+    try:
+        timings = measurer.confirm([wrong, broken, good], rounds=3)
+    finally:
+        measurer.close()
+    assert list(timings) == [good] and len(timings[good].samples_ms) == 3
+    assert choose_winner(timings, wrong) == good

@@ -100,12 +100,13 @@ def tune(
     store = open_store(db_url)
 
     from autotune.progress import TuneProgress
-    from autotune.tune import TuneOptions
+    from autotune.tune import NothingToPublish, TuneOptions
     from autotune.tune import tune as run_tune
     from kernel.config import ConfigError
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
                           seed=seed, study=study, force=force)
+    failed = 0
     try:
         for item in problems:
             try:
@@ -114,9 +115,15 @@ def tune(
                                        kernel_name=kernel)
             except ConfigError as error:  # a device or problem the kernel cannot tune
                 raise typer.BadParameter(str(error), param_hint="--kernel") from None
+            except NothingToPublish as error:  # the other problems are still tuned
+                typer.echo(f"error: {error}", err=True)
+                failed += 1
+                continue
             _report(summary, json_output)
     finally:
         store.close()
+    if failed:
+        raise typer.Exit(1)
 
 
 def _report(summary: Any, json_output: bool) -> None:
@@ -126,7 +133,8 @@ def _report(summary: Any, json_output: bool) -> None:
     from rich.console import Console
 
     verdict = ("the default stays: no candidate beat it beyond the measured noise"
-               if summary.winner_is_default else f"{summary.speedup:.2f}x over the default")
+               if summary.winner_is_default else "the default failed on this device"
+               if summary.speedup is None else f"{summary.speedup:.2f}x over the default")
     Console().print(
         f"[bold]{summary.kernel} {summary.problem.label()}[/] on {summary.device_kind} "
         f"({summary.method}): "
