@@ -18,11 +18,15 @@ from kernel.table import LookupTable, TableEntry, TableError
 
 KERNEL_VERSION = "1"
 
-# Names that need jax, and the module that defines each.
+# Names loaded on first use, and the module that defines each: they need jax, or (the kernel
+# registry, pure Python) import this package's constants.
 _LAZY = {
     "flash_attention": "kernel.flash",
     "search_space": "kernel.depths",
     "supported_pipeline_depths": "kernel.depths",
+    "TunableKernel": "kernel.registry",
+    "get_kernel": "kernel.registry",
+    "kernel_names": "kernel.registry",
 }
 
 

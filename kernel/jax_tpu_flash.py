@@ -24,13 +24,21 @@ from kernel.registry import (
     IntConfig,
     Params,
     TunableKernel,
-    block_violations,
     measured_fn,
     repeat_kv_heads,
     sm_scale,
 )
-from kernel.space import LANES, MAX_COMPUTE_BLOCK, MiB, Target, Violation, _largest_at_most, \
-    _tile_bytes, block_values
+from kernel.space import (
+    LANES,
+    MAX_COMPUTE_BLOCK,
+    MiB,
+    Target,
+    Violation,
+    block_values,
+    block_violations,
+    largest_at_most,
+    tile_bytes,
+)
 
 MIN_BLOCK_SIZE = 128  # upstream: in-kernel key blocks tile the lane-replicated row statistics
 UPSTREAM_DEFAULT = 128  # BlockSizes.get_default(): 128 everywhere, block_b=1
@@ -103,7 +111,7 @@ def _compute_bytes(rows: int, cols: int, steps: int, copies: int = 1) -> int:
     """Mosaic's internal scratch for ``steps`` unrolled (rows, cols) f32 logits tiles, the whole
     unrolled body repeated ``copies`` times (the forward's loop over ``block_b`` batch rows)."""
     tiles = BASE_TILES + TILES_PER_STEP * max(0, steps - 2)
-    return int(copies * tiles * _tile_bytes(rows, cols, 4)) + REGISTER_FILE
+    return int(copies * tiles * tile_bytes(rows, cols, 4)) + REGISTER_FILE
 
 
 def vmem_estimate(problem: Problem, config: JaxTpuFlashConfig) -> dict[str, int]:
@@ -112,32 +120,32 @@ def vmem_estimate(problem: Problem, config: JaxTpuFlashConfig) -> dict[str, int]
     its unrolled logits tiles (``_compute_bytes``). Meant as an upper bound; the backward
     kernels reuse the forward's calibration."""
     d, isz, c = problem.head_dim, problem.itemsize, config
-    stat = _tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic (m, l, di)
+    stat = tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic (m, l, di)
     fwd = c.block_b * (
-        2 * _tile_bytes(c.block_q, d, isz)  # q window
-        + 2 * 2 * _tile_bytes(c.block_k_major, d, isz)  # k, v windows
-        + 2 * _tile_bytes(c.block_q, d, isz)  # output window
-        + 2 * stat + _tile_bytes(c.block_q, d, 4)  # m, l, acc scratch
+        2 * tile_bytes(c.block_q, d, isz)  # q window
+        + 2 * 2 * tile_bytes(c.block_k_major, d, isz)  # k, v windows
+        + 2 * tile_bytes(c.block_q, d, isz)  # output window
+        + 2 * stat + tile_bytes(c.block_q, d, 4)  # m, l, acc scratch
         + (2 * 2 * stat if problem.mode == "fwd_bwd" else 0)  # l, m output windows
     ) + _compute_bytes(c.block_q, c.block_k, c.block_k_major // c.block_k, c.block_b)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qm, km = c.block_q_major_dkv, c.block_k_major_dkv
         estimate["dkv"] = (
-            2 * 2 * _tile_bytes(qm, d, isz)  # q, do windows
-            + 2 * 3 * _tile_bytes(qm, LANES, 4)  # l, m, di windows
-            + 2 * 2 * _tile_bytes(km, d, isz)  # k, v windows
-            + 2 * 2 * _tile_bytes(km, d, isz)  # dk, dv output windows
-            + 2 * _tile_bytes(km, d, 4)  # dk, dv scratch
+            2 * 2 * tile_bytes(qm, d, isz)  # q, do windows
+            + 2 * 3 * tile_bytes(qm, LANES, 4)  # l, m, di windows
+            + 2 * 2 * tile_bytes(km, d, isz)  # k, v windows
+            + 2 * 2 * tile_bytes(km, d, isz)  # dk, dv output windows
+            + 2 * tile_bytes(km, d, 4)  # dk, dv scratch
             + _compute_bytes(c.block_q_dkv, c.block_k_dkv, (qm // c.block_q_dkv)
                              * (km // c.block_k_dkv)))
         qq, kq = c.block_q_dq, c.block_k_major_dq
         estimate["dq"] = (
-            2 * 2 * _tile_bytes(qq, d, isz)  # q, do windows
-            + 2 * 3 * _tile_bytes(qq, LANES, 4)  # l, m, di windows
-            + 2 * 2 * _tile_bytes(kq, d, isz)  # k, v windows
-            + 2 * _tile_bytes(qq, d, isz)  # dq output window
-            + _tile_bytes(qq, d, 4)  # dq scratch
+            2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
+            + 2 * 3 * tile_bytes(qq, LANES, 4)  # l, m, di windows
+            + 2 * 2 * tile_bytes(kq, d, isz)  # k, v windows
+            + 2 * tile_bytes(qq, d, isz)  # dq output window
+            + tile_bytes(qq, d, 4)  # dq scratch
             + _compute_bytes(qq, c.block_k_dq, kq // c.block_k_dq))
     return estimate
 
@@ -211,7 +219,7 @@ class JaxTpuFlashKernel(TunableKernel):
         self.target(target)
         values = {"q_len": block_values(problem.q_len), "kv_len": block_values(problem.kv_len)}
         return JaxTpuFlashConfig(**{
-            field: _largest_at_most(values[axis], UPSTREAM_DEFAULT)
+            field: largest_at_most(values[axis], UPSTREAM_DEFAULT)
             for field, axis in _FWD_AXES + _BWD_AXES})
 
     def build(self, problem: Problem, config: JaxTpuFlashConfig) -> AttentionFn:

@@ -75,12 +75,6 @@ def sm_scale(problem: Problem) -> float:
     return problem.head_dim ** -0.5
 
 
-def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
-    """``block_max``, ``block_divides`` and ``block_tiling`` (a multiple of 128 or the whole
-    axis: the TPU (8, 128) tiling) for one sequence-axis block of a TPU kernel."""
-    return space._block_violations(field, block, dim, dim_name)
-
-
 class TunableKernel(ABC):
     """A kernel the tuner can search: metadata, config type, space, rules, default, build.
 

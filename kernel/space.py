@@ -78,7 +78,9 @@ def block_values(dim: int) -> list[int]:
     return sorted(values)
 
 
-def _block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
+def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
+    """``block_max``, ``block_divides`` and ``block_tiling`` (a multiple of 128 or the whole
+    axis: the TPU (8, 128) tiling) for one sequence-axis block of a TPU kernel."""
     if block > dim:
         return [Violation("block_max", f"{field}={block} is larger than {dim_name}={dim}; "
                           f"use at most {dim}")]
@@ -104,7 +106,7 @@ def static_violations(
                    "kv_len"), ("block_q_dq", problem.q_len, "q_len"),
                    ("block_kv_dq", problem.kv_len, "kv_len")]
     for field, dim, dim_name in checks:
-        out += _block_violations(field, getattr(config, field), dim, dim_name)
+        out += block_violations(field, getattr(config, field), dim, dim_name)
     if config.block_kv % config.block_kv_compute:
         out.append(Violation("compute_divides", f"block_kv_compute={config.block_kv_compute} "
                              f"must divide block_kv={config.block_kv}"))
@@ -118,7 +120,7 @@ def static_violations(
     return out
 
 
-def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
     """VMEM bytes of a (rows, cols) tile, padded to whole (8 or 16, 128) tiles."""
     sublanes = SUBLANES * (4 // itemsize)  # bf16 packs two rows per sublane
     rows_padded = -(-rows // sublanes) * sublanes
@@ -140,7 +142,7 @@ F32_BACKWARD_SPILL_TILES = 1.0
 
 def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES) -> int:
     """Upper bound of Mosaic's internal scratch for a step with a (rows, cols) f32 logits tile."""
-    return int(tiles * _tile_bytes(rows, cols, 4)) + SPILL_FLOOR
+    return int(tiles * tile_bytes(rows, cols, 4)) + SPILL_FLOOR
 
 
 def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
@@ -153,12 +155,12 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     """
     d, isz, depth = problem.head_dim, problem.itemsize, config.pipeline_depth
     bq, bkv, bkc = config.block_q, config.block_kv, config.block_kv_compute
-    row_stat = _tile_bytes(bq, LANES, 4)  # lane-replicated f32 per-row value
+    row_stat = tile_bytes(bq, LANES, 4)  # lane-replicated f32 per-row value
     fwd = (
-        2 * _tile_bytes(bq, d, isz)  # q window, double buffered
-        + 2 * depth * _tile_bytes(bkv, d, isz)  # k and v windows
-        + 2 * _tile_bytes(bq, d, isz)  # output window
-        + 2 * row_stat + _tile_bytes(bq, d, 4)  # m, l, acc scratch
+        2 * tile_bytes(bq, d, isz)  # q window, double buffered
+        + 2 * depth * tile_bytes(bkv, d, isz)  # k and v windows
+        + 2 * tile_bytes(bq, d, isz)  # output window
+        + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
         + _spill_bytes(bq, bkc)  # one compute sub-block's logits
     )
     if problem.mode == "fwd_bwd":
@@ -168,20 +170,20 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         bwd_tiles = SPILL_TILES + (F32_BACKWARD_SPILL_TILES if isz == 4 else 0.0)
         qk, kk = config.block_q_dkv, config.block_kv_dkv
         estimate["dkv"] = (
-            2 * 2 * _tile_bytes(qk, d, isz)  # q, do windows
-            + 2 * 2 * _tile_bytes(1, qk, 4)  # logsumexp, delta row windows
-            + 2 * 2 * _tile_bytes(kk, d, isz)  # k, v windows
-            + 2 * 2 * _tile_bytes(kk, d, isz)  # dk, dv output windows
-            + 2 * _tile_bytes(kk, d, 4)  # dk, dv accumulators
+            2 * 2 * tile_bytes(qk, d, isz)  # q, do windows
+            + 2 * 2 * tile_bytes(1, qk, 4)  # logsumexp, delta row windows
+            + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
+            + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
+            + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
             + _spill_bytes(kk, qk, bwd_tiles)  # transposed logits and their gradients
         )
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
-            2 * 2 * _tile_bytes(qq, d, isz)  # q, do windows
-            + 2 * 2 * _tile_bytes(qq, 1, 4)  # logsumexp, delta column windows (lane padded)
-            + 2 * depth * _tile_bytes(kq, d, isz)  # k, v windows
-            + 2 * _tile_bytes(qq, d, isz)  # dq output window
-            + _tile_bytes(qq, d, 4)  # dq accumulator
+            2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
+            + 2 * 2 * tile_bytes(qq, 1, 4)  # logsumexp, delta column windows (lane padded)
+            + 2 * depth * tile_bytes(kq, d, isz)  # k, v windows
+            + 2 * tile_bytes(qq, d, isz)  # dq output window
+            + tile_bytes(qq, d, 4)  # dq accumulator
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
         )
     return estimate
@@ -274,7 +276,7 @@ def search_space(
     return out
 
 
-def _largest_at_most(values: list[int], cap: int) -> int:
+def largest_at_most(values: list[int], cap: int) -> int:
     fitting = [v for v in values if v <= cap]
     return max(fitting) if fitting else min(values)
 
@@ -294,15 +296,15 @@ def default_config(
     kv_cap = 1024 if target.name == "v6e" else 512
     q_cap = 512
     while True:
-        bkv = _largest_at_most(kv_values, kv_cap)
-        bq = _largest_at_most(q_values, q_cap)
+        bkv = largest_at_most(kv_values, kv_cap)
+        bq = largest_at_most(q_values, q_cap)
         config = FlashConfig(
             block_q=bq, block_kv=bkv,
-            block_kv_compute=_largest_at_most([v for v in kv_values if bkv % v == 0], 512),
-            block_q_dkv=_largest_at_most(q_values, min(q_cap, 256)),
-            block_kv_dkv=_largest_at_most(kv_values, min(kv_cap, 512)),
-            block_q_dq=_largest_at_most(q_values, min(q_cap, 512)),
-            block_kv_dq=_largest_at_most(kv_values, min(kv_cap, 256)),
+            block_kv_compute=largest_at_most([v for v in kv_values if bkv % v == 0], 512),
+            block_q_dkv=largest_at_most(q_values, min(q_cap, 256)),
+            block_kv_dkv=largest_at_most(kv_values, min(kv_cap, 512)),
+            block_q_dq=largest_at_most(q_values, min(q_cap, 512)),
+            block_kv_dq=largest_at_most(kv_values, min(kv_cap, 256)),
             pipeline_depth=2 if 2 in depths else max(depths),
         )
         fits = not vmem_violations(problem, config, target, vmem_limit_bytes)
