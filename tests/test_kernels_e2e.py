@@ -132,8 +132,12 @@ def test_precheck_compiles_the_jax_tpu_flash_space_for_v5e() -> None:
     assert summary["precision"] == 1.0
 
 
-def test_precheck_refuses_a_kernel_without_tpu_targets() -> None:
+def test_precheck_refuses_what_a_kernel_cannot_check() -> None:
     done = run_cli("precheck", "--kernel", "pallas_gpu", "--target", "v5e", "--q-len", "256",
                    env={"COLUMNS": "400"})
     assert done.returncode == 2
     assert "kernel 'pallas_gpu' has no target 'v5e'; choose one of gpu, cpu" in done.stderr
+    other_limit = run_cli("precheck", "--kernel", "jax_tpu_flash", "--vmem-limit-kib", "256",
+                          "--q-len", "256", env={"COLUMNS": "400"})
+    assert other_limit.returncode == 2
+    assert "leave --vmem-limit-kib out" in other_limit.stderr

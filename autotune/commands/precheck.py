@@ -45,6 +45,9 @@ def precheck(
         tpu = rules.target(get_target(target))
     except ConfigError as error:  # a GPU kernel has no TPU generation to compile for
         raise typer.BadParameter(str(error), param_hint="--kernel") from None
+    if vmem_limit_kib and rules.name != "flash":  # other kernels' rules use the chip's limit
+        raise typer.BadParameter(f"kernel {kernel!r} checks VMEM against {target}'s own limit; "
+                                 "leave --vmem-limit-kib out", param_hint="--vmem-limit-kib")
     vmem_limit = vmem_limit_kib * 1024 if vmem_limit_kib else None
     options = {"xla_tpu_scoped_vmem_limit_kib": vmem_limit_kib} if vmem_limit_kib else None
     depths = supported_pipeline_depths()
