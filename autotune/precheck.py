@@ -16,17 +16,20 @@ whole space (its own rules, ``vmem`` included as the prediction) with
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.failures import Status, classify_compile_error, first_line
-from kernel.config import BACKWARD_FIELDS, FORWARD_FIELDS
+from kernel.config import BACKWARD_FIELDS
 from kernel.problem import Problem
 from kernel.registry import FLASH, TunableKernel, get_kernel
 from kernel.space import Target, default_config, search_space, space_params, vmem_violations
+
+START_TIMEOUT_S = 180.0  # a compiler process that is not ready by then will not be
 
 
 @dataclass(frozen=True)
@@ -116,14 +119,14 @@ def candidates(
     return out if include_rejected else [c for c in out if c.predicted_fit]
 
 
-def _worker(slot_id: int, target_name: str, tasks: Any, results: Any) -> None:
+def _worker(target_name: str, conn: Connection) -> None:
     """Worker process: compiles the configs it is sent, one at a time."""
     from kernel import registry
     from kernel.aot import compile_for_target, topology_device
 
     topology_device(target_name)  # pay libtpu start-up once, before the first deadline
-    results.put(("ready", slot_id, None))
-    while (task := tasks.get()) is not None:
+    conn.send(("ready", None))
+    while (task := conn.recv()) is not None:
         index, kernel_name, problem_dict, config_dict, options, forward_only = task
         kernel = get_kernel(kernel_name)
         problem, config = Problem.from_dict(problem_dict), kernel.config_from_dict(config_dict)
@@ -135,24 +138,41 @@ def _worker(slot_id: int, target_name: str, tasks: Any, results: Any) -> None:
             else:
                 seconds = registry.compile_for_target(kernel, problem, config, target_name,
                                                       options)
-            results.put(("done", index, (Status.OK, seconds, None)))
+            conn.send(("done", (index, Status.OK, seconds, None)))
         except Exception as error:  # any compiler failure is a result, not a crash
             message = str(error)
-            results.put(("done", index, (classify_compile_error(message),
-                                         time.perf_counter() - start, first_line(message))))
+            conn.send(("done", (index, classify_compile_error(message),
+                                time.perf_counter() - start, first_line(message))))
 
 
 class _Slot:
-    """One worker process and the task it is running."""
+    """One worker process, its own pipe, and the task it is running.
 
-    def __init__(self, ctx: Any, slot_id: int, target_name: str, results: Any) -> None:
-        self.id = slot_id
-        self.tasks = ctx.Queue()
-        self.process = ctx.Process(target=_worker, args=(slot_id, target_name, self.tasks,
-                                                         results), daemon=True)
+    A pipe per worker, not one shared queue: a worker killed at its timeout may die in the
+    middle of a write, which would leave a shared queue's lock held and every other worker
+    unable to answer.
+    """
+
+    def __init__(self, ctx: Any, target_name: str) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker, args=(target_name, child), daemon=True)
         self.process.start()
+        child.close()
+        self.ready = False
+        self.retired = False
         self.index: int | None = None
-        self.started = 0.0
+        self.started = time.monotonic()  # of the start-up, then of the current task
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+        self.conn.close()
 
 
 def precheck(
@@ -167,11 +187,8 @@ def precheck(
                       vmem_limit_bytes=vmem_limit_bytes, kernel=kernel)
     results: list[PrecheckResult | None] = [None] * len(todo)
     ctx = mp.get_context("spawn")
-    inbox = ctx.Queue()
     next_index = 0  # the next candidate to hand to a worker
-    slot_ids = iter(range(1 << 30))
-    slots = [_Slot(ctx, next(slot_ids), target.name, inbox)
-             for _ in range(max(1, min(jobs, len(todo))))]
+    slots = [_Slot(ctx, target.name) for _ in range(max(1, min(jobs, len(todo))))]
 
     def record(index: int, status: Status, seconds: float, error: str | None) -> None:
         result = PrecheckResult(todo[index].config, status, seconds, todo[index].predicted_fit,
@@ -186,17 +203,18 @@ def precheck(
             slot.index = None
             return
         slot.index, slot.started = next_index, time.monotonic()
-        slot.tasks.put((next_index, kernel.name, problem.to_dict(),
+        slot.conn.send((next_index, kernel.name, problem.to_dict(),
                         todo[next_index].config.to_dict(),
                         compiler_options, todo[next_index].forward_only))
         next_index += 1
 
     def replace(i: int) -> None:
         """Retires slot ``i`` (killed or dead); a new worker takes its place while work is left."""
+        slots[i].stop()
         if next_index < len(todo):
-            slots[i] = _Slot(ctx, next(slot_ids), target.name, inbox)
+            slots[i] = _Slot(ctx, target.name)
         else:
-            slots[i].index = None
+            slots[i].retired, slots[i].index = True, None
 
     try:
         while any(r is None for r in results):
@@ -204,19 +222,26 @@ def precheck(
             # Wake up no later than the nearest deadline, so a timeout is enforced on time.
             wait = min([1.0] + [max(0.0, s.started + timeout_s - now) for s in slots
                                 if s.index is not None])
-            try:
-                kind, index, payload = inbox.get(timeout=wait)
-            except queue.Empty:
-                kind = None
-            if kind == "ready":
-                feed(next(s for s in slots if s.id == index))
-            elif kind == "done" and results[index] is None:  # else: late answer of a killed one
-                status, seconds, error = payload
+            live = {s.conn: s for s in slots if not s.retired}
+            for conn in wait_for(list(live), timeout=wait):
+                slot = live[conn]
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):  # the worker died; the checks below handle it
+                    slot.process.join(timeout=1)
+                    continue
+                if kind == "ready":
+                    slot.ready = True
+                    feed(slot)
+                    continue
+                index, status, seconds, error = payload
                 if seconds > timeout_s:  # finished, but later than allowed
                     status, error = Status.TIMEOUT, f"no result within {timeout_s:g} s"
                 record(index, status, seconds, error)
-                feed(next(s for s in slots if s.index == index))
+                feed(slot)
             for i, slot in enumerate(slots):
+                if slot.retired:
+                    continue
                 if slot.index is not None and time.monotonic() - slot.started > timeout_s:
                     slot.process.kill()
                     record(slot.index, Status.TIMEOUT, time.monotonic() - slot.started,
@@ -226,16 +251,14 @@ def precheck(
                     record(slot.index, Status.COMPILE_ERROR, time.monotonic() - slot.started,
                            f"compiler process died (exit code {slot.process.exitcode})")
                     replace(i)
-                elif not slot.process.is_alive() and not slot.started:
+                elif not slot.ready and (not slot.process.is_alive() or
+                                         time.monotonic() - slot.started > START_TIMEOUT_S):
                     raise RuntimeError(
-                        f"a compiler process failed to start (exit code "
-                        f"{slot.process.exitcode}); is libtpu installed? "
+                        f"a compiler process failed to start within {START_TIMEOUT_S:.0f} s "
+                        f"(exit code {slot.process.exitcode}); is libtpu installed? "
                         "(pip install 'flash-autotune[tpu]')")
     finally:
         for slot in slots:
-            if slot.process.is_alive():
-                slot.tasks.put(None)
-                slot.process.join(timeout=5)
-                if slot.process.is_alive():
-                    slot.process.kill()
+            if not slot.retired:
+                slot.stop()
     return [r for r in results if r is not None]
