@@ -135,6 +135,10 @@ def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
 # (rows x cols) logits tile, growing with the tile, plus up to 0.4 MiB for small tiles.
 SPILL_TILES = 1.25  # spilled bytes per byte of the f32 logits tile, an upper bound
 SPILL_FLOOR = 256 * 1024  # the vector register file (64 x 4 KiB), spilled at most once
+# The forward kernel's narrow compute blocks (at most two vregs, 256 lanes, wide) spill less:
+# measured up to 0.7 logits tiles.
+NARROW_SPILL_TILES = 0.75
+NARROW_LANES = 2 * LANES
 # The backward kernels with f32 inputs feed the f32 probabilities and logit gradients to the
 # MXU uncast (no half-size bf16 copies): measured up to 2.15 logits tiles, one tile more.
 F32_BACKWARD_SPILL_TILES = 1.0
@@ -156,12 +160,13 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     d, isz, depth = problem.head_dim, problem.itemsize, config.pipeline_depth
     bq, bkv, bkc = config.block_q, config.block_kv, config.block_kv_compute
     row_stat = tile_bytes(bq, LANES, 4)  # lane-replicated f32 per-row value
+    spill_tiles = NARROW_SPILL_TILES if bkc <= NARROW_LANES else SPILL_TILES
     fwd = (
         2 * tile_bytes(bq, d, isz)  # q window, double buffered
         + 2 * depth * tile_bytes(bkv, d, isz)  # k and v windows
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
-        + _spill_bytes(bq, bkc)  # one compute sub-block's logits
+        + _spill_bytes(bq, bkc, spill_tiles)  # one compute sub-block's logits
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * row_stat  # logsumexp output window, saved for the backward pass
