@@ -9,12 +9,14 @@ as the results, named after the key, so re-running the same command resumes it.
 from __future__ import annotations
 
 import importlib.metadata
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
 import optuna
+from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from autotune.measure import Config, Measurer, Timing
@@ -26,9 +28,11 @@ from kernel.problem import Problem
 from kernel.registry import TunableKernel, device_target, get_kernel
 from kernel.space import Target
 from kernel.table import shape_distance
-from storage import Store, TunedResult
+from storage import Store, TunedResult, make_engine
 
 MAX_WARM_SEEDS = 3
+STORAGE_INIT_LOCK = 0x6175746F  # pg_advisory_lock key serialising Optuna's table setup
+STORAGE_INIT_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -132,13 +136,26 @@ def versions() -> dict[str, str | None]:
 
 
 def _open_storage(db_url: str | None) -> Any:
-    """``open_storage``, once more if the first open lost the race to create Optuna's tables:
-    jobs started together on an empty database all try to, and the others fail with "already
-    exists" (or a duplicate version row); on the second open the tables are there."""
+    """``open_storage`` for jobs that start together on an empty database: each would create
+    Optuna's tables (several steps, not one transaction) and all but one fail ("already
+    exists", a duplicate type or version row). On PostgreSQL the opens take turns under an
+    advisory lock; on SQLite a loser opens again, and then finds the tables."""
+    if db_url is None:
+        return open_storage(None)
+    engine = make_engine(db_url)
     try:
-        return open_storage(db_url)
-    except SQLAlchemyError:
-        return open_storage(db_url)
+        with engine.connect() as connection:
+            if engine.dialect.name == "postgresql":  # released when the connection closes
+                connection.execute(text("SELECT pg_advisory_lock(:key)"),
+                                   {"key": STORAGE_INIT_LOCK})
+            for _ in range(STORAGE_INIT_ATTEMPTS - 1):
+                try:
+                    return open_storage(db_url)
+                except SQLAlchemyError:
+                    time.sleep(0.5)
+            return open_storage(db_url)
+    finally:
+        engine.dispose()
 
 
 def _top_configs(name: str, base: Config, count: int, storage: Any) -> list[Config]:
