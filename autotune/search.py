@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -359,6 +359,7 @@ def search(
     seeds: Iterable[Mapping[str, Any]] = (),
     seed: int | None = None,
     on_trial: OnTrial | None = None,
+    prepare: Callable[[Config], None] | None = None,
 ) -> SearchResult:
     """Runs or resumes the study ``study_name`` until one of the stop rules holds.
 
@@ -369,7 +370,10 @@ def search(
     measured configs in a row brought no improvement. ``seeds``: configs measured first
     (illegal or already-known ones are skipped). ``on_trial(result, best)`` runs after each
     measurement of this call. Illegal and repeated configs never reach ``measure`` and never
-    count. An exception in ``measure`` is recorded as a ``runtime_error``.
+    count. An exception in ``measure`` is recorded as a ``runtime_error``. ``prepare(config)``,
+    when given, is called for each config as soon as it is claimed, and the next config is
+    claimed before the current one is measured, so that slow preparation (an ahead-of-time
+    compile) of the next config overlaps the measurement of this one.
     """
     if trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
@@ -388,55 +392,90 @@ def search(
     stalled = 0
     view = _View.read(study, space)
     _enqueue_seeds(study, space, seeds, view)
-    while True:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            fail_stale_trials(study)
-        view = _View.read(study, space)
-        reason = _stop_reason(view, trials, patience, timeout, start, stalled)
-        if reason:
-            break
-        with warnings.catch_warnings():  # heartbeats are sent by _heartbeat, not optimize()
-            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-            trial = study.ask(distributions)
-        config = space.config(trial.params)
-        key = space.key(config)
-        if isinstance(engine, _EngineSampler) and engine.exhausted:
-            _drop(study, trial, "exhausted")
-            reason = "exhausted"
-            break
-        if not space.is_legal(config):  # only plain TPE proposes these
-            trial.set_user_attr("status", "illegal")
-            study.tell(trial, state=TrialState.PRUNED)
-            stalled += 1
-            continue
-        conflict = _conflict(study, space, trial.number, key, trials)
-        if conflict == "duplicate" and sampler == "plain-tpe":
-            _answer_from_study(study, space, trial, key)
-            stalled += 1
-            continue
-        if conflict:
-            _drop(study, trial, conflict)
-            continue
-        stalled = 0
-        t0 = time.perf_counter()
-        try:
-            with _heartbeat(optuna_storage, trial._trial_id):
-                measurement = _measure(measure, config)
-        except BaseException:
-            study.tell(trial, state=TrialState.FAIL)
-            raise
-        measure_s = time.perf_counter() - t0
-        measure_total += measure_s
-        _record(study, trial, measurement, measure_s, worker)
-        result = TrialResult(trial.number, config, measurement, measure_s)
-        own.append(result)
-        if on_trial is not None:
-            best = view.best()
-            best_result = _result(space, best) if best is not None else None
-            if measurement.ok and (best_result is None or measurement.value < best_result.value):
-                best_result = result
-            on_trial(result, best_result)
+
+    def claim() -> tuple[optuna.Trial, Config] | str:
+        """The next config this worker may measure, claimed in the study, or a stop reason.
+        A trial claimed but not yet measured counts as running, so within the budget."""
+        nonlocal view, stalled
+        while True:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                fail_stale_trials(study)
+            view = _View.read(study, space)
+            reason = _stop_reason(view, trials, patience, timeout, start, stalled)
+            if reason:
+                return reason
+            with warnings.catch_warnings():  # heartbeats are sent by _heartbeat, not optimize()
+                warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+                trial = study.ask(distributions)
+            config = space.config(trial.params)
+            key = space.key(config)
+            if isinstance(engine, _EngineSampler) and engine.exhausted:
+                _drop(study, trial, "exhausted")
+                return "exhausted"
+            if not space.is_legal(config):  # only plain TPE proposes these
+                trial.set_user_attr("status", "illegal")
+                study.tell(trial, state=TrialState.PRUNED)
+                stalled += 1
+                continue
+            conflict = _conflict(study, space, trial.number, key, trials)
+            if conflict == "duplicate" and sampler == "plain-tpe":
+                _answer_from_study(study, space, trial, key)
+                stalled += 1
+                continue
+            if conflict:
+                _drop(study, trial, conflict)
+                continue
+            stalled = 0
+            if prepare is not None:
+                prepare(config)
+            return trial, config
+
+    pending: tuple[optuna.Trial, Config] | None = None  # claimed ahead, to be measured next
+    try:
+        while True:
+            if pending is None:
+                claimed = claim()
+                if isinstance(claimed, str):
+                    reason = claimed
+                    break
+            else:
+                claimed, pending = pending, None
+                view = _View.read(study, space)
+                # The trial claimed ahead is already counted as running, within the budget.
+                reason = _stop_reason(view, trials + 1, patience, timeout, start, stalled)
+                if reason:
+                    _drop(study, claimed[0], "surplus")
+                    break
+            trial, config = claimed
+            if prepare is not None:
+                ahead = claim()
+                pending = None if isinstance(ahead, str) else ahead
+            t0 = time.perf_counter()
+            try:
+                with _heartbeat(optuna_storage, trial._trial_id), (
+                        _heartbeat(optuna_storage, pending[0]._trial_id) if pending
+                        else nullcontext()):
+                    measurement = _measure(measure, config)
+            except BaseException:
+                study.tell(trial, state=TrialState.FAIL)
+                raise
+            measure_s = time.perf_counter() - t0
+            measure_total += measure_s
+            _record(study, trial, measurement, measure_s, worker)
+            result = TrialResult(trial.number, config, measurement, measure_s)
+            own.append(result)
+            if on_trial is not None:
+                best = view.best()
+                best_result = _result(space, best) if best is not None else None
+                if measurement.ok and (best_result is None
+                                       or measurement.value < best_result.value):
+                    best_result = result
+                on_trial(result, best_result)
+    finally:
+        if pending is not None:  # claimed ahead but never measured: give the config back
+            _drop(study, pending[0], "surplus")
+    view = _View.read(study, space)
     best = view.best()
     return SearchResult(
         study_name=study_name,

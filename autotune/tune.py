@@ -226,7 +226,8 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
                         patience=options.patience,
                         seeds=warm_seeds(store, problem, device.device_kind, space, base,
                                          kernel.name),
-                        seed=options.seed, on_trial=on_trial)
+                        seed=options.seed, on_trial=on_trial,
+                        prepare=measurer.prepare)
         if observer:
             observer.on_phase("confirming")
         top = _top_configs(name, base, options.confirm_top, storage)

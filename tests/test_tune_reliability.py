@@ -107,11 +107,13 @@ def test_kill_9_mid_study_then_rerun_resumes(tmp_path: Path) -> None:
     assert rerun_lines, "the rerun measured nothing: it did not resume the study"
     assert {json.dumps(line["config"], sort_keys=True) for line in rerun_lines}.isdisjoint(
         config_key(t) for t in before.values())
-    # The killed job's claim stays RUNNING until its heartbeat is older than the grace period
-    # (search.open_storage); until then it holds its config and one slot of the budget.
+    # The killed job's claims (the config it was measuring, and the next one it had claimed to
+    # compile ahead) stay RUNNING until their heartbeat is older than the grace period
+    # (search.open_storage); until then they hold their configs and slots of the budget.
     running = optuna.load_study(study_name=study, storage=db).get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    assert len(running) == 1 and config_key(running[0]) not in keys
+    assert 1 <= len(running) <= 2
+    assert not {config_key(t) for t in running} & set(keys)
     assert len(after) + len(running) == trials
     [summary] = summaries(rerun.stdout)
     assert summary["study"] == study and summary["measured"] == len(after)
