@@ -68,9 +68,11 @@ def demo(
                            observer=progress)
     finally:
         store.close()
+    default = ("the default failed" if summary.default_time_ms is None
+               else f"default {summary.default_time_ms:.3f} ms")
     console.print(f"winner {summary.best_config.label()}: {summary.best_time_ms:.3f} ms vs "
-                  f"default {summary.default_time_ms:.3f} ms on {summary.device_kind} "
-                  f"({summary.method}); stored: {summary.publish}")
+                  f"{default} on {summary.device_kind} ({summary.method}); "
+                  f"stored: {summary.publish}")
 
     console.rule("2. serve")
     port = _free_port()
