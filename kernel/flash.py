@@ -28,6 +28,7 @@ from kernel.space import LANES, MAX_BLOCK, block_values, default_config, get_tar
 log = logging.getLogger(__name__)
 
 PLATFORMS = ("tpu", "cpu")  # cpu: the TPU kernels run in Pallas interpret mode
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # upstream's Pallas Triton kernel (pallas_gpu) runs
 # Finite mask value: with -inf a fully masked row would compute exp(-inf - -inf) = NaN.
 MASK_VALUE = -1e30
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
@@ -46,7 +47,7 @@ def reference_attention(
 
 def flash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-    sm_scale: float | None = None, config: FlashConfig | None = None,
+    sm_scale: float | None = None, config: Any = None,
 ) -> jax.Array:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable, with Pallas kernels both ways.
 
@@ -59,7 +60,8 @@ def flash_attention(
 
     The kernels are chosen when lowering, per platform: Mosaic for TPU (so ``jax.export`` or
     an ahead-of-time compile for TPU on a CPU host gets the real kernels), interpret mode for
-    CPU.
+    CPU. With a GPU default device, upstream's Pallas Triton kernel runs instead (kernel
+    ``pallas_gpu``; ``config`` is then a ``PallasGpuConfig``, resolved the same way).
     """
     problem = _problem(q, k, v, causal)
     if sm_scale is None:
@@ -68,11 +70,37 @@ def flash_attention(
         raise TypeError(f"sm_scale must be a Python float (static), got {sm_scale!r}")
     if not (math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    device = _default_device()
+    if device.platform in GPU_PLATFORMS:
+        return _attention_on_gpu(q, k, v, problem, float(sm_scale), config, device.device_kind)
     if config is not None and not isinstance(config, FlashConfig):
         raise TypeError(f"config must be a kernel.FlashConfig or None, got "
                         f"{type(config).__name__}; build one with FlashConfig.from_dict")
     _check_platform()
     return _flash(q, k, v, causal, float(sm_scale), config)
+
+
+def _attention_on_gpu(q: jax.Array, k: jax.Array, v: jax.Array, problem: Problem,
+                      sm_scale: float, config: Any, device_kind: str) -> jax.Array:
+    """On a GPU, upstream's Pallas Triton kernel (``pallas_gpu``) runs with its own config:
+    explicit, else resolved for kernel ``pallas_gpu`` like ours (table, service, default).
+    Upstream's custom VJP differentiates it with that config's backward blocks."""
+    from kernel.registry import GPU_TARGET, get_kernel
+
+    gpu = get_kernel("pallas_gpu")
+    if config is None:
+        resolution = get_resolver().resolve(problem, device_kind, gpu.name, GPU_TARGET)
+        config = resolution.config
+        if not gpu.is_legal(problem, config, GPU_TARGET):
+            config = gpu.default_config(problem, GPU_TARGET)
+            log.warning("flash-autotune: %s pallas_gpu config %s is illegal for %s; using the "
+                        "default %s", resolution.source, resolution.config.label(),
+                        problem.label(), config.label())
+    elif not isinstance(config, gpu.config_type):
+        raise TypeError(f"on a GPU, config must be a {gpu.config_type.__name__} (kernel "
+                        f"pallas_gpu) or None, got {type(config).__name__}")
+    gpu.check(problem, config, GPU_TARGET)
+    return gpu.attention(problem, config, sm_scale)(q, k, v)
 
 
 # --- input checks and config resolution (trace time, static shapes) --------------------------
@@ -124,8 +152,8 @@ def _check_platform() -> None:
     platform = _default_device().platform
     if platform not in PLATFORMS:
         raise NotImplementedError(
-            f"flash_attention runs on TPU (compiled with Mosaic) and on CPU (TPU interpret "
-            f"mode), not on {platform!r}; use a TPU or CPU default device")
+            f"flash_attention runs on TPU (compiled with Mosaic), on GPU (upstream's Pallas "
+            f"Triton kernel) and on CPU (TPU interpret mode), not on {platform!r}")
 
 
 def _resolve(q: jax.Array, k: jax.Array, causal: bool, config: FlashConfig | None,

@@ -181,27 +181,30 @@ class PallasGpuKernel(TunableKernel):
             num_warps=4 if problem.head_dim <= 64 else 8, num_stages=2)
 
     def build(self, problem: Problem, config: PallasGpuConfig) -> AttentionFn:
+        self.check(problem, config)
+        return measured_fn(problem, self.attention(problem, config, sm_scale(problem)))
+
+    def attention(self, problem: Problem, config: PallasGpuConfig,
+                  scale: float) -> AttentionFn:
+        """The forward function in our layout ``[batch, heads, seq, head_dim]`` (upstream's
+        own custom VJP differentiates it with the config's backward blocks): Triton on
+        CUDA/ROCm, interpret mode elsewhere."""
         import jax.numpy as jnp
         from jax import lax
         from jax.experimental.pallas.ops.gpu import attention as upstream
 
-        self.check(problem, config)
         sizes = upstream.BlockSizes(
             block_q=config.block_q, block_k=config.block_k, block_q_dkv=config.block_q_dkv,
             block_kv_dkv=config.block_kv_dkv, block_q_dq=config.block_q_dq,
             block_kv_dq=config.block_kv_dq)
 
-        def run(interpret: bool, q, k, v):
-            def attend(q, k, v):
-                k, v = repeat_kv_heads(problem, k, v)
-                q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-                out = upstream.mha(q, k, v, None, sm_scale=sm_scale(problem),
-                                   causal=problem.causal, block_sizes=sizes,
-                                   num_warps=config.num_warps, num_stages=config.num_stages,
-                                   interpret=interpret)
-                return jnp.swapaxes(out, 1, 2)
-
-            return measured_fn(problem, attend)(q, k, v)
+        def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
+            k, v = repeat_kv_heads(problem, k, v)
+            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+            out = upstream.mha(q, k, v, None, sm_scale=scale, causal=problem.causal,
+                               block_sizes=sizes, num_warps=config.num_warps,
+                               num_stages=config.num_stages, interpret=interpret)
+            return jnp.swapaxes(out, 1, 2)
 
         return lambda q, k, v: lax.platform_dependent(
             q, k, v, cuda=functools.partial(run, False), rocm=functools.partial(run, False),

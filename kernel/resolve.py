@@ -19,9 +19,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel.config import ConfigError, FlashConfig
+from typing import Any
+
+from kernel.config import ConfigError
 from kernel.problem import Problem
-from kernel.space import TARGETS, default_config
+from kernel.space import TARGETS, Target
 from kernel.table import LookupTable, TableError
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ SOURCES = ("explicit", "table", "service", "default")
 class Resolution:
     """Which config a key resolved to, from which source, and why (for fallbacks)."""
 
-    config: FlashConfig
+    config: Any  # the kernel's config type
     source: str  # one of SOURCES
     detail: str = ""
 
@@ -61,12 +63,12 @@ class ResolverSettings:
 
 
 class Resolver:
-    """Resolves and caches configs per (device kind, problem)."""
+    """Resolves and caches configs per (kernel, device kind, problem)."""
 
     def __init__(self, settings: ResolverSettings | None = None) -> None:
         self.settings = settings or ResolverSettings.from_env()
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, Problem], Resolution] = {}
+        self._cache: dict[tuple[str, str, Problem], Resolution] = {}
         self._tables: list[LookupTable] = []
         self._breaker_open_until = 0.0
         self.service_requests = 0  # HTTP requests sent, for tests and diagnostics
@@ -74,59 +76,66 @@ class Resolver:
             self.use_table(path)
 
     def use_table(self, path: str | Path) -> None:
-        """Pins a lookup table; it wins over the service. Raises TableError if malformed."""
+        """Pins a lookup table (of any registered kernel); it wins over the service for its
+        kernel and device kind. Raises TableError if malformed."""
         table = LookupTable.load(path)
-        if table.kernel != KERNEL_NAME:
-            raise TableError(f"table {path} is for kernel {table.kernel!r}, not {KERNEL_NAME!r}")
         with self._lock:
             self._tables.append(table)
             self._cache.clear()
 
-    def resolve(self, problem: Problem, device_kind: str) -> Resolution:
-        key = (device_kind, problem)
+    def resolve(self, problem: Problem, device_kind: str, kernel_name: str = KERNEL_NAME,
+                target: Target | None = None) -> Resolution:
+        """The config of ``kernel_name`` for ``problem`` on ``device_kind``; ``target`` (the
+        rules' target of the device) picks the default, else it is looked up by device kind."""
+        key = (kernel_name, device_kind, problem)
         cached = self._cache.get(key)  # dict reads are atomic: the hot path takes no lock
         if cached is not None:
             return cached
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = self._resolve_uncached(problem, device_kind)
+                self._cache[key] = self._resolve_uncached(problem, device_kind, kernel_name,
+                                                          target)
             return self._cache[key]
 
-    def sources(self) -> dict[tuple[str, Problem], str]:
+    def sources(self) -> dict[tuple[str, str, Problem], str]:
         """The source each key seen so far was resolved from."""
         return {key: resolution.source for key, resolution in self._cache.items()}
 
-    def _resolve_uncached(self, problem: Problem, device_kind: str) -> Resolution:
+    def _resolve_uncached(self, problem: Problem, device_kind: str, kernel_name: str,
+                          target: Target | None) -> Resolution:
+        from kernel.registry import get_kernel  # the registry imports this package
+
+        kernel = get_kernel(kernel_name)
         reasons = []
         for table in self._tables:
-            if table.device_kind != device_kind:
+            if (table.kernel, table.device_kind) != (kernel_name, device_kind):
                 continue
             found = table.lookup(problem)
             if found:
                 entry, match = found
                 return Resolution(entry.config, "table", f"{match} match in pinned table")
         if self._tables:
-            reasons.append(f"no pinned table entry for {device_kind!r}")
+            reasons.append(f"no pinned table entry for {kernel_name} on {device_kind!r}")
         if self.settings.url:
-            config, why = self._ask_service(problem, device_kind)
+            config, why = self._ask_service(problem, device_kind, kernel)
             if config is not None:
                 return Resolution(config, "service", why)
             reasons.append(why)
         else:
             reasons.append("no table pinned and AUTOTUNE_URL unset")
-        target = next((t for t in TARGETS.values() if t.device_kind == device_kind),
-                      TARGETS["cpu"])
-        config = default_config(problem, target)
+        target = target or next((t for t in TARGETS.values() if t.device_kind == device_kind),
+                                TARGETS["cpu"])
+        config = kernel.default_config(problem, target)
         detail = "; ".join(reasons)
-        log.warning("flash-autotune: using the default config %s for %s on %s (%s)",
-                    config.label(), problem.label(), device_kind, detail)
+        log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
+                    kernel_name, config.label(), problem.label(), device_kind, detail)
         return Resolution(config, "default", detail)
 
-    def _ask_service(self, problem: Problem, device_kind: str) -> tuple[FlashConfig | None, str]:
+    def _ask_service(self, problem: Problem, device_kind: str, kernel: Any) -> tuple[Any, str]:
         now = time.monotonic()
         if now < self._breaker_open_until:
             return None, "lookup service failed recently (circuit breaker open)"
-        query = urllib.parse.urlencode({"kernel": KERNEL_NAME, "device_kind": device_kind,
+        query = urllib.parse.urlencode({"kernel": kernel.name, "device_kind": device_kind,
                                         **{k: str(v).lower() if isinstance(v, bool) else v
                                            for k, v in problem.to_dict().items()}})
         url = f"{self.settings.url.rstrip('/')}/v1/configs/lookup?{query}"
@@ -134,7 +143,8 @@ class Resolver:
         try:
             with urllib.request.urlopen(url, timeout=self.settings.timeout_s) as response:
                 body = json.loads(response.read())
-            return FlashConfig.from_dict(body["config"]), f"{body.get('match')} match from service"
+            config = kernel.config_from_dict(body["config"])
+            return config, f"{body.get('match')} match from service"
         except urllib.error.HTTPError as error:
             if error.code == 404:
                 return None, "lookup service has no config for this key"
@@ -172,6 +182,6 @@ def use_table(path: str | Path) -> None:
     get_resolver().use_table(path)
 
 
-def resolution_sources() -> dict[tuple[str, Problem], str]:
+def resolution_sources() -> dict[tuple[str, str, Problem], str]:
     """Which source each key traced so far in this process was resolved from."""
     return get_resolver().sources()

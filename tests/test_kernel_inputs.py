@@ -130,9 +130,9 @@ def test_default_config_resolved_per_mode(fresh_resolver):
     """A plain call resolves the fwd-tuned config; a differentiated one the fwd_bwd one."""
     fresh_resolver()
     assert _pallas_grids(_forward(), Q, KV, KV) == _grids(default_config(FWD), False)
-    assert resolution_sources() == {("cpu", FWD): "default"}
+    assert resolution_sources() == {("flash", "cpu", FWD): "default"}
     assert _pallas_grids(_gradients(), Q, KV, KV) == _grids(default_config(FWD_BWD), True)
-    assert resolution_sources() == {("cpu", FWD): "default", ("cpu", FWD_BWD): "default"}
+    assert resolution_sources() == {("flash", "cpu", FWD): "default", ("flash", "cpu", FWD_BWD): "default"}
 
 
 def _table(tmp_path, *entries: tuple[Problem, FlashConfig]) -> str:
@@ -152,7 +152,7 @@ def test_pinned_table_wins_over_default_and_explicit_wins_over_table(fresh_resol
     fresh_resolver(table_paths=(_table(tmp_path, (FWD, FWD_TUNED), (FWD_BWD, FWD_BWD_TUNED)),))
     assert _pallas_grids(_forward(), Q, KV, KV) == _grids(FWD_TUNED, False)
     assert _pallas_grids(_gradients(), Q, KV, KV) == _grids(FWD_BWD_TUNED, True)
-    assert resolution_sources() == {("cpu", FWD): "table", ("cpu", FWD_BWD): "table"}
+    assert resolution_sources() == {("flash", "cpu", FWD): "table", ("flash", "cpu", FWD_BWD): "table"}
 
     explicit = FlashConfig(block_q=512, block_kv=128, block_kv_compute=128, block_q_dkv=512,
                            block_kv_dkv=128, block_q_dq=128, block_kv_dq=256)
@@ -171,7 +171,7 @@ def test_jitted_call_resolves_at_trace_time_only(fresh_resolver):
     fn = jax.jit(_forward())
     q, k = jnp.ones(Q.shape, F32), jnp.ones(KV.shape, F32)
     np.testing.assert_allclose(np.asarray(fn(q, k, k)), 1.0)
-    assert resolution_sources() == {("cpu", FWD): "default"}
+    assert resolution_sources() == {("flash", "cpu", FWD): "default"}
     fresh_resolver()  # a new, empty resolver: a per-call lookup would show up in it
     fn(q, k, k)
     assert resolution_sources() == {}

@@ -65,7 +65,7 @@ def demo(
     try:
         with TuneProgress(DEMO_PROBLEM, trials) as progress:
             summary = tune(DEMO_PROBLEM, store, db_url, TuneOptions(trials=trials),
-                           observer=progress)
+                           observer=progress, kernel_name=_wrapper_kernel())
     finally:
         store.close()
     default = ("the default failed" if summary.default_time_ms is None
@@ -94,6 +94,16 @@ def demo(
     console.print("[green]the wrapper used the tuned config served over HTTP[/]")
 
 
+def _wrapper_kernel() -> str:
+    """The kernel ``kernel.flash_attention`` runs on this device: upstream's Pallas Triton
+    kernel on a GPU, ours elsewhere."""
+    import jax
+
+    from kernel.flash import GPU_PLATFORMS
+
+    return "pallas_gpu" if jax.devices()[0].platform in GPU_PLATFORMS else "flash"
+
+
 def _trace_with_service(url: str) -> tuple[str, object, float]:
     """Jits the kernel with ``AUTOTUNE_URL`` pointing at the service; returns the resolution
     source, the config used and the error against the reference."""
@@ -115,5 +125,5 @@ def _trace_with_service(url: str) -> tuple[str, object, float]:
     out = attend(q, k, v)
     want = reference_attention(q, k, v, causal=p.causal)
     error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
-    resolution = resolver.resolve(p, jax.devices()[0].device_kind)
+    resolution = resolver.resolve(p, jax.devices()[0].device_kind, _wrapper_kernel())
     return resolution.source, resolution.config, error
