@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernel.config import ConfigError, FlashConfig
 from kernel.depths import supported_pipeline_depths
 from kernel.problem import Problem
-from kernel.resolve import get_resolver
+from kernel.resolve import KERNEL_NAME, get_resolver
 from kernel.space import LANES, MAX_BLOCK, block_values, default_config, get_target, \
     static_violations
 
@@ -71,8 +71,9 @@ def flash_attention(
     if not (math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
     device = _default_device()
-    if device.platform in GPU_PLATFORMS:
-        return _attention_on_gpu(q, k, v, problem, float(sm_scale), config, device.device_kind)
+    kernel_name = wrapper_kernel(device.platform)
+    if kernel_name != KERNEL_NAME:
+        return _attention_with(kernel_name, q, k, v, problem, float(sm_scale), config, device)
     if config is not None and not isinstance(config, FlashConfig):
         raise TypeError(f"config must be a kernel.FlashConfig or None, got "
                         f"{type(config).__name__}; build one with FlashConfig.from_dict")
@@ -80,27 +81,38 @@ def flash_attention(
     return _flash(q, k, v, causal, float(sm_scale), config)
 
 
-def _attention_on_gpu(q: jax.Array, k: jax.Array, v: jax.Array, problem: Problem,
-                      sm_scale: float, config: Any, device_kind: str) -> jax.Array:
-    """On a GPU, upstream's Pallas Triton kernel (``pallas_gpu``) runs with its own config:
-    explicit, else resolved for kernel ``pallas_gpu`` like ours (table, service, default).
-    Upstream's custom VJP differentiates it with that config's backward blocks."""
-    from kernel.registry import GPU_TARGET, get_kernel
+def wrapper_kernel(platform: str) -> str:
+    """The registered kernel ``flash_attention`` runs on a platform: upstream's Pallas Triton
+    kernel (``pallas_gpu``) on a GPU; on a TPU ours, or the one named by
+    ``AUTOTUNE_TPU_KERNEL``; ours (interpreted) on a CPU."""
+    if platform in GPU_PLATFORMS:
+        return "pallas_gpu"
+    return get_resolver().settings.tpu_kernel if platform == "tpu" else KERNEL_NAME
 
-    gpu = get_kernel("pallas_gpu")
+
+def _attention_with(kernel_name: str, q: jax.Array, k: jax.Array, v: jax.Array,
+                    problem: Problem, sm_scale: float, config: Any,
+                    device: jax.Device) -> jax.Array:
+    """Another registered kernel's forward with its own config: explicit, else resolved for
+    that kernel like ours (table, service, default). Its own custom VJP differentiates it."""
+    from kernel.registry import device_target, get_kernel
+
+    kernel = get_kernel(kernel_name)
+    target = device_target(device.platform, device.device_kind)
     if config is None:
-        resolution = get_resolver().resolve(problem, device_kind, gpu.name, GPU_TARGET)
+        resolution = get_resolver().resolve(problem, device.device_kind, kernel.name, target)
         config = resolution.config
-        if not gpu.is_legal(problem, config, GPU_TARGET):
-            config = gpu.default_config(problem, GPU_TARGET)
-            log.warning("flash-autotune: %s pallas_gpu config %s is illegal for %s; using the "
-                        "default %s", resolution.source, resolution.config.label(),
-                        problem.label(), config.label())
-    elif not isinstance(config, gpu.config_type):
-        raise TypeError(f"on a GPU, config must be a {gpu.config_type.__name__} (kernel "
-                        f"pallas_gpu) or None, got {type(config).__name__}")
-    gpu.check(problem, config, GPU_TARGET)
-    return gpu.attention(problem, config, sm_scale)(q, k, v)
+        if not kernel.is_legal(problem, config, target):
+            config = kernel.default_config(problem, target)
+            log.warning("flash-autotune: %s %s config %s is illegal for %s; using the "
+                        "default %s", resolution.source, kernel.name,
+                        resolution.config.label(), problem.label(), config.label())
+    elif not isinstance(config, kernel.config_type):
+        raise TypeError(f"on {device.platform}, flash_attention runs kernel {kernel.name!r}: "
+                        f"config must be a {kernel.config_type.__name__} or None, got "
+                        f"{type(config).__name__}")
+    kernel.check(problem, config, target)
+    return kernel.attention(problem, config, sm_scale)(q, k, v)
 
 
 # --- input checks and config resolution (trace time, static shapes) --------------------------

@@ -223,30 +223,45 @@ class JaxTpuFlashKernel(TunableKernel):
             for field, axis in _FWD_AXES + _BWD_AXES})
 
     def build(self, problem: Problem, config: JaxTpuFlashConfig) -> AttentionFn:
-        from jax import lax
-        from jax.experimental.pallas import tpu as pltpu
+        self.check(problem, config)
+        # The backward kernels are traced by jax.grad inside the measured function, so on a
+        # CPU they are interpreted too.
+        return _on_platform(measured_fn(problem, self._attend(problem, config,
+                                                              sm_scale(problem))))
+
+    def attention(self, problem: Problem, config: JaxTpuFlashConfig,
+                  scale: float) -> AttentionFn:
+        """The forward function in our layout (upstream's own custom VJP differentiates it on
+        a TPU; on a CPU only the forward is interpreted)."""
+        return _on_platform(self._attend(problem, config, scale))
+
+    @staticmethod
+    def _attend(problem: Problem, config: JaxTpuFlashConfig, scale: float) -> AttentionFn:
         from jax.experimental.pallas.ops.tpu import flash_attention as upstream
 
-        self.check(problem, config)
         sizes = upstream.BlockSizes(**config.to_dict())
 
-        def attend(q, k, v):
+        def attend(q, k, v):  # noqa: ANN001, ANN202
             k, v = repeat_kv_heads(problem, k, v)
-            return upstream.flash_attention(q, k, v, causal=problem.causal,
-                                            sm_scale=sm_scale(problem), block_sizes=sizes)
+            return upstream.flash_attention(q, k, v, causal=problem.causal, sm_scale=scale,
+                                            block_sizes=sizes)
 
-        measured = measured_fn(problem, attend)
+        return attend
 
-        def run(interpret: bool, q, k, v):
-            if not interpret:
-                return measured(q, k, v)
-            # The backward kernels are traced by jax.grad inside ``measured``, so they are
-            # interpreted too. True: the fast HLO interpreter, not the TPU simulator.
-            with pltpu.force_tpu_interpret_mode(True):
-                return measured(q, k, v)
 
-        return lambda q, k, v: lax.platform_dependent(
-            q, k, v, tpu=functools.partial(run, False), default=functools.partial(run, True))
+def _on_platform(fn: AttentionFn) -> AttentionFn:
+    """``fn`` compiled with Mosaic on a TPU, run in TPU interpret mode elsewhere (upstream's
+    kernel has no ``interpret`` argument)."""
+    from jax import lax
+    from jax.experimental.pallas import tpu as pltpu
 
+    def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
+        if not interpret:
+            return fn(q, k, v)
+        with pltpu.force_tpu_interpret_mode(True):  # the fast HLO interpreter
+            return fn(q, k, v)
+
+    return lambda q, k, v: lax.platform_dependent(
+        q, k, v, tpu=functools.partial(run, False), default=functools.partial(run, True))
 
 KERNEL = JaxTpuFlashKernel()

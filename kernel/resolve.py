@@ -44,12 +44,15 @@ class Resolution:
 @dataclass(frozen=True)
 class ResolverSettings:
     """Read from the environment: ``AUTOTUNE_TABLE``, ``AUTOTUNE_URL``,
-    ``AUTOTUNE_TIMEOUT_MS`` (default 250) and ``AUTOTUNE_BREAKER_S`` (default 30)."""
+    ``AUTOTUNE_TIMEOUT_MS`` (default 250), ``AUTOTUNE_BREAKER_S`` (default 30) and
+    ``AUTOTUNE_TPU_KERNEL`` (the registered kernel ``flash_attention`` runs on a TPU; default
+    ours, ``flash``)."""
 
     table_paths: tuple[str, ...] = ()
     url: str | None = None
     timeout_s: float = 0.25
     breaker_s: float = 30.0
+    tpu_kernel: str = KERNEL_NAME
 
     @classmethod
     def from_env(cls) -> ResolverSettings:
@@ -59,6 +62,7 @@ class ResolverSettings:
             url=os.environ.get("AUTOTUNE_URL") or None,
             timeout_s=float(os.environ.get("AUTOTUNE_TIMEOUT_MS", "250")) / 1000,
             breaker_s=float(os.environ.get("AUTOTUNE_BREAKER_S", "30")),
+            tpu_kernel=os.environ.get("AUTOTUNE_TPU_KERNEL") or KERNEL_NAME,
         )
 
 

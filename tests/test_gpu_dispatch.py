@@ -1,13 +1,16 @@
-"""``kernel.flash_attention`` on a GPU: upstream's Pallas Triton kernel (``pallas_gpu``) with a
+"""``kernel.flash_attention`` beyond our TPU kernel: upstream's Pallas Triton kernel
+(``pallas_gpu``) on a GPU, and the kernel named by ``AUTOTUNE_TPU_KERNEL`` on a TPU, each with a
 config resolved for that kernel, kept apart from ``flash``'s.
 
-No GPU is attached here, so the GPU branch is called directly; its kernel runs in interpret
-mode on the CPU, with the same resolution (pinned table, service, default) as on a GPU.
+No GPU or TPU is attached here, so the dispatch is called with a stand-in for the device (its
+platform and device kind, all the dispatch reads); the kernels themselves run for real, in
+interpret mode on the CPU, with the same resolution (pinned table, service, default).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 
 from kernel import flash
-from kernel.config import FlashConfig
+from kernel.config import ConfigError, FlashConfig
 from kernel.pallas_gpu import PallasGpuConfig
 from kernel.problem import Problem
 from kernel.registry import get_kernel
@@ -25,6 +28,18 @@ PROBLEM = Problem(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_di
                   dtype="float32", causal=True)
 GPU_CONFIG = PallasGpuConfig(block_q=32, block_k=64, block_q_dkv=32, block_kv_dkv=32,
                              block_q_dq=32, block_kv_dq=32, num_warps=4, num_stages=2)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the dispatch reads of a ``jax.Device``."""
+
+    platform: str
+    device_kind: str
+
+
+GPU = Device("gpu", "NVIDIA H200")
+CPU_AS_GPU = Device("gpu", "cpu")  # a GPU whose tuned entries are stored under device kind cpu
 
 
 def table_file(tmp_path, kernel: str, config: dict) -> str:
@@ -54,7 +69,7 @@ def test_gpu_branch_uses_the_pinned_pallas_gpu_config_and_matches_the_reference(
         table_file(tmp_path, "pallas_gpu", GPU_CONFIG.to_dict()),
         table_file(tmp_path, "flash", FlashConfig().to_dict()))))
     q, k, v = inputs()
-    out = flash._attention_on_gpu(q, k, v, PROBLEM, 64 ** -0.5, None, "cpu")
+    out = flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 64 ** -0.5, None, CPU_AS_GPU)
     want = flash.reference_attention(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert resolution_sources() == {("pallas_gpu", "cpu", PROBLEM): "table"}
@@ -66,7 +81,7 @@ def test_gpu_branch_uses_the_pinned_pallas_gpu_config_and_matches_the_reference(
 def test_gpu_branch_falls_back_to_the_pallas_gpu_default_without_a_table():
     reset_resolver(ResolverSettings())
     q, k, v = inputs()
-    flash._attention_on_gpu(q, k, v, PROBLEM, 64 ** -0.5, None, "NVIDIA H200")
+    flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 64 ** -0.5, None, GPU)
     resolution = get_resolver().resolve(PROBLEM, "NVIDIA H200", "pallas_gpu")
     assert resolution.source == "default"
     assert resolution.config == get_kernel("pallas_gpu").default_config(PROBLEM, "gpu")
@@ -75,6 +90,32 @@ def test_gpu_branch_falls_back_to_the_pallas_gpu_default_without_a_table():
 def test_gpu_branch_refuses_a_flash_config_and_an_illegal_one():
     q, k, v = inputs()
     with pytest.raises(TypeError, match="PallasGpuConfig"):
-        flash._attention_on_gpu(q, k, v, PROBLEM, 1.0, FlashConfig(), "cpu")
-    with pytest.raises(Exception, match="block"):
-        flash._attention_on_gpu(q, k, v, PROBLEM, 1.0, GPU_CONFIG.replace(block_q=48), "cpu")
+        flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 1.0, FlashConfig(), GPU)
+    with pytest.raises(ConfigError, match="block"):
+        flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 1.0,
+                              GPU_CONFIG.replace(block_q=48), GPU)
+
+
+def test_the_wrapper_runs_pallas_gpu_on_a_gpu_and_the_named_kernel_on_a_tpu():
+    reset_resolver(ResolverSettings())
+    assert [flash.wrapper_kernel(p) for p in ("gpu", "cuda", "tpu", "cpu")] == [
+        "pallas_gpu", "pallas_gpu", "flash", "flash"]
+    reset_resolver(ResolverSettings(tpu_kernel="jax_tpu_flash"))
+    assert flash.wrapper_kernel("tpu") == "jax_tpu_flash"
+    assert flash.wrapper_kernel("cpu") == "flash"  # the CPU always interprets ours
+
+
+def test_tpu_branch_runs_the_kernel_named_in_settings():
+    reset_resolver(ResolverSettings(tpu_kernel="jax_tpu_flash"))
+    problem = Problem(batch=1, q_heads=2, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
+                      dtype="float32", causal=True)
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (1, 2, 256, 128), jnp.float32)
+    k, v = (jax.random.normal(key, (1, 1, 256, 128), jnp.float32) for key in keys[1:])
+    out = flash._attention_with("jax_tpu_flash", q, k, v, problem, 128 ** -0.5, None,
+                                Device("tpu", "TPU v5 lite"))
+    want = flash.reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
+    resolution = get_resolver().resolve(problem, "TPU v5 lite", "jax_tpu_flash")
+    assert resolution.source == "default"
+    assert resolution.config == get_kernel("jax_tpu_flash").default_config(problem, "v5e")

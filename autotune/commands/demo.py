@@ -95,13 +95,12 @@ def demo(
 
 
 def _wrapper_kernel() -> str:
-    """The kernel ``kernel.flash_attention`` runs on this device: upstream's Pallas Triton
-    kernel on a GPU, ours elsewhere."""
+    """The kernel ``kernel.flash_attention`` runs on this device."""
     import jax
 
-    from kernel.flash import GPU_PLATFORMS
+    from kernel.flash import wrapper_kernel
 
-    return "pallas_gpu" if jax.devices()[0].platform in GPU_PLATFORMS else "flash"
+    return wrapper_kernel(jax.devices()[0].platform)
 
 
 def _trace_with_service(url: str) -> tuple[str, object, float]:
