@@ -158,16 +158,14 @@ def _open_storage(db_url: str | None) -> Any:
         engine.dispose()
 
 
-def _top_configs(name: str, base: Config, count: int, storage: Any) -> list[Config]:
-    study = optuna.load_study(study_name=name, storage=storage)
+def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
     ok = sorted((t for t in study.get_trials(deepcopy=False)
                  if t.state == optuna.trial.TrialState.COMPLETE
                  and t.user_attrs.get("status", "ok") == "ok"), key=lambda t: t.value)
     return list(dict.fromkeys(base.replace(**t.params) for t in ok))[:count]
 
 
-def _failures(name: str, storage: Any) -> dict[str, int]:
-    study = optuna.load_study(study_name=name, storage=storage)
+def _failures(study: optuna.Study) -> dict[str, int]:
     return dict(Counter(t.user_attrs["status"] for t in study.get_trials(deepcopy=False)
                         if t.user_attrs.get("status", OK) not in (OK, *NOT_MEASURED)))
 
@@ -230,7 +228,8 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
                         prepare=measurer.prepare)
         if observer:
             observer.on_phase("confirming")
-        top = _top_configs(name, base, options.confirm_top, storage)
+        study = optuna.load_study(study_name=name, storage=storage)
+        top = _top_configs(study, base, options.confirm_top)
         timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
     finally:
         measurer.close()
@@ -243,7 +242,8 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     default_ms = timings[base].median_ms if base in timings else None
     speedup = default_ms / winner_ms if default_ms is not None else None
     outcome = store.publish(TunedResult(
-        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind, problem=problem, config=winner, median_ms=winner_ms,
+        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
+        problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
         speedup=speedup, trials=result.measured, method=measurer.method,
         study=name, **versions()), force=options.force)
@@ -251,14 +251,14 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
                                 "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
                                 "is_default": c == base, "is_winner": c == winner}
                     for c, t in timings.items()}
-    study = optuna.load_study(study_name=name, storage=storage)
     study.set_user_attr("confirmation", list(confirmation.values()))
     study.set_user_attr("problem", problem.to_dict())
     study.set_user_attr("device_kind", device.device_kind)
     return TuneSummary(
-        problem=problem, kernel=kernel.name, device_kind=device.device_kind, method=measurer.method, study=name,
+        problem=problem, kernel=kernel.name, device_kind=device.device_kind,
+        method=measurer.method, study=name,
         best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
         speedup=speedup, measured=result.measured,
-        failures=_failures(name, storage), winner_is_default=winner == base,
+        failures=_failures(study), winner_is_default=winner == base,
         publish=outcome.status,
         stop_reason=result.stop_reason, confirmation=confirmation)
