@@ -35,7 +35,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import optuna
 from optuna.samplers import TPESampler
 from optuna.samplers._tpe.sampler import _split_trials, default_gamma

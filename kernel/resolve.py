@@ -24,7 +24,7 @@ from typing import Any
 from kernel.config import ConfigError
 from kernel.problem import Problem
 from kernel.space import TARGETS, Target
-from kernel.table import LookupTable, TableError
+from kernel.table import LookupTable
 
 log = logging.getLogger(__name__)
 

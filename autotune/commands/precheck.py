@@ -24,7 +24,8 @@ def precheck(
     include_rejected: Annotated[bool, typer.Option(
         help="Also compile the configs the VMEM estimate rejects (to measure it).")] = False,
     vmem_limit_kib: Annotated[int | None, typer.Option(
-        min=1, help="Scoped VMEM limit to check and compile against (default: the target's).")] = None,
+        min=1, help="Scoped VMEM limit to check and compile against (default: the target's).")]
+    = None,
 ) -> None:
     """Compile every legal config of a TPU kernel for a TPU generation (no TPU needed; needs
     libtpu) and report ok / vmem_oom / compile_error / timeout per config, with compile
