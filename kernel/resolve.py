@@ -23,7 +23,7 @@ from typing import Any
 
 from kernel.config import ConfigError
 from kernel.problem import Problem
-from kernel.space import TARGETS, Target
+from kernel.space import Target
 from kernel.table import LookupTable
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Resolver:
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel_name: str,
                           target: Target | None) -> Resolution:
-        from kernel.registry import get_kernel  # the registry imports this package
+        from kernel.registry import device_target, get_kernel  # the registry imports us
 
         kernel = get_kernel(kernel_name)
         reasons = []
@@ -127,8 +127,7 @@ class Resolver:
             reasons.append(why)
         else:
             reasons.append("no table pinned and AUTOTUNE_URL unset")
-        target = target or next((t for t in TARGETS.values() if t.device_kind == device_kind),
-                                TARGETS["cpu"])
+        target = target or device_target("", device_kind)  # a TPU generation, else cpu
         config = kernel.default_config(problem, target)
         detail = "; ".join(reasons)
         log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
