@@ -28,7 +28,7 @@ from optuna.storages import BaseStorage, RDBStorage
 from sqlalchemy import Engine, inspect
 
 from autotune.failures import first_line
-from autotune.search import OK, _is_measurement, _status
+from autotune.search import OK, is_measurement, trial_status
 from kernel.problem import Problem, ProblemError
 from storage import Entry
 
@@ -115,11 +115,11 @@ class StudyData:
 
     @classmethod
     def from_study(cls, study: optuna.Study) -> StudyData:
-        trials = sorted((t for t in study.get_trials(deepcopy=False) if _is_measurement(t)),
+        trials = sorted((t for t in study.get_trials(deepcopy=False) if is_measurement(t)),
                         key=lambda t: t.number)
         points = tuple(Point(
-            number=t.number, params=dict(t.params), status=_status(t),
-            value_ms=t.value if _status(t) == OK else None,
+            number=t.number, params=dict(t.params), status=trial_status(t),
+            value_ms=t.value if trial_status(t) == OK else None,
             compile_s=t.user_attrs.get("compile_s"),
             error=first_line(str(t.user_attrs["error"])) if t.user_attrs.get("error") else None)
             for t in trials)

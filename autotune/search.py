@@ -7,9 +7,17 @@ cooperate on one study, and a killed job resumes where it stopped.
 
 Samplers (``SAMPLERS``):
 
-- ``tpe`` (default): our searcher. Uniformly random *legal* startup configs, then multivariate
-  TPE whose illegal or already-measured proposals cost neither a measurement nor a trial: they
-  become in-memory pseudo-observations and TPE is asked again (see ``_EngineSampler``).
+- ``tpe`` (default): our searcher, plain TPE's proposals made free plus a forest surrogate.
+  Three proposals in five are what Optuna's plain ``TPESampler`` would ask next, but its illegal
+  and already-measured proposals are answered in memory (pruned, or the measured outcome)
+  instead of costing a trial (``_PlainTPEView``). The other two are the untaken legal
+  config of highest expected improvement under a random forest fitted to the measurements
+  (:mod:`autotune.surrogate`): it exploits interactions (tile x vector width, flags that only
+  pay together) that TPE's independent per-parameter densities cannot see, while TPE keeps
+  exploring. The mix was chosen on the measured landscapes (bench/search.py, 20 seeds):
+  forest-only and half-forest searches stall in the deceptive plateaus of the convolution
+  landscapes (a flag whose typical configs are slow but whose best config is the optimum), a
+  third of forest picks is too few to help on gemm; two in five did best overall.
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
 - ``plain-tpe``: the baseline, Optuna's ``TPESampler`` over one categorical per parameter; an
@@ -36,12 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import optuna
-from optuna.samplers import TPESampler
-from optuna.samplers._tpe.sampler import _split_trials, default_gamma
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from optuna.samplers import BaseSampler, TPESampler
 from optuna.storages import BaseStorage, InMemoryStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.space import Config, Key, Space
+from storage.engine import sqlite_pragmas
+from autotune.surrogate import ForestSurrogate
 
 SamplerName = Literal["tpe", "random", "grid", "plain-tpe"]
 SAMPLERS: tuple[str, ...] = ("tpe", "random", "grid", "plain-tpe")
@@ -55,9 +66,9 @@ NOT_MEASURED = frozenset({"illegal", "repeat", "duplicate", "surplus", "exhauste
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 _LIVE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
 _PLAIN_TPE_STALL = 2000  # consecutive free proposals after which plain TPE counts as stuck
-_STARTUP = 10  # uniformly random legal configs measured before TPE takes over
+_FOREST_PICKS, _FOREST_CYCLE = 2, 5  # ``tpe``: two proposals in five are the forest's
+_FOREST_AFTER = 5  # measured configs before the forest's first pick
 _CLAIM_WAIT_S = 2.0  # longest wait for an earlier trial's params to be written
-_TPE_ROUNDS = 20  # TPE re-asks per proposal while its best candidate is illegal or known
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,8 @@ def open_storage(
     """An Optuna storage: in memory for ``None``, else an RDB storage on ``url``.
 
     SQLite gets a 30 s busy timeout so concurrent workers wait for the write lock instead of
-    failing with "database is locked". Trials send a heartbeat every ``heartbeat_interval`` s
+    failing with "database is locked", and WAL with ``synchronous = NORMAL`` (as the results
+    tables in the same file) so Optuna's many small commits do not each wait for the disk. Trials send a heartbeat every ``heartbeat_interval`` s
     while measured; one silent for ``grace_period`` s (its worker was killed) is failed by the
     next worker, and its config becomes measurable again.
     """
@@ -142,21 +154,26 @@ def open_storage(
         engine_kwargs = {"connect_args": {"timeout": 30}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(url, engine_kwargs=engine_kwargs,
-                          heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+        storage = RDBStorage(url, engine_kwargs=engine_kwargs,
+                             heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+    if url.startswith("sqlite") and make_url(url).database not in (None, "", ":memory:"):
+        # Each Optuna write commits on its own; WAL without a sync per commit makes those cheap.
+        event.listen(storage.engine, "connect", sqlite_pragmas)
+        storage.engine.dispose()  # the connections that created the tables lack the pragmas
+    return storage
 
 
-def _status(trial: FrozenTrial) -> str:
+def trial_status(trial: FrozenTrial) -> str:
     return trial.user_attrs.get("status", OK if trial.state == TrialState.COMPLETE else "")
 
 
-def _is_measurement(trial: FrozenTrial) -> bool:
-    return trial.state in _FINISHED and _status(trial) not in NOT_MEASURED
+def is_measurement(trial: FrozenTrial) -> bool:
+    return trial.state in _FINISHED and trial_status(trial) not in NOT_MEASURED
 
 
 def _result(space: Space, trial: FrozenTrial) -> TrialResult:
     attrs = {k: v for k, v in trial.user_attrs.items() if k not in ("status", "measure_s")}
-    status = _status(trial)
+    status = trial_status(trial)
     measurement = Measurement(trial.value if status == OK else None, status, attrs)
     return TrialResult(trial.number, space.config(trial.params), measurement,
                        trial.user_attrs.get("measure_s", 0.0))
@@ -175,7 +192,7 @@ class _View:
     def read(cls, study: optuna.Study, space: Space) -> _View:
         trials = study.get_trials(deepcopy=False)
         return cls(
-            measured=[t for t in trials if _is_measurement(t)],
+            measured=[t for t in trials if is_measurement(t)],
             running=[t for t in trials if t.state == TrialState.RUNNING],
             waiting=sum(t.state == TrialState.WAITING for t in trials),
             keys={space.key(space.config(t.params)) for t in trials
@@ -183,7 +200,7 @@ class _View:
         )
 
     def best(self) -> FrozenTrial | None:
-        ok = [t for t in self.measured if _status(t) == OK]
+        ok = [t for t in self.measured if trial_status(t) == OK]
         return min(ok, key=lambda t: (t.value, t.number)) if ok else None
 
     def since_best(self) -> int:
@@ -195,30 +212,79 @@ class _View:
         out: list[float | None] = []
         best = None
         for t in self.measured:
-            if _status(t) == OK and (best is None or t.value < best):
+            if trial_status(t) == OK and (best is None or t.value < best):
                 best = t.value
             out.append(best)
         return out
 
 
-class _EngineSampler(TPESampler):
-    """Proposes legal, unmeasured configs: ``tpe``, ``random`` or ``grid`` (see module doc).
+class _PlainTPEView:
+    """Plain TPE as it would run on this study, kept in this worker's memory.
 
-    ``tpe`` keeps plain TPE's model dynamics but pays for none of them with a trial: when TPE's
-    best candidate is illegal, or a config the study has already measured, it is remembered as
-    a pseudo-observation in this worker's memory (pruned, or a copy of the measured value), as
-    plain TPE would have told it, and TPE is asked again. The pseudo-observations steer it away
-    from illegal regions and reinforce the incumbent. This overrides TPE's candidate selection
-    (private Optuna API, exercised by tests/test_search.py).
+    Optuna's ``TPESampler`` (independent, default settings) asks in a private in-memory study.
+    A proposal that is illegal is told there as pruned, one already measured is told its
+    measured outcome, one being measured elsewhere is failed (TPE ignores failed trials), and
+    TPE is asked again: all of that is free, no real trial and no measurement. The first fresh
+    legal proposal is returned; its real outcome is told when the study has it. Measurements
+    that came from elsewhere (seeds, the forest, other workers, an earlier run of the study) are
+    added as finished trials, so the view is rebuilt from the study on resume.
+    """
+
+    def __init__(self, space: Space, seed: int | None) -> None:
+        self._space = space
+        self._study = optuna.create_study(direction="minimize", sampler=TPESampler(seed=seed))
+        self._told: set[Key] = set()
+        self._asked: dict[Key, optuna.Trial] = {}
+
+    def propose(self, outcomes: Mapping[Key, float | None], taken: set[Key]) -> Config | None:
+        """A fresh legal config (not in ``taken``), or None when TPE keeps proposing known or
+        illegal ones. ``outcomes``: every measured config's time, None for a failure."""
+        space, study = self._space, self._study
+        for key, value in outcomes.items():
+            if key in self._told:
+                continue
+            self._told.add(key)
+            state = TrialState.PRUNED if value is None else TrialState.COMPLETE
+            trial = self._asked.pop(key, None)
+            if trial is not None:
+                study.tell(trial, value, state=state)
+            else:
+                study.add_trial(optuna.trial.create_trial(
+                    params=dict(zip(space.names, key, strict=True)),
+                    distributions=space.distributions, value=value, state=state))
+        for _ in range(_PLAIN_TPE_STALL):
+            trial = study.ask(space.distributions)
+            config = space.config(trial.params)
+            key = space.key(config)
+            if not space.is_legal(config):
+                study.tell(trial, state=TrialState.PRUNED)
+            elif key in outcomes:
+                value = outcomes[key]
+                study.tell(trial, value, state=TrialState.PRUNED if value is None
+                           else TrialState.COMPLETE)
+            elif key in taken:
+                study.tell(trial, state=TrialState.FAIL)
+            else:
+                self._asked[key] = trial
+                return config
+        return None
+
+
+class _EngineSampler(BaseSampler):
+    """Proposes legal configs the study has not taken: ``tpe``, ``random`` or ``grid``.
+
+    ``tpe`` (see module doc): after ``_FOREST_AFTER`` measurements, ``_FOREST_PICKS`` proposals
+    in every ``_FOREST_CYCLE`` are the forest surrogate's; the others are plain TPE's
+    (``_PlainTPEView``).
+    When TPE has no fresh proposal, a uniformly random legal one is taken.
     """
 
     def __init__(self, space: Space, mode: str, seed: int | None) -> None:
-        super().__init__(seed=seed, multivariate=True, n_startup_trials=_STARTUP,
-                         constant_liar=True)
         self._space, self._mode = space, mode
         self._rand = random.Random(seed)
         self._grid = space.configs() if mode == "grid" else None
-        self._pseudo: list[FrozenTrial] = []
+        self._tpe = _PlainTPEView(space, seed) if mode == "tpe" else None
+        self._forest = ForestSurrogate(space, seed) if mode == "tpe" else None
         self.exhausted = False
 
     def infer_relative_search_space(self, study, trial):  # noqa: ANN001, ANN201
@@ -231,7 +297,7 @@ class _EngineSampler(TPESampler):
                   if t.number != trial.number]
         names = set(self._space.names)  # a trial being claimed may lack some params yet
         taken = {self._space.key(t.params) for t in others if t.params.keys() >= names}
-        config = self._propose(study, others, taken, search_space)
+        config = self._propose(others, taken)
         self.exhausted = config is None
         return {} if config is None else {n: config[n] for n in search_space}
 
@@ -239,52 +305,22 @@ class _EngineSampler(TPESampler):
         # Reached only for single-valued parameters or when the space is exhausted.
         return self._space.params[param_name][0]
 
-    def _propose(self, study: optuna.Study, others: list[FrozenTrial], taken: set[Key],
-                 search_space: dict) -> Config | None:
+    def _propose(self, others: list[FrozenTrial], taken: set[Key]) -> Config | None:
         space = self._space
         if self._grid is not None:
             for config in self._grid:
                 if space.key(config) not in taken and space.is_legal(config):
                     return config
             return None
-        finished = [t for t in others if t.state in _FINISHED]
-        if self._mode == "random" or len(finished) < self._n_startup_trials or not search_space:
+        if self._tpe is None or self._forest is None:
             return space.random_legal(self._rand, taken)
-        return self._tpe(study, others, finished, taken, search_space) or space.random_legal(
-            self._rand, taken)
-
-    def _tpe(self, study: optuna.Study, others: list[FrozenTrial], finished: list[FrozenTrial],
-             taken: set[Key], search_space: dict) -> Config | None:
-        space = self._space
-        measured = {space.key(t.params): t for t in finished if _is_measurement(t)}
-        fixed = {n: values[0] for n, values in space.params.items()}  # single-valued names
-        for _ in range(_TPE_ROUNDS):
-            trials = others + self._pseudo
-            below, above = _split_trials(study, trials, default_gamma(
-                sum(t.state != TrialState.RUNNING for t in trials)))
-            mpe_below = self._build_parzen_estimator(study, search_space, below, True)
-            mpe_above = self._build_parzen_estimator(study, search_space, above, False)
-            samples = mpe_below.sample(self._rng.rng, self._n_ei_candidates)
-            acquisition = (mpe_below.log_pdf(samples) - mpe_above.log_pdf(samples)).tolist()
-            order = sorted(range(len(acquisition)), key=lambda i: -acquisition[i])
-            candidates = [{**fixed, **{n: search_space[n].to_external_repr(samples[n][i])
-                                       for n in search_space}} for i in order]
-            best = candidates[0]
-            key = space.key(best)
-            params = {n: best[n] for n in search_space}
-            if not space.is_legal(best):
-                self._pseudo.append(optuna.trial.create_trial(
-                    state=TrialState.PRUNED, params=params, distributions=search_space))
-            elif key in measured:
-                old = measured[key]
-                self._pseudo.append(optuna.trial.create_trial(
-                    state=old.state, value=old.value if old.state == TrialState.COMPLETE
-                    else None, params=params, distributions=search_space))
-            elif key not in taken:
-                return best
-        # TPE keeps insisting on known configs: take its best fresh legal candidate, if any.
-        return next((c for c in candidates
-                     if space.key(c) not in taken and space.is_legal(c)), None)
+        outcomes = {space.key(t.params): t.value if trial_status(t) == OK else None
+                    for t in others if is_measurement(t)}
+        config = None
+        if len(outcomes) >= _FOREST_AFTER and len(outcomes) % _FOREST_CYCLE < _FOREST_PICKS:
+            config = self._forest.propose(outcomes, taken)
+        return (config or self._tpe.propose(outcomes, taken)
+                or space.random_legal(self._rand, taken))
 
 
 def _make_sampler(name: str, space: Space, seed: int | None) -> optuna.samplers.BaseSampler:
@@ -519,7 +555,7 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
         time.sleep(0.01)
     count = 0
     for t in earlier:
-        if t.state == TrialState.RUNNING or _is_measurement(t):
+        if t.state == TrialState.RUNNING or is_measurement(t):
             count += 1
             if t.params.keys() >= names and space.key(t.params) == key:
                 return "duplicate"
@@ -529,7 +565,7 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
 def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, key: Key) -> None:
     """Plain TPE: tells a repeated config the value it already has, without measuring."""
     for t in study.get_trials(deepcopy=False, states=_FINISHED):
-        if _is_measurement(t) and t.params.keys() >= set(space.names) and space.key(
+        if is_measurement(t) and t.params.keys() >= set(space.names) and space.key(
                 space.config(t.params)) == key:
             trial.set_user_attr("status", "repeat")
             if t.state == TrialState.COMPLETE:

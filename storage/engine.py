@@ -47,17 +47,23 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
                                "sqlite:///PATH or postgresql+psycopg://...") from None
 
 
+def sqlite_pragmas(dbapi_connection, _record: object = None) -> None:  # noqa: ANN001
+    """Busy timeout, WAL and ``synchronous = NORMAL`` for a new SQLite connection (also a
+    SQLAlchemy ``connect`` listener, for engines built elsewhere: Optuna's storage)."""
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
+    cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe with WAL
+    cursor.close()
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record) -> None:  # noqa: ANN001
         # Take transaction control away from the sqlite3 module so "begin" below decides how a
         # transaction starts (the SQLAlchemy recipe for SQLite transactions).
         dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
-        cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe with WAL
-        cursor.close()
+        sqlite_pragmas(dbapi_connection)
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection) -> None:  # noqa: ANN001

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -211,3 +212,16 @@ def test_space_rejects_bad_declarations():
         Space({"a": [1, 1]})
     with pytest.raises(ValueError, match="no values"):
         Space({"a": []})
+
+
+def test_sqlite_study_is_kept_in_wal_mode_and_an_in_memory_url_still_works(tmp_path):
+    space = Space({"a": [1, 2, 3]})
+    path = tmp_path / "study.db"
+    result = search(space, lambda c: Measurement(float(c["a"])), storage=f"sqlite:///{path}",
+                    trials=3, seed=0)
+    assert result.measured == 3
+    with sqlite3.connect(path) as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    memory = search(space, lambda c: Measurement(float(c["a"])), storage="sqlite://",
+                    trials=3, seed=0)
+    assert memory.measured == 3 and memory.best.value == 1.0
