@@ -11,7 +11,7 @@ Samplers (``SAMPLERS``):
   Three proposals in five are what Optuna's plain ``TPESampler`` would ask next, but its illegal
   and already-measured proposals are answered in memory (pruned, or the measured outcome)
   instead of costing a trial (``_PlainTPEView``). The other two are the untaken legal
-  config of highest expected improvement under a random forest fitted to the measurements
+  config of lowest confidence bound under a random forest fitted to the measurements
   (:mod:`autotune.surrogate`): it exploits interactions (tile x vector width, flags that only
   pay together) that TPE's independent per-parameter densities cannot see, while TPE keeps
   exploring. The mix was chosen on the measured landscapes (bench/search.py, 20 seeds):
