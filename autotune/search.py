@@ -232,7 +232,13 @@ class _PlainTPEView:
 
     def __init__(self, space: Space, seed: int | None) -> None:
         self._space = space
-        self._study = optuna.create_study(direction="minimize", sampler=TPESampler(seed=seed))
+        level = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study" line for a view
+        try:
+            self._study = optuna.create_study(direction="minimize",
+                                              sampler=TPESampler(seed=seed))
+        finally:
+            optuna.logging.set_verbosity(level)
         self._told: set[Key] = set()
         self._asked: dict[Key, optuna.Trial] = {}
 

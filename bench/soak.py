@@ -1,12 +1,13 @@
 """Memory of a long tuning run: 200 measured configs in one process.
 
-Tunes several small forward problems one after the other (grid sampler, one Optuna study per
-problem in one SQLite file, a Measurer per problem, as ``autotune tune --shapes`` does)
-until ``--trials`` distinct configs have been compiled, checked and timed, and prints the
+Tunes several small forward problems one after the other (the default ``tpe`` searcher, or
+``--sampler grid``; one Optuna study per problem in one SQLite file, a Measurer per problem, as
+``autotune tune --shapes`` does), each until its legal space is exhausted, until ``--trials``
+distinct configs have been compiled, checked and timed, and prints the
 process's resident set size every ``--every`` trials. The figure of merit is the growth from
 trial ``--every`` (caches and the compiler warmed up) to the last trial, per 100 trials.
 
-    python bench/soak.py [--trials 200] [--every 50] [--json]
+    python bench/soak.py [--trials 200] [--every 50] [--sampler tpe|grid] [--json]
 
 Target: growth under 10% of the RSS at trial ``--every`` (a leak grows linearly with trials).
 """
@@ -44,6 +45,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--sampler", choices=("tpe", "grid"), default="tpe")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     args = parser.parse_args()
 
@@ -76,14 +78,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         storage = open_storage(f"sqlite:///{Path(tmp) / 'soak.db'}")
         print(f"start: rss {rss_mib():.1f} MiB (max {_max_rss_mib():.1f})", flush=True)
-        for problem in PROBLEMS:  # the grid sampler measures each problem's space, then stops
+        for problem in PROBLEMS:  # each problem's space is measured whole, then the next
             if measured >= args.trials:
                 break
             space, base = kernel_space(kernel, problem, target)
             measurer = Measurer(problem, base, kernel)
             try:
                 search(space, measurer, storage=storage, study_name=f"soak/{problem.label()}",
-                       sampler="grid", trials=args.trials - measured, on_trial=on_trial)
+                       sampler=args.sampler, trials=args.trials - measured,
+                       on_trial=on_trial)
             finally:
                 measurer.close()
     if measured < args.trials:
