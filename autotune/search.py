@@ -44,15 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import optuna
-from sqlalchemy import event
-from sqlalchemy.engine import make_url
 from optuna.samplers import BaseSampler, TPESampler
 from optuna.storages import BaseStorage, InMemoryStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
 
 from autotune.space import Config, Key, Space
-from storage.engine import sqlite_pragmas
 from autotune.surrogate import ForestSurrogate
+from storage.engine import sqlite_pragmas
 
 SamplerName = Literal["tpe", "random", "grid", "plain-tpe"]
 SAMPLERS: tuple[str, ...] = ("tpe", "random", "grid", "plain-tpe")
@@ -143,9 +143,10 @@ def open_storage(
 
     SQLite gets a 30 s busy timeout so concurrent workers wait for the write lock instead of
     failing with "database is locked", and WAL with ``synchronous = NORMAL`` (as the results
-    tables in the same file) so Optuna's many small commits do not each wait for the disk. Trials send a heartbeat every ``heartbeat_interval`` s
-    while measured; one silent for ``grace_period`` s (its worker was killed) is failed by the
-    next worker, and its config becomes measurable again.
+    tables in the same file) so Optuna's many small commits do not each wait for the disk.
+    Trials send a heartbeat every ``heartbeat_interval`` s while measured; one silent for
+    ``grace_period`` s (its worker was killed) is failed by the next worker, and its config
+    becomes measurable again.
     """
     if url is None:
         return InMemoryStorage()
@@ -250,14 +251,14 @@ class _PlainTPEView:
             if key in self._told:
                 continue
             self._told.add(key)
-            state = TrialState.PRUNED if value is None else TrialState.COMPLETE
             trial = self._asked.pop(key, None)
             if trial is not None:
-                study.tell(trial, value, state=state)
+                study.tell(trial, value, state=_outcome_state(value))
             else:
                 study.add_trial(optuna.trial.create_trial(
                     params=dict(zip(space.names, key, strict=True)),
-                    distributions=space.distributions, value=value, state=state))
+                    distributions=space.distributions, value=value,
+                    state=_outcome_state(value)))
         for _ in range(_PLAIN_TPE_STALL):
             trial = study.ask(space.distributions)
             config = space.config(trial.params)
@@ -265,15 +266,18 @@ class _PlainTPEView:
             if not space.is_legal(config):
                 study.tell(trial, state=TrialState.PRUNED)
             elif key in outcomes:
-                value = outcomes[key]
-                study.tell(trial, value, state=TrialState.PRUNED if value is None
-                           else TrialState.COMPLETE)
+                study.tell(trial, outcomes[key], state=_outcome_state(outcomes[key]))
             elif key in taken:
                 study.tell(trial, state=TrialState.FAIL)
             else:
                 self._asked[key] = trial
                 return config
         return None
+
+
+def _outcome_state(value: float | None) -> TrialState:
+    """How a measured outcome is told to TPE: a time completes, a failure (None) is pruned."""
+    return TrialState.PRUNED if value is None else TrialState.COMPLETE
 
 
 class _EngineSampler(BaseSampler):
@@ -286,7 +290,7 @@ class _EngineSampler(BaseSampler):
     """
 
     def __init__(self, space: Space, mode: str, seed: int | None) -> None:
-        self._space, self._mode = space, mode
+        self._space = space
         self._rand = random.Random(seed)
         self._grid = space.configs() if mode == "grid" else None
         self._tpe = _PlainTPEView(space, seed) if mode == "tpe" else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 
 import numpy as np
 from sklearn.ensemble import RandomForestRegressor
@@ -42,28 +43,23 @@ class ForestSurrogate:
     def __init__(self, space: Space, seed: int | None = None) -> None:
         self._space = space
         self._rng = random.Random(seed)
-        self._candidates: list[Config] | None = None
-        self._features: np.ndarray | None = None
-        self._index: dict[Key, int] = {}
 
-    def _legal(self) -> list[Config]:
+    @cached_property
+    def _candidates(self) -> tuple[list[Config], list[Key], np.ndarray]:
+        """The legal configs scored at each pick (enumerated or sampled, see module doc), their
+        keys and their features; built at the first pick."""
         space = self._space
         if space.size <= _ENUMERATE_MAX:
-            return [c for c in space.configs() if space.is_legal(c)]
-        taken: set[Key] = set()
-        for _ in range(_SAMPLED_CANDIDATES):
-            config = space.random_legal(self._rng, taken)
-            if config is None:
-                break
-            taken.add(space.key(config))
-        return [dict(zip(space.names, key, strict=True)) for key in taken]
-
-    def _ensure_candidates(self) -> None:
-        if self._candidates is not None:
-            return
-        self._candidates = self._legal()
-        self._index = {self._space.key(c): i for i, c in enumerate(self._candidates)}
-        self._features = self.encode(self._candidates)
+            configs = [c for c in space.configs() if space.is_legal(c)]
+        else:
+            configs, taken = [], set()
+            for _ in range(_SAMPLED_CANDIDATES):
+                config = space.random_legal(self._rng, taken)
+                if config is None:
+                    break
+                configs.append(config)
+                taken.add(space.key(config))
+        return configs, [space.key(c) for c in configs], self.encode(configs)
 
     def encode(self, configs: Sequence[Config]) -> np.ndarray:
         """One feature row per config (see module doc)."""
@@ -89,12 +85,11 @@ class ForestSurrogate:
         """The untaken legal config of lowest confidence bound, given ``outcomes`` (config key
         -> time, None for a failure). None when every legal config is taken or nothing
         succeeded yet."""
-        self._ensure_candidates()
-        assert self._candidates is not None and self._features is not None
+        configs, keys, features = self._candidates
         names = self._space.names
         pairs = [(dict(zip(names, key, strict=True)), t) for key, t in outcomes.items()]
         times = [t for _, t in pairs if t is not None]
-        free = [i for i, c in enumerate(self._candidates) if self._space.key(c) not in taken]
+        free = [i for i, key in enumerate(keys) if key not in taken]
         if not times or not free:
             return None
         worst = math.log(max(times))
@@ -103,7 +98,7 @@ class ForestSurrogate:
         forest = RandomForestRegressor(n_estimators=_TREES, max_features=0.8,
                                        random_state=self._rng.randrange(2**31))
         forest.fit(x, y)
-        cand = self._features[free]
-        per_tree = np.stack([tree.predict(cand) for tree in forest.estimators_])
+        free_features = features[free]
+        per_tree = np.stack([tree.predict(free_features) for tree in forest.estimators_])
         bound = per_tree.mean(axis=0) - _EXPLORATION * per_tree.std(axis=0)
-        return dict(self._candidates[free[int(np.argmin(bound))]])
+        return dict(configs[free[int(np.argmin(bound))]])
