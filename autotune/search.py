@@ -139,7 +139,8 @@ OnTrial = Callable[[TrialResult, TrialResult | None], None]
 def open_storage(
     url: str | None, *, heartbeat_interval: int = 10, grace_period: int = 120
 ) -> BaseStorage:
-    """An Optuna storage: in memory for ``None``, else an RDB storage on ``url``.
+    """An Optuna storage: in memory for ``None`` (or a SQLite memory URL), else an RDB storage
+    on ``url``.
 
     SQLite gets a 30 s busy timeout so concurrent workers wait for the write lock instead of
     failing with "database is locked", and WAL with ``synchronous = NORMAL`` (as the results
@@ -148,7 +149,10 @@ def open_storage(
     ``grace_period`` s (its worker was killed) is failed by the next worker, and its config
     becomes measurable again.
     """
-    if url is None:
+    if url is None or (url.startswith("sqlite")
+                       and make_url(url).database in (None, "", ":memory:")):
+        # One process only; a SQLite memory database would also be one per thread, so the
+        # heartbeat thread would not see the study's tables.
         return InMemoryStorage()
     engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if url.startswith("sqlite"):
@@ -157,7 +161,7 @@ def open_storage(
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         storage = RDBStorage(url, engine_kwargs=engine_kwargs,
                              heartbeat_interval=heartbeat_interval, grace_period=grace_period)
-    if url.startswith("sqlite") and make_url(url).database not in (None, "", ":memory:"):
+    if url.startswith("sqlite"):
         # Each Optuna write commits on its own; WAL without a sync per commit makes those cheap.
         event.listen(storage.engine, "connect", sqlite_pragmas)
         storage.engine.dispose()  # the connections that created the tables lack the pragmas
