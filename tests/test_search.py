@@ -151,7 +151,8 @@ def test_stale_trial_of_a_killed_worker_is_failed_and_its_config_measured_again(
     url = f"sqlite:///{tmp_path / 'study.db'}"
     storage = open_storage(url, heartbeat_interval=1, grace_period=1)
     study = optuna.create_study(storage=storage, study_name="s")
-    killed = study.ask(land.space.distributions)  # a worker claimed a config, then died
+    study.enqueue_trial(dict(zip(land.params, next(iter(land.records)), strict=True)))
+    killed = study.ask(land.space.distributions)  # a worker claimed a legal config, then died
     storage.record_heartbeat(killed._trial_id)
     lost = land.space.key(killed.params)
     import time
