@@ -149,6 +149,24 @@ class Server:
         return httpx.Client(base_url=self.url, timeout=30, **kwargs)
 
 
+def wait_until_answering(process: subprocess.Popen, url: str, name: str,
+                         output: Callable[[], str], timeout_s: float = 60) -> None:
+    """Polls ``url`` until it answers 200; fails the test, showing ``output()``, when
+    ``process`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"{name} exited with {process.returncode}:\n{output()}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} did not answer {url} within {timeout_s:.0f} s:\n{output()}")
+        time.sleep(0.1)
+
+
 @contextmanager
 def running_server(db_url: str, log_dir: Path, *, token: str | None = TOKEN,
                    args: tuple[str, ...] = ()) -> Iterator[Server]:
@@ -164,18 +182,7 @@ def running_server(db_url: str, log_dir: Path, *, token: str | None = TOKEN,
             stdout=sink, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", db_url, token, process, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"autotune serve exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{server.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"autotune serve did not become ready:\n{log.read_text()}")
-            time.sleep(0.1)
+        wait_until_answering(process, f"{server.url}/readyz", "autotune serve", log.read_text)
         yield server
     finally:
         process.terminate()

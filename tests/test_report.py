@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -34,7 +33,7 @@ from autotune.plots import (
     landscape_figure,
     read_storage,
 )
-from conftest import free_port, run_cli
+from conftest import free_port, run_cli, wait_until_answering
 from kernel.config import FlashConfig
 from kernel.problem import Problem
 from storage import Store, TunedResult, upgrade
@@ -295,7 +294,7 @@ def test_failures_draws_one_bar_per_outcome(failing: StudyData) -> None:
 
 
 @pytest.fixture
-def dashboard(tuned_db: str) -> Iterator[str]:
+def dashboard(tuned_db: str, tmp_path: Path) -> Iterator[str]:
     """optuna-dashboard on the tuned database, on a free loopback port."""
     executable = Path(sys.executable).with_name("optuna-dashboard")
     if not executable.exists():
@@ -303,21 +302,12 @@ def dashboard(tuned_db: str) -> Iterator[str]:
     port = free_port()
     command = [str(executable), tuned_db,
                "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True)
+    log = tmp_path / "dashboard.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"optuna-dashboard exited: {process.stderr.read()}")
-            try:
-                httpx.get(f"{url}/api/studies", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    pytest.fail("optuna-dashboard did not answer within 60 s")
-                time.sleep(0.2)
+        wait_until_answering(process, f"{url}/api/studies", "optuna-dashboard", log.read_text)
         yield url
     finally:
         process.terminate()
