@@ -28,7 +28,7 @@ from autotune.measure import Measurer, Timing
 from autotune.search import Measurement, search
 from autotune.space import Space
 from autotune.tune import choose_winner, kernel_space
-from conftest import problem_flags, run_cli
+from conftest import run_cli
 from kernel.aot import attention_fn, compile_for_target
 from kernel.config import FlashConfig
 from kernel.depths import supported_pipeline_depths
