@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import problem_flags, run_cli
-from kernel.config import FlashConfig
+from kernel import FlashConfig
 from kernel.problem import Problem
 from kernel.registry import get_kernel
 from storage import ResultError, Store, TunedResult
@@ -114,7 +114,7 @@ def test_precheck_compiles_the_jax_tpu_flash_space_for_v5e() -> None:
     """Deviceless: the upstream TPU kernel's whole space for a tiny problem, compiled by the
     real Mosaic compiler for v5e; the VMEM rule admits what compiles."""
     from autotune.precheck import candidates
-    from kernel.space import get_target
+    from kernel import get_target
 
     problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
                       dtype="bfloat16", causal=False, mode="fwd")
