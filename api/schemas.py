@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
-from kernel import DEFAULT_KERNEL
-from storage import METHODS, Entry, LookupRequest, TunedResult, registered_kernel
+from kernel import DEFAULT_KERNEL, get_kernel
+from storage import METHODS, Entry, LookupRequest, TunedResult
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 MAX_BATCH_KEYS = 1000
@@ -114,7 +114,7 @@ class PublishRequest(Measurements):
         return TunedResult(
             kernel=self.key.kernel, device_kind=self.key.device_kind,
             platform=self.key.platform or "", problem=self.key.to_problem(),
-            config=registered_kernel(self.key.kernel).config_from_dict(self.config),
+            config=get_kernel(self.key.kernel).config_from_dict(self.config),
             **{name: getattr(self, name) for name in Measurements.model_fields}, **extra)
 
 
