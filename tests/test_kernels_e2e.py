@@ -153,7 +153,6 @@ def test_a_lowered_vmem_limit_applies_to_every_kernel_s_rules() -> None:
         full = candidates(problem, get_target("v5e"), kernel, include_rejected=True)
         low = candidates(problem, vmem_limited(get_target("v5e"), 2 << 20), kernel,
                          include_rejected=True)
-        assert [c.config for c in full] == [c.config for c in low]
         assert 0 < sum(c.predicted_fit for c in low) < sum(c.predicted_fit for c in full)
 
 
