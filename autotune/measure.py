@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from autotune.failures import Status, classify_compile_error, first_line
-from autotune.search import Measurement
+from autotune.trials import Measurement
 from kernel.aot import input_specs
 from kernel.problem import Problem
 from kernel.registry import FLASH, TunableKernel

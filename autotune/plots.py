@@ -1,8 +1,8 @@
 """What a tuning run found, as data and as plots, for ``autotune report`` and the service's
 pages alike (so this module never imports jax).
 
-``read_storage`` opens the Optuna studies that ``autotune tune`` keeps next to the results,
-``StudyData.load`` reads one of them, the ``*_figure`` functions draw it with matplotlib's
+``StudyData.load`` reads one of the Optuna studies that ``autotune tune`` keeps next to the
+results (opened with ``storage.studies.get_storage``), the ``*_figure`` functions draw it with matplotlib's
 object API (no pyplot state, so server threads may draw at once, always with the Agg canvas)
 and ``images`` renders all four as PNG data URIs. ``template_env`` is the Jinja2 environment
 of the HTML templates in ``api/templates`` that both show them in.
@@ -24,11 +24,10 @@ import numpy as np
 import optuna
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from optuna.storages import BaseStorage, RDBStorage
-from sqlalchemy import Engine, inspect
+from optuna.storages import BaseStorage
 
 from autotune.failures import first_line
-from autotune.search import OK, is_measurement, trial_status
+from storage.studies import OK, is_measurement, trial_status
 from kernel.problem import Problem, ProblemError
 from storage import Entry
 
@@ -40,16 +39,6 @@ FAILURE_LETTERS = {"compile_error": "C", "vmem_oom": "V", "runtime_error": "R",
 _ABBREVIATIONS = {"block_q": "q", "block_kv": "kv", "block_kv_compute": "kvc",
                   "pipeline_depth": "depth"}
 _DPI = 100
-
-
-def read_storage(url: str, engine: Engine) -> BaseStorage | None:
-    """Optuna's storage on ``url`` for reading, or None when no study was ever stored there
-    (then nothing is created: opening an Optuna storage normally creates its tables).
-    ``engine`` is any engine on the same database (the store's), used to look."""
-    if not inspect(engine).has_table("studies"):
-        return None
-    kwargs = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {}
-    return RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=True)
 
 
 def failure_letter(status: str) -> str:

@@ -14,8 +14,9 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from autotune.plots import ProblemView, problem_view, read_storage, template_env
+from autotune.plots import ProblemView, problem_view, template_env
 from storage import Store
+from storage.studies import get_storage
 
 
 class ReportError(ValueError):
@@ -34,7 +35,7 @@ def collect(store: Store, filters: Mapping[str, Any]) -> dict[str, list[ProblemV
         wanted = ", ".join(f"{k}={v!r}" for k, v in filters.items())
         raise ReportError(f"no tuned configs match {wanted}; the database has configs for "
                           f"device kind(s) {', '.join(map(repr, kinds))}")
-    storage = read_storage(store.url, store.engine)
+    storage = get_storage(store.url, create=False)
     devices: dict[str, list[ProblemView]] = {}
     for index, entry in enumerate(sorted(entries, key=lambda e: (
             e.result.device_kind, e.result.problem.label()))):

@@ -25,6 +25,7 @@ from api.schemas import Dtype, ProblemFields, Text, Version
 from kernel.problem import DTYPES
 from storage import ConfigKey, Store
 from storage.models import TunedConfigRow
+from storage.studies import get_storage
 
 router = APIRouter(include_in_schema=False)
 
@@ -140,13 +141,13 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
                       f"Nothing is stored for {key.kernel} {key.kernel_version} on "
                       f"{key.device_kind!r} ({key.platform}) for {problem.label()}.")
 
-    from autotune.plots import images, problem_view, read_storage
+    from autotune.plots import images, problem_view
 
     state = request.app.state
     cache: PlotCache = getattr(state, "plot_cache", None) or PlotCache(PLOT_CACHE_SIZE)
     state.plot_cache = cache
     # Kept once Optuna's tables exist (a tuner may create them after the server started).
-    storage = getattr(state, "optuna_storage", None) or read_storage(store.url, store.engine)
+    storage = getattr(state, "optuna_storage", None) or get_storage(store.url, create=False)
     state.optuna_storage = storage
     version = store.data_version()
 
