@@ -21,7 +21,7 @@ from kernel.problem import ProblemError
 from kernel.table import TableError
 from storage import StorageError, Store
 
-log = logging.getLogger("api")
+log = logging.getLogger(__package__)
 
 
 def _error(status_code: int, detail: str) -> JSONResponse:

@@ -22,11 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from autotune.failures import Status, classify_compile_error, first_line
+from autotune.failures import Status, classify_compile_error
 from autotune.trials import Measurement
 from kernel.aot import input_specs
 from kernel.problem import Problem
 from kernel.registry import FLASH, TunableKernel
+from present.text import first_line
 
 # Largest error allowed, relative to the reference's largest magnitude (per output).
 TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}

@@ -23,11 +23,12 @@ from multiprocessing.connection import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.failures import Status, classify_compile_error, first_line
+from autotune.failures import Status, classify_compile_error
 from kernel.config import BACKWARD_FIELDS
 from kernel.problem import Problem
 from kernel.registry import FLASH, TunableKernel, get_kernel
 from kernel.space import Target, default_config, search_space, space_params, vmem_violations
+from present.text import first_line
 
 START_TIMEOUT_S = 180.0  # a compiler process that is not ready by then will not be
 

@@ -1,7 +1,7 @@
 """``autotune report``: one self-contained HTML file of what tuning found.
 
 An index of the stored winners per device kind (speedup over the default, trials, failures,
-method, versions), then per problem the four plots of ``autotune.plots`` (landscape,
+method, versions), then per problem the four plots of ``present.plots`` (landscape,
 convergence, confirmation, failures) embedded as PNG data URIs, so the file opens offline.
 Rendered with the same templates as the service's detail page.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from autotune.plots import ProblemView, problem_view, template_env
+from present.views import ProblemView, problem_view, template_env
 from storage import Store
 from storage.studies import get_storage
 

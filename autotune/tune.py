@@ -229,6 +229,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     study.set_user_attr("confirmation", list(confirmation.values()))
     study.set_user_attr("problem", problem.to_dict())
     study.set_user_attr("device_kind", device.device_kind)
+    study.set_user_attr("kernel", kernel.name)
     return TuneSummary(
         problem=problem, kernel=kernel.name, device_kind=device.device_kind,
         method=measurer.method, study=name,

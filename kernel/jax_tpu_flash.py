@@ -161,6 +161,7 @@ class JaxTpuFlashKernel(TunableKernel):
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[JaxTpuFlashConfig]] = JaxTpuFlashConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_k_major", "block_b")
 
     def problem_violations(self, problem: Problem) -> list[Violation]:
         # With kv_len a multiple of 128, block_tiling (a multiple of 128 or the whole axis)

@@ -111,6 +111,7 @@ class PallasGpuKernel(TunableKernel):
     targets: ClassVar[tuple[str, ...]] = (GPU_TARGET.name, "cpu")
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     config_type: ClassVar[type[PallasGpuConfig]] = PallasGpuConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_k", "num_stages")
 
     def problem_violations(self, problem: Problem) -> list[Violation]:
         out = []

@@ -90,6 +90,8 @@ class TunableKernel(ABC):
     targets: ClassVar[tuple[str, ...]]  # what it can be tuned / prechecked for
     platforms: ClassVar[tuple[str, ...]]  # JAX platforms where it runs for real
     config_type: ClassVar[type[IntConfig]]
+    # The report's landscape plot: (x field, y field, panel field: one panel per value).
+    landscape_axes: ClassVar[tuple[str, str, str]]
 
     @abstractmethod
     def space_params(self, problem: Problem) -> Params:
@@ -198,6 +200,7 @@ class FlashKernel(TunableKernel):
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[FlashConfig]] = FlashConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv", "pipeline_depth")
 
     def space_params(self, problem: Problem) -> Params:
         return space.space_params(problem, self.depths)

@@ -24,17 +24,16 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from autotune.plots import (
-    FAILURE_LETTERS,
-    StudyData,
+from conftest import free_port, run_cli, wait_until_answering
+from kernel.config import FlashConfig
+from kernel.problem import Problem
+from present.plots import (
     confirmation_figure,
     convergence_figure,
     failures_figure,
     landscape_figure,
 )
-from conftest import free_port, run_cli, wait_until_answering
-from kernel.config import FlashConfig
-from kernel.problem import Problem
+from present.studies import FAILURE_LETTERS, StudyData
 from storage import Store, TunedResult, upgrade
 from storage.studies import get_storage
 
