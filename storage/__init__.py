@@ -5,6 +5,7 @@ Never imports jax (only the pure-Python parts of ``kernel``), so the service sta
 
 from storage.engine import DatabaseUrlError, make_engine, normalize_url
 from storage.results import (
+    MAX_STORED_INT,
     METHODS,
     ConfigKey,
     Entry,
@@ -20,8 +21,8 @@ from storage.settings import DEFAULT_DB_URL, StorageSettings
 from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
 
 __all__ = [
-    "DEFAULT_DB_URL", "FILTER_FIELDS", "METHODS", "ConfigKey", "DatabaseUrlError", "Entry",
-    "HistoryEntry", "LookupRequest", "PublishOutcome", "ResultError", "SchemaError",
-    "StorageError", "StorageSettings", "Store", "TunedResult", "make_engine", "normalize_url",
-    "registered_kernel", "schema_is_current", "schema_problem", "upgrade",
+    "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS", "ConfigKey",
+    "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome", "ResultError",
+    "SchemaError", "StorageError", "StorageSettings", "Store", "TunedResult", "make_engine",
+    "normalize_url", "registered_kernel", "schema_is_current", "schema_problem", "upgrade",
 ]

@@ -6,6 +6,7 @@ bad input (4xx naming the field), readiness, metrics, 50 concurrent readers with
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import uuid
@@ -263,6 +264,57 @@ def test_bad_publish_is_a_422_naming_the_field(server: Server, mutate, field: st
     response = httpx.put(f"{server.url}/v1/configs", json=payload, headers=server.auth)
     assert response.status_code == 422
     assert field in response.text
+
+
+def _table(device_kind: str, *entries: dict[str, Any]) -> dict[str, Any]:
+    return {"schema_version": 1, "kernel": "flash", "kernel_version": "1",
+            "device_kind": device_kind, "entries": list(entries)}
+
+
+TABLE_ENTRY = {"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
+               "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}
+
+
+@pytest.mark.parametrize("method, path, raw, field", [
+    ("PUT", "/v1/configs", json.dumps(body("K")).replace('"median_ms": 1.0', '"median_ms": NaN'),
+     "body.median_ms: NaN"),
+    ("PUT", "/v1/configs", json.dumps(body("K")).replace('"K"', '"TPU \\ud800"'),
+     "body.key.device_kind"),
+    ("POST", "/v1/tables", json.dumps(_table("K", TABLE_ENTRY)).replace(
+        '"time_ms": 1.0', '"time_ms": Infinity'), "body.entries[0].time_ms: Infinity"),
+    ("POST", "/v1/tables", json.dumps(_table("K", TABLE_ENTRY)).replace('"K"', '"\\udc00"'),
+     "body.device_kind"),
+    ("POST", "/v1/configs/lookup:batch", json.dumps({"keys": [lookup_params("K")]}).replace(
+        '"q_len": 1024', '"q_len": -Infinity'), "body.keys[0].q_len: -Infinity"),
+    ("POST", "/v1/configs/lookup:batch", '{"keys": [{"\\ud800": 1}]}', "body.keys[0]: the key"),
+], ids=["publish-nan", "publish-surrogate", "import-infinity", "import-surrogate",
+        "batch-infinity", "batch-surrogate-key"])
+def test_non_finite_numbers_and_lone_surrogates_are_422s_naming_the_field(
+        server: Server, method: str, path: str, raw: str, field: str) -> None:
+    """Python's json reads NaN, Infinity and lone surrogates; neither validation errors nor
+    the database can encode them, so they are refused first (they were 500s)."""
+    response = httpx.request(method, f"{server.url}{path}", content=raw.encode(),
+                             headers={**server.auth, "Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert field in response.json()["detail"]
+    assert httpx.get(f"{server.url}/v1/configs", params={"device_kind": "K"}).json()[
+        "total"] == 0
+
+
+def test_integers_beyond_what_a_database_column_holds_are_422s(server: Server) -> None:
+    """2**31 fits SQLite's INTEGER but not PostgreSQL's: every stored integer is bounded by
+    both (a 503 on PostgreSQL and a 500 on SQLite before)."""
+    kind = device()
+    for trials in (2**31, 2**64):
+        response = httpx.put(f"{server.url}/v1/configs", json={**body(kind), "trials": trials},
+                             headers=server.auth)
+        assert response.status_code == 422 and "trials" in response.text
+        entry = {**TABLE_ENTRY, "provenance": {"trials": trials}}
+        response = httpx.post(f"{server.url}/v1/tables", json=_table(kind, entry),
+                              headers=server.auth)
+        assert response.status_code == 422
+        assert "entry 0" in response.json()["detail"] and "trials" in response.text
+    assert publish(server, {**body(kind), "trials": 2**31 - 1})["status"] == "inserted"
 
 
 def test_malformed_json_is_a_4xx(server: Server) -> None:

@@ -169,9 +169,12 @@ def test_import_is_all_or_nothing(store: Store) -> None:
 
 @pytest.mark.parametrize("field, value", [
     ("device_kind", "TPU " + "v" * 200), ("device_kind", "TPU\x00v5"),
-    ("study", "s" * 300), ("platform", 5)])
-def test_text_that_a_column_cannot_hold_is_refused(store: Store, field: str,
-                                                   value: object) -> None:
+    ("device_kind", "TPU \ud800"), ("study", "s" * 300), ("platform", 5),
+    ("trials", 2**31), ("trials", 2**64)])
+def test_values_that_a_column_cannot_hold_are_refused(store: Store, field: str,
+                                                     value: object) -> None:
+    """Text too long or not encodable, integers beyond a 32-bit column: a ResultError naming
+    the field, before the database sees it (SQLite and PostgreSQL alike)."""
     with pytest.raises(ResultError, match=field):
         result(**{field: value})
     provenance = {field: value} if field != "device_kind" else {}
