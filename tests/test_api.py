@@ -346,6 +346,22 @@ def test_metrics_count_lookups_by_match_kind(server: Server) -> None:
     assert "autotune_http_request_duration_seconds_bucket" in text_metrics
 
 
+def test_metrics_labels_stay_bounded_under_random_methods_and_paths(server: Server) -> None:
+    """Unknown methods and unmatched paths fold into one label value each (random method
+    names grew /metrics without bound)."""
+    with server.client() as client:
+        for i in range(20):
+            client.request(f"X{uuid.uuid4().hex[:8].upper()}", f"/nowhere/{i}")
+            client.request(f"Y{uuid.uuid4().hex[:8].upper()}", "/healthz")
+        exposed = client.get("/metrics").text
+    labels = re.findall(r'^autotune_http_requests_total\{method="([^"]*)",route="([^"]*)"',
+                        exposed, re.M)
+    assert {method for method, _ in labels} <= {"GET", "HEAD", "POST", "PUT", "PATCH",
+                                                "DELETE", "OPTIONS", "other"}
+    assert ("other", "unmatched") in labels
+    assert not any(route.startswith("/nowhere") for _, route in labels)
+
+
 def test_health_docs_and_openapi(server: Server) -> None:
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready"}
