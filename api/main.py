@@ -19,7 +19,7 @@ from api.settings import ApiSettings
 from kernel.config import ConfigError
 from kernel.problem import ProblemError
 from kernel.table import TableError
-from storage import StorageError, Store
+from storage import ReadOnlyDatabaseError, StorageError, Store
 
 log = logging.getLogger("api")
 
@@ -57,6 +57,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def _invalid(_request: Request, error: ValueError) -> JSONResponse:
         # The kernel's and storage's own validation: the message names the field or rule.
         return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
+
+    @app.exception_handler(ReadOnlyDatabaseError)
+    async def _read_only(_request: Request, error: ReadOnlyDatabaseError) -> JSONResponse:
+        return _error(status.HTTP_503_SERVICE_UNAVAILABLE, str(error))
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, error: SQLAlchemyError) -> JSONResponse:

@@ -241,12 +241,20 @@ def test_migrations_share_the_database_with_optuna(empty_db_url: str) -> None:
     assert len(reloaded.trials) == 2
 
 
-def test_outdated_schema_is_reported(db_url: str) -> None:
+def test_a_database_at_another_revision_is_reported(db_url: str) -> None:
+    """No revision recorded: run `autotune db upgrade`; a revision this version does not know:
+    a newer version wrote it (upgrading the schema cannot help)."""
     with Store(db_url) as store:
         with store.engine.begin() as connection:
-            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
-        assert "has schema revision 0000" in store.schema_problem()
+            connection.execute(text(f"DELETE FROM {VERSION_TABLE}"))
+        assert "has no autotune schema" in store.schema_problem()
         assert "autotune db upgrade" in store.schema_problem()
+        with store.engine.begin() as connection:
+            connection.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES ('f00d0099')"))
+        assert "newer version of flash-autotune (schema revision f00d0099" in \
+            store.schema_problem()
+        with pytest.raises(SchemaError, match="newer version"):
+            upgrade(store.engine)
 
 
 def test_unreachable_database_is_reported() -> None:
