@@ -11,8 +11,7 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from kernel import KERNEL_NAME
-from kernel.problem import Problem, ProblemError
+from kernel import DEFAULT_KERNEL, Problem, ProblemError
 from present.text import first_line
 from storage.studies import OK, is_measurement, trial_status
 
@@ -115,7 +114,7 @@ class StudyData:
             is_default=bool(c["is_default"]), is_winner=bool(c["is_winner"]))
             for c in attrs.get("confirmation", []))
         return cls(name=study.study_name,
-                   kernel=kernel or attrs.get("kernel", KERNEL_NAME), problem=problem,
+                   kernel=kernel or attrs.get("kernel", DEFAULT_KERNEL), problem=problem,
                    device_kind=attrs.get("device_kind"), space=space, points=points,
                    confirmation=confirmation)
 
