@@ -3,6 +3,7 @@
 Never imports jax (only the pure-Python parts of ``kernel``), so the service stays light.
 """
 
+from storage.choices import StoredChoice
 from storage.engine import DatabaseUrlError, ReadOnlyDatabaseError, make_engine, normalize_url
 from storage.results import (
     MAX_STORED_INT,
@@ -17,12 +18,18 @@ from storage.results import (
 )
 from storage.schema import schema_is_current, schema_problem, upgrade
 from storage.settings import DEFAULT_DB_URL, StorageSettings
-from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
+from storage.store import (
+    CHOICE_FILTER_FIELDS,
+    FILTER_FIELDS,
+    HistoryEntry,
+    LookupRequest,
+    Store,
+)
 
 __all__ = [
-    "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS", "ConfigKey",
-    "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome",
+    "CHOICE_FILTER_FIELDS", "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS",
+    "ConfigKey", "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome",
     "ReadOnlyDatabaseError", "ResultError", "SchemaError", "StorageError", "StorageSettings",
-    "Store", "TunedResult", "make_engine", "normalize_url",
+    "Store", "StoredChoice", "TunedResult", "make_engine", "normalize_url",
     "schema_is_current", "schema_problem", "upgrade",
 ]
