@@ -49,13 +49,21 @@ class ProblemFields(_Strict):
         return Problem.from_dict({n: v for n in names if (v := getattr(self, n)) is not None})
 
 
-class LookupKey(ProblemFields):
+class ChoiceKey(ProblemFields):
+    """A kernel choice to look up: the device kind and the problem."""
+
+    device_kind: Text
+
+    def to_choice_request(self) -> tuple[str, Problem]:
+        return self.device_kind, self.to_problem()
+
+
+class LookupKey(ChoiceKey):
     """What to look up. ``kernel_version`` defaults to the server's installed kernel;
     ``platform`` to any platform of the device kind."""
 
     kernel: Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)] = DEFAULT_KERNEL
     kernel_version: Version | None = None
-    device_kind: Text
     platform: Annotated[str | None, Field(min_length=1, max_length=32,
                                           pattern=TEXT_PATTERN)] = None
 
@@ -65,11 +73,7 @@ class LookupKey(ProblemFields):
                              platform=self.platform)
 
 
-class KeyOut(BaseModel):
-    kernel: str
-    kernel_version: str
-    device_kind: str
-    platform: str
+class ProblemOut(BaseModel):
     batch: int
     q_heads: int
     kv_heads: int
@@ -79,6 +83,13 @@ class KeyOut(BaseModel):
     dtype: str
     causal: bool
     mode: str
+
+
+class KeyOut(ProblemOut):
+    kernel: str
+    kernel_version: str
+    device_kind: str
+    platform: str
 
 
 # A config of the key's kernel: its fields are that kernel's (``TunableKernel.config_type``),
@@ -183,6 +194,64 @@ class ImportResponse(BaseModel):
     inserted: int
     replaced: int
     kept: int
+    choices: int = Field(description="Kernel choices stored (each replaces the key's).")
+
+
+class KernelTimingOut(BaseModel):
+    """A candidate's confirmed median and spread (IQR), or the failure class that kept it
+    out of the choice."""
+
+    median_ms: float | None = None
+    iqr_ms: float | None = None
+    failure: str | None = None
+
+
+class _ChoiceFields(BaseModel):
+    kernel: str = Field(description="The chosen kernel.")
+    config: dict[str, int] = Field(description="Its config for this problem.")
+    times_ms: dict[str, float | None] = Field(
+        description="Every candidate's confirmed median (null: it failed, see candidates).")
+    candidates: dict[str, KernelTimingOut]
+    problem: ProblemOut = Field(description="The problem the choice was measured on.")
+    provenance: dict[str, str | None] = Field(
+        description="Platform, chosen kernel's version, method and jax/jaxlib/libtpu versions.")
+
+
+class ChoiceResponse(_ChoiceFields):
+    match: Literal["exact", "nearest"]
+
+
+class ChoiceOut(_ChoiceFields):
+    device_kind: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class BatchChoiceRequest(_Strict):
+    keys: Annotated[list[ChoiceKey], Field(min_length=1, max_length=MAX_BATCH_KEYS)]
+
+
+class BatchChoiceItem(BaseModel):
+    found: bool
+    kernel: str | None = None
+    config: dict[str, int] | None = None
+    match: Literal["exact", "nearest"] | None = None
+    times_ms: dict[str, float | None] | None = None
+    candidates: dict[str, KernelTimingOut] | None = None
+    problem: ProblemOut | None = None
+    provenance: dict[str, str | None] | None = None
+    detail: str | None = None
+
+
+class BatchChoiceResponse(BaseModel):
+    results: list[BatchChoiceItem]
+
+
+class ChoicePage(BaseModel):
+    items: list[ChoiceOut]
+    total: int
+    offset: int
+    limit: int
 
 
 class ErrorResponse(BaseModel):

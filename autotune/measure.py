@@ -13,11 +13,11 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ from present.text import first_line
 TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}
 
 Config = Any  # the measured kernel's config type (``TunableKernel.config_type``)
+K = TypeVar("K", bound=Hashable)
 BuildFn = Callable[[Problem, Config], Callable[..., Any]]
 
 
@@ -189,26 +190,43 @@ class Measurer:
                 break
         return Timing(tuple(samples))
 
+    def checked(self, config: Config) -> tuple[Any, Measurement | None]:
+        """``config`` compiled and run once against the reference: ``(executable, None)``,
+        or ``(None, its failure)``."""
+        try:
+            executable, compile_s = self._compile(config)
+        except Exception as error:  # noqa: BLE001 - any compiler failure is a result
+            return None, Measurement.failure(classify_compile_error(str(error)),
+                                             error=first_line(str(error)))
+        failure, _ = self._check(executable, compile_s)
+        return (None, failure) if failure else (executable, None)
+
+    def timer(self, executable: Any, runs_per_round: int = 3) -> Callable[[], Timing]:
+        """One round of :func:`interleaved` for ``executable``: ``runs_per_round`` runs."""
+        return lambda: self.time(executable, runs=runs_per_round)
+
     def confirm(self, configs: Sequence[Config], rounds: int = 5,
                 runs_per_round: int = 3) -> dict[Config, Timing]:
-        """Re-measures ``configs`` interleaved (A B C A B C ...), so drift and noise hit all
-        alike; each round contributes the median of ``runs_per_round`` runs per config.
-        Configs that fail to compile, run or pass the correctness gate here are left out (the
-        default is confirmed even when the search never measured it)."""
-        compiled = {}
+        """Re-measures ``configs`` :func:`interleaved`. Configs that fail to compile, run or
+        pass the correctness gate here are left out (the default is confirmed even when the
+        search never measured it)."""
+        timers = {}
         for config in dict.fromkeys(configs):
-            try:
-                executable, compile_s = self._compile(config)
-            except Exception:  # noqa: BLE001 - any compiler failure leaves the config out
-                continue
-            if self._check(executable, compile_s)[0] is None:
-                compiled[config] = executable
-        samples: dict[Config, list[float]] = {config: [] for config in compiled}
-        for _ in range(rounds):
-            for config, executable in compiled.items():
-                samples[config].append(self.time(executable, runs=runs_per_round).median_ms)
-        return {config: Timing(tuple(values)) for config, values in samples.items()}
+            executable, _ = self.checked(config)
+            if executable is not None:
+                timers[config] = self.timer(executable, runs_per_round)
+        return interleaved(timers, rounds)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._compiles.clear()
+
+
+def interleaved(timers: Mapping[K, Callable[[], Timing]], rounds: int) -> dict[K, Timing]:
+    """Runs every timer once per round, interleaved (A B C A B C ...), so drift and noise hit
+    all alike; each round contributes the median of that timer's runs."""
+    samples: dict[K, list[float]] = {key: [] for key in timers}
+    for _ in range(rounds):
+        for key, timer in timers.items():
+            samples[key].append(timer().median_ms)
+    return {key: Timing(tuple(values)) for key, values in samples.items()}

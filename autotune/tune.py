@@ -156,7 +156,12 @@ def choose_winner(timings: dict[Config, Timing], default: Config) -> Config:
 
 
 class NothingToPublish(RuntimeError):
-    """No config of the problem worked on this device, not even the default."""
+    """No config of the problem worked on this device, not even the default. ``failures``:
+    how many configs ended in each failure class."""
+
+    def __init__(self, message: str, failures: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
 
 
 class TuneObserver(Protocol):
@@ -177,10 +182,61 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     device = jax.devices()[0]
     target = device_target(device.platform, device.device_kind)
     tunable(kernel, problem, target)
-    space, base = kernel_space(kernel, problem, target)
+    base = kernel.default_config(problem, target)
     name = options.study or study_name(problem, device.device_kind, kernel.name)
-    storage = get_storage(db_url)
     measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
+    study: optuna.Study | None = None
+    measured, stop_reason, top = 0, "one config: nothing to search", []
+    try:
+        if kernel.space_params(problem):  # else the default is confirmed alone
+            study, measured, stop_reason, top = _search(
+                kernel, problem, target, store, db_url, name, options, measurer, observer)
+        if observer:
+            observer.on_phase("confirming")
+        timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+    finally:
+        measurer.close()
+    failures = _failures(study) if study else {}
+    if not timings:
+        raise NothingToPublish(f"no config of {problem.label()} compiled, ran and passed the "
+                               f"correctness check on {device.device_kind} (the default and "
+                               f"the best {options.confirm_top} measured); nothing published",
+                               failures)
+    winner = choose_winner(timings, base)
+    winner_ms = timings[winner].median_ms
+    default_ms = timings[base].median_ms if base in timings else None
+    speedup = default_ms / winner_ms if default_ms is not None else None
+    outcome = store.publish(TunedResult(
+        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
+        problem=problem, config=winner, median_ms=winner_ms,
+        iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
+        speedup=speedup, trials=measured, method=measurer.method,
+        study=name if study else None, **versions()), force=options.force)
+    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                "is_default": c == base, "is_winner": c == winner}
+                    for c, t in timings.items()}
+    if study:
+        study.set_user_attr("confirmation", list(confirmation.values()))
+        study.set_user_attr("problem", problem.to_dict())
+        study.set_user_attr("device_kind", device.device_kind)
+        study.set_user_attr("kernel", kernel.name)
+    return TuneSummary(
+        problem=problem, kernel=kernel.name, device_kind=device.device_kind,
+        method=measurer.method, study=name if study else "",
+        best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
+        speedup=speedup, measured=measured, failures=failures,
+        winner_is_default=winner == base, publish=outcome.status,
+        stop_reason=stop_reason, confirmation=confirmation)
+
+
+def _search(kernel: TunableKernel, problem: Problem, target: Target, store: Store,
+            db_url: str | None, name: str, options: TuneOptions, measurer: Measurer,
+            observer: TuneObserver | None) -> tuple[optuna.Study, int, str, list[Config]]:
+    """The search of a kernel with tunable fields: its study, how many configs it measured,
+    why it stopped, and the best ``options.confirm_top`` configs to confirm."""
+    space, base = kernel_space(kernel, problem, target)
+    storage = get_storage(db_url)
     default_params = {name: getattr(base, name) for name in space.names}
     default_ms: list[float] = []  # the default's search-time measurement, once seen
 
@@ -190,48 +246,12 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         if observer:
             observer.on_trial(result, best, default_ms[0] if default_ms else None)
 
-    try:
-        result = search(space, measurer, storage=storage, study_name=name,
-                        sampler=options.sampler, trials=options.trials, timeout=options.timeout,
-                        patience=options.patience,
-                        seeds=warm_seeds(store, problem, device.device_kind, space, base,
-                                         kernel.name),
-                        seed=options.seed, on_trial=on_trial,
-                        prepare=measurer.prepare)
-        if observer:
-            observer.on_phase("confirming")
-        study = optuna.load_study(study_name=name, storage=storage)
-        top = _top_configs(study, base, options.confirm_top)
-        timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
-    finally:
-        measurer.close()
-    if not timings:
-        raise NothingToPublish(f"no config of {problem.label()} compiled, ran and passed the "
-                               f"correctness check on {device.device_kind} (the default and "
-                               f"the best {options.confirm_top} measured); nothing published")
-    winner = choose_winner(timings, base)
-    winner_ms = timings[winner].median_ms
-    default_ms = timings[base].median_ms if base in timings else None
-    speedup = default_ms / winner_ms if default_ms is not None else None
-    outcome = store.publish(TunedResult(
-        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
-        problem=problem, config=winner, median_ms=winner_ms,
-        iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
-        speedup=speedup, trials=result.measured, method=measurer.method,
-        study=name, **versions()), force=options.force)
-    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                "is_default": c == base, "is_winner": c == winner}
-                    for c, t in timings.items()}
-    study.set_user_attr("confirmation", list(confirmation.values()))
-    study.set_user_attr("problem", problem.to_dict())
-    study.set_user_attr("device_kind", device.device_kind)
-    study.set_user_attr("kernel", kernel.name)
-    return TuneSummary(
-        problem=problem, kernel=kernel.name, device_kind=device.device_kind,
-        method=measurer.method, study=name,
-        best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
-        speedup=speedup, measured=result.measured,
-        failures=_failures(study), winner_is_default=winner == base,
-        publish=outcome.status,
-        stop_reason=result.stop_reason, confirmation=confirmation)
+    result = search(space, measurer, storage=storage, study_name=name,
+                    sampler=options.sampler, trials=options.trials, timeout=options.timeout,
+                    patience=options.patience,
+                    seeds=warm_seeds(store, problem, measurer.device.device_kind, space, base,
+                                     kernel.name),
+                    seed=options.seed, on_trial=on_trial, prepare=measurer.prepare)
+    study = optuna.load_study(study_name=name, storage=storage)
+    return (study, result.measured, result.stop_reason,
+            _top_configs(study, base, options.confirm_top))

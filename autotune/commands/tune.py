@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autotune.commands.db import DbOption, open_store, resolve_url
-from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
+from autotune.problem_options import known_kernels, with_problem_options
 from kernel import Problem, ProblemError
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
@@ -74,7 +74,11 @@ def tune(
     = None,
     patience: Annotated[int | None, typer.Option(
         min=1, help="Stop after this many measured configs without improvement.")] = None,
-    kernel: KernelOption = DEFAULT_KERNEL,
+    kernel: Annotated[str | None, typer.Option(
+        "--kernel", help="Tune this one registered kernel only (no kernel choice).")] = None,
+    kernels: Annotated[str | None, typer.Option(
+        help="Comma-separated kernels to tune, confirm against each other and choose among "
+             "(default: every registered kernel with rules for this device).")] = None,
     sampler: Annotated[str, typer.Option(help="tpe | random | grid.")] = "tpe",
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
     db: DbOption = None,
@@ -86,19 +90,32 @@ def tune(
         "--json", help="One JSON object per trial, then one summary object per problem.")]
     = False,
 ) -> None:
-    """Tune a kernel's block sizes (and pipeline depth) on the local device, confirm the
-    winner against the default, and publish it with provenance under the kernel's name."""
+    """Tune each candidate kernel's block sizes (and pipeline depth) on the local device,
+    confirm each winner against its default and publish it under the kernel's name; then
+    confirm the kernels' winners against each other and publish the kernel choice."""
     if sampler not in SAMPLER_NAMES:
         raise typer.BadParameter(f"{sampler!r}: use one of {', '.join(SAMPLER_NAMES)}",
                                  param_hint="--sampler")
+    if kernel is not None and kernels is not None:
+        raise typer.BadParameter("give --kernel (one kernel) or --kernels (a choice), not both",
+                                 param_hint="--kernels")
+    try:
+        candidates = [kernel] if kernel else known_kernels(kernels)
+    except typer.BadParameter as error:
+        raise typer.BadParameter(error.message, param_hint="--kernel" if kernel
+                                 else "--kernels") from None
     problems = load_shapes(shapes) if shapes else [problem]
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
+                                 param_hint="--study")
+    if study and kernel is None:
+        raise typer.BadParameter("--study names one kernel's study; give --kernel NAME too",
                                  param_hint="--study")
     db_url = resolve_url(db)
     ensure_schema(db_url)
     store = open_store(db_url)
 
+    from autotune.choice import choose_kernel, local_kernels
     from autotune.progress import TuneProgress
     from autotune.tune import NothingToPublish, TuneOptions
     from autotune.tune import tune as run_tune
@@ -106,13 +123,22 @@ def tune(
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
                           seed=seed, study=study, force=force)
+    candidates = candidates or local_kernels()
     failed = 0
     try:
         for item in problems:
+            def progress_for(name: str, item: Problem = item) -> TuneProgress:
+                return TuneProgress(item, trials, json_output=json_output,
+                                    kernel=name if kernel is None else None)
+
             try:
-                with TuneProgress(item, trials, json_output=json_output) as progress:
-                    summary = run_tune(item, store, db_url, options, observer=progress,
-                                       kernel_name=kernel)
+                if kernel is not None:
+                    with progress_for(kernel) as progress:
+                        summary = run_tune(item, store, db_url, options, observer=progress,
+                                           kernel_name=kernel)
+                else:
+                    summary = choose_kernel(item, store, db_url, candidates, options,
+                                            observer_for=progress_for)
             except ConfigError as error:  # a device or problem the kernel cannot tune
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
@@ -133,6 +159,18 @@ def _report(summary: Any, json_output: bool) -> None:
         return
     from rich.console import Console
 
+    from autotune.choice import ChoiceSummary
+
+    if isinstance(summary, ChoiceSummary):
+        for tuned in summary.tuned.values():
+            _report(tuned, json_output)
+        times = ", ".join(f"{name} failed ({t.failure})" if t.failure else
+                          f"{name} {t.median_ms:.3f} ms ± {t.iqr_ms:.3f}"
+                          for name, t in summary.choice.candidates.items())
+        Console().print(f"[bold]chosen: {summary.choice.kernel}[/] for "
+                        f"{summary.problem.label()} on {summary.device_kind} "
+                        f"({summary.choice.provenance['method']}): {times}")
+        return
     verdict = ("the default stays: no candidate beat it beyond the measured noise"
                if summary.winner_is_default else "the default failed on this device"
                if summary.speedup is None else f"{summary.speedup:.2f}x over the default")
