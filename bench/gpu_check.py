@@ -26,6 +26,10 @@ On this CPU-only host the kernels run in interpret mode (a correctness run of th
 the times say nothing about a GPU)::
 
     python bench/gpu_check.py --interpret --shape 1,2,256,64 --trials 4
+
+Then it runs ``bench/choice.py`` (``--choice grid|full|none``): every candidate kernel's
+confirmed time and the chosen kernel over a grid of shapes (this part needs the project's
+dependencies too: it tunes and stores through ``autotune`` and ``storage``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=2, help="best configs re-measured")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--choice", default="grid", choices=["grid", "full", "none"],
+                        help="then bench/choice.py: its default grid, its full grid, or not")
     return parser.parse_args()
 
 
@@ -162,6 +168,10 @@ def main() -> None:
               f"{cudnn}; {out['trials']} trials in {out['search_s']} s, "
               f"failures {out['failures']}")
         print(json.dumps(out), flush=True)
+    if args.choice != "none":  # which kernel wins each shape (pallas_gpu, xla, cudnn)
+        import choice  # bench/choice.py, beside this script
+
+        choice.main(["--full"] if args.choice == "full" else [])
 
 
 if __name__ == "__main__":
