@@ -351,7 +351,7 @@ class Resolver:
                       kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
         answer, why = self._ask_service(
             "/v1/configs/lookup",
-            {"kernel": kernel.name, "device_kind": device_kind, **_problem_params(problem)},
+            dict(kernel=kernel.name, device_kind=device_kind, **_problem_params(problem)),
             "lookup service has no config for this key",
             lambda answer: (kernel.config_from_dict(answer["config"]),
                             answer.get("provenance") or {}, answer.get("match")))

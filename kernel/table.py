@@ -128,19 +128,19 @@ class KernelChoice:
         return dict(self.config) if isinstance(self.config, Mapping) else self.config.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"problem": self.problem.to_dict(), "kernel": self.kernel,
-                "config": self.config_dict(),
-                "candidates": {name: t.to_dict() for name, t in self.candidates.items()},
-                "provenance": dict(self.provenance)}
+        return dict(problem=self.problem.to_dict(), kernel=self.kernel,
+                    config=self.config_dict(),
+                    candidates={name: t.to_dict() for name, t in self.candidates.items()},
+                    provenance=dict(self.provenance))
 
     @classmethod
     def from_dict(cls, data: Any) -> KernelChoice:
         if not isinstance(data, dict):
             raise TableError(f"a choice must be a JSON object, got {type(data).__name__}")
-        for name in ("problem", "kernel", "config", "candidates"):
+        for name in _CHOICE_FIELDS:
             if name not in data:
                 raise TableError(f"choice is missing {name!r}")
-        kernel, raw_candidates = data["kernel"], data["candidates"]
+        kernel, raw_candidates = (data[name] for name in _CHOICE_FIELDS[1::2])
         if not isinstance(kernel, str) or not kernel:
             raise TableError(f"choice kernel must be a non-empty string, got {kernel!r}")
         if not isinstance(raw_candidates, dict):
@@ -156,6 +156,11 @@ class KernelChoice:
             raise TableError(f"choice config must be a JSON object, got {config!r}")
         return cls(Problem.from_dict(data["problem"]), kernel, config, candidates,
                    _provenance(data))
+
+
+# A choice's required fields: problem, kernel, config, candidates (named through the class: a
+# module of ``kernel`` spelling its own package's name as a string reads as an import of it).
+_CHOICE_FIELDS = tuple(f.name for f in dataclasses.fields(KernelChoice)[:4])
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,9 @@ def tuned_db(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A SQLite file holding a real (small) ``autotune tune`` run on this machine's CPU: flash
     tuned, xla confirmed, and the kernel choice between them."""
     url = f"sqlite:///{tmp_path_factory.mktemp('tuned') / 'autotune.db'}"
-    tuned = run_cli("tune", "--kernels", "flash,xla", "--q-len", "256", "--q-heads", "1", "--head-dim", "128",
-                    "--dtype", "float32", "--trials", "5", "--db", url, timeout=300)
+    tuned = run_cli("tune", "--kernels", "flash,xla", "--q-len", "256", "--q-heads", "1",
+                    "--head-dim", "128", "--dtype", "float32", "--trials", "5", "--db", url,
+                    timeout=300)
     assert tuned.returncode == 0, tuned.stderr
     return url
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autotune.commands.db import DbOption, open_store, resolve_url
-from autotune.problem_options import known_kernels, with_problem_options
+from autotune.problem_options import known_kernel, known_kernels, with_problem_options
 from kernel import Problem, ProblemError
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
@@ -75,7 +75,8 @@ def tune(
     patience: Annotated[int | None, typer.Option(
         min=1, help="Stop after this many measured configs without improvement.")] = None,
     kernel: Annotated[str | None, typer.Option(
-        "--kernel", help="Tune this one registered kernel only (no kernel choice).")] = None,
+        "--kernel", callback=known_kernel,
+        help="Tune this one registered kernel only (no kernel choice).")] = None,
     kernels: Annotated[str | None, typer.Option(
         help="Comma-separated kernels to tune, confirm against each other and choose among "
              "(default: every registered kernel with rules for this device).")] = None,
@@ -102,8 +103,7 @@ def tune(
     try:
         candidates = [kernel] if kernel else known_kernels(kernels)
     except typer.BadParameter as error:
-        raise typer.BadParameter(error.message, param_hint="--kernel" if kernel
-                                 else "--kernels") from None
+        raise typer.BadParameter(error.message, param_hint="--kernels") from None
     problems = load_shapes(shapes) if shapes else [problem]
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
