@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -18,6 +21,8 @@ METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
 PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
                      "study")
+# The provenance fields that record a package version, and the package of each.
+VERSION_PACKAGES = {"jax_version": "jax", "jaxlib_version": "jaxlib", "libtpu_version": "libtpu"}
 
 
 class StorageError(ValueError):
@@ -40,6 +45,20 @@ def default_platform(device_kind: str) -> str:
 def installed_kernel_version(kernel: str = KERNEL_NAME) -> str:
     """The installed version of kernel ``kernel`` (the registry is jax-free to import)."""
     return registered_kernel(kernel).version
+
+
+@functools.cache
+def installed_versions() -> dict[str, str | None]:
+    """This environment's jax, jaxlib and libtpu versions as provenance fields (None: not
+    installed), read from package metadata: jax is not imported."""
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {field: version(package) for field, package in VERSION_PACKAGES.items()}
 
 
 def registered_kernel(name: str) -> TunableKernel:
@@ -155,6 +174,17 @@ class TunedResult:
         if self.median_ms is None:
             return False
         return other.median_ms is None or self.median_ms < other.median_ms
+
+    def version_changes(self, installed: Mapping[str, str | None] | None = None
+                        ) -> dict[str, tuple[str, str]]:
+        """The packages this result was tuned under at another version than ``installed``
+        (default: this environment's): field -> (tuned, installed). Non-empty means stale:
+        still legal, maybe no longer the fastest. A version the result did not record, or a
+        package not installed here (libtpu where nothing runs on a TPU), is not compared."""
+        installed = installed_versions() if installed is None else installed
+        return {field: (tuned, now) for field in VERSION_PACKAGES
+                if (tuned := getattr(self, field)) and (now := installed.get(field))
+                and tuned != now}
 
     def measurements(self) -> dict[str, Any]:
         """Timings and provenance as plain fields (everything but key and config)."""
