@@ -16,9 +16,7 @@ from api.cache import LOOKUP_PATH, LookupCache, LookupCacheMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routers import configs, health, pages, tables
 from api.settings import ApiSettings
-from kernel.config import ConfigError
-from kernel.problem import ProblemError
-from kernel.table import TableError
+from kernel import ConfigError, ProblemError, TableError
 from storage import StorageError, Store
 
 log = logging.getLogger("api")

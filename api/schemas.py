@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
-from kernel.resolve import KERNEL_NAME
+from kernel import DEFAULT_KERNEL
 from storage import METHODS, Entry, LookupRequest, TunedResult, registered_kernel
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
@@ -51,7 +51,7 @@ class LookupKey(ProblemFields):
     """What to look up. ``kernel_version`` defaults to the server's installed kernel;
     ``platform`` to any platform of the device kind."""
 
-    kernel: Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)] = KERNEL_NAME
+    kernel: Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)] = DEFAULT_KERNEL
     kernel_version: Version | None = None
     device_kind: Text
     platform: Annotated[str | None, Field(min_length=1, max_length=32,

@@ -24,9 +24,8 @@ import numpy as np
 
 from autotune.failures import Status, classify_compile_error, first_line
 from autotune.search import Measurement
+from kernel import Problem, TunableKernel
 from kernel.aot import input_specs
-from kernel.problem import Problem
-from kernel.registry import FLASH, TunableKernel
 
 # Largest error allowed, relative to the reference's largest magnitude (per output).
 TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}
@@ -77,7 +76,7 @@ class Measurer:
 
     problem: Problem
     base: Config  # a config of ``kernel``; fields the search does not vary come from here
-    kernel: TunableKernel = FLASH
+    kernel: TunableKernel
     compile_timeout_s: float = 300.0
     min_runs: int = 5
     max_runs: int = 50

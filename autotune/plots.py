@@ -29,7 +29,7 @@ from sqlalchemy import Engine, inspect
 
 from autotune.failures import first_line
 from autotune.search import OK, is_measurement, trial_status
-from kernel.problem import Problem, ProblemError
+from kernel import Problem, ProblemError
 from storage import Entry
 
 PLOTS = ("landscape", "convergence", "confirmation", "failures")

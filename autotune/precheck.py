@@ -3,18 +3,20 @@
 Compiles run in worker processes (each with its own JAX/libtpu), so a compile that hangs is
 killed at its timeout without taking the sweep down; the worker is replaced and the sweep goes on.
 
-For ``fwd_bwd`` problems the three kernels (forward, dK/dV, dQ) compile independently, so the
-full space (the product of their tiles) is covered by compiling each kernel's own tiles with the
-others at the default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full
-config compiles exactly when each of its three parts does. The forward variants compile only the
-forward kernel (as training runs it, saving the logsumexp): the default backward kernels they
-share are compiled with every backward variant already. Another registered kernel compiles its
-whole space (its own rules, ``vmem`` included as the prediction) with
-:func:`kernel.registry.compile_for_target`.
+For ``fwd_bwd`` problems of a kernel whose gradient program is made of independently compiled
+kernels (``TunableKernel.compile_parts``: ours has forward, dK/dV and dQ), the full space (the
+product of their tiles) is covered by compiling each part's own tiles with the others at the
+default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full config compiles
+exactly when each of its parts does. The forward variants compile only the forward pass (as
+training runs it, saving the residuals): the default backward kernels they share are compiled
+with every backward variant already. Any other kernel compiles its whole space. The predicted
+fit of a config is that it breaks no rule of the kernel (its VMEM estimate included).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -24,10 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.failures import Status, classify_compile_error, first_line
-from kernel.config import BACKWARD_FIELDS
-from kernel.problem import Problem
-from kernel.registry import FLASH, TunableKernel, get_kernel
-from kernel.space import Target, default_config, search_space, space_params, vmem_violations
+from kernel import Problem, Target, TunableKernel, get_kernel
 
 START_TIMEOUT_S = 180.0  # a compiler process that is not ready by then will not be
 
@@ -91,53 +90,52 @@ class Agreement:
                 "precision": self.precision, "recall": self.recall}
 
 
-def candidates(
-    problem: Problem, target: Target, depths: tuple[int, ...], *,
-    include_rejected: bool = False, vmem_limit_bytes: int | None = None,
-    kernel: TunableKernel = FLASH,
-) -> list[Candidate]:
-    """The configs precheck compiles (see the module docstring for ``fwd_bwd``)."""
-    if kernel.name != FLASH.name:  # no split into parts: the kernel's whole space
-        out = [Candidate(c, not any(v.rule == "vmem" for v in kernel.violations(problem, c,
-                                                                               target)))
-               for c in kernel.search_space(problem, target, ignore=frozenset({"vmem"}))]
-        return out if include_rejected else [c for c in out if c.predicted_fit]
-    base = default_config(problem, target, depths=depths, vmem_limit_bytes=vmem_limit_bytes)
-    fwd_problem = Problem(**{**problem.to_dict(), "mode": "fwd"})
-    fwd_bwd = problem.mode == "fwd_bwd"
-    # config -> forward_only, in order; a backward variant (and the default) compiles whole.
-    variants = {config.replace(**{f: getattr(base, f) for f in BACKWARD_FIELDS}): fwd_bwd
-                for config in search_space(fwd_problem, target, depths=depths,
-                                           include_vmem_rejected=True)}
-    if fwd_bwd:
-        params = space_params(problem, depths)
-        for part in (("block_q_dkv", "block_kv_dkv"), ("block_q_dq", "block_kv_dq")):
-            variants.update({base.replace(**{part[0]: a, part[1]: b}): False
-                             for a in params[part[0]] for b in params[part[1]]})
-    out = [Candidate(c, not vmem_violations(problem, c, target, vmem_limit_bytes), forward_only)
-           for c, forward_only in variants.items()]
+def vmem_limited(target: Target, vmem_limit_bytes: int | None) -> Target:
+    """``target`` with another scoped VMEM limit (the rules and the compiler then both use
+    it), or itself."""
+    if vmem_limit_bytes is None:
+        return target
+    return dataclasses.replace(target, scoped_vmem_bytes=vmem_limit_bytes)
+
+
+def candidates(problem: Problem, target: Target, kernel: TunableKernel, *,
+               include_rejected: bool = False) -> list[Candidate]:
+    """The configs precheck compiles (see the module docstring for ``fwd_bwd``); ``kernel``
+    as discovered for the installed JAX."""
+    if problem.mode == "fwd" or not kernel.compile_parts:  # one program: the whole space
+        configs = {c: False for c in kernel.search_space(problem, target,
+                                                          ignore=frozenset({"vmem"}))}
+    else:
+        base = kernel.default_config(problem, target)
+        forward, *backward = kernel.compile_parts
+        at_default = {f: getattr(base, f) for part in backward for f in part}
+        fwd_problem = dataclasses.replace(problem, mode="fwd")
+        # config -> forward_only, in order; a backward variant (and the default) compiles whole.
+        configs = {c.replace(**at_default): True
+                   for c in kernel.search_space(fwd_problem, target, ignore=frozenset({"vmem"}))}
+        params = kernel.space_params(problem)
+        for part in backward:
+            for values in itertools.product(*(params[f] for f in part)):
+                configs.setdefault(base.replace(**dict(zip(part, values))), False)
+    out = [Candidate(c, not kernel.violations(problem, c, target), forward_only)
+           for c, forward_only in configs.items()]
     return out if include_rejected else [c for c in out if c.predicted_fit]
 
 
-def _worker(target_name: str, conn: Connection) -> None:
-    """Worker process: compiles the configs it is sent, one at a time."""
-    from kernel import registry
+def _worker(target_name: str, kernel_name: str, conn: Connection) -> None:
+    """Worker process: compiles the configs of one kernel it is sent, one at a time."""
     from kernel.aot import compile_for_target, topology_device
 
+    kernel = get_kernel(kernel_name).discover()
     topology_device(target_name)  # pay libtpu start-up once, before the first deadline
     conn.send(("ready", None))
     while (task := conn.recv()) is not None:
-        index, kernel_name, problem_dict, config_dict, options, forward_only = task
-        kernel = get_kernel(kernel_name)
+        index, problem_dict, config_dict, options, forward_only = task
         problem, config = Problem.from_dict(problem_dict), kernel.config_from_dict(config_dict)
         start = time.perf_counter()
         try:
-            if kernel.name == FLASH.name:
-                seconds = compile_for_target(problem, config, target_name, options,
-                                             forward_only=forward_only)
-            else:
-                seconds = registry.compile_for_target(kernel, problem, config, target_name,
-                                                      options)
+            seconds = compile_for_target(kernel, problem, config, target_name, options,
+                                         forward_only=forward_only)
             conn.send(("done", (index, Status.OK, seconds, None)))
         except Exception as error:  # any compiler failure is a result, not a crash
             message = str(error)
@@ -153,9 +151,10 @@ class _Slot:
     unable to answer.
     """
 
-    def __init__(self, ctx: Any, target_name: str) -> None:
+    def __init__(self, ctx: Any, target_name: str, kernel_name: str) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker, args=(target_name, child), daemon=True)
+        self.process = ctx.Process(target=_worker, args=(target_name, kernel_name, child),
+                                   daemon=True)
         self.process.start()
         child.close()
         self.ready = False
@@ -176,19 +175,18 @@ class _Slot:
 
 
 def precheck(
-    problem: Problem, target: Target, depths: tuple[int, ...], *,
+    problem: Problem, target: Target, kernel: TunableKernel, *,
     jobs: int = 2, timeout_s: float = 300.0, include_rejected: bool = False,
-    vmem_limit_bytes: int | None = None, compiler_options: dict[str, Any] | None = None,
-    on_result: Callable[[PrecheckResult], None] | None = None, kernel: TunableKernel = FLASH,
+    compiler_options: dict[str, Any] | None = None,
+    on_result: Callable[[PrecheckResult], None] | None = None,
 ) -> list[PrecheckResult]:
-    """Compiles every candidate of ``kernel`` for ``target`` in ``jobs`` processes, each with
-    a timeout."""
-    todo = candidates(problem, target, depths, include_rejected=include_rejected,
-                      vmem_limit_bytes=vmem_limit_bytes, kernel=kernel)
+    """Compiles every candidate of ``kernel`` (discovered) for ``target`` in ``jobs``
+    processes, each with a timeout."""
+    todo = candidates(problem, target, kernel, include_rejected=include_rejected)
     results: list[PrecheckResult | None] = [None] * len(todo)
     ctx = mp.get_context("spawn")
     next_index = 0  # the next candidate to hand to a worker
-    slots = [_Slot(ctx, target.name) for _ in range(max(1, min(jobs, len(todo))))]
+    slots = [_Slot(ctx, target.name, kernel.name) for _ in range(max(1, min(jobs, len(todo))))]
 
     def record(index: int, status: Status, seconds: float, error: str | None) -> None:
         result = PrecheckResult(todo[index].config, status, seconds, todo[index].predicted_fit,
@@ -203,7 +201,7 @@ def precheck(
             slot.index = None
             return
         slot.index, slot.started = next_index, time.monotonic()
-        slot.conn.send((next_index, kernel.name, problem.to_dict(),
+        slot.conn.send((next_index, problem.to_dict(),
                         todo[next_index].config.to_dict(),
                         compiler_options, todo[next_index].forward_only))
         next_index += 1
@@ -212,7 +210,7 @@ def precheck(
         """Retires slot ``i`` (killed or dead); a new worker takes its place while work is left."""
         slots[i].stop()
         if next_index < len(todo):
-            slots[i] = _Slot(ctx, target.name)
+            slots[i] = _Slot(ctx, target.name, kernel.name)
         else:
             slots[i].retired, slots[i].index = True, None
 

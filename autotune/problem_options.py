@@ -10,10 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kernel.config import ConfigError
-from kernel.problem import Problem, ProblemError
-from kernel.registry import get_kernel, kernel_names
-from kernel.resolve import KERNEL_NAME
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, ProblemError, get_kernel, kernel_names
 
 _PANEL = "Problem"
 _OPTIONS: list[inspect.Parameter] = [
@@ -51,7 +48,6 @@ def _known_kernel(name: str) -> str:
 KernelOption = Annotated[str, typer.Option(
     "--kernel", callback=_known_kernel,
     help=f"Registered kernel: {' | '.join(kernel_names())}.")]
-DEFAULT_KERNEL = KERNEL_NAME
 
 
 def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,7 +7,7 @@ from collections import Counter
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.search import TrialResult
-from kernel.problem import Problem
+from kernel import Problem
 
 
 class TuneProgress:

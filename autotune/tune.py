@@ -21,11 +21,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from autotune.measure import Config, Measurer, Timing
 from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
 from autotune.space import Space
-from kernel import KERNEL_NAME
-from kernel.config import ConfigError
-from kernel.problem import Problem
-from kernel.registry import TunableKernel, device_target, get_kernel
-from kernel.space import Target
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
+    get_kernel
 from kernel.table import shape_distance
 from storage import Store, TunedResult, installed_versions, make_engine
 
@@ -79,7 +76,7 @@ class TuneSummary:
                 "stop_reason": self.stop_reason}
 
 
-def study_name(problem: Problem, device_kind: str, kernel: str = KERNEL_NAME) -> str:
+def study_name(problem: Problem, device_kind: str, kernel: str = DEFAULT_KERNEL) -> str:
     return f"{kernel}/{device_kind}/{problem.label()}"
 
 
@@ -110,7 +107,7 @@ def tunable(kernel: TunableKernel, problem: Problem, target: Target) -> None:
 
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
-               base: Config, kernel: str = KERNEL_NAME) -> list[dict[str, Any]]:
+               base: Config, kernel: str = DEFAULT_KERNEL) -> list[dict[str, Any]]:
     """The default first, then winners of the nearest tuned problems on the same device."""
     family = {"kernel": kernel, "device_kind": device_kind, "dtype": problem.dtype,
               "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
@@ -185,7 +182,7 @@ class TuneObserver(Protocol):
 
 
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
-         observer: TuneObserver | None = None, kernel_name: str = KERNEL_NAME) -> TuneSummary:
+         observer: TuneObserver | None = None, kernel_name: str = DEFAULT_KERNEL) -> TuneSummary:
     """Searches, confirms and publishes the best config of kernel ``kernel_name`` for
     ``problem`` on this device. Raises ``ConfigError`` (before anything is written) for an
     unknown kernel, a device it has no target for, or a problem it cannot run."""

@@ -73,7 +73,7 @@ def cudnn_fn(problem: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from kernel.registry import measured_fn
+    from kernel.contract import measured_fn
 
     def attend(q, k, v):
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
@@ -90,7 +90,7 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
     from autotune.measure import Measurer, relative_error
     from autotune.search import search
     from autotune.space import Space
-    from kernel.registry import device_target, get_kernel
+    from kernel import device_target, get_kernel
 
     kernel = get_kernel("pallas_gpu")
     device = jax.devices()[0]
@@ -145,7 +145,7 @@ def main() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    from kernel.problem import Problem
+    from kernel import Problem
 
     if not args.interpret and jax.devices()[0].platform != "gpu":
         sys.exit(f"no GPU found (JAX sees {jax.devices()[0].device_kind}); pass --interpret "

@@ -54,8 +54,7 @@ def problems(count: int) -> list[dict[str, int]]:
 
 
 def seed_database(url: str, count: int) -> list[dict[str, int]]:
-    from kernel.config import FlashConfig
-    from kernel.problem import Problem
+    from kernel import FlashConfig, Problem
     from storage import Store, TunedResult, upgrade
 
     upgrade(url)
@@ -197,17 +196,18 @@ def compare(servers: dict[str, tuple[int, int, list[bytes]]], clients: int, seco
 
 
 def resolver_cost_us() -> float:
-    from kernel.problem import Problem
+    from kernel import DEFAULT_KERNEL, Problem, device_target
     from kernel.resolve import Resolver, ResolverSettings
 
     resolver = Resolver(ResolverSettings())
+    target = device_target("tpu", DEVICE)
     problem = Problem(batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=128)
-    resolver.resolve(problem, DEVICE)  # first call resolves (default) and caches
+    resolver.resolve(problem, DEVICE, DEFAULT_KERNEL, target)  # first call resolves (default) and caches
     calls, runs = 200_000, []
     for _ in range(5):
         began = time.perf_counter()
         for _ in range(calls):
-            resolver.resolve(problem, DEVICE)
+            resolver.resolve(problem, DEVICE, DEFAULT_KERNEL, target)
         runs.append((time.perf_counter() - began) / calls * 1e6)
     return min(runs)
 

@@ -30,9 +30,7 @@ from typing import TextIO
 
 from autotune.failures import Status
 from autotune.precheck import Agreement, PrecheckResult, precheck
-from kernel.depths import supported_pipeline_depths
-from kernel.problem import Problem
-from kernel.space import get_target
+from kernel import DEFAULT_KERNEL, Problem, get_kernel, get_target
 
 
 def problem(mode: str) -> Problem:
@@ -55,7 +53,7 @@ def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int
               f"{done} compiled", end="", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    results = precheck(prob, get_target(target), supported_pipeline_depths(), jobs=jobs,
+    results = precheck(prob, get_target(target), get_kernel(DEFAULT_KERNEL).discover(), jobs=jobs,
                        timeout_s=timeout, include_rejected=include_rejected,
                        on_result=progress)
     seconds = time.perf_counter() - start

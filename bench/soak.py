@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernel.problem import Problem
+from kernel import Problem
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # Six forward problems with 36 legal configs each (q_len = kv_len = 512 on the CPU target).
@@ -54,11 +54,11 @@ def main() -> int:
     from autotune.measure import Measurer
     from autotune.search import open_storage, search
     from autotune.tune import kernel_space
-    from kernel.registry import FLASH, device_target
+    from kernel import DEFAULT_KERNEL, device_target, get_kernel
 
     device = jax.devices()[0]
     target = device_target(device.platform, device.device_kind)
-    kernel = FLASH.discover()
+    kernel = get_kernel(DEFAULT_KERNEL).discover()
     marks: list[dict[str, float]] = []
     start = time.perf_counter()
     measured = 0

@@ -1,44 +1,28 @@
-"""A TPU-native Pallas flash-attention kernel whose tiles come from a config.
+"""Attention kernels whose tiles come from a tuned config, resolved at trace time.
 
-The config types, legality rules and table resolution are pure Python and import eagerly;
-everything that needs jax (the kernel itself) loads on first use, so the service can use the
-rules without jax.
+Layers, each importing only those above it in this list: core types (``errors``, ``problem``,
+``config``, ``targets``, ``rules``); the backend contract (``contract``); the backends
+(``backends/``); the registry (``registry``); lookup tables (``table``) and resolution
+(``resolve``); the public ``flash_attention`` (``attention``). Importing this package loads
+no jax (the backends load it when they run), so the service and storage use the rules freely.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from kernel.config import ConfigError, FlashConfig
-from kernel.problem import Problem, ProblemError
-from kernel.resolve import KERNEL_NAME, resolution_sources, use_table
-from kernel.space import TARGETS, Target, Violation, default_config, get_target, violations
-from kernel.table import LookupTable, TableEntry, TableError
-
-KERNEL_VERSION = "1"
-
-# Names loaded on first use, and the module that defines each: they need jax, or (the kernel
-# registry, pure Python) import this package's constants.
-_LAZY = {
-    "flash_attention": "kernel.flash",
-    "search_space": "kernel.depths",
-    "supported_pipeline_depths": "kernel.depths",
-    "TunableKernel": "kernel.registry",
-    "get_kernel": "kernel.registry",
-    "kernel_names": "kernel.registry",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kernel' has no attribute {name!r}")
-
+from kernel.attention import flash_attention
+from kernel.backends.flash.config import FlashConfig
+from kernel.contract import TunableKernel, reference_attention
+from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
+from kernel.problem import Problem
+from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
+from kernel.resolve import resolution_sources, use_table
+from kernel.rules import Violation
+from kernel.table import LookupTable, TableEntry
+from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
-    "KERNEL_NAME", "KERNEL_VERSION", "TARGETS", "ConfigError", "FlashConfig", "Problem",
-    "LookupTable", "ProblemError", "TableEntry", "TableError", "Target", "Violation",
-    "default_config", "get_target", "resolution_sources", "use_table", "violations",
-    *_LAZY,
+    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "ConfigError", "FlashConfig", "LookupTable",
+    "Problem", "ProblemError", "TableEntry", "TableError", "Target", "TunableKernel",
+    "Violation", "device_target", "flash_attention", "get_kernel", "get_target",
+    "kernel_names", "reference_attention", "resolution_sources", "use_table",
 ]

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kernel.errors import ProblemError
+
 DTYPES: tuple[str, ...] = ("bfloat16", "float32")
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float32": 4}
@@ -18,10 +20,11 @@ MAX_SEQ_LEN = 1 << 20
 MAX_HEADS = 1 << 12
 MAX_BATCH = 1 << 16
 MAX_HEAD_DIM = 1 << 10
-
-
-class ProblemError(ValueError):
-    """A problem description is malformed; the message names the field and the fix."""
+# The integer fields of a problem and their upper bounds (the lower bound is 1): what the
+# service's request models and the kernel wrapper both refuse.
+INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_heads": MAX_HEADS,
+                              "q_len": MAX_SEQ_LEN, "kv_len": MAX_SEQ_LEN,
+                              "head_dim": MAX_HEAD_DIM}
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,7 @@ class Problem:
     mode: Literal["fwd", "fwd_bwd"] = "fwd"
 
     def __post_init__(self) -> None:
-        limits = {
-            "batch": MAX_BATCH,
-            "q_heads": MAX_HEADS,
-            "kv_heads": MAX_HEADS,
-            "q_len": MAX_SEQ_LEN,
-            "kv_len": MAX_SEQ_LEN,
-            "head_dim": MAX_HEAD_DIM,
-        }
-        for name, limit in limits.items():
+        for name, limit in INT_LIMITS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProblemError(f"{name} must be an integer, got {value!r}")

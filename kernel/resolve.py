@@ -1,69 +1,126 @@
-"""Config resolution at trace time: explicit > pinned table > lookup service > default.
+"""Resolution at trace time: which backend runs on this platform, and with which config.
 
-Pure Python and the standard library only (urllib), so a model build that embeds a table needs
-nothing but jax. Every answer, misses included, is cached per key for the life of the process;
-the service gets a short timeout and a circuit breaker, so a slow, down or garbage-answering
-service never fails a trace, it only falls back (with one warning per key saying why).
+The whole order lives in :meth:`Resolver.resolve`: pinned table > lookup service > the
+backend's default, each candidate checked against the backend's rules for the device before it
+is used (the one legality fallback). An explicit config never reaches the resolver: the
+wrapper checks it and raises. Every answer, misses and fallbacks included, is cached per key
+for the life of the process, and the first fallback per key logs one warning saying why.
+
+Pure Python and the standard library only (http.client), so a model build that embeds a table
+needs nothing but jax. The service gets a deadline for the whole request, a reply size cap and
+a circuit breaker: a slow, down or garbage-answering service never fails a trace.
 """
 
 from __future__ import annotations
 
+import http.client
+import importlib.metadata
 import json
 import logging
 import os
+import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
-from kernel.config import ConfigError
+from kernel.contract import TunableKernel
 from kernel.problem import Problem
-from kernel.space import Target
+from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.table import LookupTable
+from kernel.targets import Target
 
 log = logging.getLogger(__name__)
 
-KERNEL_NAME = "flash"
-SOURCES = ("explicit", "table", "service", "default")
+SOURCES = ("table", "service", "default")
+MAX_REPLY_BYTES = 64 * 1024  # a lookup answer is well under 1 KiB
+VERSIONED_PACKAGES = ("jax", "jaxlib", "libtpu")
+Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
 
 
 @dataclass(frozen=True)
 class Resolution:
-    """Which config a key resolved to, from which source, and why (for fallbacks)."""
+    """The config a key resolved to, from which source, and why (for fallbacks). ``stale``
+    names the versions a table or service entry was tuned under when they differ from the
+    installed ones (it is still used: legality is checked here, speed may have moved)."""
 
-    config: Any  # the kernel's config type
+    config: Any  # the backend's config type
     source: str  # one of SOURCES
     detail: str = ""
+    stale: str = ""
+
+    def describe(self) -> str:
+        """The source, marked when stale: ``table`` or ``table (stale: jax 0.9.0 ...)``."""
+        return f"{self.source} (stale: {self.stale})" if self.stale else self.source
+
+
+def _env_number(name: str, default: float) -> float:
+    """A positive number from the environment; a bad value logs one error and keeps the
+    default, so a typo never fails a trace."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+        if value > 0 and value != float("inf"):
+            return value
+    except ValueError:
+        pass
+    log.error("flash-autotune: %s=%r is not a positive number; using %g (set it to a number "
+              "such as %g, or unset it)", name, raw, default, default)
+    return default
 
 
 @dataclass(frozen=True)
 class ResolverSettings:
-    """Read from the environment: ``AUTOTUNE_TABLE``, ``AUTOTUNE_URL``,
-    ``AUTOTUNE_TIMEOUT_MS`` (default 250), ``AUTOTUNE_BREAKER_S`` (default 30) and
-    ``AUTOTUNE_TPU_KERNEL`` (the registered kernel ``flash_attention`` runs on a TPU; default
-    ours, ``flash``)."""
+    """Read from the environment: ``AUTOTUNE_TABLE`` (paths joined by ``os.pathsep``),
+    ``AUTOTUNE_URL``, ``AUTOTUNE_TIMEOUT_MS`` (default 250: the deadline of a whole service
+    request), ``AUTOTUNE_BREAKER_S`` (default 30) and ``AUTOTUNE_TPU_KERNEL`` (the registered
+    backend ``flash_attention`` runs on a TPU; default: the first registered TPU backend)."""
 
     table_paths: tuple[str, ...] = ()
     url: str | None = None
     timeout_s: float = 0.25
     breaker_s: float = 30.0
-    tpu_kernel: str = KERNEL_NAME
+    tpu_kernel: str | None = None
 
     @classmethod
     def from_env(cls) -> ResolverSettings:
         tables = os.environ.get("AUTOTUNE_TABLE", "")
+        tpu_kernel = os.environ.get("AUTOTUNE_TPU_KERNEL") or None
+        if tpu_kernel is not None and tpu_kernel not in KERNELS:
+            log.error("flash-autotune: AUTOTUNE_TPU_KERNEL=%r is not a registered kernel (%s); "
+                      "using the default", tpu_kernel, ", ".join(KERNELS))
+            tpu_kernel = None
         return cls(
             table_paths=tuple(p for p in tables.split(os.pathsep) if p),
             url=os.environ.get("AUTOTUNE_URL") or None,
-            timeout_s=float(os.environ.get("AUTOTUNE_TIMEOUT_MS", "250")) / 1000,
-            breaker_s=float(os.environ.get("AUTOTUNE_BREAKER_S", "30")),
-            tpu_kernel=os.environ.get("AUTOTUNE_TPU_KERNEL") or KERNEL_NAME,
+            timeout_s=_env_number("AUTOTUNE_TIMEOUT_MS", 250) / 1000,
+            breaker_s=_env_number("AUTOTUNE_BREAKER_S", 30),
+            tpu_kernel=tpu_kernel,
         )
+
+
+def installed_versions() -> dict[str, str | None]:
+    """The installed versions of jax, jaxlib and libtpu (None where not installed)."""
+    out: dict[str, str | None] = {}
+    for package in VERSIONED_PACKAGES:
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def stale_versions(provenance: Mapping[str, Any], installed: Mapping[str, str | None]) -> str:
+    """Which recorded ``<package>_version`` differ from the installed ones ('' if none)."""
+    moved = [f"{package} {provenance[f'{package}_version']} (installed {installed[package]})"
+             for package in VERSIONED_PACKAGES
+             if provenance.get(f"{package}_version") not in (None, installed[package])]
+    return ", ".join(moved)
 
 
 class Resolver:
@@ -72,90 +129,160 @@ class Resolver:
     def __init__(self, settings: ResolverSettings | None = None) -> None:
         self.settings = settings or ResolverSettings.from_env()
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, str, Problem], Resolution] = {}
+        self._cache: dict[Key, Resolution] = {}
         self._tables: list[LookupTable] = []
+        self._kernels: dict[str, TunableKernel] = {}
+        self._installed = installed_versions()
         self._breaker_open_until = 0.0
         self.service_requests = 0  # HTTP requests sent, for tests and diagnostics
         for path in self.settings.table_paths:
             self.use_table(path)
 
     def use_table(self, path: str | Path) -> None:
-        """Pins a lookup table (of any registered kernel); it wins over the service for its
-        kernel and device kind. Raises TableError if malformed."""
+        """Pins a lookup table (of any registered backend); it wins over the service for its
+        kernel and device kind. Raises ``TableError`` naming the file if it is malformed."""
         table = LookupTable.load(path)
         with self._lock:
             self._tables.append(table)
             self._cache.clear()
 
-    def resolve(self, problem: Problem, device_kind: str, kernel_name: str = KERNEL_NAME,
-                target: Target | None = None) -> Resolution:
-        """The config of ``kernel_name`` for ``problem`` on ``device_kind``; ``target`` (the
-        rules' target of the device) picks the default, else it is looked up by device kind."""
+    def platform_kernel(self, platform: str) -> TunableKernel:
+        """The backend ``flash_attention`` runs on a JAX platform, with what the installed JAX
+        tells it: ``AUTOTUNE_TPU_KERNEL`` on a TPU, else the first registered backend native
+        to the platform; on a CPU (no native backend) the default one, interpreted."""
+        name = self.settings.tpu_kernel if platform == "tpu" else None
+        if name is None:
+            name = next((k.name for k in KERNELS.values() if platform in k.platforms),
+                        DEFAULT_KERNEL)
+        return self.kernel(name)
+
+    def kernel(self, name: str) -> TunableKernel:
+        """The registered backend ``name`` after ``discover`` (once per process)."""
+        if name not in self._kernels:
+            self._kernels[name] = get_kernel(name).discover()
+        return self._kernels[name]
+
+    def resolve(self, problem: Problem, device_kind: str, kernel_name: str,
+                target: Target) -> Resolution:
+        """The config of ``kernel_name`` for ``problem`` on a device of ``device_kind``, whose
+        rules are ``target``'s: the first of the pinned tables, the service and the default
+        that is legal there."""
         key = (kernel_name, device_kind, problem)
         cached = self._cache.get(key)  # dict reads are atomic: the hot path takes no lock
         if cached is not None:
             return cached
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = self._resolve_uncached(problem, device_kind, kernel_name,
-                                                          target)
+                self._cache[key] = self._resolve_uncached(problem, device_kind,
+                                                          self.kernel(kernel_name), target)
             return self._cache[key]
 
-    def sources(self) -> dict[tuple[str, str, Problem], str]:
-        """The source each key seen so far was resolved from."""
-        return {key: resolution.source for key, resolution in self._cache.items()}
+    def sources(self) -> dict[Key, str]:
+        """How each key seen so far was resolved (:meth:`Resolution.describe`)."""
+        return {key: resolution.describe() for key, resolution in self._cache.items()}
 
-    def _resolve_uncached(self, problem: Problem, device_kind: str, kernel_name: str,
-                          target: Target | None) -> Resolution:
-        from kernel.registry import device_target, get_kernel  # the registry imports us
-
-        kernel = get_kernel(kernel_name)
+    def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
+                          target: Target) -> Resolution:
         reasons = []
-        for table in self._tables:
-            if (table.kernel, table.device_kind) != (kernel_name, device_kind):
+        for source, found in (("table", self._from_tables), ("service", self._from_service)):
+            config, provenance, why = found(problem, device_kind, kernel)
+            if config is None:
+                reasons.append(why)
                 continue
-            found = table.lookup(problem)
-            if found:
-                entry, match = found
-                return Resolution(entry.config, "table", f"{match} match in pinned table")
-        if self._tables:
-            reasons.append(f"no pinned table entry for {kernel_name} on {device_kind!r}")
-        if self.settings.url:
-            config, why = self._ask_service(problem, device_kind, kernel)
-            if config is not None:
-                return Resolution(config, "service", why)
-            reasons.append(why)
-        else:
-            reasons.append("no table pinned and AUTOTUNE_URL unset")
-        target = target or device_target("", device_kind)  # a TPU generation, else cpu
+            broken = kernel.violations(problem, config, target)
+            if broken:
+                reasons.append(f"the {source}'s config {config.label()} is illegal here: "
+                               + "; ".join(map(str, broken)))
+                continue
+            return Resolution(config, source, why, stale_versions(provenance, self._installed))
         config = kernel.default_config(problem, target)
         detail = "; ".join(reasons)
         log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
-                    kernel_name, config.label(), problem.label(), device_kind, detail)
+                    kernel.name, config.label(), problem.label(), device_kind, detail)
         return Resolution(config, "default", detail)
 
-    def _ask_service(self, problem: Problem, device_kind: str, kernel: Any) -> tuple[Any, str]:
-        now = time.monotonic()
-        if now < self._breaker_open_until:
-            return None, "lookup service failed recently (circuit breaker open)"
-        query = urllib.parse.urlencode({"kernel": kernel.name, "device_kind": device_kind,
-                                        **{k: str(v).lower() if isinstance(v, bool) else v
-                                           for k, v in problem.to_dict().items()}})
-        url = f"{self.settings.url.rstrip('/')}/v1/configs/lookup?{query}"
+    def _from_tables(self, problem: Problem, device_kind: str,
+                     kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
+        if not self._tables:
+            return None, {}, "no table pinned"
+        for table in self._tables:
+            if (table.kernel, table.device_kind) == (kernel.name, device_kind):
+                found = table.lookup(problem)
+                if found:
+                    entry, match = found
+                    return entry.config, entry.provenance, f"{match} match in pinned table"
+        return None, {}, f"no pinned table entry for {kernel.name} on {device_kind!r}"
+
+    def _from_service(self, problem: Problem, device_kind: str,
+                      kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
+        if not self.settings.url:
+            return None, {}, "AUTOTUNE_URL unset"
+        if time.monotonic() < self._breaker_open_until:
+            return None, {}, "lookup service failed recently (circuit breaker open)"
+        query = urllib.parse.urlencode(dict(
+            kernel=kernel.name, device_kind=device_kind,
+            **{k: str(v).lower() if isinstance(v, bool) else v
+               for k, v in problem.to_dict().items()}))
         self.service_requests += 1
-        try:
-            with urllib.request.urlopen(url, timeout=self.settings.timeout_s) as response:
-                body = json.loads(response.read())
-            config = kernel.config_from_dict(body["config"])
-            return config, f"{body.get('match')} match from service"
-        except urllib.error.HTTPError as error:
-            if error.code == 404:
-                return None, "lookup service has no config for this key"
-            reason = f"lookup service answered HTTP {error.code}"
-        except (OSError, ValueError, KeyError, TypeError, ConfigError) as error:
-            reason = f"lookup service failed: {type(error).__name__}: {error}"
+        status, body, failure = _get(f"{self.settings.url.rstrip('/')}/v1/configs/lookup?"
+                                     f"{query}", self.settings.timeout_s)
+        if status == 404:
+            return None, {}, "lookup service has no config for this key"
+        if failure is None and status != 200:
+            failure = f"lookup service answered HTTP {status}"
+        if failure is None:
+            try:
+                answer = json.loads(body)
+                provenance = answer.get("provenance") or {}
+                return (kernel.config_from_dict(answer["config"]), provenance,
+                        f"{answer.get('match')} match from service")
+            except Exception as error:  # noqa: BLE001 - any garbage answer falls back
+                failure = f"lookup service sent a bad answer: {type(error).__name__}: {error}"
         self._breaker_open_until = time.monotonic() + self.settings.breaker_s
-        return None, reason
+        return None, {}, failure
+
+
+def _get(url: str, deadline_s: float) -> tuple[int | None, bytes, str | None]:
+    """GETs ``url`` with one deadline for the whole request (connect, headers and body) and
+    at most :data:`MAX_REPLY_BYTES` of body: ``(status, body, failure)``, ``failure`` None
+    when a reply arrived. Never raises: whatever goes wrong is the failure's text."""
+    parts = urllib.parse.urlsplit(url)
+    connection_type = (http.client.HTTPSConnection if parts.scheme == "https"
+                       else http.client.HTTPConnection)
+    result: dict[str, Any] = {}
+    try:
+        connection = connection_type(parts.hostname or "", parts.port, timeout=deadline_s)
+    except Exception as error:  # noqa: BLE001 - e.g. a port out of range in AUTOTUNE_URL
+        return None, b"", f"lookup service URL is unusable: {error}"
+
+    def request() -> None:
+        try:
+            connection.request("GET", f"{parts.path}?{parts.query}")
+            response = connection.getresponse()
+            body = response.read(MAX_REPLY_BYTES + 1)
+            if len(body) > MAX_REPLY_BYTES:
+                raise ValueError(f"reply larger than {MAX_REPLY_BYTES} bytes")
+            result["reply"] = (response.status, body)
+        except BaseException as error:  # noqa: BLE001 - reported, never raised
+            result["error"] = error
+
+    worker = threading.Thread(target=request, name="autotune-lookup", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():  # past the deadline: cut the socket so the worker ends too
+        if connection.sock is not None:
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        connection.close()
+        return None, b"", f"lookup service did not answer within {deadline_s * 1000:.0f} ms"
+    connection.close()
+    if "error" in result:
+        error = result["error"]
+        return None, b"", f"lookup service failed: {type(error).__name__}: {error}"
+    status, body = result["reply"]
+    return status, body, None
 
 
 _default_resolver: Resolver | None = None
@@ -185,6 +312,7 @@ def use_table(path: str | Path) -> None:
     get_resolver().use_table(path)
 
 
-def resolution_sources() -> dict[tuple[str, str, Problem], str]:
-    """Which source each key traced so far in this process was resolved from."""
+def resolution_sources() -> dict[Key, str]:
+    """How each key traced so far in this process was resolved: ``table``, ``service`` or
+    ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu versions."""
     return get_resolver().sources()

@@ -6,6 +6,7 @@ nearest-match rule, as the kernel wrapper reading a pinned table.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
@@ -13,14 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernel.config import ConfigError
-from kernel.problem import Problem, ProblemError
+from kernel.errors import AutotuneError, TableError
+from kernel.problem import Problem
+from kernel.registry import get_kernel
 
 TABLE_SCHEMA_VERSION = 1
-
-
-class TableError(ValueError):
-    """A lookup table is malformed; the message names the entry and field."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +45,8 @@ class TableEntry:
         for name in ("problem", "config"):
             if name not in data:
                 raise TableError(f"entry is missing {name!r}")
-        try:
-            problem = Problem.from_dict(data["problem"])
-            config = _kernel(kernel).config_from_dict(data["config"])
-        except (ProblemError, ConfigError, TypeError) as error:
-            raise TableError(str(error)) from None
+        problem = Problem.from_dict(data["problem"])
+        config = get_kernel(kernel).config_from_dict(data["config"])
         numbers = {}
         for name in ("time_ms", "default_time_ms", "speedup"):
             value = data.get(name)
@@ -77,10 +72,10 @@ class LookupTable:
     schema_version: int = TABLE_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "kernel": self.kernel,
-                "kernel_version": self.kernel_version, "device_kind": self.device_kind,
-                "jax_version": self.jax_version,
-                "entries": [entry.to_dict() for entry in self.entries]}
+        return dict(schema_version=self.schema_version, kernel=self.kernel,
+                    kernel_version=self.kernel_version, device_kind=self.device_kind,
+                    jax_version=self.jax_version,
+                    entries=[entry.to_dict() for entry in self.entries])
 
     @classmethod
     def from_dict(cls, data: Any) -> LookupTable:
@@ -91,32 +86,40 @@ class LookupTable:
         if version != TABLE_SCHEMA_VERSION:
             raise TableError(f"unsupported schema_version {version!r}; this build reads "
                              f"version {TABLE_SCHEMA_VERSION} (re-export the table)")
-        for name in ("kernel", "kernel_version", "device_kind"):
-            if not isinstance(data.get(name), str) or not data[name]:
+        header = {name: data.get(name) for name in _HEADER_TEXT}
+        for name, value in header.items():
+            if not isinstance(value, str) or not value:
                 raise TableError(f"table field {name!r} must be a non-empty string")
-        _kernel(data["kernel"])
+        kernel = get_kernel(header[_HEADER_TEXT[0]]).name
         raw_entries = data.get("entries")
         if not isinstance(raw_entries, list):
             raise TableError("table field 'entries' must be a list")
         entries = []
         for index, raw in enumerate(raw_entries):
             try:
-                entries.append(TableEntry.from_dict(raw, data["kernel"]))
-            except TableError as error:
+                entries.append(TableEntry.from_dict(raw, kernel))
+            except (AutotuneError, TypeError) as error:
                 raise TableError(f"entry {index}: {error}") from None
-        return cls(kernel=data["kernel"], kernel_version=data["kernel_version"],
-                   device_kind=data["device_kind"], entries=tuple(entries),
-                   jax_version=data.get("jax_version"))
+        return cls(**header, entries=tuple(entries), jax_version=data.get("jax_version"))
 
     @classmethod
     def load(cls, path: str | Path) -> LookupTable:
+        """Reads and validates a table file; every failure is a ``TableError`` naming it."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
         except OSError as error:
             raise TableError(f"cannot read table {path}: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise TableError(f"table {path} is not UTF-8 text (byte {error.start}); export "
+                             "it again with `autotune export`") from None
         except json.JSONDecodeError as error:
             raise TableError(f"table {path} is not valid JSON: {error}") from None
-        return cls.from_dict(data)
+        except RecursionError:
+            raise TableError(f"table {path} is nested too deeply to be a lookup table") from None
+        try:
+            return cls.from_dict(data)
+        except AutotuneError as error:
+            raise TableError(f"table {path}: {error}") from None
 
     def lookup(self, problem: Problem) -> tuple[TableEntry, str] | None:
         """The exact entry for ``problem``, else the nearest whose config is legal for it."""
@@ -127,6 +130,10 @@ class LookupTable:
         return (entry, "nearest") if entry else None
 
 
+# The table's non-empty text fields, the kernel's name first.
+_HEADER_TEXT = tuple(f.name for f in dataclasses.fields(LookupTable)[:3])
+
+
 def shape_distance(a: Problem, b: Problem) -> float:
     """How far apart two problems are, in octaves of their sizes."""
     return (abs(math.log2(a.q_len / b.q_len)) + abs(math.log2(a.kv_len / b.kv_len))
@@ -134,23 +141,12 @@ def shape_distance(a: Problem, b: Problem) -> float:
             + 0.25 * abs(math.log2(a.group_size / b.group_size)))
 
 
-def _kernel(name: str) -> Any:
-    """The registered kernel ``name``; an unknown one is a ``TableError`` listing the known."""
-    # Imported here: kernel/__init__ imports this module before the registry can load.
-    from kernel.registry import get_kernel
-
-    try:
-        return get_kernel(name)
-    except ConfigError as error:
-        raise TableError(str(error)) from None
-
-
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
                   kernel: str) -> TableEntry | None:
     """The closest tuned problem with the same dtype, head_dim, causality and mode whose
     config (one of kernel ``kernel``'s) passes that kernel's stored-config rules for
     ``problem``; None when none does."""
-    rules = _kernel(kernel)
+    rules = get_kernel(kernel)
     candidates = [
         entry for entry in entries
         if (entry.problem.dtype, entry.problem.head_dim, entry.problem.causal,

@@ -11,11 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from kernel.config import ConfigError
-from kernel.problem import Problem
-from kernel.registry import TunableKernel, get_kernel
-from kernel.resolve import KERNEL_NAME
-from kernel.table import TableEntry
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, TableEntry, TunableKernel, get_kernel
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
@@ -42,7 +38,7 @@ def default_platform(device_kind: str) -> str:
     return "cpu" if device_kind.lower() == "cpu" else "tpu"
 
 
-def installed_kernel_version(kernel: str = KERNEL_NAME) -> str:
+def installed_kernel_version(kernel: str = DEFAULT_KERNEL) -> str:
     """The installed version of kernel ``kernel`` (the registry is jax-free to import)."""
     return registered_kernel(kernel).version
 
@@ -124,7 +120,7 @@ class TunedResult:
     jaxlib_version: str | None = None
     libtpu_version: str | None = None
     study: str | None = None
-    kernel: str = KERNEL_NAME
+    kernel: str = DEFAULT_KERNEL
     kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
 

@@ -13,9 +13,8 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernel.problem import Problem
-from kernel.resolve import KERNEL_NAME
-from kernel.table import LookupTable, nearest_entry
+from kernel import DEFAULT_KERNEL, LookupTable, Problem
+from kernel.table import nearest_entry
 from storage.engine import WRITE_OPTIONS, make_engine, normalize_url
 from storage.models import FAMILY_COLUMNS, KEY_COLUMNS, TunedConfigHistoryRow, TunedConfigRow
 from storage.results import (
@@ -60,7 +59,7 @@ class LookupRequest:
 
     device_kind: str
     problem: Problem
-    kernel: str = KERNEL_NAME
+    kernel: str = DEFAULT_KERNEL
     kernel_version: str | None = None  # None: the installed kernel's version
     platform: str | None = None
 
@@ -298,13 +297,13 @@ class Store:
             return [HistoryEntry(_result(row), row.reason, _utc(row.archived_at))
                     for row in session.scalars(query)]
 
-    def device_kinds(self, kernel: str = KERNEL_NAME) -> list[str]:
+    def device_kinds(self, kernel: str = DEFAULT_KERNEL) -> list[str]:
         query = select(TunedConfigRow.device_kind).where(TunedConfigRow.kernel == kernel) \
             .distinct().order_by(TunedConfigRow.device_kind)
         with self.engine.connect() as connection:
             return list(connection.scalars(query))
 
-    def export_table(self, device_kind: str, kernel: str = KERNEL_NAME,
+    def export_table(self, device_kind: str, kernel: str = DEFAULT_KERNEL,
                      kernel_version: str | None = None) -> LookupTable:
         """Every entry of one kernel (version) on one device kind, as a lookup table."""
         version = kernel_version or installed_kernel_version(kernel)

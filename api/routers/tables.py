@@ -10,8 +10,7 @@ from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Respons
 
 from api.deps import StoreDep, Writer
 from api.schemas import TEXT_PATTERN, ErrorResponse, ImportResponse, Text, Version
-from kernel.resolve import KERNEL_NAME
-from kernel.table import LookupTable
+from kernel import DEFAULT_KERNEL, LookupTable
 
 router = APIRouter(prefix="/v1/tables", tags=["tables"])
 
@@ -24,7 +23,7 @@ router = APIRouter(prefix="/v1/tables", tags=["tables"])
 def export_table(
     store: StoreDep,
     device_kind: Annotated[str, Path(max_length=128, pattern=TEXT_PATTERN)],
-    kernel: Annotated[Text, Query()] = KERNEL_NAME,
+    kernel: Annotated[Text, Query()] = DEFAULT_KERNEL,
     kernel_version: Annotated[Version | None, Query()] = None,
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
 ) -> Response:

@@ -12,7 +12,7 @@ import typer
 
 from autotune.commands.db import DbOption, open_store, resolve_url
 from autotune.commands.tune import ensure_schema
-from kernel.problem import Problem
+from kernel import Problem
 
 DEMO_PROBLEM = Problem(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
                        dtype="bfloat16", causal=True, mode="fwd")
@@ -98,9 +98,9 @@ def _wrapper_kernel() -> str:
     """The kernel ``kernel.flash_attention`` runs on this device."""
     import jax
 
-    from kernel.flash import wrapper_kernel
+    from kernel.resolve import get_resolver
 
-    return wrapper_kernel(jax.devices()[0].platform)
+    return get_resolver().platform_kernel(jax.devices()[0].platform).name
 
 
 def _trace_with_service(url: str) -> tuple[str, object, float]:
@@ -110,7 +110,6 @@ def _trace_with_service(url: str) -> tuple[str, object, float]:
     import jax.numpy as jnp
 
     import kernel
-    from kernel.flash import reference_attention
     from kernel.resolve import reset_resolver
 
     os.environ["AUTOTUNE_URL"] = url
@@ -122,7 +121,9 @@ def _trace_with_service(url: str) -> tuple[str, object, float]:
             for key in keys[1:])
     attend = jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v, causal=p.causal))
     out = attend(q, k, v)
-    want = reference_attention(q, k, v, causal=p.causal)
+    want = kernel.reference_attention(q, k, v, causal=p.causal)
     error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
-    resolution = resolver.resolve(p, jax.devices()[0].device_kind, _wrapper_kernel())
+    device = jax.devices()[0]
+    resolution = resolver.resolve(p, device.device_kind, _wrapper_kernel(),
+                                  kernel.device_target(device.platform, device.device_kind))
     return resolution.source, resolution.config, error

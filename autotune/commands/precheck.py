@@ -8,8 +8,7 @@ from typing import Annotated
 import typer
 
 from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
-from kernel.problem import Problem
-from kernel.space import TARGETS, get_target
+from kernel import TARGETS, Problem, get_target
 
 
 @with_problem_options
@@ -33,27 +32,20 @@ def precheck(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from autotune.precheck import Agreement, candidates, precheck as run_precheck
-    from kernel.config import ConfigError
-    from kernel.depths import supported_pipeline_depths
-    from kernel.registry import get_kernel
+    from autotune.precheck import Agreement, candidates, precheck as run_precheck, vmem_limited
+    from kernel import ConfigError, get_kernel
 
     if target not in TARGETS or TARGETS[target].topology is None:
         raise typer.BadParameter(f"{target!r} is not a TPU generation; use v4, v5e, v5p or v6e",
                                  param_hint="--target")
-    rules = get_kernel(kernel)
+    rules = get_kernel(kernel).discover()
     try:
         tpu = rules.target(get_target(target))
     except ConfigError as error:  # a GPU kernel has no TPU generation to compile for
         raise typer.BadParameter(str(error), param_hint="--kernel") from None
-    if vmem_limit_kib and rules.name != "flash":  # other kernels' rules use the chip's limit
-        raise typer.BadParameter(f"kernel {kernel!r} checks VMEM against {target}'s own limit; "
-                                 "leave --vmem-limit-kib out", param_hint="--vmem-limit-kib")
-    vmem_limit = vmem_limit_kib * 1024 if vmem_limit_kib else None
+    tpu = vmem_limited(tpu, vmem_limit_kib * 1024 if vmem_limit_kib else None)
     options = {"xla_tpu_scoped_vmem_limit_kib": vmem_limit_kib} if vmem_limit_kib else None
-    depths = supported_pipeline_depths()
-    total = len(candidates(problem, tpu, depths, include_rejected=include_rejected,
-                           vmem_limit_bytes=vmem_limit, kernel=rules))
+    total = len(candidates(problem, tpu, rules, include_rejected=include_rejected))
     console = Console(stderr=json_output)
     with Progress(TextColumn("[bold]precheck {task.description}"), BarColumn(),
                   MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
@@ -69,9 +61,9 @@ def precheck(
             if json_output:
                 print(json.dumps(result.to_dict()), flush=True)
 
-        results = run_precheck(problem, tpu, depths, jobs=jobs, timeout_s=timeout,
-                               include_rejected=include_rejected, vmem_limit_bytes=vmem_limit,
-                               compiler_options=options, on_result=on_result, kernel=rules)
+        results = run_precheck(problem, tpu, rules, jobs=jobs, timeout_s=timeout,
+                               include_rejected=include_rejected, compiler_options=options,
+                               on_result=on_result)
     agreement = Agreement.of(results)
     if json_output:
         print(json.dumps(agreement.to_dict()))

@@ -11,7 +11,7 @@ import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
 from autotune.problem_options import DEFAULT_KERNEL, KernelOption
-from kernel.table import LookupTable, TableError
+from kernel import LookupTable, TableError
 
 
 def export_table(

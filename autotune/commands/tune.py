@@ -10,7 +10,7 @@ import typer
 
 from autotune.commands.db import DbOption, open_store, resolve_url
 from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
-from kernel.problem import Problem, ProblemError
+from kernel import Problem, ProblemError
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
 
@@ -102,7 +102,7 @@ def tune(
     from autotune.progress import TuneProgress
     from autotune.tune import NothingToPublish, TuneOptions
     from autotune.tune import tune as run_tune
-    from kernel.config import ConfigError
+    from kernel import ConfigError
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
                           seed=seed, study=study, force=force)

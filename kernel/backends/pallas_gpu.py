@@ -25,18 +25,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kernel.config import IntConfig
+from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, repeat_kv_heads
 from kernel.problem import Problem
-from kernel.registry import (
-    GPU_TARGET,
-    AttentionFn,
-    IntConfig,
-    Params,
-    TunableKernel,
-    measured_fn,
-    repeat_kv_heads,
-    sm_scale,
-)
-from kernel.space import Target, Violation
+from kernel.rules import Violation
+from kernel.targets import GPU_TARGET, Target
 
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
 MAX_FWD_BLOCK = 256  # searched forward tiles: a (256, head_dim) f32 accumulator fills registers
@@ -107,10 +100,10 @@ class PallasGpuKernel(TunableKernel):
     description: ClassVar[str] = ("JAX's Pallas Triton attention for GPUs "
                                   "(jax.experimental.pallas.ops.gpu.attention.mha); "
                                   "GQA by repeating K/V heads")
-    layout: ClassVar[str] = "[batch, seq, heads, head_dim]"
     targets: ClassVar[tuple[str, ...]] = (GPU_TARGET.name, "cpu")
     platforms: ClassVar[tuple[str, ...]] = ("gpu",)
     config_type: ClassVar[type[PallasGpuConfig]] = PallasGpuConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_k", "num_stages")
 
     def problem_violations(self, problem: Problem) -> list[Violation]:
         out = []
@@ -180,19 +173,16 @@ class PallasGpuKernel(TunableKernel):
             block_q_dq=block_q_dq, block_kv_dq=pick(kv_len, 32),
             num_warps=4 if problem.head_dim <= 64 else 8, num_stages=2)
 
-    def build(self, problem: Problem, config: PallasGpuConfig) -> AttentionFn:
-        self.check(problem, config)
-        return measured_fn(problem, self.attention(problem, config, sm_scale(problem)))
-
-    def attention(self, problem: Problem, config: PallasGpuConfig,
-                  scale: float) -> AttentionFn:
-        """The forward function in our layout ``[batch, heads, seq, head_dim]`` (upstream's
-        own custom VJP differentiates it with the config's backward blocks): Triton on
-        CUDA/ROCm, interpret mode elsewhere."""
+    def attention(self, problem: Problem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        """The forward function in our layout (upstream's layout is ``[batch, seq, heads,
+        head_dim]``; its own custom VJP differentiates it with the config's backward blocks):
+        Triton on CUDA/ROCm, interpret mode elsewhere."""
         import jax.numpy as jnp
         from jax import lax
         from jax.experimental.pallas.ops.gpu import attention as upstream
 
+        config = config_for("fwd")
         sizes = upstream.BlockSizes(
             block_q=config.block_q, block_k=config.block_k, block_q_dkv=config.block_q_dkv,
             block_kv_dkv=config.block_kv_dkv, block_q_dq=config.block_q_dq,
@@ -201,7 +191,7 @@ class PallasGpuKernel(TunableKernel):
         def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
             k, v = repeat_kv_heads(problem, k, v)
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-            out = upstream.mha(q, k, v, None, sm_scale=scale, causal=problem.causal,
+            out = upstream.mha(q, k, v, None, sm_scale=sm_scale, causal=problem.causal,
                                block_sizes=sizes, num_warps=config.num_warps,
                                num_stages=config.num_stages, interpret=interpret)
             return jnp.swapaxes(out, 1, 2)

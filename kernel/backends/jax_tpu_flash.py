@@ -17,28 +17,28 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kernel.problem import Problem
-from kernel.registry import (
-    TPU_TARGETS,
+from kernel.config import IntConfig
+from kernel.contract import (
     AttentionFn,
-    IntConfig,
+    ConfigFor,
     Params,
     TunableKernel,
+    default_scale,
     measured_fn,
     repeat_kv_heads,
-    sm_scale,
 )
-from kernel.space import (
+from kernel.problem import Problem
+from kernel.rules import (
     LANES,
     MAX_COMPUTE_BLOCK,
-    MiB,
-    Target,
     Violation,
     block_values,
     block_violations,
     largest_at_most,
+    sequence_violations,
     tile_bytes,
 )
+from kernel.targets import TPU_TARGETS, MiB, Target
 
 MIN_BLOCK_SIZE = 128  # upstream: in-kernel key blocks tile the lane-replicated row statistics
 UPSTREAM_DEFAULT = 128  # BlockSizes.get_default(): 128 everywhere, block_b=1
@@ -157,15 +157,15 @@ class JaxTpuFlashKernel(TunableKernel):
     description: ClassVar[str] = ("JAX's Pallas TPU flash attention "
                                   "(jax.experimental.pallas.ops.tpu.flash_attention); "
                                   "GQA by repeating K/V heads")
-    layout: ClassVar[str] = "[batch, heads, seq, head_dim]"
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[JaxTpuFlashConfig]] = JaxTpuFlashConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_k_major", "block_b")
 
     def problem_violations(self, problem: Problem) -> list[Violation]:
         # With kv_len a multiple of 128, block_tiling (a multiple of 128 or the whole axis)
         # gives upstream's rule that every key block is a multiple of MIN_BLOCK_SIZE.
-        out = []
+        out = sequence_violations(problem.q_len, "q_len")
         if problem.kv_len % MIN_BLOCK_SIZE:
             out.append(Violation("kv_len", f"kv_len={problem.kv_len} is not a multiple of "
                                  f"{MIN_BLOCK_SIZE}: the kernel's key blocks must be; pad the "
@@ -222,18 +222,20 @@ class JaxTpuFlashKernel(TunableKernel):
             field: largest_at_most(values[axis], UPSTREAM_DEFAULT)
             for field, axis in _FWD_AXES + _BWD_AXES})
 
-    def build(self, problem: Problem, config: JaxTpuFlashConfig) -> AttentionFn:
+    def build(self, problem: Problem, config: JaxTpuFlashConfig, *,
+              forward_only: bool = False) -> AttentionFn:
         self.check(problem, config)
         # The backward kernels are traced by jax.grad inside the measured function, so on a
         # CPU they are interpreted too.
         return _on_platform(measured_fn(problem, self._attend(problem, config,
-                                                              sm_scale(problem))))
+                                                              default_scale(problem)),
+                                        forward_only=forward_only))
 
-    def attention(self, problem: Problem, config: JaxTpuFlashConfig,
-                  scale: float) -> AttentionFn:
-        """The forward function in our layout (upstream's own custom VJP differentiates it on
-        a TPU; on a CPU only the forward is interpreted)."""
-        return _on_platform(self._attend(problem, config, scale))
+    def attention(self, problem: Problem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        """The forward function in our layout; upstream's own custom VJP differentiates it on
+        a TPU with the same blocks (on a CPU only the forward is interpreted)."""
+        return _on_platform(self._attend(problem, config_for("fwd"), sm_scale))
 
     @staticmethod
     def _attend(problem: Problem, config: JaxTpuFlashConfig, scale: float) -> AttentionFn:
@@ -263,5 +265,6 @@ def _on_platform(fn: AttentionFn) -> AttentionFn:
 
     return lambda q, k, v: lax.platform_dependent(
         q, k, v, tpu=functools.partial(run, False), default=functools.partial(run, True))
+
 
 KERNEL = JaxTpuFlashKernel()

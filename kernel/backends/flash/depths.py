@@ -13,11 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel import space
-from kernel.config import FlashConfig
-from kernel.problem import Problem
-
-MAX_PROBED_DEPTH = 4
+from kernel.backends.flash.rules import MAX_PROBED_DEPTH
 _PROBE_SHAPE = (4 * 8, 128)  # four (8, 128) tiles: a grid long enough to pipeline
 
 
@@ -60,10 +56,3 @@ def supported_pipeline_depths() -> tuple[int, ...]:
             "no Pallas kernel lowers for TPU with this JAX installation (even pl.Buffered(1) "
             "failed); install a JAX with TPU lowering support (the 'tpu' extra)")
     return tuple(depths)
-
-
-def search_space(
-    problem: Problem, target: space.Target | str = "cpu", **kwargs
-) -> list[FlashConfig]:
-    """``kernel.space.search_space`` with the pipeline depths this JAX really supports."""
-    return space.search_space(problem, target, depths=supported_pipeline_depths(), **kwargs)

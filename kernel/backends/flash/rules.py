@@ -1,4 +1,4 @@
-"""Legality rules, VMEM estimate and search space of the flash kernel.
+"""Legality rules, VMEM estimate, search space and default config of the flash kernel.
 
 Pure Python (no jax): the service checks legality of a stored config for a new shape with the
 same rules the tuner uses. Static rules and the VMEM estimate are kept apart so that a caller
@@ -7,91 +7,33 @@ can also ask for the configs the estimate rejects (to measure the estimate again
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from kernel.config import ConfigError, FlashConfig
+from kernel.backends.flash.config import FlashConfig
+from kernel.errors import ConfigError
 from kernel.problem import Problem
+from kernel.rules import (
+    LANES,
+    MAX_COMPUTE_BLOCK,
+    Violation,
+    block_values,
+    block_violations,
+    largest_at_most,
+    sequence_violations,
+    tile_bytes,
+)
+from kernel.targets import MiB, Target
 
-MiB = 1 << 20
-LANES = 128  # TPU vector registers are (8 sublanes x 128 lanes); VMEM tiles pad to them.
-SUBLANES = 8
-MAX_BLOCK = 4096  # larger tiles never fit the scoped VMEM of any current TPU generation
-MAX_COMPUTE_BLOCK = 1024  # the f32 logits of a compute block live in VMEM/vregs
-DEFAULT_DEPTHS: tuple[int, ...] = (1, 2)  # what every supported JAX lowers; see kernel.depths
-
-
-@dataclass(frozen=True)
-class Target:
-    """A device the kernel is compiled for, with the limits the rules check against."""
-
-    name: str
-    device_kind: str  # as jax.Device.device_kind reports it
-    scoped_vmem_bytes: int | None  # None: no VMEM (interpret mode on CPU)
-    topology: str | None = None  # deviceless topology name for ahead-of-time compiles
-
-
-TARGETS: dict[str, Target] = {
-    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1"),
-    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1"),
-    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1"),
-    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1"),
-    "cpu": Target("cpu", "cpu", None),
-}
+# The K/V pipeline depths (``pl.Buffered`` buffer counts) every supported JAX lowers for TPU;
+# ``kernel.backends.flash.depths`` probes the installed one, up to MAX_PROBED_DEPTH.
+DEFAULT_DEPTHS: tuple[int, ...] = (1, 2)
+MAX_PROBED_DEPTH = 4
 
 
-def get_target(name: str) -> Target:
-    """Looks a target up by name (``v5e``) or by JAX device kind (``TPU v5 lite``)."""
-    if name in TARGETS:
-        return TARGETS[name]
-    for target in TARGETS.values():
-        if target.device_kind.lower() == name.lower():
-            return target
-    raise ConfigError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken legality rule: ``rule`` is a stable name, ``message`` says how to fix it."""
-
-    rule: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.rule}] {self.message}"
-
-
-def block_values(dim: int) -> list[int]:
-    """Legal tile sizes along a sequence axis of length ``dim``.
-
-    Multiples of 128 (powers of two times 128, the lane width, so the logits tile fills whole
-    vector registers) that divide ``dim``, plus ``dim`` itself (a full-axis block is always a
-    legal Mosaic block shape), capped at ``MAX_BLOCK``.
-    """
-    values = {dim} if dim <= MAX_BLOCK else set()
-    size = LANES
-    while size <= min(dim, MAX_BLOCK):
-        if dim % size == 0:
-            values.add(size)
-        size *= 2
-    return sorted(values)
-
-
-def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
-    """``block_max``, ``block_divides`` and ``block_tiling`` (a multiple of 128 or the whole
-    axis: the TPU (8, 128) tiling) for one sequence-axis block of a TPU kernel."""
-    if block > dim:
-        return [Violation("block_max", f"{field}={block} is larger than {dim_name}={dim}; "
-                          f"use at most {dim}")]
-    out = []
-    if dim % block:
-        out.append(Violation("block_divides", f"{field}={block} does not divide "
-                             f"{dim_name}={dim}; pick one of {block_values(dim)}"))
-    if block % LANES and block != dim:
-        out.append(Violation("block_tiling", f"{field}={block} is neither a multiple of "
-                             f"{LANES} nor the whole {dim_name}={dim} (TPU (8,128) tiling)"))
-    return out
+def problem_violations(problem: Problem) -> list[Violation]:
+    """A sequence axis that no TPU block tiles (``seq_len``)."""
+    return (sequence_violations(problem.q_len, "q_len")
+            + sequence_violations(problem.kv_len, "kv_len"))
 
 
 def static_violations(
@@ -118,14 +60,6 @@ def static_violations(
         out.append(Violation("pipeline_depth", f"pipeline_depth={config.pipeline_depth} is not "
                              f"supported by the installed JAX; use one of {list(depths)}"))
     return out
-
-
-def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
-    """VMEM bytes of a (rows, cols) tile, padded to whole (8 or 16, 128) tiles."""
-    sublanes = SUBLANES * (4 // itemsize)  # bf16 packs two rows per sublane
-    rows_padded = -(-rows // sublanes) * sublanes
-    cols_padded = -(-cols // LANES) * LANES
-    return rows_padded * cols_padded * itemsize
 
 
 # Mosaic's internal scratch: the f32 temporaries of one compute step (logits, probabilities,
@@ -196,11 +130,9 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     return estimate
 
 
-def vmem_violations(
-    problem: Problem, config: FlashConfig, target: Target, vmem_limit_bytes: int | None = None
-) -> list[Violation]:
+def vmem_violations(problem: Problem, config: FlashConfig, target: Target) -> list[Violation]:
     """The VMEM rule: every kernel's estimate must fit the target's scoped VMEM limit."""
-    limit = vmem_limit_bytes or target.scoped_vmem_bytes
+    limit = target.scoped_vmem_bytes
     if limit is None:
         return []
     out = []
@@ -215,20 +147,13 @@ def vmem_violations(
 def violations(
     problem: Problem,
     config: FlashConfig,
-    target: Target | str = "cpu",
-    *,
+    target: Target,
     depths: Iterable[int] = DEFAULT_DEPTHS,
-    vmem_limit_bytes: int | None = None,
 ) -> list[Violation]:
-    """All rules (static and VMEM) that ``config`` breaks for ``problem`` on ``target``."""
-    target = get_target(target) if isinstance(target, str) else target
-    return static_violations(problem, config, depths) + vmem_violations(
-        problem, config, target, vmem_limit_bytes)
-
-
-def is_legal(problem: Problem, config: FlashConfig, target: Target | str = "cpu",
-             **kwargs) -> bool:
-    return not violations(problem, config, target, **kwargs)
+    """All rules (problem, static and VMEM) that ``config`` breaks for ``problem`` on
+    ``target``."""
+    return (problem_violations(problem) + static_violations(problem, config, depths)
+            + vmem_violations(problem, config, target))
 
 
 def space_params(
@@ -251,53 +176,18 @@ def space_params(
     return params
 
 
-def search_space(
-    problem: Problem,
-    target: Target | str = "cpu",
-    *,
-    depths: Iterable[int] = DEFAULT_DEPTHS,
-    vmem_limit_bytes: int | None = None,
-    include_vmem_rejected: bool = False,
-) -> list[FlashConfig]:
-    """Every legal config for ``problem`` on ``target``.
-
-    With ``include_vmem_rejected`` the VMEM estimate is not applied (static rules only).
-    """
-    target = get_target(target) if isinstance(target, str) else target
-    depths = tuple(depths)
-    params = space_params(problem, depths)
-    base = default_config(problem, target, depths=depths, vmem_limit_bytes=vmem_limit_bytes)
-    names = list(params)
-    out = []
-    for values in itertools.product(*(params[n] for n in names)):
-        fields = dict(zip(names, values))
-        if fields["block_kv"] % fields["block_kv_compute"]:
-            continue
-        config = base.replace(**fields)
-        if static_violations(problem, config, depths):
-            continue
-        if not include_vmem_rejected and vmem_violations(problem, config, target,
-                                                         vmem_limit_bytes):
-            continue
-        out.append(config)
-    return out
-
-
-def largest_at_most(values: list[int], cap: int) -> int:
-    fitting = [v for v in values if v <= cap]
-    return max(fitting) if fitting else min(values)
-
-
 def default_config(
     problem: Problem,
-    target: Target | str = "cpu",
-    *,
+    target: Target,
     depths: Iterable[int] = DEFAULT_DEPTHS,
-    vmem_limit_bytes: int | None = None,
 ) -> FlashConfig:
     """A safe heuristic config: 512-row query tiles and 512-key kv tiles (1024 on v6e, which
-    has twice the scoped VMEM), double buffered, shrunk until the VMEM estimate fits."""
-    target = get_target(target) if isinstance(target, str) else target
+    has twice the scoped VMEM), double buffered, shrunk until the VMEM estimate fits.
+    Raises ``ConfigError`` for a problem no config can run."""
+    broken = problem_violations(problem)
+    if broken:
+        raise ConfigError(f"no flash config can run {problem.label()}: "
+                          + "; ".join(map(str, broken)))
     depths = tuple(depths)
     q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
     kv_cap = 1024 if target.name == "v6e" else 512
@@ -314,7 +204,7 @@ def default_config(
             block_kv_dq=largest_at_most(kv_values, min(kv_cap, 256)),
             pipeline_depth=2 if 2 in depths else max(depths),
         )
-        fits = not vmem_violations(problem, config, target, vmem_limit_bytes)
+        fits = not vmem_violations(problem, config, target)
         if fits or (q_cap <= LANES and kv_cap <= LANES):
             return config
         q_cap, kv_cap = max(LANES, q_cap // 2), max(LANES, kv_cap // 2)

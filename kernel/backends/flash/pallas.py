@@ -1,16 +1,14 @@
 """Flash attention for TPU in Pallas (Mosaic): forward, dK/dV and dQ kernels tiled by a config.
 
 Layout ``[batch, heads, seq, head_dim]``; K/V may have fewer heads than Q (grouped-query
-attention). On a CPU backend the same kernels run in TPU interpret mode (a correctness oracle,
-not a speed proxy); on TPU they compile with Mosaic.
+attention). The kernels are chosen when lowering, per platform: Mosaic for TPU (so
+``jax.export`` or an ahead-of-time compile for TPU on a CPU host gets the real kernels), TPU
+interpret mode on a CPU (a correctness oracle, not a speed proxy).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,200 +16,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel.config import ConfigError, FlashConfig
-from kernel.depths import supported_pipeline_depths
-from kernel.problem import Problem
-from kernel.resolve import KERNEL_NAME, get_resolver
-from kernel.space import LANES, MAX_BLOCK, block_values, default_config, get_target, \
-    static_violations
+from kernel.backends.flash.config import FlashConfig
+from kernel.contract import ConfigFor
+from kernel.rules import LANES
 
-log = logging.getLogger(__name__)
-
-PLATFORMS = ("tpu", "cpu")  # cpu: the TPU kernels run in Pallas interpret mode
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # upstream's Pallas Triton kernel (pallas_gpu) runs
 # Finite mask value: with -inf a fully masked row would compute exp(-inf - -inf) = NaN.
 MASK_VALUE = -1e30
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
 
 
-def reference_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-    sm_scale: float | None = None,
-) -> jax.Array:
-    """Plain XLA attention (``jax.nn.dot_product_attention``) in this module's layout."""
-    to_btnh = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), scale=sm_scale,
-                                       is_causal=causal)
-    return to_btnh(out)
-
-
-def flash_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-    sm_scale: float | None = None, config: Any = None,
-) -> jax.Array:
-    """Softmax(``sm_scale`` q kᵀ) v, differentiable, with Pallas kernels both ways.
-
-    ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
-    head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``causal`` masks keys
-    after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
-    defaults to ``head_dim ** -0.5``. ``config`` defaults to the one resolved for the problem
-    and the default device (``kernel.resolve``), at trace time; an explicit config is checked
-    against the legality rules.
-
-    The kernels are chosen when lowering, per platform: Mosaic for TPU (so ``jax.export`` or
-    an ahead-of-time compile for TPU on a CPU host gets the real kernels), interpret mode for
-    CPU. With a GPU default device, upstream's Pallas Triton kernel runs instead (kernel
-    ``pallas_gpu``; ``config`` is then a ``PallasGpuConfig``, resolved the same way).
-    """
-    problem = _problem(q, k, v, causal)
-    if sm_scale is None:
-        sm_scale = problem.head_dim ** -0.5
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a Python float (static), got {sm_scale!r}")
-    if not (math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
-    device = _default_device()
-    kernel_name = wrapper_kernel(device.platform)
-    if kernel_name != KERNEL_NAME:
-        return _attention_with(kernel_name, q, k, v, problem, float(sm_scale), config, device)
-    if config is not None and not isinstance(config, FlashConfig):
-        raise TypeError(f"config must be a kernel.FlashConfig or None, got "
-                        f"{type(config).__name__}; build one with FlashConfig.from_dict")
-    _check_platform()
-    return _flash(q, k, v, causal, float(sm_scale), config)
-
-
-def wrapper_kernel(platform: str) -> str:
-    """The registered kernel ``flash_attention`` runs on a platform: upstream's Pallas Triton
-    kernel (``pallas_gpu``) on a GPU; on a TPU ours, or the one named by
-    ``AUTOTUNE_TPU_KERNEL``; ours (interpreted) on a CPU."""
-    if platform in GPU_PLATFORMS:
-        return "pallas_gpu"
-    return get_resolver().settings.tpu_kernel if platform == "tpu" else KERNEL_NAME
-
-
-def _attention_with(kernel_name: str, q: jax.Array, k: jax.Array, v: jax.Array,
-                    problem: Problem, sm_scale: float, config: Any,
-                    device: jax.Device) -> jax.Array:
-    """Another registered kernel's forward with its own config: explicit, else resolved for
-    that kernel like ours (table, service, default). Its own custom VJP differentiates it."""
-    from kernel.registry import device_target, get_kernel
-
-    kernel = get_kernel(kernel_name)
-    target = device_target(device.platform, device.device_kind)
-    if config is None:
-        resolution = get_resolver().resolve(problem, device.device_kind, kernel.name, target)
-        config = resolution.config
-        if not kernel.is_legal(problem, config, target):
-            config = kernel.default_config(problem, target)
-            log.warning("flash-autotune: %s %s config %s is illegal for %s; using the "
-                        "default %s", resolution.source, kernel.name,
-                        resolution.config.label(), problem.label(), config.label())
-    elif not isinstance(config, kernel.config_type):
-        raise TypeError(f"on {device.platform}, flash_attention runs kernel {kernel.name!r}: "
-                        f"config must be a {kernel.config_type.__name__} or None, got "
-                        f"{type(config).__name__}")
-    kernel.check(problem, config, target)
-    return kernel.attention(problem, config, sm_scale)(q, k, v)
-
-
-# --- input checks and config resolution (trace time, static shapes) --------------------------
-
-def _problem(q: Any, k: Any, v: Any, causal: Any) -> Problem:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got "
-                             f"shape {tuple(x.shape)}")
-        if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype).name}; flash_attention "
-                            "supports float32 and bfloat16 (cast the inputs)")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got {jnp.dtype(q.dtype).name}, "
-                        f"{jnp.dtype(k.dtype).name}, {jnp.dtype(v.dtype).name}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
-    (batch, q_heads, q_len, head_dim), (kv_batch, kv_heads, kv_len, kv_dim) = q.shape, k.shape
-    if batch != kv_batch:
-        raise ValueError(f"q has batch {batch} but k/v have batch {kv_batch}")
-    if head_dim != kv_dim:
-        raise ValueError(f"q has head_dim {head_dim} but k/v have head_dim {kv_dim}")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) "
-                         "for grouped-query attention")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a Python bool (static), got {causal!r}")
-    for name, length in (("q_len", q_len), ("kv_len", kv_len)):
-        if not block_values(length):
-            raise ValueError(
-                f"{name}={length} admits no legal block: sequences longer than {MAX_BLOCK} "
-                f"must be a multiple of {LANES}. Padding is not supported; pad the sequence "
-                "to such a length and mask the padding yourself")
-    return Problem(batch, q_heads, kv_heads, q_len, kv_len, head_dim,
-                   dtype=jnp.dtype(q.dtype).name, causal=causal)
-
-
-def _default_device() -> jax.Device:
-    device = jax.config.jax_default_device
-    if isinstance(device, jax.Device):
-        return device
-    return jax.devices(device)[0] if device else jax.devices()[0]
-
-
-def _check_platform() -> None:
-    platform = _default_device().platform
-    if platform not in PLATFORMS:
-        raise NotImplementedError(
-            f"flash_attention runs on TPU (compiled with Mosaic), on GPU (upstream's Pallas "
-            f"Triton kernel) and on CPU (TPU interpret mode), not on {platform!r}")
-
-
-def _resolve(q: jax.Array, k: jax.Array, causal: bool, config: FlashConfig | None,
-             mode: str) -> FlashConfig:
-    """The explicit config (checked for ``mode``) or the one resolved for this problem."""
-    problem = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
-                      dtype=jnp.dtype(q.dtype).name, causal=causal, mode=mode)
-    if config is not None:
-        broken = static_violations(problem, config, supported_pipeline_depths())
-        if broken:
-            raise ConfigError(f"config {config.label()} is illegal for {problem.label()}: "
-                              + "; ".join(map(str, broken)))
-        return config
-    device_kind = _default_device().device_kind
-    resolution = get_resolver().resolve(problem, device_kind)
-    depths = supported_pipeline_depths()
-    if not static_violations(problem, resolution.config, depths):
-        return resolution.config
-    try:
-        target = get_target(device_kind)
-    except ConfigError:
-        target = get_target("cpu")
-    fallback = default_config(problem, target, depths=depths)
-    log.warning("flash-autotune: %s config %s is illegal for %s; using the default %s",
-                resolution.source, resolution.config.label(), problem.label(), fallback.label())
-    return fallback
-
-
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _flash(q, k, v, causal, sm_scale, config):
-    config = _resolve(q, k, causal, config, "fwd")
-    return _forward(q, k, v, config, causal, sm_scale, save_lse=False)[0]
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, sm_scale: float,
+                    config_for: ConfigFor) -> jax.Array:
+    """Softmax(``sm_scale`` q kᵀ) v with Pallas kernels both ways; ``config_for(mode)`` gives
+    the config at trace time: ``"fwd"`` for a plain call, ``"fwd_bwd"`` (its backward tiles)
+    when differentiated."""
+    return _forward(q, k, v, config_for("fwd"), causal, sm_scale, save_lse=False)[0]
 
 
-def _flash_fwd(q, k, v, causal, sm_scale, config):
-    # custom_vjp traces this rule only when differentiating: resolve the fwd_bwd-tuned config.
-    config = _resolve(q, k, causal, config, "fwd_bwd")
-    out, lse = _forward(q, k, v, config, causal, sm_scale, save_lse=True)
+def _flash_fwd(q, k, v, causal, sm_scale, config_for):
+    # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
+    out, lse = _forward(q, k, v, config_for("fwd_bwd"), causal, sm_scale, save_lse=True)
     return out, (q, k, v, out, lse[..., 0])  # keep one lane of the lane-replicated lse
 
 
-def _flash_bwd(causal, sm_scale, config, residuals, d_out):
+def _flash_bwd(causal, sm_scale, config_for, residuals, d_out):
     q, k, v, out, lse = residuals
-    config = _resolve(q, k, causal, config, "fwd_bwd")
+    config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
     dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, config, causal, sm_scale)
@@ -219,7 +52,7 @@ def _flash_bwd(causal, sm_scale, config, residuals, d_out):
     return dq, dk, dv
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+flash_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 # --- kernels ---------------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""The public entry point: ``flash_attention``, with its config resolved at trace time.
+
+It checks the inputs, asks the resolver which backend runs on the default device's platform,
+and hands that backend a ``config_for(mode)``: the explicit config (checked, raising on a
+broken rule), else the resolved one (table > service > default, never failing). jax loads on
+the first call, so ``import kernel`` stays cheap for the service and storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kernel.contract import ConfigFor, TunableKernel
+from kernel.errors import ConfigError
+from kernel.problem import DTYPES, Problem
+from kernel.resolve import get_resolver
+from kernel.targets import GPU_PLATFORMS, Target, device_target
+
+PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
+
+
+def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
+                    sm_scale: float | None = None, config: Any = None) -> Any:
+    """Softmax(``sm_scale`` q kᵀ) v, differentiable.
+
+    ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
+    head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``causal`` masks keys
+    after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
+    defaults to ``head_dim ** -0.5``.
+
+    The backend is the one resolved for the default device's platform
+    (:meth:`kernel.resolve.Resolver.platform_kernel`: ours on a TPU and, interpreted, on a
+    CPU; upstream's Pallas Triton kernel on a GPU). ``config`` is one of that backend's configs,
+    checked against its rules; by default it is resolved per problem at trace time, the
+    ``fwd_bwd`` entry when differentiated.
+    """
+    problem = _problem(q, k, v, causal)
+    if sm_scale is None:
+        sm_scale = problem.head_dim ** -0.5
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a Python float (static), got {sm_scale!r}")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    platform, device_kind = _default_device()
+    if platform not in PLATFORMS:
+        raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
+                                  f"not on {platform!r}")
+    resolver = get_resolver()
+    backend = resolver.platform_kernel(platform)
+    target = device_target(platform, device_kind)
+    broken = backend.problem_violations(problem)
+    if broken:
+        raise ConfigError(f"kernel {backend.name!r} cannot run {problem.label()}: "
+                          + "; ".join(map(str, broken)))
+    if config is None:
+        def config_for(mode: str) -> Any:
+            return resolver.resolve(dataclasses.replace(problem, mode=mode), device_kind, backend.name,
+                                    target).config
+    else:
+        config_for = _explicit(backend, problem, config, target, platform)
+    return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
+
+
+def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Target,
+              platform: str) -> ConfigFor:
+    """``config_for`` of an explicit config: checked for the mode it runs in (its backward
+    tiles only matter when differentiated); a broken rule raises ``ConfigError``."""
+    if not isinstance(config, backend.config_type):
+        name = backend.config_type.__name__
+        raise TypeError(f"on {platform}, flash_attention runs kernel {backend.name!r}: config "
+                        f"must be a {name} or None, got {type(config).__name__}; build one "
+                        f"with {name}.from_dict")
+
+    def config_for(mode: str) -> Any:
+        backend.check(dataclasses.replace(problem, mode=mode), config, target)
+        return config
+
+    return config_for
+
+
+def _problem(q: Any, k: Any, v: Any, causal: Any) -> Problem:
+    """The problem of a call, from static shapes; malformed inputs raise naming the fix."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got "
+                             f"shape {tuple(x.shape)}")
+        if _dtype(x) not in DTYPES:
+            raise TypeError(f"{name} has dtype {_dtype(x)}; flash_attention supports "
+                            f"{' and '.join(DTYPES)} (cast the inputs)")
+    if not _dtype(q) == _dtype(k) == _dtype(v):
+        raise TypeError(f"q, k and v must share one dtype, got {_dtype(q)}, {_dtype(k)}, "
+                        f"{_dtype(v)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    (batch, q_heads, q_len, head_dim), (kv_batch, kv_heads, kv_len, kv_dim) = q.shape, k.shape
+    if batch != kv_batch:
+        raise ValueError(f"q has batch {batch} but k/v have batch {kv_batch}")
+    if head_dim != kv_dim:
+        raise ValueError(f"q has head_dim {head_dim} but k/v have head_dim {kv_dim}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) "
+                         "for grouped-query attention")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a Python bool (static), got {causal!r}")
+    return Problem(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype=_dtype(q),
+                   causal=causal)
+
+
+def _dtype(x: Any) -> str:
+    return getattr(x.dtype, "name", str(x.dtype))
+
+
+def _default_device() -> tuple[str, str]:
+    """The platform and device kind of the default device (``jax_default_device``)."""
+    import jax
+
+    device = jax.config.jax_default_device
+    if not isinstance(device, jax.Device):
+        device = jax.devices(device)[0] if device else jax.devices()[0]
+    return device.platform, device.device_kind

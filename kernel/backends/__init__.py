@@ -1,0 +1,1 @@
+"""The attention backends, one module (or folder) each, behind :mod:`kernel.contract`."""

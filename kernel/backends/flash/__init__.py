@@ -1,0 +1,73 @@
+"""Backend ``flash``: our Pallas flash attention for TPU, tiled by a :class:`FlashConfig`.
+
+The backend is this folder: the config (``config``), the legality rules and VMEM estimate
+(``rules``, pure Python), the pipeline-depth probe (``depths``) and the Pallas kernels
+(``pallas``); jax loads only when :meth:`FlashKernel.attention` or ``discover`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kernel.backends.flash import rules
+from kernel.backends.flash.config import BACKWARD_FIELDS, FORWARD_FIELDS, FlashConfig
+from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
+from kernel.problem import Problem
+from kernel.rules import Violation
+from kernel.targets import TPU_TARGETS, Target
+
+
+@dataclass(frozen=True)
+class FlashKernel(TunableKernel):
+    """Our kernel. ``depths`` are the pipeline depths the rules admit:
+    :data:`rules.DEFAULT_DEPTHS` (what every supported JAX lowers) until :meth:`discover`
+    probes the installed JAX."""
+
+    depths: tuple[int, ...] = rules.DEFAULT_DEPTHS
+
+    name: ClassVar[str] = "flash"
+    version: ClassVar[str] = "1"
+    description: ClassVar[str] = ("Our Pallas flash attention for TPU: grouped-query, causal, "
+                                  "tiled forward, dK/dV and dQ kernels with K/V pipelining")
+    targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
+    platforms: ClassVar[tuple[str, ...]] = ("tpu",)
+    config_type: ClassVar[type[FlashConfig]] = FlashConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv", "pipeline_depth")
+    compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = (
+        FORWARD_FIELDS, BACKWARD_FIELDS[:2], BACKWARD_FIELDS[2:])
+
+    def problem_violations(self, problem: Problem) -> list[Violation]:
+        return rules.problem_violations(problem)
+
+    def space_params(self, problem: Problem) -> Params:
+        return rules.space_params(problem, self.depths)
+
+    def violations(self, problem: Problem, config: FlashConfig,
+                   target: Target | str = "cpu") -> list[Violation]:
+        return rules.violations(problem, config, self.target(target), self.depths)
+
+    def default_config(self, problem: Problem, target: Target | str = "cpu") -> FlashConfig:
+        return rules.default_config(problem, self.target(target), self.depths)
+
+    def stored_violations(self, problem: Problem, config: FlashConfig) -> list[Violation]:
+        # Whichever JAX tuned it: any depth some supported JAX can lower is storable; the
+        # wrapper checks the installed JAX's depths at trace time.
+        return (rules.problem_violations(problem) + rules.static_violations(
+            problem, config, range(1, rules.MAX_PROBED_DEPTH + 1)))
+
+    def attention(self, problem: Problem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        from kernel.backends.flash import pallas
+
+        return lambda q, k, v: pallas.flash_attention(q, k, v, problem.causal, sm_scale,
+                                                      config_for)
+
+    def discover(self) -> FlashKernel:
+        from kernel.backends.flash.depths import supported_pipeline_depths
+
+        return dataclasses.replace(self, depths=supported_pipeline_depths())
+
+
+KERNEL = FlashKernel()

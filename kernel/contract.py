@@ -1,0 +1,207 @@
+"""The backend contract: what the tuner, the resolver, storage and the service know of a kernel.
+
+Pure Python at import: a backend loads jax only inside the methods that need it, so the
+service can check a stored config with the backend's rules without jax. Every backend takes
+and returns our layout ``[batch, heads, seq, head_dim]``, whatever its own call expects.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from kernel.config import IntConfig
+from kernel.errors import ConfigError
+from kernel.problem import Problem
+from kernel.rules import Violation
+from kernel.targets import GPU_TARGET, TARGETS, Target
+
+Params = dict[str, list[int]]
+AttentionFn = Callable[..., Any]  # (q, k, v) -> output, or -> (dq, dk, dv) in fwd_bwd mode
+# The config a backend runs for a mode ("fwd" for a plain call, "fwd_bwd" when differentiated);
+# the resolver passes one in, so no backend imports the resolver.
+ConfigFor = Callable[[str], Any]
+
+
+def default_scale(problem: Problem) -> float:
+    """The softmax scale every backend defaults to (upstream kernels default to 1.0)."""
+    return problem.head_dim ** -0.5
+
+
+def measured_fn(problem: Problem, attend: AttentionFn, *,
+                forward_only: bool = False) -> AttentionFn:
+    """What the tuner measures for ``problem.mode``: ``attend`` itself (``fwd``), or the
+    gradients of ``sum(attend(q, k, v))`` with respect to q, k and v (``fwd_bwd``).
+    ``forward_only`` (``fwd_bwd``): just the forward pass as training runs it (``jax.vjp``,
+    saving the residuals), without the backward kernels."""
+    import jax
+    import jax.numpy as jnp
+
+    if problem.mode == "fwd":
+        return attend
+    if forward_only:
+        return lambda q, k, v: jax.vjp(attend, q, k, v)
+    return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+
+def repeat_kv_heads(problem: Problem, k: Any, v: Any) -> tuple[Any, Any]:
+    """K and V with each head repeated ``group_size`` times, for backends without grouped-query
+    attention (their gradients sum back over the group)."""
+    import jax.numpy as jnp
+
+    if problem.group_size == 1:
+        return k, v
+    return (jnp.repeat(k, problem.group_size, axis=1),
+            jnp.repeat(v, problem.group_size, axis=1))
+
+
+def reference_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
+                        sm_scale: float | None = None) -> Any:
+    """Plain XLA attention (``jax.nn.dot_product_attention``) in our layout: the reference
+    every backend is checked against (grouped-query K/V heads broadcast by XLA)."""
+    import jax
+    import jax.numpy as jnp
+
+    to_btnh = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), scale=sm_scale,
+                                       is_causal=causal)
+    return to_btnh(out)
+
+
+class TunableKernel(ABC):
+    """An attention backend the tuner can search and the wrapper can run.
+
+    Implementor's checklist for a new backend:
+      - One module under ``kernel/backends/`` (or one folder), importing only ``kernel.errors``,
+        ``problem``, ``config``, ``targets``, ``rules`` and this contract. jax loads inside
+        methods (or in a submodule those methods import), never at import time.
+      - A config type: a frozen :class:`~kernel.config.IntConfig` subclass whose fields have
+        defaults, with a short ``label``. A backend without tunable fields uses an empty one.
+      - Class attributes: ``name`` (the registry key, stable: stored results name it),
+        ``version`` (bump it when a config's meaning changes), ``description``, ``targets``
+        (rule targets it can be tuned or prechecked for), ``platforms`` (JAX platforms where it
+        runs natively), ``config_type`` and ``landscape_axes`` (two tile fields and a panel
+        field for the report's landscape plot).
+      - ``space_params``: the values of each field the search varies, per mode.
+      - ``violations``: every rule a config breaks, pure Python, each with a stable rule name
+        and a message that says how to fix it; include ``problem_violations`` (what no config
+        can run) and, on TPU targets, a VMEM estimate against ``target.scoped_vmem_bytes``.
+      - ``default_config``: legal whenever the problem is; the baseline tuning must beat.
+      - ``attention``: the differentiable forward function, taking its config per mode from
+        ``config_for`` at trace time (``"fwd"``; ``"fwd_bwd"`` in its backward rule, if it has
+        separately tuned backward tiles).
+      - Optionally ``discover`` (facts only the installed JAX can tell), ``stored_violations``,
+        ``compile_parts`` (kernels of a gradient program that compile separately) or ``build``
+        (when the measured function needs more than ``attention``).
+      - Register it in ``kernel/registry.py`` and list it in the README. The common suite
+        (``tests/test_kernel_contract.py``) then checks its numerics and rules with no change.
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[str]
+    description: ClassVar[str]
+    targets: ClassVar[tuple[str, ...]]
+    platforms: ClassVar[tuple[str, ...]]
+    config_type: ClassVar[type[IntConfig]]
+    landscape_axes: ClassVar[tuple[str, str, str]]
+    # fwd_bwd only: field groups of kernels that compile independently, the forward's first.
+    # A config compiles exactly when each part does with the others at the default, so
+    # precheck covers the product of the parts with their sum of compiles. Empty: one program.
+    compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    @abstractmethod
+    def space_params(self, problem: Problem) -> Params:
+        """The values of each field the search varies for ``problem`` (and its mode); fields
+        left out keep the default config's values."""
+
+    @abstractmethod
+    def violations(self, problem: Problem, config: Any,
+                   target: Target | str = "cpu") -> list[Violation]:
+        """Every rule ``config`` breaks for ``problem`` on ``target`` (empty when legal)."""
+
+    @abstractmethod
+    def default_config(self, problem: Problem, target: Target | str = "cpu") -> Any:
+        """The config used without tuning (the baseline a tuned config must beat)."""
+
+    @abstractmethod
+    def attention(self, problem: Problem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        """``(q, k, v) -> softmax(sm_scale q kᵀ) v`` for ``problem`` in our layout,
+        differentiable; compiled natively on ``platforms``, interpreted on a CPU."""
+
+    def problem_violations(self, problem: Problem) -> list[Violation]:
+        """Rules the problem itself breaks (no config can run it); part of ``violations``."""
+        return []
+
+    def discover(self) -> TunableKernel:
+        """This backend with the facts only the installed JAX can tell (imports jax)."""
+        return self
+
+    def build(self, problem: Problem, config: Any, *, forward_only: bool = False) -> AttentionFn:
+        """The function the tuner measures: ``(q, k, v)`` to the output (``fwd``) or to
+        ``(dq, dk, dv)`` (``fwd_bwd``; ``forward_only``: see :func:`measured_fn`). Raises
+        ``ConfigError`` when ``config`` breaks a static rule."""
+        self.check(problem, config)
+        return measured_fn(problem, self.attention(problem, lambda mode: config,
+                                                   default_scale(problem)),
+                           forward_only=forward_only)
+
+    def reference(self, problem: Problem) -> AttentionFn:
+        """The XLA reference of what ``build`` computes."""
+        return measured_fn(problem, functools.partial(reference_attention,
+                                                      causal=problem.causal))
+
+    def target(self, target: Target | str) -> Target:
+        """Resolves a target (a name or a JAX device kind) among this backend's targets."""
+        if isinstance(target, Target) and target.name in self.targets:
+            return target
+        for name in self.targets:
+            known = GPU_TARGET if name == GPU_TARGET.name else TARGETS[name]
+            if target in (name, known.device_kind):
+                return known
+        shown = target.name if isinstance(target, Target) else target
+        raise ConfigError(f"kernel {self.name!r} has no target {shown!r}; choose one of "
+                          f"{', '.join(self.targets)}")
+
+    def config_from_dict(self, data: Mapping[str, Any]) -> Any:
+        """A config of this backend from JSON (``ConfigError`` names the bad field)."""
+        return self.config_type.from_dict(dict(data) if isinstance(data, Mapping) else data)
+
+    def check(self, problem: Problem, config: Any, target: Target | str = "cpu") -> None:
+        """Raises ``ConfigError`` naming every rule ``config`` breaks."""
+        if not isinstance(config, self.config_type):
+            raise ConfigError(f"kernel {self.name!r} takes a {self.config_type.__name__}, got "
+                              f"{type(config).__name__}")
+        broken = self.violations(problem, config, target)
+        if broken:
+            raise ConfigError(f"config {config.label()} of kernel {self.name!r} is illegal for "
+                              f"{problem.label()}: " + "; ".join(map(str, broken)))
+
+    def stored_violations(self, problem: Problem, config: Any) -> list[Violation]:
+        """The rules a stored config must pass whatever device tuned it: the ``cpu`` target's
+        (no VMEM limit). What storage, the service and lookup tables check, without jax."""
+        return self.violations(problem, config, "cpu")
+
+    def is_legal(self, problem: Problem, config: Any, target: Target | str = "cpu") -> bool:
+        return not self.violations(problem, config, target)
+
+    def search_space(self, problem: Problem, target: Target | str = "cpu", *,
+                     ignore: frozenset[str] = frozenset()) -> list[Any]:
+        """Every legal config (the product of ``space_params`` filtered by the rules, except
+        those named in ``ignore``: precheck compiles the ``vmem``-rejected ones too).
+        Enumerates the whole product: for small problems and tests; the tuner samples."""
+        target = self.target(target)
+        base = self.default_config(problem, target)
+        params = self.space_params(problem)
+        out = []
+        for values in itertools.product(*params.values()):
+            try:
+                config = base.replace(**dict(zip(params, values)))
+            except ConfigError:  # a config type that refuses a field relation
+                continue
+            if all(v.rule in ignore for v in self.violations(problem, config, target)):
+                out.append(config)
+        return out

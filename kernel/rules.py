@@ -1,0 +1,80 @@
+"""What every backend's legality rules are made of: violations, and the TPU tiling helpers.
+
+Pure Python (no jax): the service checks a stored config with the same rules the tuner uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LANES = 128  # TPU vector registers are (8 sublanes x 128 lanes); VMEM tiles pad to them.
+SUBLANES = 8
+MAX_BLOCK = 4096  # larger tiles never fit the scoped VMEM of any current TPU generation
+MAX_COMPUTE_BLOCK = 1024  # the f32 logits of a compute block live in VMEM/vregs
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken legality rule: ``rule`` is a stable name, ``message`` says how to fix it."""
+
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.message}"
+
+
+def block_values(dim: int) -> list[int]:
+    """Legal TPU tile sizes along a sequence axis of length ``dim``.
+
+    Multiples of 128 (powers of two times 128, the lane width, so the logits tile fills whole
+    vector registers) that divide ``dim``, plus ``dim`` itself (a full-axis block is always a
+    legal Mosaic block shape), capped at ``MAX_BLOCK``. Empty when ``dim`` is longer than
+    ``MAX_BLOCK`` and not a multiple of 128.
+    """
+    values = {dim} if dim <= MAX_BLOCK else set()
+    size = LANES
+    while size <= min(dim, MAX_BLOCK):
+        if dim % size == 0:
+            values.add(size)
+        size *= 2
+    return sorted(values)
+
+
+def sequence_violations(length: int, name: str) -> list[Violation]:
+    """``seq_len``: a sequence axis no TPU block can tile, with the fix."""
+    if block_values(length):
+        return []
+    return [Violation("seq_len", f"{name}={length} admits no legal block: a sequence longer "
+                      f"than {MAX_BLOCK} must be a multiple of {LANES}; pad it to "
+                      f"{-(-length // LANES) * LANES} and mask the padding")]
+
+
+def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
+    """``block_max``, ``block_divides`` and ``block_tiling`` (a multiple of 128 or the whole
+    axis: the TPU (8, 128) tiling) for one sequence-axis block of a TPU kernel."""
+    if block > dim:
+        return [Violation("block_max", f"{field}={block} is larger than {dim_name}={dim}; "
+                          f"use at most {dim}")]
+    out = []
+    if dim % block:
+        out.append(Violation("block_divides", f"{field}={block} does not divide "
+                             f"{dim_name}={dim}; pick one of {block_values(dim)}"))
+    if block % LANES and block != dim:
+        out.append(Violation("block_tiling", f"{field}={block} is neither a multiple of "
+                             f"{LANES} nor the whole {dim_name}={dim} (TPU (8,128) tiling)"))
+    return out
+
+
+def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """VMEM bytes of a (rows, cols) tile, padded to whole (8 or 16, 128) tiles."""
+    sublanes = SUBLANES * (4 // itemsize)  # bf16 packs two rows per sublane
+    rows_padded = -(-rows // sublanes) * sublanes
+    cols_padded = -(-cols // LANES) * LANES
+    return rows_padded * cols_padded * itemsize
+
+
+def largest_at_most(values: list[int], cap: int) -> int:
+    """The largest of ``values`` not above ``cap``, else the smallest."""
+    fitting = [v for v in values if v <= cap]
+    return max(fitting) if fitting else min(values)

@@ -1,0 +1,54 @@
+"""The devices a kernel is tuned and checked for: TPU generations, any GPU, and the CPU.
+
+Pure Python: the service checks stored configs against the same targets the tuner used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernel.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device a kernel is compiled for, with the limits the rules check against."""
+
+    name: str
+    device_kind: str  # as jax.Device.device_kind reports it
+    scoped_vmem_bytes: int | None  # None: no VMEM (a GPU, or interpret mode on a CPU)
+    topology: str | None = None  # deviceless topology name for ahead-of-time TPU compiles
+
+
+TARGETS: dict[str, Target] = {
+    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1"),
+    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1"),
+    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1"),
+    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1"),
+    "cpu": Target("cpu", "cpu", None),
+}
+TPU_TARGETS: tuple[str, ...] = tuple(TARGETS)  # v4 v5e v5p v6e cpu (interpret mode)
+# A GPU has no scoped VMEM; what its kernels cannot hold (shared memory, registers) only the
+# GPU compiler knows. Matched by platform, not device kind ("NVIDIA H200", ...).
+GPU_TARGET = Target("gpu", "gpu", None)
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def get_target(name: str) -> Target:
+    """A TPU or CPU target by name (``v5e``) or by JAX device kind (``TPU v5 lite``)."""
+    if name in TARGETS:
+        return TARGETS[name]
+    for target in TARGETS.values():
+        if target.device_kind.lower() == name.lower():
+            return target
+    raise ConfigError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+
+
+def device_target(platform: str, device_kind: str) -> Target:
+    """The target of a JAX device (``device.platform``, ``device.device_kind``): a known TPU
+    generation, ``gpu`` for any CUDA/ROCm device, else ``cpu`` (interpret mode)."""
+    if platform in GPU_PLATFORMS:
+        return GPU_TARGET
+    return next((t for t in TARGETS.values() if t.device_kind == device_kind), TARGETS["cpu"])
