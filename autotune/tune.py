@@ -23,8 +23,9 @@ from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_sto
 from autotune.space import Space
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.resolve import installed_versions
 from kernel.table import shape_distance
-from storage import Store, TunedResult, installed_versions, make_engine
+from storage import Store, TunedResult, make_engine
 
 MAX_WARM_SEEDS = 3
 STORAGE_INIT_LOCK = 0x6175746F  # pg_advisory_lock key serialising Optuna's table setup
@@ -231,7 +232,9 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
         speedup=speedup, trials=result.measured, method=measurer.method,
-        study=name, **installed_versions()), force=options.force)
+        study=name, **{f"{package}_version": version
+                      for package, version in installed_versions().items()}),
+        force=options.force)
     confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                 "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
                                 "is_default": c == base, "is_winner": c == winner}

@@ -13,7 +13,6 @@ from storage.results import (
     SchemaError,
     StorageError,
     TunedResult,
-    installed_versions,
     registered_kernel,
 )
 from storage.schema import schema_is_current, schema_problem, upgrade
@@ -23,7 +22,6 @@ from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
 __all__ = [
     "DEFAULT_DB_URL", "FILTER_FIELDS", "METHODS", "ConfigKey", "DatabaseUrlError", "Entry",
     "HistoryEntry", "LookupRequest", "PublishOutcome", "ResultError", "SchemaError",
-    "StorageError", "StorageSettings", "Store", "TunedResult", "installed_versions",
-    "make_engine", "normalize_url", "registered_kernel", "schema_is_current", "schema_problem",
-    "upgrade",
+    "StorageError", "StorageSettings", "Store", "TunedResult", "make_engine", "normalize_url",
+    "registered_kernel", "schema_is_current", "schema_problem", "upgrade",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import math
 import re
 from collections.abc import Mapping
@@ -12,13 +11,12 @@ from datetime import datetime
 from typing import Any, Literal
 
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, TableEntry, TunableKernel, get_kernel
+from kernel.resolve import installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
 PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
                      "study")
-# The provenance fields that record a package version, and the package of each.
-VERSION_PACKAGES = {"jax_version": "jax", "jaxlib_version": "jaxlib", "libtpu_version": "libtpu"}
 
 
 class StorageError(ValueError):
@@ -43,18 +41,8 @@ def installed_kernel_version(kernel: str = DEFAULT_KERNEL) -> str:
     return registered_kernel(kernel).version
 
 
-@functools.cache
-def installed_versions() -> dict[str, str | None]:
-    """This environment's jax, jaxlib and libtpu versions as provenance fields (None: not
-    installed), read from package metadata: jax is not imported."""
-
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {field: version(package) for field, package in VERSION_PACKAGES.items()}
+# This process's jax, jaxlib and libtpu versions, read once (rendering a page asks per row).
+_installed_versions = functools.cache(installed_versions)
 
 
 def registered_kernel(name: str) -> TunableKernel:
@@ -171,16 +159,11 @@ class TunedResult:
             return False
         return other.median_ms is None or self.median_ms < other.median_ms
 
-    def version_changes(self, installed: Mapping[str, str | None] | None = None
-                        ) -> dict[str, tuple[str, str]]:
-        """The packages this result was tuned under at another version than ``installed``
-        (default: this environment's): field -> (tuned, installed). Non-empty means stale:
-        still legal, maybe no longer the fastest. A version the result did not record, or a
-        package not installed here (libtpu where nothing runs on a TPU), is not compared."""
-        installed = installed_versions() if installed is None else installed
-        return {field: (tuned, now) for field in VERSION_PACKAGES
-                if (tuned := getattr(self, field)) and (now := installed.get(field))
-                and tuned != now}
+    def stale_versions(self, installed: Mapping[str, str | None] | None = None) -> str:
+        """Which of its recorded jax, jaxlib and libtpu versions differ from ``installed``
+        (default: this environment's), as ``jax 0.9.0 (installed 0.10.2)``; '' when none do.
+        A stale config is still legal, but may no longer be the fastest."""
+        return stale_versions(self.measurements(), installed or _installed_versions())
 
     def measurements(self) -> dict[str, Any]:
         """Timings and provenance as plain fields (everything but key and config)."""

@@ -35,7 +35,7 @@ assert not absent, f"the bare install brought {absent}"
 problem = kernel.Problem(batch=1, q_heads=4, kv_heads=2, q_len=256, kv_len=256, head_dim=64,
                          dtype="float32", causal=True, mode="fwd")
 tuned = kernel.FlashConfig(block_q=128, block_kv=256, block_kv_compute=128)
-assert tuned != kernel.default_config(problem)
+assert tuned != kernel.get_kernel("flash").default_config(problem)
 table = kernel.LookupTable(kernel="flash", kernel_version="1", device_kind="cpu",
                            entries=(kernel.TableEntry(problem, tuned),))
 with open(sys.argv[1], "w") as f:

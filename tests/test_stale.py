@@ -11,12 +11,14 @@ import pytest
 
 from autotune.commands.tune import load_shapes
 from autotune.report import render
-from kernel.problem import Problem
-from kernel.space import default_config
-from storage import Store, TunedResult, installed_versions
+from kernel import Problem, get_kernel
+from kernel.resolve import installed_versions
+from storage import Store, TunedResult
 from tests.conftest import run_cli
 
-INSTALLED = installed_versions()
+# This environment's versions as the provenance fields of a tuned result.
+INSTALLED = {f"{package}_version": version for package, version in installed_versions().items()}
+default_config = get_kernel("flash").default_config
 
 
 def _problem(q_len: int) -> Problem:
@@ -41,22 +43,6 @@ def stale_db(sqlite_db_url: str) -> str:
                                       config=default_config(problem), median_ms=1.0,
                                       **versions))
     return sqlite_db_url
-
-
-def test_installed_versions_are_this_environments() -> None:
-    import jax
-    import jaxlib.version
-
-    assert INSTALLED["jax_version"] == jax.__version__
-    assert INSTALLED["jaxlib_version"] == jaxlib.version.__version__
-
-
-def test_version_changes_compare_only_what_both_sides_know() -> None:
-    result = TunedResult(device_kind="cpu", problem=_problem(128),
-                         config=default_config(_problem(128)), median_ms=1.0,
-                         jax_version="0.4.1", jaxlib_version="0.4.1", libtpu_version="0.0.1")
-    assert result.version_changes({"jax_version": "0.5.0", "jaxlib_version": "0.4.1",
-                                   "libtpu_version": None}) == {"jax_version": ("0.4.1", "0.5.0")}
 
 
 def test_stale_lists_the_stale_entries_and_writes_the_retune_commands(stale_db: str,

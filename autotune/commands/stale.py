@@ -32,29 +32,26 @@ def stale(
     from rich.table import Table
     from sqlalchemy.engine import make_url
 
-    from storage import installed_versions
+    from kernel.resolve import installed_versions
 
     with open_store(db) as store, database_errors(store.url):
         url = make_url(store.url).render_as_string(hide_password=True)
         entries, _ = store.list(limit=None)
     console = Console()
     installed = installed_versions()
-    here = ", ".join(f"{field.removesuffix('_version')} {version}"
-                     for field, version in installed.items() if version)
+    here = ", ".join(f"{package} {version}" for package, version in installed.items() if version)
     groups: dict[tuple[str, str], list] = {}
     table = Table(title=f"configs tuned under other versions than this environment's ({here})")
     for column in ("kernel", "device kind", "problem", "config", "tuned under"):
         table.add_column(column)
     for entry in entries:
         result = entry.result
-        changes = result.version_changes(installed)
+        changes = result.stale_versions(installed)
         if not changes:
             continue
         groups.setdefault((result.kernel, result.device_kind), []).append(result.problem)
         table.add_row(result.kernel, result.device_kind, result.problem.label(),
-                      result.config.label(), ", ".join(
-                          f"{field.removesuffix('_version')} {tuned}"
-                          for field, (tuned, _) in changes.items()))
+                      result.config.label(), changes)
     if not groups:
         console.print(f"no stale configs: all {len(entries)} were tuned under this "
                       f"environment's versions ({here}) or recorded none")
