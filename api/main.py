@@ -16,8 +16,8 @@ from api.cache import LOOKUP_PATH, LookupCache, LookupCacheMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routers import configs, health, pages, tables
 from api.settings import ApiSettings
-from kernel import ConfigError, ProblemError, TableError
-from storage import StorageError, Store
+from kernel import AutotuneError
+from storage import Store
 
 log = logging.getLogger("api")
 
@@ -48,12 +48,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     for router in (configs.router, tables.router, health.router, pages.router):
         app.include_router(router)
 
-    @app.exception_handler(ProblemError)
-    @app.exception_handler(ConfigError)
-    @app.exception_handler(TableError)
-    @app.exception_handler(StorageError)
-    async def _invalid(_request: Request, error: ValueError) -> JSONResponse:
-        # The kernel's and storage's own validation: the message names the field or rule.
+    @app.exception_handler(AutotuneError)
+    async def _invalid(_request: Request, error: AutotuneError) -> JSONResponse:
+        # The project's own validation (one error root): the message names the field or rule.
         return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
 
     @app.exception_handler(SQLAlchemyError)

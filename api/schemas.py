@@ -10,11 +10,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
-from kernel import DEFAULT_KERNEL
-from storage import METHODS, Entry, LookupRequest, TunedResult, registered_kernel
+from kernel import DEFAULT_KERNEL, get_kernel
+from storage import METHODS, Entry, LookupRequest, TunedResult
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 MAX_BATCH_KEYS = 1000
+# The versions a result was tuned under: the resolver marks an entry stale when they moved.
+VERSION_FIELDS = ("jax_version", "jaxlib_version", "libtpu_version")
 
 Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
@@ -114,7 +116,7 @@ class PublishRequest(Measurements):
         return TunedResult(
             kernel=self.key.kernel, device_kind=self.key.device_kind,
             platform=self.key.platform or "", problem=self.key.to_problem(),
-            config=registered_kernel(self.key.kernel).config_from_dict(self.config),
+            config=get_kernel(self.key.kernel).config_from_dict(self.config),
             **{name: getattr(self, name) for name in Measurements.model_fields}, **extra)
 
 
@@ -148,6 +150,8 @@ class LookupResponse(BaseModel):
     key: KeyOut = Field(description="The tuned key the config comes from.")
     time_ms: float | None
     speedup: float | None
+    provenance: dict[str, str | None] = Field(
+        description="The jax, jaxlib and libtpu versions it was tuned under.")
 
 
 class BatchLookupRequest(_Strict):
@@ -189,4 +193,5 @@ def lookup_body(entry: Entry, match: str) -> dict[str, Any]:
     """The JSON body of a found lookup (what ``kernel.resolve`` reads)."""
     result = entry.result
     return {"config": result.config.to_dict(), "match": match, "key": result.key.to_dict(),
-            "time_ms": result.median_ms, "speedup": result.speedup}
+            "time_ms": result.median_ms, "speedup": result.speedup,
+            "provenance": {name: getattr(result, name) for name in VERSION_FIELDS}}

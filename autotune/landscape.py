@@ -16,9 +16,10 @@ from typing import Any
 
 from autotune.search import OK, Measurement
 from autotune.space import Config, Key, Space
+from kernel import AutotuneError
 
 
-class LandscapeError(ValueError):
+class LandscapeError(AutotuneError):
     """A landscape file is missing or malformed; the message names the file and the problem."""
 
 

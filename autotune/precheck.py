@@ -115,8 +115,8 @@ def candidates(problem: Problem, target: Target, kernel: TunableKernel, *,
                    for c in kernel.search_space(fwd_problem, target, ignore=frozenset({"vmem"}))}
         params = kernel.space_params(problem)
         for part in backward:
-            for values in itertools.product(*(params[f] for f in part)):
-                configs.setdefault(base.replace(**dict(zip(part, values))), False)
+            for values in itertools.product(*(params[f] for f in part)):  # incl. the default
+                configs[base.replace(**dict(zip(part, values)))] = False
     out = [Candidate(c, not kernel.violations(problem, c, target), forward_only)
            for c, forward_only in configs.items()]
     return out if include_rejected else [c for c in out if c.predicted_fit]

@@ -15,10 +15,11 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from autotune.plots import ProblemView, problem_view, read_storage, template_env
+from kernel import AutotuneError
 from storage import Store
 
 
-class ReportError(ValueError):
+class ReportError(AutotuneError):
     """Nothing to report; the message says what the database holds instead."""
 
 

@@ -84,7 +84,7 @@ class TunableKernel(ABC):
         ``version`` (bump it when a config's meaning changes), ``description``, ``targets``
         (rule targets it can be tuned or prechecked for), ``platforms`` (JAX platforms where it
         runs natively), ``config_type`` and ``landscape_axes`` (two tile fields and a panel
-        field for the report's landscape plot).
+        field for the report's landscape plot; empty for a backend without tunable fields).
       - ``space_params``: the values of each field the search varies, per mode.
       - ``violations``: every rule a config breaks, pure Python, each with a stable rule name
         and a message that says how to fix it; include ``problem_violations`` (what no config
@@ -106,7 +106,7 @@ class TunableKernel(ABC):
     targets: ClassVar[tuple[str, ...]]
     platforms: ClassVar[tuple[str, ...]]
     config_type: ClassVar[type[IntConfig]]
-    landscape_axes: ClassVar[tuple[str, str, str]]
+    landscape_axes: ClassVar[tuple[str, ...]]  # (x, y, panel) fields; () when none
     # fwd_bwd only: field groups of kernels that compile independently, the forward's first.
     # A config compiles exactly when each part does with the others at the default, so
     # precheck covers the product of the parts with their sum of compiles. Empty: one program.

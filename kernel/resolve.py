@@ -31,7 +31,7 @@ from kernel.contract import TunableKernel
 from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.table import LookupTable
-from kernel.targets import Target
+from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,14 @@ class Resolver:
     def platform_kernel(self, platform: str) -> TunableKernel:
         """The backend ``flash_attention`` runs on a JAX platform, with what the installed JAX
         tells it: ``AUTOTUNE_TPU_KERNEL`` on a TPU, else the first registered backend native
-        to the platform; on a CPU (no native backend) the default one, interpreted."""
-        name = self.settings.tpu_kernel if platform == "tpu" else None
-        if name is None:
+        to the platform; on a CPU the default one, interpreted (the CPU is the TPU kernel's
+        correctness oracle)."""
+        platform = "gpu" if platform in GPU_PLATFORMS else platform
+        if platform == "tpu" and self.settings.tpu_kernel:
+            name = self.settings.tpu_kernel
+        elif platform == "cpu":
+            name = DEFAULT_KERNEL
+        else:
             name = next((k.name for k in KERNELS.values() if platform in k.platforms),
                         DEFAULT_KERNEL)
         return self.kernel(name)

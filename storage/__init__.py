@@ -13,7 +13,6 @@ from storage.results import (
     SchemaError,
     StorageError,
     TunedResult,
-    registered_kernel,
 )
 from storage.schema import schema_is_current, schema_problem, upgrade
 from storage.settings import DEFAULT_DB_URL, StorageSettings
@@ -23,5 +22,5 @@ __all__ = [
     "DEFAULT_DB_URL", "FILTER_FIELDS", "METHODS", "ConfigKey", "DatabaseUrlError", "Entry",
     "HistoryEntry", "LookupRequest", "PublishOutcome", "ResultError", "SchemaError",
     "StorageError", "StorageSettings", "Store", "TunedResult", "make_engine", "normalize_url",
-    "registered_kernel", "schema_is_current", "schema_problem", "upgrade",
+    "schema_is_current", "schema_problem", "upgrade",
 ]

@@ -6,11 +6,13 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from kernel import AutotuneError
+
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTIONS = {"autotune_write": True}  # execution option: this transaction will write
 
 
-class DatabaseUrlError(ValueError):
+class DatabaseUrlError(AutotuneError):
     """A database URL cannot be used; the message says what a valid one looks like."""
 
 

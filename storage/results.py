@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from kernel import DEFAULT_KERNEL, ConfigError, Problem, TableEntry, TunableKernel, get_kernel
+from kernel import DEFAULT_KERNEL, AutotuneError, Problem, TableEntry, get_kernel
 from kernel.resolve import installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
@@ -19,7 +19,7 @@ PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtp
                      "study")
 
 
-class StorageError(ValueError):
+class StorageError(AutotuneError):
     """Base of the errors storage raises on bad input; messages name the field and the fix."""
 
 
@@ -38,19 +38,11 @@ def default_platform(device_kind: str) -> str:
 
 def installed_kernel_version(kernel: str = DEFAULT_KERNEL) -> str:
     """The installed version of kernel ``kernel`` (the registry is jax-free to import)."""
-    return registered_kernel(kernel).version
+    return get_kernel(kernel).version
 
 
 # This process's jax, jaxlib and libtpu versions, read once (rendering a page asks per row).
 _installed_versions = functools.cache(installed_versions)
-
-
-def registered_kernel(name: str) -> TunableKernel:
-    """The registered kernel ``name``; an unknown one is a ``ResultError`` listing the known."""
-    try:
-        return get_kernel(name)
-    except ConfigError as error:
-        raise ResultError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -114,7 +106,7 @@ class TunedResult:
 
     def __post_init__(self) -> None:
         _check_text("kernel", self.kernel)
-        rules = registered_kernel(self.kernel)
+        rules = get_kernel(self.kernel)
         if not self.kernel_version:
             object.__setattr__(self, "kernel_version", rules.version)
         for name in ("kernel_version", "device_kind"):

@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernel import DEFAULT_KERNEL, LookupTable, Problem
+from kernel import DEFAULT_KERNEL, LookupTable, Problem, get_kernel
 from kernel.table import nearest_entry
 from storage.engine import WRITE_OPTIONS, make_engine, normalize_url
 from storage.models import FAMILY_COLUMNS, KEY_COLUMNS, TunedConfigHistoryRow, TunedConfigRow
@@ -28,7 +28,6 @@ from storage.results import (
     StorageError,
     TunedResult,
     installed_kernel_version,
-    registered_kernel,
 )
 from storage.schema import schema_problem
 from storage.settings import StorageSettings
@@ -101,7 +100,7 @@ def _result(row: Any) -> TunedResult:
         kernel=get("kernel"), kernel_version=get("kernel_version"),
         device_kind=get("device_kind"), platform=get("platform"),
         problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}),
-        config=registered_kernel(get("kernel")).config_from_dict(get("config")),
+        config=get_kernel(get("kernel")).config_from_dict(get("config")),
         **{name: get(name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)})
 
 

@@ -83,7 +83,7 @@ def test_nearest_lookup_uses_a_legal_config_and_misses_are_404(server: Server) -
 def test_lookups_see_writes_made_directly_to_the_database(server: Server) -> None:
     """Answers are cached per data version: a tuner writing to the database (not through the
     service) is visible on the next lookup, misses included."""
-    from kernel.config import FlashConfig
+    from kernel import FlashConfig
     from storage import TunedResult
 
     kind = device()
@@ -389,17 +389,19 @@ def test_concurrent_readers_and_a_writer(busy_server: Server) -> None:
 def test_the_kernel_resolver_reads_the_service(server: Server) -> None:
     """``kernel.resolve`` (urllib) against the real service: exact, nearest, and a miss that
     falls back to the default config."""
+    from kernel import get_target
     from kernel.resolve import Resolver, ResolverSettings
 
-    kind = device()
+    kind, cpu = device(), get_target("cpu")
     publish(server, body(kind, config={"block_q": 512, "block_kv": 512}))
     resolver = Resolver(ResolverSettings(url=server.url, timeout_s=10))
-    exact = resolver.resolve(Problem.from_dict(PROBLEM), kind)
+    exact = resolver.resolve(Problem.from_dict(PROBLEM), kind, "flash", cpu)
     assert (exact.source, exact.config.block_q, exact.detail) == (
         "service", 512, "exact match from service")
-    nearest = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 2048}), kind)
+    nearest = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 2048}), kind, "flash",
+                               cpu)
     assert (nearest.source, nearest.config.block_q) == ("service", 512)
     assert nearest.detail == "nearest match from service"
-    miss = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 256}), kind)
+    miss = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 256}), kind, "flash", cpu)
     assert miss.source == "default" and "no config" in miss.detail
     assert resolver.service_requests == 3

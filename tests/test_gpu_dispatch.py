@@ -2,7 +2,7 @@
 (``pallas_gpu``) on a GPU, and the kernel named by ``AUTOTUNE_TPU_KERNEL`` on a TPU, each with a
 config resolved for that kernel, kept apart from ``flash``'s.
 
-No GPU or TPU is attached here, so the dispatch is called with a stand-in for the device (its
+No GPU or TPU is attached here, so the wrapper is given a stand-in for the default device (its
 platform and device kind, all the dispatch reads); the kernels themselves run for real, in
 interpret mode on the CPU, with the same resolution (pinned table, service, default).
 """
@@ -10,19 +10,18 @@ interpret mode on the CPU, with the same resolution (pinned table, service, defa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel import flash
-from kernel.config import ConfigError, FlashConfig
-from kernel.pallas_gpu import PallasGpuConfig
-from kernel.problem import Problem
-from kernel.registry import get_kernel
-from kernel.resolve import ResolverSettings, get_resolver, reset_resolver, resolution_sources
+import kernel
+from kernel import ConfigError, FlashConfig, Problem, get_kernel, reference_attention, \
+    resolution_sources
+from kernel.backends.pallas_gpu import PallasGpuConfig
+from kernel.resolve import ResolverSettings, get_resolver, reset_resolver
+from kernel.targets import GPU_TARGET, get_target
 
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_dim=64,
                   dtype="float32", causal=True)
@@ -30,16 +29,17 @@ GPU_CONFIG = PallasGpuConfig(block_q=32, block_k=64, block_q_dkv=32, block_kv_dk
                              block_q_dq=32, block_kv_dq=32, num_warps=4, num_stages=2)
 
 
-@dataclass(frozen=True)
-class Device:
-    """What the dispatch reads of a ``jax.Device``."""
-
-    platform: str
-    device_kind: str
+GPU = ("gpu", "NVIDIA H200")  # (platform, device kind): what the wrapper reads of a device
+CPU_AS_GPU = ("gpu", "cpu")  # a GPU whose tuned entries are stored under device kind cpu
 
 
-GPU = Device("gpu", "NVIDIA H200")
-CPU_AS_GPU = Device("gpu", "cpu")  # a GPU whose tuned entries are stored under device kind cpu
+@pytest.fixture
+def on_device(monkeypatch):
+    """Makes ``kernel.flash_attention`` see a default device of this (platform, kind)."""
+    import kernel.attention
+
+    return lambda device: monkeypatch.setattr(kernel.attention, "_default_device",
+                                              lambda: device)
 
 
 def table_file(tmp_path, kernel: str, config: dict) -> str:
@@ -64,58 +64,62 @@ def fresh_resolver():
     reset_resolver(ResolverSettings())
 
 
-def test_gpu_branch_uses_the_pinned_pallas_gpu_config_and_matches_the_reference(tmp_path):
+def test_gpu_branch_uses_the_pinned_pallas_gpu_config_and_matches_the_reference(tmp_path,
+                                                                                   on_device):
     resolver = reset_resolver(ResolverSettings(table_paths=(
         table_file(tmp_path, "pallas_gpu", GPU_CONFIG.to_dict()),
         table_file(tmp_path, "flash", FlashConfig().to_dict()))))
+    on_device(CPU_AS_GPU)
     q, k, v = inputs()
-    out = flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 64 ** -0.5, None, CPU_AS_GPU)
-    want = flash.reference_attention(q, k, v, causal=True)
+    out = kernel.flash_attention(q, k, v, causal=True)
+    want = reference_attention(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert resolution_sources() == {("pallas_gpu", "cpu", PROBLEM): "table"}
     # The same problem resolves to flash's own entry, not the GPU kernel's.
-    assert resolver.resolve(PROBLEM, "cpu").config == FlashConfig()
-    assert resolver.resolve(PROBLEM, "cpu", "pallas_gpu").config == GPU_CONFIG
+    cpu = get_target("cpu")
+    assert resolver.resolve(PROBLEM, "cpu", "flash", cpu).config == FlashConfig()
+    assert resolver.resolve(PROBLEM, "cpu", "pallas_gpu", cpu).config == GPU_CONFIG
 
 
-def test_gpu_branch_falls_back_to_the_pallas_gpu_default_without_a_table():
+def test_gpu_branch_falls_back_to_the_pallas_gpu_default_without_a_table(on_device):
     reset_resolver(ResolverSettings())
-    q, k, v = inputs()
-    flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 64 ** -0.5, None, GPU)
-    resolution = get_resolver().resolve(PROBLEM, "NVIDIA H200", "pallas_gpu")
-    assert resolution.source == "default"
+    on_device(GPU)
+    kernel.flash_attention(*inputs(), causal=True)
+    assert resolution_sources() == {("pallas_gpu", "NVIDIA H200", PROBLEM): "default"}
+    resolution = get_resolver().resolve(PROBLEM, "NVIDIA H200", "pallas_gpu", GPU_TARGET)
     assert resolution.config == get_kernel("pallas_gpu").default_config(PROBLEM, "gpu")
 
 
-def test_gpu_branch_refuses_a_flash_config_and_an_illegal_one():
+def test_gpu_branch_refuses_a_flash_config_and_an_illegal_one(on_device):
+    on_device(GPU)
     q, k, v = inputs()
     with pytest.raises(TypeError, match="PallasGpuConfig"):
-        flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 1.0, FlashConfig(), GPU)
+        kernel.flash_attention(q, k, v, causal=True, config=FlashConfig())
     with pytest.raises(ConfigError, match="block"):
-        flash._attention_with("pallas_gpu", q, k, v, PROBLEM, 1.0,
-                              GPU_CONFIG.replace(block_q=48), GPU)
+        kernel.flash_attention(q, k, v, causal=True, config=GPU_CONFIG.replace(block_q=48))
 
 
 def test_the_wrapper_runs_pallas_gpu_on_a_gpu_and_the_named_kernel_on_a_tpu():
-    reset_resolver(ResolverSettings())
-    assert [flash.wrapper_kernel(p) for p in ("gpu", "cuda", "tpu", "cpu")] == [
+    resolver = reset_resolver(ResolverSettings())
+    assert [resolver.platform_kernel(p).name for p in ("gpu", "cuda", "tpu", "cpu")] == [
         "pallas_gpu", "pallas_gpu", "flash", "flash"]
-    reset_resolver(ResolverSettings(tpu_kernel="jax_tpu_flash"))
-    assert flash.wrapper_kernel("tpu") == "jax_tpu_flash"
-    assert flash.wrapper_kernel("cpu") == "flash"  # the CPU always interprets ours
+    resolver = reset_resolver(ResolverSettings(tpu_kernel="jax_tpu_flash"))
+    assert resolver.platform_kernel("tpu").name == "jax_tpu_flash"
+    assert resolver.platform_kernel("cpu").name == "flash"  # the CPU always interprets ours
 
 
-def test_tpu_branch_runs_the_kernel_named_in_settings():
+def test_tpu_branch_runs_the_kernel_named_in_settings(on_device):
     reset_resolver(ResolverSettings(tpu_kernel="jax_tpu_flash"))
+    on_device(("tpu", "TPU v5 lite"))
     problem = Problem(batch=1, q_heads=2, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
                       dtype="float32", causal=True)
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (1, 2, 256, 128), jnp.float32)
     k, v = (jax.random.normal(key, (1, 1, 256, 128), jnp.float32) for key in keys[1:])
-    out = flash._attention_with("jax_tpu_flash", q, k, v, problem, 128 ** -0.5, None,
-                                Device("tpu", "TPU v5 lite"))
-    want = flash.reference_attention(q, k, v, causal=True)
+    out = kernel.flash_attention(q, k, v, causal=True)
+    want = reference_attention(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
-    resolution = get_resolver().resolve(problem, "TPU v5 lite", "jax_tpu_flash")
-    assert resolution.source == "default"
+    assert resolution_sources() == {("jax_tpu_flash", "TPU v5 lite", problem): "default"}
+    resolution = get_resolver().resolve(problem, "TPU v5 lite", "jax_tpu_flash",
+                                        get_target("v5e"))
     assert resolution.config == get_kernel("jax_tpu_flash").default_config(problem, "v5e")

@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel.config import ConfigError, FlashConfig
-from kernel.flash import flash_attention
-from kernel.problem import Problem
-from kernel.resolve import ResolverSettings, reset_resolver, resolution_sources
-from kernel.space import default_config
-from kernel.table import LookupTable, TableEntry
+from kernel import ConfigError, FlashConfig, LookupTable, Problem, TableEntry, flash_attention, \
+    get_kernel, resolution_sources
+from kernel.resolve import ResolverSettings, reset_resolver
+
+default_config = get_kernel("flash").default_config
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -36,7 +35,7 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
     (GOOD_Q, _sds((1, 2, 1, 256, 64)), GOOD_KV, {}, ValueError, "k must have rank 4"),
     (_sds((1, 4, 256, 64), jnp.float16), _sds((1, 2, 256, 64), jnp.float16),
      _sds((1, 2, 256, 64), jnp.float16), {}, TypeError,
-     "q has dtype float16; flash_attention supports float32 and bfloat16"),
+     "q has dtype float16; flash_attention supports bfloat16 and float32"),
     (_sds((1, 4, 256, 64), jnp.int32), GOOD_KV, GOOD_KV, {}, TypeError, "q has dtype int32"),
     (GOOD_Q, _sds((1, 2, 256, 64), BF16), _sds((1, 2, 256, 64), BF16), {}, TypeError,
      "q, k and v must share one dtype, got float32, bfloat16, bfloat16"),
@@ -48,11 +47,11 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "q has head_dim 128 but k/v have head_dim 64"),
     (_sds((1, 3, 256, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
      "q_heads (3) must be a multiple of kv_heads (2)"),
-    (_sds((1, 4, 5000, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
-     "q_len=5000 admits no legal block: sequences longer than 4096 must be a multiple of 128. "
-     "Padding is not supported"),
+    (_sds((1, 4, 5000, 64)), GOOD_KV, GOOD_KV, {}, ConfigError,
+     "[seq_len] q_len=5000 admits no legal block: a sequence longer than 4096 must be a "
+     "multiple of 128; pad it to 5120 and mask the padding"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"config": {"block_q": 128}}, TypeError,
-     "config must be a kernel.FlashConfig or None, got dict"),
+     "config must be a FlashConfig or None, got dict; build one with FlashConfig.from_dict"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"sm_scale": -1.0}, ValueError,
      "sm_scale must be positive and finite, got -1.0"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"sm_scale": "0.1"}, TypeError,
@@ -184,7 +183,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_import_kernel_does_not_import_jax():
-    result = _python("import sys, kernel; kernel.FlashConfig(); kernel.violations; "
+    result = _python("import sys, kernel; kernel.FlashConfig(); kernel.get_kernel('flash'); "
                      "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -197,8 +196,8 @@ import jax.numpy as jnp
 import kernel
 q = jnp.ones((1, 2, 128, 64), jnp.float32)
 out = kernel.flash_attention(q, q, q, causal=True)
-kernel.search_space(kernel.Problem(1, 2, 2, 128, 128, 64, "float32", True, "fwd_bwd"))
-kernel.supported_pipeline_depths()
+flash = kernel.get_kernel("flash").discover()
+flash.search_space(kernel.Problem(1, 2, 2, 128, 128, 64, "float32", True, "fwd_bwd"))
 assert out.shape == q.shape
 print(sorted({m.split('.')[0] for m in sys.modules}
              & {"storage", "api", "autotune", "optuna", "fastapi", "sqlalchemy", "httpx"}))

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import pytest
 
 import kernel
-from kernel import flash
-from kernel.config import ConfigError, FlashConfig
-from kernel.depths import MAX_PROBED_DEPTH, pipeline_depth_lowers, supported_pipeline_depths
-from kernel.problem import Problem
+from kernel import ConfigError, FlashConfig, Problem
+from kernel.backends.flash import pallas
+from kernel.backends.flash.depths import pipeline_depth_lowers, supported_pipeline_depths
+from kernel.backends.flash.rules import MAX_PROBED_DEPTH
+
+FLASH = kernel.get_kernel("flash").discover()
 
 PROBLEM = Problem(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
                   dtype="bfloat16", causal=True)
@@ -30,7 +32,7 @@ def _specs(problem: Problem) -> list[jax.ShapeDtypeStruct]:
 def _attention(problem: Problem, config: FlashConfig):
     """The forward pass, or all three gradients in ``fwd_bwd`` mode."""
     def attend(q, k, v):
-        return flash.flash_attention(q, k, v, causal=problem.causal, config=config)
+        return kernel.flash_attention(q, k, v, causal=problem.causal, config=config)
 
     if problem.mode == "fwd":
         return attend
@@ -57,7 +59,7 @@ def _kernel_keys(config: FlashConfig) -> set[tuple]:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_every_forward_config_lowers_for_tpu(causal):
     problem = Problem(**{**PROBLEM.to_dict(), "causal": causal, "mode": "fwd"})
-    configs = kernel.search_space(problem, "v5e")
+    configs = FLASH.search_space(problem, "v5e")
     assert len(configs) >= 30
     for config in configs:
         assert _tpu_kernels(problem, config) == ["flash_fwd"], config.label()
@@ -67,7 +69,7 @@ def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
     """The fwd_bwd space is the product of three kernels' tiles; lowering a subset that
     contains every distinct tiling of each kernel covers all of it."""
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
-    space = kernel.search_space(problem, "v5e")
+    space = FLASH.search_space(problem, "v5e")
     needed = set().union(*map(_kernel_keys, space))
     covered: set[tuple] = set()
     for config in space:
@@ -81,16 +83,11 @@ def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
 
 def test_default_config_compiles_with_mosaic_for_v5e():
     """A real deviceless compile (libtpu's Mosaic compiler) of forward and backward."""
-    from jax.experimental import topologies
-    from jax.sharding import SingleDeviceSharding
+    from kernel.aot import input_specs, topology_device
 
-    topology = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu",
-                                            chips_per_host_bounds=(1, 1, 1))
-    device = topology.devices[0]
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
-    specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=SingleDeviceSharding(device))
-             for s in _specs(problem)]
-    config = kernel.default_config(problem, "v5e")
+    specs = input_specs(problem, topology_device("v5e"))
+    config = FLASH.default_config(problem, "v5e")
     compiled = jax.jit(_attention(problem, config)).trace(*specs).lower().compile()
     assert "tpu_custom_call" in compiled.as_text()
 
@@ -127,7 +124,7 @@ def test_supported_pipeline_depths_are_exactly_those_that_lower():
     if len(depths) < MAX_PROBED_DEPTH:
         assert not pipeline_depth_lowers(len(depths) + 1)
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
-    assert {c.pipeline_depth for c in kernel.search_space(problem, "v5e")} == set(depths)
+    assert {c.pipeline_depth for c in FLASH.search_space(problem, "v5e")} == set(depths)
 
 
 def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
@@ -146,8 +143,8 @@ def test_kernels_buffer_kv_with_the_configured_depth(depth_ok):
     q, k, v = _specs(PROBLEM)
     rows = jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)
     calls = {
-        "fwd": lambda q, k, v: flash._forward(q, k, v, config, True, 0.1, save_lse=False)[0],
-        "dq": lambda q, k, v, do, lse, delta: flash._backward_dq(q, k, v, do, lse, delta,
+        "fwd": lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, save_lse=False)[0],
+        "dq": lambda q, k, v, do, lse, delta: pallas._backward_dq(q, k, v, do, lse, delta,
                                                                  config, True, 0.1),
     }
     args = {"fwd": (q, k, v), "dq": (q, k, v, q, rows, rows)}

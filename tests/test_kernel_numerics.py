@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel.config import FlashConfig
-from kernel.flash import flash_attention, reference_attention
+from kernel import FlashConfig
+from kernel import flash_attention, reference_attention
 
 # (batch, q_heads, kv_heads, q_len, kv_len, head_dim), dtype, causal, config, sm_scale
 CASES = [

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import problem_flags, run_cli
-from kernel.config import FlashConfig
+from kernel import FlashConfig
 from kernel.problem import Problem
 from kernel.registry import get_kernel
 from storage import ResultError, Store, TunedResult
@@ -114,7 +114,7 @@ def test_precheck_compiles_the_jax_tpu_flash_space_for_v5e() -> None:
     """Deviceless: the upstream TPU kernel's whole space for a tiny problem, compiled by the
     real Mosaic compiler for v5e; the VMEM rule admits what compiles."""
     from autotune.precheck import candidates
-    from kernel.space import get_target
+    from kernel import get_target
 
     problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
                       dtype="bfloat16", causal=False, mode="fwd")
@@ -124,7 +124,7 @@ def test_precheck_compiles_the_jax_tpu_flash_space_for_v5e() -> None:
                    timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     *rows, summary = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    expected = candidates(problem, get_target("v5e"), (), kernel=kernel)
+    expected = candidates(problem, get_target("v5e"), kernel)
     compiled = [kernel.config_from_dict(r["config"]) for r in rows]  # in completion order
     assert len(compiled) == len(set(compiled)) == len(kernel.search_space(problem, "v5e")) > 1
     assert set(compiled) == {c.config for c in expected}
@@ -137,7 +137,29 @@ def test_precheck_refuses_what_a_kernel_cannot_check() -> None:
                    env={"COLUMNS": "400"})
     assert done.returncode == 2
     assert "kernel 'pallas_gpu' has no target 'v5e'; choose one of gpu, cpu" in done.stderr
-    other_limit = run_cli("precheck", "--kernel", "jax_tpu_flash", "--vmem-limit-kib", "256",
-                          "--q-len", "256", env={"COLUMNS": "400"})
-    assert other_limit.returncode == 2
-    assert "leave --vmem-limit-kib out" in other_limit.stderr
+
+
+
+def test_a_lowered_vmem_limit_applies_to_every_kernel_s_rules() -> None:
+    """``--vmem-limit-kib`` lowers the target's scoped limit, which every kernel's VMEM rule
+    reads: fewer configs are predicted to fit."""
+    from autotune.precheck import candidates, vmem_limited
+    from kernel import get_target
+
+    problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=1024, kv_len=1024, head_dim=128,
+                      dtype="bfloat16", causal=False, mode="fwd")
+    for name in ("flash", "jax_tpu_flash"):
+        kernel = get_kernel(name)
+        full = candidates(problem, get_target("v5e"), kernel, include_rejected=True)
+        low = candidates(problem, vmem_limited(get_target("v5e"), 2 << 20), kernel,
+                         include_rejected=True)
+        assert 0 < sum(c.predicted_fit for c in low) < sum(c.predicted_fit for c in full)
+
+
+def test_tune_refuses_a_length_no_block_can_tile(tmp_path: Path) -> None:
+    done = run_cli("tune", "--batch", "1", "--q-heads", "2", "--q-len", "5000", "--head-dim",
+                   "64", "--trials", "2", "--db", f"sqlite:///{tmp_path / 'x.db'}",
+                   env={"COLUMNS": "400"})
+    assert done.returncode == 2, done.stderr
+    assert "[seq_len] q_len=5000 admits no legal block" in done.stderr
+    assert "pad it to 5120" in done.stderr and "Traceback" not in done.stderr

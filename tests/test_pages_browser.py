@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import Server, run_cli
-from kernel.config import FlashConfig
+from kernel import FlashConfig
 from kernel.problem import Problem
 from storage import Store, TunedResult
 

@@ -14,12 +14,13 @@ import pytest
 from conftest import run_cli
 
 from autotune.failures import Status, classify_compile_error
-from autotune.precheck import Agreement, PrecheckResult, candidates, precheck
+from autotune.precheck import Agreement, PrecheckResult, candidates, precheck, vmem_limited
+from kernel import FlashConfig, Problem, get_kernel, get_target
 from kernel.aot import compile_for_target
-from kernel.config import BACKWARD_FIELDS, FlashConfig
-from kernel.depths import supported_pipeline_depths
-from kernel.problem import Problem
-from kernel.space import default_config, get_target, vmem_estimate, vmem_violations
+from kernel.backends.flash.config import BACKWARD_FIELDS
+from kernel.backends.flash.rules import vmem_estimate, vmem_violations
+
+FLASH = get_kernel("flash").discover()
 
 TARGETS = ["v5e", "v6e"]
 SMALL = Problem(batch=1, q_heads=2, kv_heads=1, q_len=512, kv_len=512, head_dim=128,
@@ -47,35 +48,34 @@ def test_classify_compile_error_reads_both_vmem_messages():
 @pytest.mark.parametrize("target", TARGETS)
 def test_default_config_compiles_for_target(target):
     problem = Problem(**{**TINY.to_dict(), "mode": "fwd_bwd"})
-    config = default_config(problem, target, depths=supported_pipeline_depths())
+    config = FLASH.default_config(problem, target)
     assert not vmem_violations(problem, config, get_target(target))
-    assert compile_for_target(problem, config, target) > 0
+    assert compile_for_target(FLASH, problem, config, target) > 0
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_config_over_the_scoped_limit_is_classified_vmem_oom(target):
-    limit = LOW_LIMIT_KIB * 1024
-    assert vmem_violations(SMALL, BIG_BLOCKS, get_target(target), limit)  # estimate agrees
+    limited = vmem_limited(get_target(target), LOW_LIMIT_KIB * 1024)
+    assert vmem_violations(SMALL, BIG_BLOCKS, limited)  # the estimate agrees
     with pytest.raises(Exception) as raised:
-        compile_for_target(SMALL, BIG_BLOCKS, target,
+        compile_for_target(FLASH, SMALL, BIG_BLOCKS, target,
                            {"xla_tpu_scoped_vmem_limit_kib": LOW_LIMIT_KIB})
     assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM, str(raised.value)
     # ... while the same config compiles under the target's own limit.
     assert not vmem_violations(SMALL, BIG_BLOCKS, get_target(target))
-    assert compile_for_target(SMALL, BIG_BLOCKS, target) > 0
+    assert compile_for_target(FLASH, SMALL, BIG_BLOCKS, target) > 0
 
 
 def test_fwd_bwd_forward_variants_compile_the_forward_kernel_alone():
     problem = Problem(**{**TINY.to_dict(), "mode": "fwd_bwd"})
-    depths = supported_pipeline_depths()
-    base = default_config(problem, "v5e", depths=depths)
-    todo = candidates(problem, get_target("v5e"), depths, include_rejected=True)
+    base = FLASH.default_config(problem, "v5e")
+    todo = candidates(problem, get_target("v5e"), FLASH, include_rejected=True)
     for candidate in todo:  # backward variants and the default compile the whole gradient
         backward_at_default = all(getattr(candidate.config, f) == getattr(base, f)
                                   for f in BACKWARD_FIELDS)
         assert candidate.forward_only == (backward_at_default and candidate.config != base)
     forward_variant = next(c.config for c in todo if c.forward_only)
-    assert compile_for_target(problem, forward_variant, "v5e", forward_only=True) > 0
+    assert compile_for_target(FLASH, problem, forward_variant, "v5e", forward_only=True) > 0
 
 
 def _smallest_estimate_kib(problem: Problem) -> int:
@@ -83,7 +83,7 @@ def _smallest_estimate_kib(problem: Problem) -> int:
     the estimate admits at least that config, and the largest configs (which need more than
     that) overflow."""
     return min(max(vmem_estimate(problem, c.config).values())
-               for c in candidates(problem, get_target("v5e"), supported_pipeline_depths(),
+               for c in candidates(problem, get_target("v5e"), FLASH,
                                    include_rejected=True)) // 1024
 
 
@@ -99,8 +99,8 @@ def cli_sweep() -> tuple[list[dict], dict, int]:
                    timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    expected = len(candidates(TINY, get_target("v5e"), supported_pipeline_depths(),
-                              include_rejected=True, vmem_limit_bytes=limit_kib * 1024))
+    expected = len(candidates(TINY, vmem_limited(get_target("v5e"), limit_kib * 1024), FLASH,
+                              include_rejected=True))
     return lines[:-1], lines[-1], expected
 
 
@@ -146,11 +146,10 @@ def test_cli_refuses_a_target_that_is_not_a_tpu_generation(target):
 
 def test_compile_over_the_timeout_is_classified_timeout_and_the_sweep_finishes():
     problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=128)
-    depths = supported_pipeline_depths()
-    todo = candidates(problem, get_target("v5e"), depths)
+    todo = candidates(problem, get_target("v5e"), FLASH)
     assert len(todo) >= 2  # one worker is killed and replaced for the second candidate
     seen: list[PrecheckResult] = []
-    results = precheck(problem, get_target("v5e"), depths, jobs=1, timeout_s=0.001,
+    results = precheck(problem, get_target("v5e"), FLASH, jobs=1, timeout_s=0.001,
                        on_result=seen.append)
     assert [r.config for r in results] == [c.config for c in todo]
     assert seen and len(seen) == len(results)

@@ -34,7 +34,7 @@ from autotune.plots import (
     read_storage,
 )
 from conftest import free_port, run_cli, wait_until_answering
-from kernel.config import FlashConfig
+from kernel import FlashConfig
 from kernel.problem import Problem
 from storage import Store, TunedResult, upgrade
 

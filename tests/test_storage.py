@@ -12,7 +12,7 @@ import threading
 import pytest
 from sqlalchemy import text
 
-from kernel.config import FlashConfig
+from kernel import FlashConfig
 from kernel.problem import Problem
 from kernel.table import LookupTable, TableEntry
 from storage import (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from kernel.config import FlashConfig
+from kernel import FlashConfig
 from kernel.problem import Problem
 from storage import Store, TunedResult
 

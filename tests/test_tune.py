@@ -29,12 +29,10 @@ from autotune.search import Measurement, search
 from autotune.space import Space
 from autotune.tune import choose_winner, kernel_space
 from conftest import run_cli
-from kernel.aot import attention_fn, compile_for_target
-from kernel.config import FlashConfig
-from kernel.depths import supported_pipeline_depths
-from kernel.problem import Problem
-from kernel.registry import device_target, get_kernel
-from kernel.space import default_config, violations
+from kernel import FlashConfig, Problem, device_target, get_kernel
+from kernel.aot import compile_for_target
+
+FLASH = get_kernel("flash").discover()
 
 TINY = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
                dtype="float32", causal=False, mode="fwd")
@@ -93,7 +91,7 @@ def check_tuned(problem: Problem, trials: list[dict[str, Any]], summary: dict[st
     assert (summary["measured"], summary["failures"]) == (len(trials), {})
     assert (summary["device_kind"], summary["method"]) == ("cpu", "interpret")
     best = FlashConfig.from_dict(summary["best_config"])
-    base = default_config(problem, "cpu", depths=supported_pipeline_depths())
+    base = FLASH.default_config(problem, "cpu")
     assert best == base or best in [base.replace(**t["config"]) for t in trials]
     assert summary["speedup"] == pytest.approx(summary["default_time_ms"]
                                                / summary["best_time_ms"])
@@ -151,7 +149,7 @@ def test_bad_shapes_file_is_refused_before_anything_is_written(
 @pytest.fixture(scope="module")
 def tiny_base() -> FlashConfig:
     """The default config of TINY with a 128 compute block, so both kv blocks are legal."""
-    return default_config(TINY, "cpu", depths=supported_pipeline_depths()).replace(
+    return FLASH.default_config(TINY, "cpu").replace(
         block_kv_compute=128)
 
 
@@ -182,11 +180,11 @@ def _faulty_build(problem: Problem, config: FlashConfig) -> Any:
     if behaviour == Status.RUNTIME_ERROR:
         return _faulty_run
     if behaviour == Status.WRONG_RESULT:  # a plausible kernel bug: masks a non-causal problem
-        return attention_fn(Problem.from_dict({**problem.to_dict(), "causal": True}), config)
+        return FLASH.build(Problem.from_dict({**problem.to_dict(), "causal": True}), config)
     if behaviour == Status.VMEM_OOM:
-        compile_for_target(problem, config, "v5e",
+        compile_for_target(FLASH, problem, config, "v5e",
                            compiler_options={"xla_tpu_scoped_vmem_limit_kib": 256})
-    return attention_fn(problem, config)
+    return FLASH.build(problem, config)
 
 
 def _trials_by_status(study: optuna.Study) -> dict[str, list[optuna.trial.FrozenTrial]]:
@@ -201,7 +199,7 @@ def test_every_failure_class_is_kept_on_its_trial_and_the_study_goes_on(
     space = Space({"block_q": [128, 256], "block_kv": [128, 256], "pipeline_depth": [1, 2]},
                   lambda c: (c["block_q"], c["block_kv"], c["pipeline_depth"]) in BEHAVIOUR)
     storage = optuna.storages.InMemoryStorage()
-    measurer = Measurer(TINY, tiny_base, build=_faulty_build, min_time_s=0.01)
+    measurer = Measurer(TINY, tiny_base, FLASH, build=_faulty_build, min_time_s=0.01)
     try:
         result = search(space, measurer, storage=storage, study_name="failures",
                         sampler="grid", trials=10)
@@ -235,18 +233,18 @@ def test_every_failure_class_is_kept_on_its_trial_and_the_study_goes_on(
 
 def test_vmem_oom_from_the_real_compiler_is_classified(tiny_base: FlashConfig) -> None:
     limit_kib = 256
-    assert not violations(TINY, tiny_base, "v5e")  # the rules accept it at the real limit
+    assert FLASH.is_legal(TINY, tiny_base, "v5e")  # the rules accept it at the real limit
     with pytest.raises(Exception) as raised:
-        compile_for_target(TINY, tiny_base, "v5e",
+        compile_for_target(FLASH, TINY, tiny_base, "v5e",
                            compiler_options={"xla_tpu_scoped_vmem_limit_kib": limit_kib})
     assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM
     # The same config compiles under the real limit: the failure is the VMEM limit, nothing else.
-    assert compile_for_target(TINY, tiny_base, "v5e") > 0
+    assert compile_for_target(FLASH, TINY, tiny_base, "v5e") > 0
 
 
 def test_compile_timeout_is_a_failed_trial(tiny_base: FlashConfig) -> None:
     space = Space({"block_q": [256]})
-    measurer = Measurer(TINY, tiny_base, compile_timeout_s=0.01)
+    measurer = Measurer(TINY, tiny_base, FLASH, compile_timeout_s=0.01)
     try:
         result = search(space, measurer, sampler="grid", trials=1)
     finally:
@@ -260,7 +258,7 @@ def test_compile_timeout_is_a_failed_trial(tiny_base: FlashConfig) -> None:
 def test_a_hung_compile_does_not_time_out_the_configs_after_it(tiny_base: FlashConfig) -> None:
     """A compile that overruns its limit keeps its thread (threads cannot be interrupted); the
     next config must still get a compile slot instead of queueing behind it and timing out."""
-    from kernel.flash import reference_attention
+    from kernel import reference_attention
 
     release = threading.Event()
 
@@ -269,7 +267,7 @@ def test_a_hung_compile_does_not_time_out_the_configs_after_it(tiny_base: FlashC
             release.wait(timeout=120)  # stands in for a compiler that does not return
         return reference_attention  # passes the gate, compiles in about a second
 
-    measurer = Measurer(TINY, tiny_base, build=build, pool_size=1, compile_timeout_s=4,
+    measurer = Measurer(TINY, tiny_base, FLASH, build=build, pool_size=1, compile_timeout_s=4,
                              min_runs=1, min_time_s=0.0)
     try:
         result = search(Space({"block_q": [128, 256]}), measurer, sampler="grid", trials=2)
@@ -285,13 +283,13 @@ def test_illegal_configs_never_reach_the_measurer() -> None:
     the engine must record them as ``illegal`` without measuring them."""
     device = jax.devices()[0]
     target = device_target(device.platform, device.device_kind)
-    space, base = kernel_space(get_kernel("flash").discover(), TINY, target)
+    space, base = kernel_space(FLASH, TINY, target)
     # The XLA reference passes the correctness gate and is the same program for every config
     # (compiled once), so the study can measure the whole legal space cheaply; plain TPE
     # proposes many illegal configs on the way.
-    from kernel.flash import reference_attention
+    from kernel import reference_attention
 
-    measurer = Measurer(TINY, base, build=lambda p, c: reference_attention,
+    measurer = Measurer(TINY, base, FLASH, build=lambda p, c: reference_attention,
                              min_runs=1, min_time_s=0.0)
     seen: list[FlashConfig] = []
 
@@ -307,7 +305,7 @@ def test_illegal_configs_never_reach_the_measurer() -> None:
     finally:
         measurer.close()
     assert result.measured == len(legal) == len(seen) == len(set(seen))
-    assert all(not violations(TINY, config, target, depths=supported_pipeline_depths())
+    assert all(FLASH.is_legal(TINY, config, target)
                for config in seen)
     study = optuna.load_study(study_name="illegal", storage=storage)
     illegal = _trials_by_status(study).get("illegal", [])
@@ -350,13 +348,13 @@ def test_clearly_faster_candidate_wins(configs: tuple[FlashConfig, ...]) -> None
 def test_confirmation_leaves_out_configs_that_fail_here(tiny_base: FlashConfig) -> None:
     """A default that fails on the device (wrong result, or no compile) is never published:
     confirmation times only working configs, and then the fastest of them wins."""
-    from kernel.flash import reference_attention
+    from kernel import reference_attention
 
     wrong, broken, good = (tiny_base, tiny_base.replace(block_q=128),
                            tiny_base.replace(block_kv=128))
     builds = {wrong: lambda q, k, v: q, broken: _trace_time_failure,
               good: lambda q, k, v: reference_attention(q, k, v)}
-    measurer = Measurer(TINY, tiny_base, build=lambda problem, config: builds[config])
+    measurer = Measurer(TINY, tiny_base, FLASH, build=lambda problem, config: builds[config])
     try:
         timings = measurer.confirm([wrong, broken, good], rounds=3)
     finally:

@@ -114,7 +114,8 @@ def tune(
                     summary = run_tune(item, store, db_url, options, observer=progress,
                                        kernel_name=kernel)
             except ConfigError as error:  # a device or problem the kernel cannot tune
-                raise typer.BadParameter(str(error), param_hint="--kernel") from None
+                typer.echo(f"error: {error}", err=True)
+                raise typer.Exit(2) from None
             except NothingToPublish as error:  # the other problems are still tuned
                 typer.echo(f"error: {error}", err=True)
                 failed += 1

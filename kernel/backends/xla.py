@@ -1,0 +1,94 @@
+"""Backends ``xla`` and ``cudnn``: ``jax.nn.dot_product_attention`` with
+``implementation="xla"`` (every platform: the candidate that can always run) or ``"cudnn"``
+(NVIDIA GPUs only). Neither has a tunable field: the space is one config.
+
+Pure Python at import; jax loads in ``attention``. Grouped-query K/V heads are broadcast by
+``dot_product_attention`` itself; the layout is transposed to its ``[batch, seq, heads,
+head_dim]`` and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kernel.config import IntConfig
+from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
+from kernel.problem import Problem
+from kernel.rules import Violation
+from kernel.targets import GPU_TARGET, TPU_TARGETS, Target
+
+CUDNN_DTYPES = ("bfloat16",)  # cuDNN's fused attention takes half precision, not float32
+CUDNN_MAX_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class XlaConfig(IntConfig):
+    """No tunable field: XLA (or cuDNN) picks its own tiling."""
+
+    def label(self) -> str:
+        return "default"
+
+
+@dataclass(frozen=True)
+class XlaKernel(TunableKernel):
+    implementation: ClassVar[str] = "xla"
+    name: ClassVar[str] = "xla"
+    version: ClassVar[str] = "1"
+    description: ClassVar[str] = ("XLA's attention (jax.nn.dot_product_attention, "
+                                  "implementation='xla'): no tiles to tune, runs everywhere")
+    targets: ClassVar[tuple[str, ...]] = (*TPU_TARGETS, GPU_TARGET.name)
+    platforms: ClassVar[tuple[str, ...]] = ("tpu", "gpu", "cpu")
+    config_type: ClassVar[type[XlaConfig]] = XlaConfig
+    landscape_axes: ClassVar[tuple[str, ...]] = ()
+
+    def space_params(self, problem: Problem) -> Params:
+        return {}
+
+    def violations(self, problem: Problem, config: XlaConfig,
+                   target: Target | str = "cpu") -> list[Violation]:
+        self.target(target)
+        return self.problem_violations(problem)
+
+    def default_config(self, problem: Problem, target: Target | str = "cpu") -> XlaConfig:
+        self.target(target)
+        return XlaConfig()
+
+    def attention(self, problem: Problem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        import jax
+        import jax.numpy as jnp
+
+        config_for("fwd")  # nothing to read, but an explicit config is still checked
+
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+            out = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=problem.causal,
+                                               implementation=self.implementation)
+            return jnp.swapaxes(out, 1, 2)
+
+        return attend
+
+
+@dataclass(frozen=True)
+class CudnnKernel(XlaKernel):
+    implementation: ClassVar[str] = "cudnn"
+    name: ClassVar[str] = "cudnn"
+    description: ClassVar[str] = ("cuDNN's fused attention (jax.nn.dot_product_attention, "
+                                  "implementation='cudnn'): NVIDIA GPUs, bfloat16")
+    targets: ClassVar[tuple[str, ...]] = (GPU_TARGET.name,)  # refused elsewhere, by name
+    platforms: ClassVar[tuple[str, ...]] = ("gpu",)
+
+    def problem_violations(self, problem: Problem) -> list[Violation]:
+        out = []
+        if problem.dtype not in CUDNN_DTYPES:
+            out.append(Violation("dtype", f"cuDNN attention takes {', '.join(CUDNN_DTYPES)}, "
+                                 f"not {problem.dtype}; cast the inputs or use the xla kernel"))
+        if problem.head_dim > CUDNN_MAX_HEAD_DIM or problem.head_dim % 8:
+            out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be a multiple "
+                                 f"of 8 and at most {CUDNN_MAX_HEAD_DIM} for cuDNN"))
+        return out
+
+
+KERNEL = XlaKernel()
+CUDNN = CudnnKernel()

@@ -1,0 +1,197 @@
+"""The resolver against misbehaving lookup services and broken pinned tables: whatever the
+service sends (or does not send), a trace falls back to the default with one warning per key,
+within the request deadline; a broken table is a ``TableError`` naming the file.
+
+The services are real sockets on loopback, each answering with a fixed byte stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import jax.numpy as jnp
+import pytest
+
+import kernel
+from kernel import FlashConfig, LookupTable, Problem, TableError, get_target
+from kernel.resolve import Resolver, ResolverSettings, reset_resolver
+
+PROBLEM = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=64,
+                  dtype="float32")
+CPU = get_target("cpu")
+OK_BODY = json.dumps({"config": FlashConfig(block_q=256).to_dict(), "match": "exact"}).encode()
+
+
+def _http(body: bytes, status: str = "200 OK", headers: str = "") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{headers}"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"config": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+# name -> what the server sends after reading the request (bytes, or a callable writing to it)
+def _trickle(conn: socket.socket) -> None:
+    for byte in _http(OK_BODY):
+        conn.sendall(bytes([byte]))
+        time.sleep(0.2)
+
+
+def _truncated(conn: socket.socket) -> None:
+    conn.sendall(_http(OK_BODY)[:-10])  # Content-Length promises more than arrives
+
+
+MISBEHAVIOURS: dict[str, bytes | Callable[[socket.socket], None]] = {
+    "truncated-body": _truncated,
+    "not-http": b"SSH-2.0-OpenSSH_9.0\r\n",
+    "long-header-line": b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 100_000 + b"\r\n\r\n{}",
+    "too-many-headers": _http(OK_BODY, headers="".join(f"X-{i}: 1\r\n" for i in range(150))),
+    "deeply-nested-json": _http(_nested(100_000)),
+    "huge-reply": _http(b" " * 1_000_000 + OK_BODY),
+    "garbage-json": _http(b"\xff\xfe not json"),
+    "illegal-config": _http(json.dumps({"config": {"block_q": 96}, "match": "exact"}).encode()),
+    "trickle": _trickle,
+}
+
+
+@pytest.fixture
+def service() -> Iterator[Callable[[bytes | Callable[[socket.socket], None]], str]]:
+    """Starts a loopback server sending a fixed reply to every connection; returns its URL."""
+    sockets: list[socket.socket] = []
+
+    def start(reply: bytes | Callable[[socket.socket], None]) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+        sockets.append(listener)
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    try:
+                        conn.recv(65536)
+                        reply(conn) if callable(reply) else conn.sendall(reply)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield start
+    for listener in sockets:
+        listener.close()
+
+
+@pytest.mark.parametrize("name", MISBEHAVIOURS)
+def test_any_service_failure_falls_back_within_the_deadline(name, service, caplog):
+    resolver = Resolver(ResolverSettings(url=service(MISBEHAVIOURS[name]), timeout_s=0.5))
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    resolver.kernel("flash")  # the one-off discovery of the installed JAX, not the service
+    start = time.monotonic()
+    resolution = resolver.resolve(PROBLEM, "cpu", "flash", CPU)
+    elapsed = time.monotonic() - start
+    assert resolution.source == "default", resolution
+    assert resolution.config == kernel.get_kernel("flash").default_config(PROBLEM)
+    assert elapsed < 1.5, f"{name} stalled the trace for {elapsed:.1f} s"
+    resolver.resolve(PROBLEM, "cpu", "flash", CPU)  # cached: no second warning, no request
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "default" in warnings[0].getMessage()
+    assert resolver.service_requests == 1
+
+
+def test_a_good_reply_is_used(service):
+    resolver = Resolver(ResolverSettings(url=service(_http(OK_BODY)), timeout_s=2))
+    resolution = resolver.resolve(PROBLEM, "cpu", "flash", CPU)
+    assert (resolution.source, resolution.config.block_q) == ("service", 256)
+
+
+@pytest.mark.parametrize("value", ["fast", "-5", "0", "inf"])
+def test_a_bad_timeout_setting_is_reported_once_and_never_fails_a_trace(value, monkeypatch,
+                                                                         caplog):
+    monkeypatch.setenv("AUTOTUNE_TIMEOUT_MS", value)
+    caplog.set_level(logging.ERROR, logger="kernel.resolve")
+    settings = ResolverSettings.from_env()
+    assert settings.timeout_s == 0.25
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "AUTOTUNE_TIMEOUT_MS" in record.getMessage() and value in record.getMessage()
+    reset_resolver(settings)
+    try:
+        q = jnp.ones((1, 2, 256, 64), jnp.float32)
+        assert kernel.flash_attention(q, q, q).shape == q.shape
+    finally:
+        reset_resolver(ResolverSettings())
+
+
+def _table(tmp_path, config: FlashConfig, **provenance) -> str:
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({
+        "schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": "cpu",
+        "entries": [{"problem": PROBLEM.to_dict(), "config": config.to_dict(),
+                     "provenance": provenance}]}))
+    return str(path)
+
+
+def test_an_illegal_table_config_falls_back_once_and_the_source_says_default(tmp_path,
+                                                                            caplog):
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    path = _table(tmp_path, FlashConfig(block_q=128, pipeline_depth=3))  # not lowered here
+    resolver = reset_resolver(ResolverSettings(table_paths=(path,)))
+    try:
+        q = jnp.ones((1, 2, 256, 64), jnp.float32)
+        for _ in range(3):
+            kernel.flash_attention(q, q, q)
+        assert kernel.resolution_sources() == {("flash", "cpu", PROBLEM): "default"}
+        [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert "pipeline_depth" in warning and "table" in warning
+        assert "no table pinned" not in warning
+        assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).source == "default"
+    finally:
+        reset_resolver(ResolverSettings())
+
+
+def test_an_entry_tuned_under_other_versions_is_used_and_marked_stale(tmp_path):
+    path = _table(tmp_path, FlashConfig(block_q=256), jax_version="0.0.1")
+    reset_resolver(ResolverSettings(table_paths=(path,)))
+    try:
+        q = jnp.ones((1, 2, 256, 64), jnp.float32)
+        kernel.flash_attention(q, q, q)
+        [source] = kernel.resolution_sources().values()
+        assert source.startswith("table (stale: jax 0.0.1 (installed ")
+    finally:
+        reset_resolver(ResolverSettings())
+    current = _table(tmp_path, FlashConfig(block_q=256),
+                     jax_version=kernel.resolve.installed_versions()["jax"])
+    resolver = Resolver(ResolverSettings(table_paths=(current,)))
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).describe() == "table"
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"schema_version": 1, "kernel": "flash\xff"}', "is not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"schema_version": 1, "kernel": "splash", "kernel_version": "1", "device_kind": "cpu",'
+     b' "entries": []}', "unknown kernel 'splash'"),
+])
+def test_a_broken_pinned_table_is_a_table_error_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "broken.json"
+    path.write_bytes(content)
+    with pytest.raises(TableError, match=message) as raised:
+        LookupTable.load(path)
+    assert str(path) in str(raised.value)
+    with pytest.raises(TableError, match=message):
+        Resolver(ResolverSettings(table_paths=(str(path),)))
+
+
+def test_stored_configs_must_have_a_depth_some_jax_lowers():
+    flash = kernel.get_kernel("flash")
+    for depth in (7, 1000):
+        rules = {v.rule for v in flash.stored_violations(PROBLEM, FlashConfig(pipeline_depth=depth))}
+        assert rules == {"pipeline_depth"}
+    assert not flash.stored_violations(PROBLEM, FlashConfig(block_q=256, pipeline_depth=4))
