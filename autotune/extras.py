@@ -65,4 +65,3 @@ def missing_extra(argv: Sequence[str]) -> str | None:
         return (f"error: this install has no autotune commands; each needs an extra ({per_extra})."
                 f" Everything: {install_hint('all')}")
     return None
-
