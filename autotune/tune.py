@@ -8,7 +8,6 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_sto
 from autotune.space import Space
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.resolve import installed_versions
 from kernel.table import shape_distance
 from storage import Store, TunedResult, make_engine
 
@@ -119,17 +119,6 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     params = [{name: getattr(config, name) for name in space.names} for config in seeds]
     legal = [p for p in params if space.is_legal(p)]
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
-
-
-def versions() -> dict[str, str | None]:
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-            "libtpu_version": version("libtpu")}
 
 
 def _open_storage(db_url: str | None) -> Any:
@@ -243,7 +232,9 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
         speedup=speedup, trials=result.measured, method=measurer.method,
-        study=name, **versions()), force=options.force)
+        study=name, **{f"{package}_version": version
+                      for package, version in installed_versions().items()}),
+        force=options.force)
     confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                 "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
                                 "is_default": c == base, "is_winner": c == winner}
