@@ -8,28 +8,26 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
 import optuna
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 
 from autotune.measure import Config, Measurer, Timing
-from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
-from autotune.space import Space
+from autotune.samplers import SamplerName
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.resolve import installed_versions
 from kernel.table import shape_distance
-from storage import Store, TunedResult, make_engine
+from storage import Store, TunedResult
+from storage.studies import get_storage
 
 MAX_WARM_SEEDS = 3
-STORAGE_INIT_LOCK = 0x6175746F  # pg_advisory_lock key serialising Optuna's table setup
-STORAGE_INIT_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -121,27 +119,13 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
 
 
-def _open_storage(db_url: str | None) -> Any:
-    """``open_storage`` for jobs that start together on an empty database: each would create
-    Optuna's tables (several steps, not one transaction) and all but one fail ("already
-    exists", a duplicate type or version row). On PostgreSQL the opens take turns under an
-    advisory lock; on SQLite a loser opens again, and then finds the tables."""
-    if db_url is None:
-        return open_storage(None)
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as connection:
-            if engine.dialect.name == "postgresql":  # released when the connection closes
-                connection.execute(text("SELECT pg_advisory_lock(:key)"),
-                                   {"key": STORAGE_INIT_LOCK})
-            for _ in range(STORAGE_INIT_ATTEMPTS - 1):
-                try:
-                    return open_storage(db_url)
-                except SQLAlchemyError:
-                    time.sleep(0.5)
-            return open_storage(db_url)
-    finally:
-        engine.dispose()
+from autotune.samplers import SamplerName
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import NOT_MEASURED, OK, TrialResult
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
+    get_kernel
+from kernel.resolve import installed_versions
 
 
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
@@ -173,6 +157,10 @@ class NothingToPublish(RuntimeError):
     """No config of the problem worked on this device, not even the default."""
 
 
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a tuning run; the message says how to resume it."""
+
+
 class TuneObserver(Protocol):
     """What a progress display gets told while a problem is tuned."""
 
@@ -193,7 +181,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     tunable(kernel, problem, target)
     space, base = kernel_space(kernel, problem, target)
     name = options.study or study_name(problem, device.device_kind, kernel.name)
-    storage = _open_storage(db_url)
+    storage = get_storage(db_url)
     measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
     default_params = {name: getattr(base, name) for name in space.names}
     default_ms: list[float] = []  # the default's search-time measurement, once seen
@@ -217,6 +205,10 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         study = optuna.load_study(study_name=name, storage=storage)
         top = _top_configs(study, base, options.confirm_top)
         timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+    except KeyboardInterrupt:
+        raise TuneInterrupted(
+            f"tuning {kernel.name} {problem.label()} stopped; its measured configs are kept: "
+            f"run the same command again to resume study {name!r}") from None
     finally:
         measurer.close()
     if not timings:
@@ -227,6 +219,16 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     winner_ms = timings[winner].median_ms
     default_ms = timings[base].median_ms if base in timings else None
     speedup = default_ms / winner_ms if default_ms is not None else None
+    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                "is_default": c == base, "is_winner": c == winner}
+                    for c, t in timings.items()}
+    # The study is complete before the entry names it: a kill in between leaves no entry
+    # whose study lacks its confirmation.
+    study.set_user_attr("confirmation", list(confirmation.values()))
+    study.set_user_attr("problem", problem.to_dict())
+    study.set_user_attr("device_kind", device.device_kind)
+    study.set_user_attr("kernel", kernel.name)
     outcome = store.publish(TunedResult(
         kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
         problem=problem, config=winner, median_ms=winner_ms,
@@ -235,13 +237,6 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         study=name, **{f"{package}_version": version
                       for package, version in installed_versions().items()}),
         force=options.force)
-    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                "is_default": c == base, "is_winner": c == winner}
-                    for c, t in timings.items()}
-    study.set_user_attr("confirmation", list(confirmation.values()))
-    study.set_user_attr("problem", problem.to_dict())
-    study.set_user_attr("device_kind", device.device_kind)
     return TuneSummary(
         problem=problem, kernel=kernel.name, device_kind=device.device_kind,
         method=measurer.method, study=name,
