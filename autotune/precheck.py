@@ -7,7 +7,7 @@ For ``fwd_bwd`` problems the three kernels (forward, dK/dV, dQ) compile independ
 full space (the product of their tiles) is covered by compiling each kernel's own tiles with the
 others at the default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full
 config compiles exactly when each of its three parts does. The forward variants compile only the
-forward kernel (as training runs it, saving the logsumexp): the default backward kernels they
+forward kernel (as training runs it, saving the softmax statistics): the default backward kernels they
 share are compiled with every backward variant already. Another registered kernel compiles its
 whole space (its own rules, ``vmem`` included as the prediction) with
 :func:`kernel.registry.compile_for_target`.

@@ -43,7 +43,7 @@ def attention_fn(problem: Problem, config: FlashConfig, *,
     """The function the tuner measures: the forward pass, or forward plus all three gradients.
 
     ``forward_only`` (``fwd_bwd`` mode): just the forward kernel as training runs it, saving
-    the logsumexp for the backward pass (``jax.vjp``), without the two backward kernels.
+    the softmax statistics for the backward pass (``jax.vjp``), without the two backward kernels.
     """
     attend = functools.partial(flash_attention, causal=problem.causal, config=config)
     if problem.mode == "fwd":
