@@ -19,7 +19,7 @@ from api.settings import ApiSettings
 from kernel.config import ConfigError
 from kernel.problem import ProblemError
 from kernel.table import TableError
-from storage import ReadOnlyDatabaseError, StorageError, Store
+from storage import DatabaseFullError, StorageError, Store, WriteRefusedError
 
 log = logging.getLogger("api")
 
@@ -58,9 +58,11 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         # The kernel's and storage's own validation: the message names the field or rule.
         return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
 
-    @app.exception_handler(ReadOnlyDatabaseError)
-    async def _read_only(_request: Request, error: ReadOnlyDatabaseError) -> JSONResponse:
-        return _error(status.HTTP_503_SERVICE_UNAVAILABLE, str(error))
+    @app.exception_handler(WriteRefusedError)
+    async def _write_refused(_request: Request, error: WriteRefusedError) -> JSONResponse:
+        # Read-only or full: reads still work, the message says what to do.
+        return _error(status.HTTP_507_INSUFFICIENT_STORAGE if isinstance(error, DatabaseFullError)
+                      else status.HTTP_503_SERVICE_UNAVAILABLE, str(error))
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, error: SQLAlchemyError) -> JSONResponse:

@@ -24,7 +24,7 @@ from storage.engine import (
     WRITE_OPTIONS,
     make_engine,
     normalize_url,
-    refusing_read_only,
+    refusing_writes,
     sqlite_connect,
     sqlite_file,
 )
@@ -286,7 +286,7 @@ class Store:
         """Runs ``work`` in one write transaction; ReadOnlyDatabaseError if writes are refused."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
-                with refusing_read_only(self.engine.url), \
+                with refusing_writes(self.engine.url), \
                         Session(self._writer, expire_on_commit=False) as session, \
                         session.begin():
                     return work(session)
