@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 
 from conftest import running_server
