@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -56,10 +57,15 @@ class ConfigKey:
     problem: Problem
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat: the kernel and device fields, then the problem fields."""
-        return {"kernel": self.kernel, "kernel_version": self.kernel_version,
-                "device_kind": self.device_kind, "platform": self.platform,
+        """Flat: the kernel and device fields, then the problem fields (``KEY_FIELDS``)."""
+        return {**{name: getattr(self, name) for name in KEY_TEXT_FIELDS},
                 **self.problem.to_dict()}
+
+
+# The key's own text fields (before its problem): with the problem's fields, the one
+# declaration of what a result is stored and looked up under.
+KEY_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(ConfigKey) if f.name != "problem")
+KEY_FIELDS = (*KEY_TEXT_FIELDS, *(f.name for f in dataclasses.fields(Problem)))
 
 
 # The longest value each text field may hold (the column sizes of storage.models).
