@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
@@ -195,7 +196,7 @@ def search(
     if "params" not in study.user_attrs:
         study.set_user_attr("params", space.params)
         study.set_user_attr("sampler", sampler)
-    worker = f"{socket.gethostname()}:{os.getpid()}"
+    worker = worker_name()
     start = time.perf_counter()
     measure_total = 0.0
     own: list[TrialResult] = []
@@ -218,6 +219,7 @@ def search(
             with warnings.catch_warnings():  # heartbeats are sent by _heartbeat, not optimize()
                 warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
                 trial = study.ask(distributions)
+            trial.set_user_attr("worker", worker)  # so release_claims finds it if we die
             config = space.config(trial.params)
             key = space.key(config)
             if isinstance(engine, EngineSampler) and engine.exhausted:
@@ -349,6 +351,31 @@ def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, k
                 study.tell(trial, state=TrialState.PRUNED)
             return
     _drop(study, trial, "duplicate")  # the other claim is still running
+
+
+def worker_name(pid: int | None = None) -> str:
+    """The ``worker`` user attr of the trials a process claims: host and process id."""
+    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
+
+
+def release_claims(storage: BaseStorage, study_name: str, worker: str) -> int:
+    """Fails (status ``orphan``) the RUNNING trials ``worker`` claimed, after its process died:
+    their configs and budget slots go back to the study at once, not after the heartbeat's
+    grace period. Returns how many were released."""
+    try:
+        study_id = storage.get_study_id_from_name(study_name)
+    except KeyError:
+        return 0
+    released = 0
+    for t in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.user_attrs.get("worker") == worker:
+            try:
+                storage.set_trial_user_attr(t._trial_id, "status", "orphan")
+                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                released += 1
+            except UpdateFinishedTrialError:  # it finished after all
+                pass
+    return released
 
 
 def _drop(study: optuna.Study, trial: optuna.Trial, status: str) -> None:
