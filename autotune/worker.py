@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any, TextIO
 
@@ -104,6 +105,8 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
 
 
 def main() -> None:
+    # The parent stops a worker with SIGINT, even where its own shell ignores it (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     events = _Events(os.fdopen(os.dup(sys.stdout.fileno()), "w"))
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray output must not mix with events
     sys.exit(serve(json.loads(sys.argv[1]), sys.stdin, events))
