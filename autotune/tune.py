@@ -161,6 +161,10 @@ class NothingToPublish(RuntimeError):
     """No config of the problem worked on this device, not even the default."""
 
 
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a tuning run; the message says how to resume it."""
+
+
 class TuneObserver(Protocol):
     """What a progress display gets told while a problem is tuned."""
 
@@ -229,6 +233,16 @@ class TuneJob:
         winner_ms = timings[winner].median_ms
         default_ms = timings[base].median_ms if base in timings else None
         speedup = default_ms / winner_ms if default_ms is not None else None
+        confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                    "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                    "is_default": c == base, "is_winner": c == winner}
+                        for c, t in timings.items()}
+        # The study is complete before the entry names it: a kill in between leaves no entry
+        # whose study lacks its confirmation.
+        study.set_user_attr("confirmation", list(confirmation.values()))
+        study.set_user_attr("problem", problem.to_dict())
+        study.set_user_attr("device_kind", device.device_kind)
+        study.set_user_attr("kernel", kernel.name)
         outcome = self.store.publish(TunedResult(
             kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
             problem=problem, config=winner, median_ms=winner_ms,
@@ -236,14 +250,6 @@ class TuneJob:
             speedup=speedup, trials=result.measured, method=self.measurer.method,
             study=self.name, device_index=options.device_index, **versions()),
             force=options.force)
-        confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                    "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                    "is_default": c == base, "is_winner": c == winner}
-                        for c, t in timings.items()}
-        study.set_user_attr("confirmation", list(confirmation.values()))
-        study.set_user_attr("problem", problem.to_dict())
-        study.set_user_attr("device_kind", device.device_kind)
-        study.set_user_attr("kernel", kernel.name)
         return TuneSummary(
             problem=problem, kernel=kernel.name, device_kind=device.device_kind,
             method=self.measurer.method, study=self.name,
@@ -262,5 +268,9 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     job = TuneJob(problem, store, db_url, options, observer, kernel_name)
     try:
         return job.publish(job.search())
+    except KeyboardInterrupt:
+        raise TuneInterrupted(
+            f"tuning {job.kernel.name} {problem.label()} stopped; its measured configs are "
+            f"kept: run the same command again to resume study {job.name!r}") from None
     finally:
         job.close()

@@ -110,7 +110,7 @@ def tune(
     store = open_store(db_url)
 
     from autotune.progress import TuneProgress
-    from autotune.tune import NothingToPublish, TuneOptions
+    from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.tune import tune as run_tune
     from kernel import ConfigError
 
@@ -138,6 +138,9 @@ def tune(
                 typer.echo(f"error: {error}", err=True)
                 failed += 1
                 continue
+            except TuneInterrupted as stop:  # Ctrl-C: one line, the shell's status for SIGINT
+                typer.echo(f"interrupted: {stop}", err=True)
+                raise typer.Exit(130) from None
             _report(summary.to_dict(), json_output)
     finally:
         store.close()
