@@ -8,7 +8,6 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,6 +22,7 @@ from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.resolve import installed_versions
 from kernel.table import shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
@@ -121,15 +121,6 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
 
 
-def versions() -> dict[str, str | None]:
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-            "libtpu_version": version("libtpu")}
 
 
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
@@ -248,7 +239,9 @@ class TuneJob:
             problem=problem, config=winner, median_ms=winner_ms,
             iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
             speedup=speedup, trials=result.measured, method=self.measurer.method,
-            study=self.name, device_index=options.device_index, **versions()),
+            study=self.name, device_index=options.device_index,
+            **{f"{package}_version": version
+               for package, version in installed_versions().items()}),
             force=options.force)
         return TuneSummary(
             problem=problem, kernel=kernel.name, device_kind=device.device_kind,
