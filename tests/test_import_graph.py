@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernel", "storage", "api", "autotune")
+PACKAGES = ("kernel", "storage", "present", "api", "autotune")
 
 
 def _modules() -> dict[str, Path]:
@@ -130,3 +130,5 @@ def test_kernel_layers_point_one_way():
                                "kernel.targets", "kernel.rules"}, (module, imports)
         if not module.startswith("kernel"):
             assert not {i for i in imports if i.startswith("kernel.backends")}, module
+        if module.split(".")[0] in ("storage", "present"):  # below the service and the tuner
+            assert not {i for i in imports if i.split(".")[0] in ("api", "autotune")}, module
