@@ -121,15 +121,6 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
 
 
-from autotune.samplers import SamplerName
-from autotune.search import search
-from autotune.searchspace import Space
-from autotune.trials import NOT_MEASURED, OK, TrialResult
-from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
-    get_kernel
-from kernel.resolve import installed_versions
-
-
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
     ok = sorted((t for t in study.get_trials(deepcopy=False)
                  if t.state == optuna.trial.TrialState.COMPLETE
