@@ -104,6 +104,8 @@ class Measurements(_Strict):
     jaxlib_version: Version | None = None
     libtpu_version: Version | None = None
     study: Annotated[str, Field(min_length=1, max_length=256, pattern=TEXT_PATTERN)] | None = None
+    device_index: Annotated[int, Field(
+        ge=0, le=MAX_STORED_INT, description="Which local device measured it.")] | None = None
 
 
 class PublishRequest(Measurements):
@@ -138,6 +140,7 @@ class EntryOut(BaseModel):
     jaxlib_version: str | None
     libtpu_version: str | None
     study: str | None
+    device_index: int | None
     created_at: datetime
     updated_at: datetime
 

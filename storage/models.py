@@ -51,6 +51,7 @@ class _ResultColumns:
     jaxlib_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jaxlib_version"]))
     libtpu_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["libtpu_version"]))
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
+    device_index: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

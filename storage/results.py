@@ -17,7 +17,7 @@ from kernel.resolve import installed_versions, stale_versions
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
 PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
-                     "study")
+                     "study", "device_index")
 
 
 class StorageError(AutotuneError):
@@ -110,6 +110,7 @@ class TunedResult:
     jaxlib_version: str | None = None
     libtpu_version: str | None = None
     study: str | None = None
+    device_index: int | None = None  # which local device measured it (tune --devices)
     kernel: str = DEFAULT_KERNEL
     kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
@@ -133,11 +134,12 @@ class TunedResult:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                       or not math.isfinite(value) or value < 0):
                 raise ResultError(f"{name} must be a finite non-negative number, got {value!r}")
-        if self.trials is not None and (isinstance(self.trials, bool)
-                                        or not isinstance(self.trials, int)
-                                        or not 0 <= self.trials <= MAX_STORED_INT):
-            raise ResultError(f"trials must be an integer from 0 to {MAX_STORED_INT}, got "
-                              f"{self.trials!r}")
+        for name in ("trials", "device_index"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_STORED_INT):
+                raise ResultError(f"{name} must be an integer from 0 to {MAX_STORED_INT}, "
+                                  f"got {value!r}")
         if self.method is not None and self.method not in METHODS:
             raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.platform:
