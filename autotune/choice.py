@@ -17,9 +17,9 @@ import jax
 
 from autotune.failures import Status
 from autotune.measure import Measurer, Timing, interleaved
-from autotune.tune import NothingToPublish, TuneObserver, TuneOptions, TuneSummary, tune, \
-    versions
+from autotune.tune import NothingToPublish, TuneObserver, TuneOptions, TuneSummary, tune
 from kernel import ConfigError, Problem, device_target, get_kernel, kernel_names
+from kernel.resolve import installed_versions
 from kernel.table import KernelChoice, KernelTiming
 from storage import Store
 
@@ -109,7 +109,8 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
         problem=problem, kernel=chosen, config=tuned[chosen].best_config, candidates=candidates,
         provenance={"platform": device.platform, "kernel_version": get_kernel(chosen).version,
                     "method": "interpret" if "interpret" in methods else "device",
-                    **{k: v for k, v in versions().items() if v is not None}})
+                    **{f"{package}_version": version for package, version
+                       in installed_versions().items() if version is not None}})
     store.publish_choice(device.device_kind, choice)
     return ChoiceSummary(problem, device.device_kind, choice,
                          {name: tuned[name] for name in timings}, failures)

@@ -8,7 +8,6 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,16 +17,18 @@ import optuna
 
 from autotune.measure import Config, Measurer, Timing
 from autotune.samplers import SamplerName
-from autotune.search import search
+from autotune.search import SearchResult, search
 from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.resolve import installed_versions
 from kernel.table import shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
 
 MAX_WARM_SEEDS = 3
+NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class TuneOptions:
     confirm_rounds: int = 5
     compile_timeout_s: float = 300.0
     force: bool = False  # publish even if the stored entry is better
+    device_index: int = 0  # which local device measures (its worker sees only that one)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class TuneSummary:
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str
+    device_index: int = 0
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,7 +75,7 @@ class TuneSummary:
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
                 "winner_is_default": self.winner_is_default, "publish": self.publish,
-                "stop_reason": self.stop_reason}
+                "stop_reason": self.stop_reason, "device_index": self.device_index}
 
 
 def study_name(problem: Problem, device_kind: str, kernel: str = DEFAULT_KERNEL) -> str:
@@ -119,17 +122,6 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
 
 
-def versions() -> dict[str, str | None]:
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-            "libtpu_version": version("libtpu")}
-
-
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
     ok = sorted((t for t in study.get_trials(deepcopy=False)
                  if t.state == optuna.trial.TrialState.COMPLETE
@@ -164,6 +156,10 @@ class NothingToPublish(RuntimeError):
         self.failures = failures or {}
 
 
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a tuning run; the message says how to resume it."""
+
+
 class TuneObserver(Protocol):
     """What a progress display gets told while a problem is tuned."""
 
@@ -173,85 +169,115 @@ class TuneObserver(Protocol):
     def on_phase(self, phase: str) -> None: ...
 
 
+class TuneJob:
+    """One problem on this device, open from the search to the publish: the kernel, space,
+    study and measurer. ``search`` may run more than once (a resume pass measures only what
+    the study-wide budget still lacks); ``publish`` confirms the winner and stores it. A
+    kernel without tunable fields (``xla``) has no space and no study: its one config is
+    confirmed alone."""
+
+    def __init__(self, problem: Problem, store: Store, db_url: str | None,
+                 options: TuneOptions = TuneOptions(), observer: TuneObserver | None = None,
+                 kernel_name: str = DEFAULT_KERNEL) -> None:
+        self.kernel = kernel = get_kernel(kernel_name).discover()
+        self.device = jax.devices()[0]
+        target = device_target(self.device.platform, self.device.device_kind)
+        tunable(kernel, problem, target)
+        self.problem, self.store, self.options, self.observer = problem, store, options, observer
+        self.searched = bool(kernel.space_params(problem))
+        self.space, self.base = (kernel_space(kernel, problem, target) if self.searched
+                                 else (None, kernel.default_config(problem, target)))
+        self.name = options.study or study_name(problem, self.device.device_kind, kernel.name)
+        self.storage = get_storage(db_url)
+        self.measurer = Measurer(problem, self.base, kernel,
+                                 compile_timeout_s=options.compile_timeout_s)
+        self._default_params = ({name: getattr(self.base, name) for name in self.space.names}
+                                if self.space else {})
+        self._default_ms: list[float] = []  # the default's search-time measurement, once seen
+
+    def close(self) -> None:
+        self.measurer.close()
+
+    def _on_trial(self, result: TrialResult, best: TrialResult | None) -> None:
+        if result.config == self._default_params and result.measurement.ok:
+            self._default_ms.append(result.measurement.value)
+        if self.observer:
+            self.observer.on_trial(result, best,
+                                   self._default_ms[0] if self._default_ms else None)
+
+    def search(self) -> SearchResult:
+        options = self.options
+        if self.space is None:
+            return SearchResult(self.name, None, 0, [], [], NOTHING_TO_SEARCH, 0.0)
+        return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
+                      sampler=options.sampler, trials=options.trials, timeout=options.timeout,
+                      patience=options.patience,
+                      seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
+                                       self.space, self.base, self.kernel.name),
+                      seed=options.seed, on_trial=self._on_trial,
+                      prepare=self.measurer.prepare)
+
+    def publish(self, result: SearchResult) -> TuneSummary:
+        """Confirms the best measured configs against the default and publishes the winner."""
+        problem, base, options, kernel, device = (self.problem, self.base, self.options,
+                                                  self.kernel, self.device)
+        if self.observer:
+            self.observer.on_phase("confirming")
+        study = (optuna.load_study(study_name=self.name, storage=self.storage)
+                 if self.space else None)
+        top = _top_configs(study, base, options.confirm_top) if study else []
+        timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        failures = _failures(study) if study else {}
+        if not timings:
+            raise NothingToPublish(
+                f"no config of {problem.label()} compiled, ran and passed the correctness "
+                f"check on {device.device_kind} (the default and the best "
+                f"{options.confirm_top} measured); nothing published", failures)
+        winner = choose_winner(timings, base)
+        winner_ms = timings[winner].median_ms
+        default_ms = timings[base].median_ms if base in timings else None
+        speedup = default_ms / winner_ms if default_ms is not None else None
+        confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                    "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                    "is_default": c == base, "is_winner": c == winner}
+                        for c, t in timings.items()}
+        # The study is complete before the entry names it: a kill in between leaves no entry
+        # whose study lacks its confirmation.
+        if study:
+            study.set_user_attr("confirmation", list(confirmation.values()))
+            study.set_user_attr("problem", problem.to_dict())
+            study.set_user_attr("device_kind", device.device_kind)
+            study.set_user_attr("kernel", kernel.name)
+        outcome = self.store.publish(TunedResult(
+            kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
+            problem=problem, config=winner, median_ms=winner_ms,
+            iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
+            speedup=speedup, trials=result.measured, method=self.measurer.method,
+            study=self.name if study else None, device_index=options.device_index,
+            **{f"{package}_version": version
+               for package, version in installed_versions().items()}),
+            force=options.force)
+        return TuneSummary(
+            problem=problem, kernel=kernel.name, device_kind=device.device_kind,
+            method=self.measurer.method, study=self.name if study else "",
+            best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
+            speedup=speedup, measured=result.measured,
+            failures=failures, winner_is_default=winner == base,
+            publish=outcome.status, stop_reason=result.stop_reason,
+            device_index=options.device_index, confirmation=confirmation)
+
+
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
          observer: TuneObserver | None = None, kernel_name: str = DEFAULT_KERNEL) -> TuneSummary:
     """Searches, confirms and publishes the best config of kernel ``kernel_name`` for
     ``problem`` on this device. Raises ``ConfigError`` (before anything is written) for an
     unknown kernel, a device it has no target for, or a problem it cannot run."""
-    kernel = get_kernel(kernel_name).discover()
-    device = jax.devices()[0]
-    target = device_target(device.platform, device.device_kind)
-    tunable(kernel, problem, target)
-    base = kernel.default_config(problem, target)
-    name = options.study or study_name(problem, device.device_kind, kernel.name)
-    measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
-    study: optuna.Study | None = None
-    measured, stop_reason, top = 0, "one config: nothing to search", []
+    job = TuneJob(problem, store, db_url, options, observer, kernel_name)
     try:
-        if kernel.space_params(problem):  # else the default is confirmed alone
-            study, measured, stop_reason, top = _search(
-                kernel, problem, target, store, db_url, name, options, measurer, observer)
-        if observer:
-            observer.on_phase("confirming")
-        timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        return job.publish(job.search())
+    except KeyboardInterrupt:
+        raise TuneInterrupted(
+            f"tuning {job.kernel.name} {problem.label()} stopped; its measured configs are "
+            f"kept: run the same command again to resume study {job.name!r}") from None
     finally:
-        measurer.close()
-    failures = _failures(study) if study else {}
-    if not timings:
-        raise NothingToPublish(f"no config of {problem.label()} compiled, ran and passed the "
-                               f"correctness check on {device.device_kind} (the default and "
-                               f"the best {options.confirm_top} measured); nothing published",
-                               failures)
-    winner = choose_winner(timings, base)
-    winner_ms = timings[winner].median_ms
-    default_ms = timings[base].median_ms if base in timings else None
-    speedup = default_ms / winner_ms if default_ms is not None else None
-    outcome = store.publish(TunedResult(
-        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
-        problem=problem, config=winner, median_ms=winner_ms,
-        iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
-        speedup=speedup, trials=measured, method=measurer.method,
-        study=name if study else None, **versions()), force=options.force)
-    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                "is_default": c == base, "is_winner": c == winner}
-                    for c, t in timings.items()}
-    if study:
-        study.set_user_attr("confirmation", list(confirmation.values()))
-        study.set_user_attr("problem", problem.to_dict())
-        study.set_user_attr("device_kind", device.device_kind)
-        study.set_user_attr("kernel", kernel.name)
-    return TuneSummary(
-        problem=problem, kernel=kernel.name, device_kind=device.device_kind,
-        method=measurer.method, study=name if study else "",
-        best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
-        speedup=speedup, measured=measured, failures=failures,
-        winner_is_default=winner == base, publish=outcome.status,
-        stop_reason=stop_reason, confirmation=confirmation)
-
-
-def _search(kernel: TunableKernel, problem: Problem, target: Target, store: Store,
-            db_url: str | None, name: str, options: TuneOptions, measurer: Measurer,
-            observer: TuneObserver | None) -> tuple[optuna.Study, int, str, list[Config]]:
-    """The search of a kernel with tunable fields: its study, how many configs it measured,
-    why it stopped, and the best ``options.confirm_top`` configs to confirm."""
-    space, base = kernel_space(kernel, problem, target)
-    storage = get_storage(db_url)
-    default_params = {name: getattr(base, name) for name in space.names}
-    default_ms: list[float] = []  # the default's search-time measurement, once seen
-
-    def on_trial(result: TrialResult, best: TrialResult | None) -> None:
-        if result.config == default_params and result.measurement.ok:
-            default_ms.append(result.measurement.value)
-        if observer:
-            observer.on_trial(result, best, default_ms[0] if default_ms else None)
-
-    result = search(space, measurer, storage=storage, study_name=name,
-                    sampler=options.sampler, trials=options.trials, timeout=options.timeout,
-                    patience=options.patience,
-                    seeds=warm_seeds(store, problem, measurer.device.device_kind, space, base,
-                                     kernel.name),
-                    seed=options.seed, on_trial=on_trial, prepare=measurer.prepare)
-    study = optuna.load_study(study_name=name, storage=storage)
-    return (study, result.measured, result.stop_reason,
-            _top_configs(study, base, options.confirm_top))
+        job.close()

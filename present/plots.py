@@ -16,7 +16,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from kernel import ConfigError, get_kernel
+from kernel import ConfigError
+from kernel.registry import get_kernel
 from kernel.table import KernelChoice
 from present.studies import StudyData, failure_letter
 from storage.studies import OK
@@ -36,7 +37,8 @@ def landscape_axes(data: StudyData) -> tuple[str, str, str] | None:
         axes = get_kernel(data.kernel).landscape_axes
     except ConfigError:
         return None
-    return axes if axes[0] in data.space and axes[1] in data.space else None
+    searched = len(axes) == 3 and axes[0] in data.space and axes[1] in data.space
+    return axes if searched else None  # a kernel with no tunable field has no landscape
 
 
 def landscape_figure(data: StudyData) -> Figure:

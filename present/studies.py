@@ -11,7 +11,8 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from kernel import DEFAULT_KERNEL, Problem, ProblemError
+from kernel import DEFAULT_KERNEL
+from kernel.problem import Problem, ProblemError
 from present.text import first_line
 from storage.studies import OK, is_measurement, trial_status
 

@@ -4,7 +4,14 @@ Never imports jax (only the pure-Python parts of ``kernel``), so the service sta
 """
 
 from storage.choices import StoredChoice
-from storage.engine import DatabaseUrlError, ReadOnlyDatabaseError, make_engine, normalize_url
+from storage.engine import (
+    DatabaseFullError,
+    DatabaseUrlError,
+    ReadOnlyDatabaseError,
+    WriteRefusedError,
+    make_engine,
+    normalize_url,
+)
 from storage.results import (
     MAX_STORED_INT,
     METHODS,
@@ -27,9 +34,10 @@ from storage.store import (
 )
 
 __all__ = [
-    "CHOICE_FILTER_FIELDS", "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS",
-    "ConfigKey", "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome",
-    "ReadOnlyDatabaseError", "ResultError", "SchemaError", "StorageError", "StorageSettings",
-    "Store", "StoredChoice", "TunedResult", "make_engine", "normalize_url",
+    "CHOICE_FILTER_FIELDS", "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError",
+    "DatabaseUrlError", "Entry", "FILTER_FIELDS", "HistoryEntry", "LookupRequest",
+    "MAX_STORED_INT", "METHODS", "PublishOutcome", "ReadOnlyDatabaseError", "ResultError",
+    "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice", "TunedResult",
+    "WriteRefusedError", "make_engine", "normalize_url",
     "schema_is_current", "schema_problem", "upgrade",
 ]

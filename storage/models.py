@@ -9,15 +9,15 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.results import TEXT_LIMITS
+from storage.results import KEY_FIELDS, TEXT_LIMITS
 
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
 FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
                   "mode")
 KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "platform")
-
-
+# The index order is storage's; the key's fields are storage.results.KEY_FIELDS'.
+assert sorted(KEY_COLUMNS) == sorted(KEY_FIELDS), "the unique key must be the stored key"
 # A kernel choice's key: the device and the problem (no kernel: the choice names it).
 CHOICE_FAMILY_COLUMNS = ("device_kind", "dtype", "head_dim", "causal", "mode")
 CHOICE_KEY_COLUMNS = (*CHOICE_FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len",
@@ -67,6 +67,7 @@ class _ResultColumns(_ProblemColumns, _ProvenanceColumns):
     speedup: Mapped[float | None] = mapped_column(Float)
     trials: Mapped[int | None] = mapped_column(Integer)
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
+    device_index: Mapped[int | None] = mapped_column(Integer)
 
 
 class TunedConfigRow(_ResultColumns, Base):

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from kernel import DEFAULT_KERNEL, AutotuneError, Problem, TableEntry, get_kernel
+from kernel.resolve import installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
 PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
-                     "study")
+                     "study", "device_index")
 
 
 class StorageError(AutotuneError):
@@ -38,6 +42,10 @@ def installed_kernel_version(kernel: str = DEFAULT_KERNEL) -> str:
     return get_kernel(kernel).version
 
 
+# This process's jax, jaxlib and libtpu versions, read once (rendering a page asks per row).
+_installed_versions = functools.cache(installed_versions)
+
+
 @dataclass(frozen=True)
 class ConfigKey:
     """What a tuned config is stored under: kernel, device and problem."""
@@ -49,10 +57,15 @@ class ConfigKey:
     problem: Problem
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat: the kernel and device fields, then the problem fields."""
-        return {"kernel": self.kernel, "kernel_version": self.kernel_version,
-                "device_kind": self.device_kind, "platform": self.platform,
+        """Flat: the kernel and device fields, then the problem fields (``KEY_FIELDS``)."""
+        return {**{name: getattr(self, name) for name in KEY_TEXT_FIELDS},
                 **self.problem.to_dict()}
+
+
+# The key's own text fields (before its problem): with the problem's fields, the one
+# declaration of what a result is stored and looked up under.
+KEY_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(ConfigKey) if f.name != "problem")
+KEY_FIELDS = (*KEY_TEXT_FIELDS, *(f.name for f in dataclasses.fields(Problem)))
 
 
 # The longest value each text field may hold (the column sizes of storage.models).
@@ -97,6 +110,7 @@ class TunedResult:
     jaxlib_version: str | None = None
     libtpu_version: str | None = None
     study: str | None = None
+    device_index: int | None = None  # which local device measured it (tune --devices)
     kernel: str = DEFAULT_KERNEL
     kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
@@ -120,11 +134,12 @@ class TunedResult:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                       or not math.isfinite(value) or value < 0):
                 raise ResultError(f"{name} must be a finite non-negative number, got {value!r}")
-        if self.trials is not None and (isinstance(self.trials, bool)
-                                        or not isinstance(self.trials, int)
-                                        or not 0 <= self.trials <= MAX_STORED_INT):
-            raise ResultError(f"trials must be an integer from 0 to {MAX_STORED_INT}, got "
-                              f"{self.trials!r}")
+        for name in ("trials", "device_index"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_STORED_INT):
+                raise ResultError(f"{name} must be an integer from 0 to {MAX_STORED_INT}, "
+                                  f"got {value!r}")
         if self.method is not None and self.method not in METHODS:
             raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.platform:
@@ -149,6 +164,12 @@ class TunedResult:
         if self.median_ms is None:
             return False
         return other.median_ms is None or self.median_ms < other.median_ms
+
+    def stale_versions(self, installed: Mapping[str, str | None] | None = None) -> str:
+        """Which of its recorded jax, jaxlib and libtpu versions differ from ``installed``
+        (default: this environment's), as ``jax 0.9.0 (installed 0.10.2)``; '' when none do.
+        A stale config is still legal, but may no longer be the fastest."""
+        return stale_versions(self.measurements(), installed or _installed_versions())
 
     def measurements(self) -> dict[str, Any]:
         """Timings and provenance as plain fields (everything but key and config)."""

@@ -39,8 +39,8 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]
     """``autotune tune --kernels flash,xla,cudnn`` on SMALL (cuDNN cannot run on a CPU): the
     database and the JSON summary."""
     db = f"sqlite:///{tmp_path_factory.mktemp('choice') / 'choice.db'}"
-    done = run_cli("tune", "--kernels", "flash,xla,cudnn", *problem_flags(SMALL), "--trials", "2",
-                   "--db", db, "--json", timeout=600)
+    done = run_cli("tune", "--kernels", "flash,xla,cudnn", *problem_flags(SMALL), "--trials",
+                   "2", "--db", db, "--json", timeout=600)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     [summary] = [line for line in lines if line.get("summary")]
