@@ -15,15 +15,14 @@ from kernel import Problem, get_kernel
 from kernel.table import KernelChoice, KernelTiming
 from storage.results import (
     METHODS,
-    PROVENANCE_FIELDS,
     ResultError,
     check_text,
     default_platform,
 )
 
 # Provenance a stored choice keeps in columns (the rest of a table's provenance is dropped).
-CHOICE_PROVENANCE = ("platform", "kernel_version",
-                     *(name for name in PROVENANCE_FIELDS if name not in ("trials", "study")))
+CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "jax_version", "jaxlib_version",
+                     "libtpu_version")
 _PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
                    "causal", "mode")
 
