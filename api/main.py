@@ -19,7 +19,7 @@ from api.settings import ApiSettings
 from kernel import AutotuneError
 from storage import Store
 
-log = logging.getLogger("api")
+log = logging.getLogger(__package__)
 
 
 def _error(status_code: int, detail: str) -> JSONResponse:

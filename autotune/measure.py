@@ -22,10 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from autotune.failures import Status, classify_compile_error, first_line
-from autotune.search import Measurement
+from autotune.failures import Status, classify_compile_error
+from autotune.trials import Measurement
 from kernel import Problem, TunableKernel
 from kernel.aot import input_specs
+from present.text import first_line
 
 # Largest error allowed, relative to the reference's largest magnitude (per output).
 TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}

@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.search import TrialResult
+from autotune.trials import TrialResult
 from kernel import Problem
 
 

@@ -9,27 +9,25 @@ as the results, named after the key, so re-running the same command resumes it.
 from __future__ import annotations
 
 import importlib.metadata
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
 import optuna
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 
 from autotune.measure import Config, Measurer, Timing
-from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
-from autotune.space import Space
+from autotune.samplers import SamplerName
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.table import shape_distance
-from storage import Store, TunedResult, make_engine
+from storage import Store, TunedResult
+from storage.studies import get_storage
 
 MAX_WARM_SEEDS = 3
-STORAGE_INIT_LOCK = 0x6175746F  # pg_advisory_lock key serialising Optuna's table setup
-STORAGE_INIT_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -132,29 +130,6 @@ def versions() -> dict[str, str | None]:
             "libtpu_version": version("libtpu")}
 
 
-def _open_storage(db_url: str | None) -> Any:
-    """``open_storage`` for jobs that start together on an empty database: each would create
-    Optuna's tables (several steps, not one transaction) and all but one fail ("already
-    exists", a duplicate type or version row). On PostgreSQL the opens take turns under an
-    advisory lock; on SQLite a loser opens again, and then finds the tables."""
-    if db_url is None:
-        return open_storage(None)
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as connection:
-            if engine.dialect.name == "postgresql":  # released when the connection closes
-                connection.execute(text("SELECT pg_advisory_lock(:key)"),
-                                   {"key": STORAGE_INIT_LOCK})
-            for _ in range(STORAGE_INIT_ATTEMPTS - 1):
-                try:
-                    return open_storage(db_url)
-                except SQLAlchemyError:
-                    time.sleep(0.5)
-            return open_storage(db_url)
-    finally:
-        engine.dispose()
-
-
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
     ok = sorted((t for t in study.get_trials(deepcopy=False)
                  if t.state == optuna.trial.TrialState.COMPLETE
@@ -204,7 +179,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     tunable(kernel, problem, target)
     space, base = kernel_space(kernel, problem, target)
     name = options.study or study_name(problem, device.device_kind, kernel.name)
-    storage = _open_storage(db_url)
+    storage = get_storage(db_url)
     measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
     default_params = {name: getattr(base, name) for name in space.names}
     default_ms: list[float] = []  # the default's search-time measurement, once seen
@@ -251,6 +226,7 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     study.set_user_attr("confirmation", list(confirmation.values()))
     study.set_user_attr("problem", problem.to_dict())
     study.set_user_attr("device_kind", device.device_kind)
+    study.set_user_attr("kernel", kernel.name)
     return TuneSummary(
         problem=problem, kernel=kernel.name, device_kind=device.device_kind,
         method=measurer.method, study=name,

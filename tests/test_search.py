@@ -15,8 +15,9 @@ import optuna
 import pytest
 
 from autotune.landscape import load_landscape
-from autotune.search import Measurement, search
-from autotune.space import Space
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import Measurement
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -146,10 +147,10 @@ def test_resumed_study_measures_only_new_configs(land, tmp_path):
 
 
 def test_stale_trial_of_a_killed_worker_is_failed_and_its_config_measured_again(land, tmp_path):
-    from autotune.search import open_storage
+    from storage.studies import get_storage
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    storage = open_storage(url, heartbeat_interval=1, grace_period=1)
+    storage = get_storage(url, heartbeat_interval=1, grace_period=1)
     study = optuna.create_study(storage=storage, study_name="s")
     study.enqueue_trial(dict(zip(land.params, next(iter(land.records)), strict=True)))
     killed = study.ask(land.space.distributions)  # a worker claimed a legal config, then died

@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 import pytest
 
-from autotune.search import NOT_MEASURED
+from storage.studies import NOT_MEASURED
 from conftest import AUTOTUNE, problem_flags, run_cli
 from kernel.problem import Problem
 from storage import Store
@@ -109,7 +109,7 @@ def test_kill_9_mid_study_then_rerun_resumes(tmp_path: Path) -> None:
         config_key(t) for t in before.values())
     # The killed job's claims (the config it was measuring, and the next one it had claimed to
     # compile ahead) stay RUNNING until their heartbeat is older than the grace period
-    # (search.open_storage); until then they hold their configs and slots of the budget.
+    # (storage.studies.get_storage); until then they hold their configs and slots of the budget.
     running = optuna.load_study(study_name=study, storage=db).get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     assert 1 <= len(running) <= 2

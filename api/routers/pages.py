@@ -76,8 +76,8 @@ class PlotCache:
 def _page(request: Request, template: str, status_code: int = 200, **context: Any
           ) -> HTMLResponse:
     env = getattr(request.app.state, "page_templates", None)
-    if env is None:
-        from autotune.plots import template_env
+    if env is None:  # matplotlib and the templates load with the first page
+        from present.views import template_env
 
         env = request.app.state.page_templates = template_env()
     return HTMLResponse(env.get_template(template).render(**context), status_code=status_code)
@@ -140,13 +140,15 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
                       f"Nothing is stored for {key.kernel} {key.kernel_version} on "
                       f"{key.device_kind!r} ({key.platform}) for {problem.label()}.")
 
-    from autotune.plots import images, problem_view, read_storage
+    from present.plots import images
+    from present.views import problem_view
+    from storage.studies import get_storage
 
     state = request.app.state
     cache: PlotCache = getattr(state, "plot_cache", None) or PlotCache(PLOT_CACHE_SIZE)
     state.plot_cache = cache
     # Kept once Optuna's tables exist (a tuner may create them after the server started).
-    storage = getattr(state, "optuna_storage", None) or read_storage(store.url, store.engine)
+    storage = getattr(state, "optuna_storage", None) or get_storage(store.url, create=False)
     state.optuna_storage = storage
     version = store.data_version()
 
