@@ -17,7 +17,7 @@ from api.metrics import Metrics, MetricsMiddleware
 from api.routers import configs, health, pages, tables
 from api.settings import ApiSettings
 from kernel import AutotuneError
-from storage import Store
+from storage import ReadOnlyDatabaseError, Store
 
 log = logging.getLogger(__package__)
 
@@ -52,6 +52,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def _invalid(_request: Request, error: AutotuneError) -> JSONResponse:
         # The project's own validation (one error root): the message names the field or rule.
         return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
+
+    @app.exception_handler(ReadOnlyDatabaseError)
+    async def _read_only(_request: Request, error: ReadOnlyDatabaseError) -> JSONResponse:
+        return _error(status.HTTP_503_SERVICE_UNAVAILABLE, str(error))
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, error: SQLAlchemyError) -> JSONResponse:

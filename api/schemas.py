@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
 from kernel import DEFAULT_KERNEL, get_kernel
-from storage import METHODS, Entry, LookupRequest, TunedResult
+from storage import MAX_STORED_INT, METHODS, Entry, LookupRequest, TunedResult
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 MAX_BATCH_KEYS = 1000
@@ -93,7 +93,7 @@ class Measurements(_Strict):
     iqr_ms: Millis | None = None
     default_median_ms: Millis | None = None
     speedup: Millis | None = None
-    trials: Annotated[int, Field(ge=0, le=1 << 31)] | None = None
+    trials: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] | None = None
     method: Method | None = None
     jax_version: Version | None = None
     jaxlib_version: Version | None = None

@@ -59,7 +59,10 @@ class ConfigKey:
 TEXT_LIMITS = {"kernel": 64, "kernel_version": 64, "device_kind": 128, "platform": 32,
                "method": 16, "jax_version": 64, "jaxlib_version": 64, "libtpu_version": 64,
                "study": 256}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Control characters (PostgreSQL cannot store NUL) and lone UTF-16 surrogates (not encodable).
+_NOT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
+# The largest integer both SQLite and PostgreSQL (INTEGER: 32-bit signed) columns hold.
+MAX_STORED_INT = 2**31 - 1
 
 
 def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
@@ -67,9 +70,10 @@ def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
         return
     if not isinstance(value, str) or not value.strip():
         raise ResultError(f"{name} must be a non-empty string, got {value!r}")
-    if len(value) > TEXT_LIMITS[name] or _CONTROL.search(value):
-        raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters without "
-                          f"control characters, got {value[:40]!r}")
+    if len(value) > TEXT_LIMITS[name] or _NOT_TEXT.search(value):
+        shown = value[:40].encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters of text "
+                          f"without control characters or lone surrogates, got {shown!r}")
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,10 @@ class TunedResult:
                                       or not math.isfinite(value) or value < 0):
                 raise ResultError(f"{name} must be a finite non-negative number, got {value!r}")
         if self.trials is not None and (isinstance(self.trials, bool)
-                                        or not isinstance(self.trials, int) or self.trials < 0):
-            raise ResultError(f"trials must be a non-negative integer, got {self.trials!r}")
+                                        or not isinstance(self.trials, int)
+                                        or not 0 <= self.trials <= MAX_STORED_INT):
+            raise ResultError(f"trials must be an integer from 0 to {MAX_STORED_INT}, got "
+                              f"{self.trials!r}")
         if self.method is not None and self.method not in METHODS:
             raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.platform:

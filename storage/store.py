@@ -15,7 +15,14 @@ from sqlalchemy.orm import Session
 
 from kernel import DEFAULT_KERNEL, LookupTable, Problem, get_kernel
 from kernel.table import nearest_entry
-from storage.engine import WRITE_OPTIONS, make_engine, normalize_url
+from storage.engine import (
+    WRITE_OPTIONS,
+    make_engine,
+    normalize_url,
+    refusing_read_only,
+    sqlite_connect,
+    sqlite_file,
+)
 from storage.models import FAMILY_COLUMNS, KEY_COLUMNS, TunedConfigHistoryRow, TunedConfigRow
 from storage.results import (
     MEASUREMENT_FIELDS,
@@ -151,13 +158,13 @@ class Store:
         SQLite's ``PRAGMA data_version`` on a connection that never writes (a few
         microseconds, no query of our tables).
         """
-        database = self.engine.url.database
-        if self.engine.url.get_backend_name() != "sqlite" or database in (None, "", ":memory:"):
+        path = sqlite_file(self.engine.url)
+        if path is None:
             return None
         with self._watcher_lock:
             if self._watcher is None:
-                self._watcher = sqlite3.connect(database, check_same_thread=False,
-                                                isolation_level=None)
+                self._watcher = sqlite_connect(path, check_same_thread=False,
+                                               isolation_level=None)
             return self._watcher.execute("PRAGMA data_version").fetchone()[0]
 
     def __enter__(self) -> Store:
@@ -206,9 +213,12 @@ class Store:
         return self._write(lambda session: [self._publish(session, r, force) for r in results])
 
     def _write(self, work: Callable[[Session], _T]) -> _T:
+        """Runs ``work`` in one write transaction; ReadOnlyDatabaseError if writes are refused."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
-                with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                with refusing_read_only(self.engine.url), \
+                        Session(self._writer, expire_on_commit=False) as session, \
+                        session.begin():
                     return work(session)
             except IntegrityError:
                 # PostgreSQL: another writer inserted the same new key first; retrying finds it.

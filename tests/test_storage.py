@@ -169,9 +169,12 @@ def test_import_is_all_or_nothing(store: Store) -> None:
 
 @pytest.mark.parametrize("field, value", [
     ("device_kind", "TPU " + "v" * 200), ("device_kind", "TPU\x00v5"),
-    ("study", "s" * 300), ("platform", 5)])
-def test_text_that_a_column_cannot_hold_is_refused(store: Store, field: str,
-                                                   value: object) -> None:
+    ("device_kind", "TPU \ud800"), ("study", "s" * 300), ("platform", 5),
+    ("trials", 2**31), ("trials", 2**64)])
+def test_values_that_a_column_cannot_hold_are_refused(store: Store, field: str,
+                                                     value: object) -> None:
+    """Text too long or not encodable, integers beyond a 32-bit column: a ResultError naming
+    the field, before the database sees it (SQLite and PostgreSQL alike)."""
     with pytest.raises(ResultError, match=field):
         result(**{field: value})
     provenance = {field: value} if field != "device_kind" else {}
@@ -238,12 +241,20 @@ def test_migrations_share_the_database_with_optuna(empty_db_url: str) -> None:
     assert len(reloaded.trials) == 2
 
 
-def test_outdated_schema_is_reported(db_url: str) -> None:
+def test_a_database_at_another_revision_is_reported(db_url: str) -> None:
+    """No revision recorded: run `autotune db upgrade`; a revision this version does not know:
+    a newer version wrote it (upgrading the schema cannot help)."""
     with Store(db_url) as store:
         with store.engine.begin() as connection:
-            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
-        assert "has schema revision 0000" in store.schema_problem()
+            connection.execute(text(f"DELETE FROM {VERSION_TABLE}"))
+        assert "has no autotune schema" in store.schema_problem()
         assert "autotune db upgrade" in store.schema_problem()
+        with store.engine.begin() as connection:
+            connection.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES ('f00d0099')"))
+        assert "newer version of flash-autotune (schema revision f00d0099" in \
+            store.schema_problem()
+        with pytest.raises(SchemaError, match="newer version"):
+            upgrade(store.engine)
 
 
 def test_unreachable_database_is_reported() -> None:

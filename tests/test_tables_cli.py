@@ -82,6 +82,8 @@ def test_export_then_import_round_trip(sqlite_db_url: str, tmp_path: Path) -> No
       "config": {"block_q": 384}}, "block_divides"),
     ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
       "config": {}, "provenance": {"method": "guess"}}, "entry 1"),
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
+      "config": {}, "provenance": {"trials": 2**64}}, "trials must be an integer"),
 ])
 def test_a_bad_entry_imports_nothing(sqlite_db_url: str, tmp_path: Path, bad_entry: dict,
                                      phrase: str) -> None:

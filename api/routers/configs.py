@@ -24,9 +24,11 @@ from api.schemas import (
     Version,
     lookup_body,
 )
+from api.strict_json import StrictJsonRoute
 from storage import LookupRequest
 
-router = APIRouter(prefix="/v1/configs", tags=["configs"])
+router = APIRouter(prefix="/v1/configs", tags=["configs"],
+                   route_class=StrictJsonRoute)
 
 
 def _miss_detail(request: LookupRequest) -> str:
