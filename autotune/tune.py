@@ -17,12 +17,14 @@ import jax
 import optuna
 
 from autotune.measure import Config, Measurer, Timing
+from autotune.peaks import device_roofline
 from autotune.samplers import SamplerName
 from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.roofline import Roofline
 from kernel.table import shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
@@ -42,6 +44,7 @@ class TuneOptions:
     confirm_rounds: int = 5
     compile_timeout_s: float = 300.0
     force: bool = False  # publish even if the stored entry is better
+    timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
 
 
 @dataclass
@@ -62,12 +65,16 @@ class TuneSummary:
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str
+    timing: str  # the method every trial and the confirmation were timed with
+    timing_note: str | None = None  # why auto fell back from profile, if it did
+    roofline: Roofline | None = None  # None on a CPU
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"problem": self.problem.to_dict(), "kernel": self.kernel,
                 "device_kind": self.device_kind,
-                "method": self.method, "study": self.study,
+                "method": self.method, "timing": self.timing, "timing_note": self.timing_note,
+                **result_roofline(self.roofline), "study": self.study,
                 "best_config": self.best_config.to_dict(),
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
@@ -75,8 +82,17 @@ class TuneSummary:
                 "stop_reason": self.stop_reason}
 
 
-def study_name(problem: Problem, device_kind: str, kernel: str = DEFAULT_KERNEL) -> str:
-    return f"{kernel}/{device_kind}/{problem.label()}"
+def result_roofline(roofline: Roofline | None) -> dict[str, Any]:
+    """A roofline as a result's fields (all None without one: on a CPU)."""
+    return {"achieved_tflops": roofline and roofline.tflops,
+            "roofline_fraction": roofline and roofline.fraction,
+            "roofline_bound": roofline and roofline.bound}
+
+
+def study_name(problem: Problem, device_kind: str, kernel: str, timing: str) -> str:
+    """The study of a key and a timing method: a rerun resumes it, and times taken by another
+    method (not comparable) go to a study of their own."""
+    return f"{kernel}/{device_kind}/{timing}/{problem.label()}"
 
 
 def kernel_space(kernel: TunableKernel, problem: Problem,
@@ -167,6 +183,8 @@ class TuneObserver(Protocol):
 
     def on_phase(self, phase: str) -> None: ...
 
+    def on_notice(self, message: str) -> None: ...
+
 
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
          observer: TuneObserver | None = None, kernel_name: str = DEFAULT_KERNEL) -> TuneSummary:
@@ -178,9 +196,9 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     target = device_target(device.platform, device.device_kind)
     tunable(kernel, problem, target)
     space, base = kernel_space(kernel, problem, target)
-    name = options.study or study_name(problem, device.device_kind, kernel.name)
     storage = get_storage(db_url)
-    measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
+    measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s,
+                        timing=options.timing, notify=observer.on_notice if observer else None)
     default_params = {name: getattr(base, name) for name in space.names}
     default_ms: list[float] = []  # the default's search-time measurement, once seen
 
@@ -191,6 +209,9 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
             observer.on_trial(result, best, default_ms[0] if default_ms else None)
 
     try:
+        measurer.settle_timing(default_params)  # all trials then share one timing method
+        name = options.study or study_name(problem, device.device_kind, kernel.name,
+                                           measurer.timing)
         result = search(space, measurer, storage=storage, study_name=name,
                         sampler=options.sampler, trials=options.trials, timeout=options.timeout,
                         patience=options.patience,
@@ -213,12 +234,14 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     winner_ms = timings[winner].median_ms
     default_ms = timings[base].median_ms if base in timings else None
     speedup = default_ms / winner_ms if default_ms is not None else None
+    roofline = device_roofline(device, problem, winner_ms)
     outcome = store.publish(TunedResult(
         kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
         problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
         speedup=speedup, trials=result.measured, method=measurer.method,
-        study=name, **versions()), force=options.force)
+        timing=measurer.timing, **result_roofline(roofline), study=name, **versions()),
+        force=options.force)
     confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                 "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
                                 "is_default": c == base, "is_winner": c == winner}
@@ -234,4 +257,5 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         speedup=speedup, measured=result.measured,
         failures=_failures(study), winner_is_default=winner == base,
         publish=outcome.status,
-        stop_reason=result.stop_reason, confirmation=confirmation)
+        stop_reason=result.stop_reason, timing=measurer.timing,
+        timing_note=measurer.timing_note, roofline=roofline, confirmation=confirmation)

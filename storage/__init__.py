@@ -7,6 +7,8 @@ from storage.engine import DatabaseUrlError, ReadOnlyDatabaseError, make_engine,
 from storage.results import (
     MAX_STORED_INT,
     METHODS,
+    ROOFLINE_BOUNDS,
+    TIMINGS,
     ConfigKey,
     Entry,
     PublishOutcome,
@@ -20,9 +22,9 @@ from storage.settings import DEFAULT_DB_URL, StorageSettings
 from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
 
 __all__ = [
-    "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS", "ConfigKey",
-    "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome",
+    "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS", "ROOFLINE_BOUNDS", "TIMINGS",
+    "ConfigKey", "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome",
     "ReadOnlyDatabaseError", "ResultError", "SchemaError", "StorageError", "StorageSettings",
-    "Store", "TunedResult", "make_engine", "normalize_url",
-    "schema_is_current", "schema_problem", "upgrade",
+    "Store", "TunedResult", "make_engine", "normalize_url", "schema_is_current",
+    "schema_problem", "upgrade",
 ]

@@ -316,7 +316,7 @@ def dashboard(tuned_db: str, tmp_path: Path) -> Iterator[str]:
 def test_optuna_dashboard_shows_the_study(dashboard: str) -> None:
     studies = httpx.get(f"{dashboard}/api/studies", timeout=10).json()["study_summaries"]
     (summary,) = studies
-    assert summary["study_name"] == "flash/cpu/" + TUNED.label()
+    assert summary["study_name"] == "flash/cpu/wallclock/" + TUNED.label()
     study_attrs = {a["key"] for a in summary["user_attrs"]}
     assert {"problem", "device_kind", "confirmation", "params"} <= study_attrs
     detail = httpx.get(f"{dashboard}/api/studies/{summary['study_id']}", params={"after": 0},
