@@ -1,9 +1,11 @@
 # The lookup service: `autotune serve` on port 8000, database in /data.
-#   docker build -t flash-autotune .                      # service image
-#   docker build --build-arg EXTRAS=tpu -t flash-autotune:tpu .   # tuning image for TPU VMs
+#   docker build -t flash-autotune .                                    # service image (serve)
+#   docker build --build-arg EXTRAS=tune,tpu -t flash-autotune:tune .   # tuning image, TPU VMs
+# A tuning image runs the command it is given (`docker run ... autotune tune ...`); its default
+# command, the service, exits 2 naming the `serve` extra it lacks.
 FROM python:3.11-slim
 
-ARG EXTRAS=""
+ARG EXTRAS="serve"
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -16,7 +18,7 @@ COPY storage ./storage
 COPY present ./present
 COPY api ./api
 COPY autotune ./autotune
-RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
+RUN pip install ".[${EXTRAS}]" \
     && useradd --create-home --uid 10001 autotune \
     && mkdir /data && chown autotune /data
 

@@ -22,7 +22,7 @@ from storage import (
 )
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
-MAX_BATCH_KEYS = 1000
+MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
 # The versions a result was tuned under: the resolver marks an entry stale when they moved.
 VERSION_FIELDS = ("jax_version", "jaxlib_version", "libtpu_version")
 
@@ -190,6 +190,27 @@ class BatchLookupItem(BaseModel):
 
 class BatchLookupResponse(BaseModel):
     results: list[BatchLookupItem]
+
+
+class ListQuery(_Strict):
+    """``GET /v1/configs``: filters (each a column = value) and a page; an unknown query
+    parameter is a 422, not silently ignored."""
+
+    kernel: Text | None = None
+    kernel_version: Version | None = None
+    device_kind: Text | None = None
+    platform: Text | None = None
+    dtype: Dtype | None = None
+    mode: Mode | None = None
+    causal: bool | None = None
+    head_dim: Annotated[int | None, Field(ge=1, le=MAX_HEAD_DIM)] = None
+    method: Method | None = None
+    study: Text | None = None
+    offset: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] = 0
+    limit: Annotated[int, Field(ge=1, le=1000)] = 100
+
+    def filters(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"offset", "limit"})
 
 
 class ConfigPage(BaseModel):

@@ -1,5 +1,6 @@
 """The ``autotune`` command line. Each command imports its heavy dependencies lazily, so that
-``autotune serve`` never loads jax and ``autotune precheck`` never loads the web stack."""
+``autotune serve`` never loads jax and ``autotune precheck`` never loads the web stack. The
+console script enters through ``autotune.__main__``, which first checks the command's extra."""
 
 from __future__ import annotations
 
@@ -45,3 +46,6 @@ app.command()(report.report)
 from autotune.commands import replay  # noqa: E402
 
 app.command()(replay.replay)
+from autotune.commands import stale  # noqa: E402
+
+app.command()(stale.stale)

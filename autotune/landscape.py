@@ -1,4 +1,4 @@
-"""Replay of measured tuning landscapes (gzip JSON, format in shared/landscapes/README.md).
+"""Replay of measured tuning landscapes (gzip JSON, format in bench/landscapes/README.md).
 
 A landscape answers "what would this config have measured" instantly, so a search strategy can
 be tested and benchmarked without an accelerator: its space is the declared ``params`` with
@@ -63,7 +63,7 @@ def load_landscape(path: str | Path) -> Landscape:
             doc = json.load(f)
     except FileNotFoundError:
         raise LandscapeError(f"landscape file {path} does not exist; pass the path of a "
-                             "*.json.gz landscape (see shared/landscapes/README.md)") from None
+                             "*.json.gz landscape (see bench/landscapes/README.md)") from None
     except (OSError, json.JSONDecodeError, EOFError) as exc:
         raise LandscapeError(f"{path} is not gzip-compressed JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("params"), dict) or not isinstance(

@@ -16,6 +16,7 @@ region; FAIL trials it ignores).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -23,9 +24,11 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
@@ -48,6 +51,7 @@ from autotune.trials import (
 from storage.studies import get_storage
 
 _CLAIM_WAIT_S = 2.0  # longest wait for an earlier trial's params to be written
+_INTERRUPTED = "interrupted"  # status of this worker's claims given back on Ctrl-C
 
 
 @dataclass
@@ -184,6 +188,10 @@ def search(
     when given, is called for each config as soon as it is claimed, and the next config is
     claimed before the current one is measured, so that slow preparation (an ahead-of-time
     compile) of the next config overlaps the measurement of this one.
+
+    When the call ends with an exception (Ctrl-C, a failing ``on_trial``), this worker's
+    unfinished claims are given back (FAIL, status ``interrupted``), so a rerun measures their
+    configs at once; a Ctrl-C while Optuna creates a trial waits until the trial is claimed.
     """
     if trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
@@ -202,6 +210,24 @@ def search(
     stalled = 0
     view = _View.read(study, space)
     _enqueue_seeds(study, space, seeds, view)
+    beats = isinstance(optuna_storage, RDBStorage) and bool(
+        optuna_storage.get_heartbeat_interval())
+    # Optuna's own default grace: two heartbeat intervals.
+    grace_s = beats and (optuna_storage.grace_period
+                         or 2 * optuna_storage.get_heartbeat_interval())
+    own_claims: set[int] = set()  # numbers of the trials this call created
+
+    def ask() -> optuna.Trial:
+        """A new trial, recorded as this call's claim, with a first heartbeat (so that it is
+        failed as stale if this worker dies before measuring it)."""
+        with _interrupt_deferred(), warnings.catch_warnings():
+            # heartbeats are sent by _heartbeat, not optimize()
+            warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+            trial = study.ask(distributions)
+            own_claims.add(trial.number)
+            if beats:
+                optuna_storage.record_heartbeat(trial._trial_id)
+        return trial
 
     def claim() -> tuple[optuna.Trial, Config] | str:
         """The next config this worker may measure, claimed in the study, or a stop reason.
@@ -212,12 +238,12 @@ def search(
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 fail_stale_trials(study)
             view = _View.read(study, space)
+            if beats and _fail_orphans(study, space, view.running, grace_s):
+                view = _View.read(study, space)
             reason = _stop_reason(view, trials, patience, timeout, start, stalled)
             if reason:
                 return reason
-            with warnings.catch_warnings():  # heartbeats are sent by _heartbeat, not optimize()
-                warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-                trial = study.ask(distributions)
+            trial = ask()
             config = space.config(trial.params)
             key = space.key(config)
             if isinstance(engine, EngineSampler) and engine.exhausted:
@@ -262,14 +288,10 @@ def search(
                 ahead = claim()
                 pending = None if isinstance(ahead, str) else ahead
             t0 = time.perf_counter()
-            try:
-                with _heartbeat(optuna_storage, trial._trial_id), (
-                        _heartbeat(optuna_storage, pending[0]._trial_id) if pending
-                        else nullcontext()):
-                    measurement = _measure(measure, config)
-            except BaseException:
-                study.tell(trial, state=TrialState.FAIL)
-                raise
+            with _heartbeat(optuna_storage, trial._trial_id), (
+                    _heartbeat(optuna_storage, pending[0]._trial_id) if pending
+                    else nullcontext()):
+                measurement = _measure(measure, config)
             measure_s = time.perf_counter() - t0
             measure_total += measure_s
             _record(study, trial, measurement, measure_s, worker)
@@ -282,9 +304,9 @@ def search(
                                        or measurement.value < best_result.value):
                     best_result = result
                 on_trial(result, best_result)
-    finally:
-        if pending is not None:  # claimed ahead but never measured: give the config back
-            _drop(study, pending[0], "surplus")
+    except BaseException:
+        _release(study, own_claims)
+        raise
     view = _View.read(study, space)
     best = view.best()
     return SearchResult(
@@ -325,7 +347,10 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
     while True:
         earlier = [t for t in study._get_trials(deepcopy=False, states=LIVE, use_cache=False)
                    if t.number != number and (t.state != TrialState.RUNNING or t.number < number)]
-        if all(t.params.keys() >= names for t in earlier) or time.monotonic() > deadline:
+        # A trial still without params after the wait is an orphan: do not wait for it again.
+        young = datetime.now() - timedelta(seconds=_CLAIM_WAIT_S)
+        if time.monotonic() > deadline or not any(
+                not t.params.keys() >= names and t.datetime_start > young for t in earlier):
             break
         time.sleep(0.01)
     count = 0
@@ -349,6 +374,51 @@ def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, k
                 study.tell(trial, state=TrialState.PRUNED)
             return
     _drop(study, trial, "duplicate")  # the other claim is still running
+
+
+def _fail_orphans(study: optuna.Study, space: Space, running: list[FrozenTrial],
+                  grace_s: int) -> bool:
+    """Fails (status ``orphan``) the RUNNING trials still without params ``grace_s`` after they
+    started: their workers died while Optuna created them, before their first heartbeat, so
+    ``fail_stale_trials`` never sees them. True when there were any."""
+    names = set(space.names)
+    cutoff = datetime.now() - timedelta(seconds=grace_s)
+    orphans = [t for t in running if not t.params.keys() >= names and t.datetime_start < cutoff]
+    for orphan in orphans:
+        _fail(study, orphan._trial_id, "orphan")
+    return bool(orphans)
+
+
+def _release(study: optuna.Study, numbers: set[int]) -> None:
+    """Gives back this worker's trials among ``numbers`` that are still RUNNING."""
+    for t in study._get_trials(deepcopy=False, states=(TrialState.RUNNING,), use_cache=False):
+        if t.number in numbers:
+            _fail(study, t._trial_id, _INTERRUPTED)
+
+
+def _fail(study: optuna.Study, trial_id: int, status: str) -> None:
+    """Fails a trial of any worker with ``status``; one another worker finished is left."""
+    try:
+        study._storage.set_trial_user_attr(trial_id, "status", status)
+        study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    except UpdateFinishedTrialError:
+        pass
+
+
+@contextmanager
+def _interrupt_deferred():  # noqa: ANN202
+    """Holds a Ctrl-C (SIGINT) back until the block is done (in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[Any, ...]] = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
 
 
 def _drop(study: optuna.Study, trial: optuna.Trial, status: str) -> None:

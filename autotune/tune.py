@@ -8,7 +8,6 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
 from kernel.table import shape_distance
 from storage import Store, TunedResult
@@ -135,15 +135,13 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
 
 
-def versions() -> dict[str, str | None]:
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-            "libtpu_version": version("libtpu")}
+from autotune.samplers import SamplerName
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import NOT_MEASURED, OK, TrialResult
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
+    get_kernel
+from kernel.resolve import installed_versions
 
 
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
@@ -173,6 +171,10 @@ def choose_winner(timings: dict[Config, Timing], default: Config) -> Config:
 
 class NothingToPublish(RuntimeError):
     """No config of the problem worked on this device, not even the default."""
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a tuning run; the message says how to resume it."""
 
 
 class TuneObserver(Protocol):
@@ -224,6 +226,10 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
         study = optuna.load_study(study_name=name, storage=storage)
         top = _top_configs(study, base, options.confirm_top)
         timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+    except KeyboardInterrupt:
+        raise TuneInterrupted(
+            f"tuning {kernel.name} {problem.label()} stopped; its measured configs are kept: "
+            f"run the same command again to resume study {name!r}") from None
     finally:
         measurer.close()
     if not timings:
@@ -235,21 +241,25 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
     default_ms = timings[base].median_ms if base in timings else None
     speedup = default_ms / winner_ms if default_ms is not None else None
     roofline = device_roofline(device, problem, winner_ms)
+    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                "is_default": c == base, "is_winner": c == winner}
+                    for c, t in timings.items()}
+    # The study is complete before the entry names it: a kill in between leaves no entry
+    # whose study lacks its confirmation.
+    study.set_user_attr("confirmation", list(confirmation.values()))
+    study.set_user_attr("problem", problem.to_dict())
+    study.set_user_attr("device_kind", device.device_kind)
+    study.set_user_attr("kernel", kernel.name)
     outcome = store.publish(TunedResult(
         kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
         problem=problem, config=winner, median_ms=winner_ms,
         iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
         speedup=speedup, trials=result.measured, method=measurer.method,
-        timing=measurer.timing, **result_roofline(roofline), study=name, **versions()),
+        timing=measurer.timing, **result_roofline(roofline), study=name,
+        **{f"{package}_version": version
+           for package, version in installed_versions().items()}),
         force=options.force)
-    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                "is_default": c == base, "is_winner": c == winner}
-                    for c, t in timings.items()}
-    study.set_user_attr("confirmation", list(confirmation.values()))
-    study.set_user_attr("problem", problem.to_dict())
-    study.set_user_attr("device_kind", device.device_kind)
-    study.set_user_attr("kernel", kernel.name)
     return TuneSummary(
         problem=problem, kernel=kernel.name, device_kind=device.device_kind,
         method=measurer.method, study=name,

@@ -1,10 +1,9 @@
 """Search quality and overhead on measured landscapes: our searcher vs plain Optuna TPE vs random.
 
-For every ``*.json.gz`` landscape in the directory (default ``../shared/landscapes`` relative to
-the repository root) it replays each sampler with ``--seeds`` seeds for ``max(budgets)``
-measured configs and prints score@B = optimum / best found after B measured configs (median
-over seeds; mean in brackets), then the tuner's own overhead per trial (everything but
-``measure``) with in-memory and SQLite storage.
+For every ``*.json.gz`` landscape in the directory (default ``bench/landscapes``) it replays
+each sampler with ``--seeds`` seeds for ``max(budgets)`` measured configs and prints score@B =
+optimum / best found after B measured configs (median over seeds; mean in brackets), then the
+tuner's own overhead per trial (everything but ``measure``) with in-memory and SQLite storage.
 
     python bench/search.py [LANDSCAPE_DIR] [--seeds 10] [--budgets 50,100,200] [--json]
 """
@@ -56,10 +55,9 @@ def _overhead(path: str, trials: int) -> dict[str, float]:
 
 
 def main() -> None:
-    root = Path(__file__).resolve().parent.parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("landscapes", nargs="?", default=str(root / ".." / "shared" /
-                                                                "landscapes"))
+    parser.add_argument("landscapes", nargs="?",
+                        default=str(Path(__file__).resolve().parent / "landscapes"))
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--budgets", default="50,100,200")
     parser.add_argument("--overhead-trials", type=int, default=100)
@@ -69,7 +67,7 @@ def main() -> None:
     paths = sorted(str(p) for p in Path(args.landscapes).glob("*.json.gz"))
     if not paths:
         sys.exit(f"no *.json.gz landscapes in {args.landscapes}; pass their directory "
-                 "(see shared/landscapes/README.md)")
+                 "(see bench/landscapes/README.md)")
     jobs = [(p, s, seed, budgets[-1]) for p in paths for s in SAMPLERS.values()
             for seed in range(args.seeds)]
     start = time.perf_counter()

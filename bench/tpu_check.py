@@ -138,7 +138,8 @@ def runs_here(kernel: Any, interpret: bool) -> str | None:
 
 
 def numerics(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from autotune.measure import TOLERANCE, Measurer, relative_error
+    from autotune.measure import Measurer, relative_error
+    from kernel.tolerance import MAX_RELATIVE_ERROR
     from kernel import Problem, get_kernel, kernel_names
 
     dtype = "float32" if args.interpret else "bfloat16"
@@ -157,7 +158,7 @@ def numerics(args: argparse.Namespace) -> list[dict[str, Any]]:
             try:
                 program = measurer.compile(kernel.build(problem, measurer.base))[0]
                 error = relative_error(measurer.run(program), measurer.expected)
-                status = "ok" if error <= TOLERANCE[dtype] else "wrong result"
+                status = "ok" if error <= MAX_RELATIVE_ERROR[dtype] else "wrong result"
             except Exception as failure:  # noqa: BLE001 - reported, the check goes on
                 error, status = None, f"failed: {str(failure).splitlines()[0][:200]}"
             finally:

@@ -116,10 +116,12 @@ def installed_versions() -> dict[str, str | None]:
 
 
 def stale_versions(provenance: Mapping[str, Any], installed: Mapping[str, str | None]) -> str:
-    """Which recorded ``<package>_version`` differ from the installed ones ('' if none)."""
+    """Which recorded ``<package>_version`` differ from the installed ones ('' if none); a
+    package not installed here (libtpu on a service host) cannot have moved."""
     moved = [f"{package} {provenance[f'{package}_version']} (installed {installed[package]})"
              for package in VERSIONED_PACKAGES
-             if provenance.get(f"{package}_version") not in (None, installed[package])]
+             if installed[package] is not None
+             and provenance.get(f"{package}_version") not in (None, installed[package])]
     return ", ".join(moved)
 
 

@@ -34,7 +34,8 @@ def landscape_axes(data: StudyData) -> tuple[str, str, str] | None:
         axes = get_kernel(data.kernel).landscape_axes
     except ConfigError:
         return None
-    return axes if axes[0] in data.space and axes[1] in data.space else None
+    searched = len(axes) == 3 and axes[0] in data.space and axes[1] in data.space
+    return axes if searched else None  # a kernel with no tunable field has no landscape
 
 
 def landscape_figure(data: StudyData) -> Figure:

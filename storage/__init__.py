@@ -3,7 +3,14 @@
 Never imports jax (only the pure-Python parts of ``kernel``), so the service stays light.
 """
 
-from storage.engine import DatabaseUrlError, ReadOnlyDatabaseError, make_engine, normalize_url
+from storage.engine import (
+    DatabaseFullError,
+    DatabaseUrlError,
+    ReadOnlyDatabaseError,
+    WriteRefusedError,
+    make_engine,
+    normalize_url,
+)
 from storage.results import (
     MAX_STORED_INT,
     METHODS,
@@ -22,9 +29,9 @@ from storage.settings import DEFAULT_DB_URL, StorageSettings
 from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
 
 __all__ = [
-    "DEFAULT_DB_URL", "FILTER_FIELDS", "MAX_STORED_INT", "METHODS", "ROOFLINE_BOUNDS", "TIMINGS",
-    "ConfigKey", "DatabaseUrlError", "Entry", "HistoryEntry", "LookupRequest", "PublishOutcome",
-    "ReadOnlyDatabaseError", "ResultError", "SchemaError", "StorageError", "StorageSettings",
-    "Store", "TunedResult", "make_engine", "normalize_url", "schema_is_current",
-    "schema_problem", "upgrade",
+    "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError", "DatabaseUrlError", "Entry",
+    "FILTER_FIELDS", "HistoryEntry", "LookupRequest", "MAX_STORED_INT", "METHODS",
+    "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError", "ResultError", "SchemaError",
+    "StorageError", "StorageSettings", "Store", "TIMINGS", "TunedResult", "WriteRefusedError",
+    "make_engine", "normalize_url", "schema_is_current", "schema_problem", "upgrade",
 ]

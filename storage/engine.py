@@ -23,9 +23,17 @@ class DatabaseUrlError(AutotuneError):
     """A database URL cannot be used; the message says what a valid one looks like."""
 
 
-class ReadOnlyDatabaseError(Exception):
-    """The database refuses writes (a read-only file, file system, replica or transaction);
-    reads still work."""
+class WriteRefusedError(AutotuneError):
+    """The database cannot store anything now, and nothing of the write was stored; reads
+    still work."""
+
+
+class ReadOnlyDatabaseError(WriteRefusedError):
+    """The database refuses writes (a read-only file, file system, replica or transaction)."""
+
+
+class DatabaseFullError(WriteRefusedError):
+    """The database's disk is full."""
 
 
 def sqlite_file(url: str | URL) -> Path | None:
@@ -48,29 +56,27 @@ def sqlite_connect(path: Path, **kwargs: object) -> sqlite3.Connection:
     return sqlite3.connect(uri, uri=True, **kwargs)
 
 
-def read_only_reason(error: SQLAlchemyError) -> str | None:
-    """The database's words when ``error`` is its refusal to write (SQLite ``SQLITE_READONLY``,
-    PostgreSQL ``read_only_sql_transaction``, e.g. a standby), else None."""
-    orig = getattr(error, "orig", None)
-    if getattr(orig, "sqlite_errorname", "").startswith("SQLITE_READONLY") \
-            or getattr(orig, "sqlstate", None) == "25006":
-        return str(orig).strip().splitlines()[0]
-    return None
-
-
 @contextmanager
-def refusing_read_only(url: str | URL) -> Iterator[None]:
-    """Turns the database's refusal to write into a ``ReadOnlyDatabaseError`` that says so."""
+def refusing_writes(url: str | URL) -> Iterator[None]:
+    """Turns the database's refusal to write (SQLite ``SQLITE_READONLY``/``SQLITE_FULL``,
+    PostgreSQL ``read_only_sql_transaction``/``disk_full``) into a ``WriteRefusedError``
+    that says so and what to do."""
     try:
         yield
     except SQLAlchemyError as error:
-        reason = read_only_reason(error)
-        if reason is None:
-            raise
+        orig = getattr(error, "orig", None)
+        code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
+        reason = str(orig).strip().splitlines()[0] if orig else ""
         shown = make_url(url).render_as_string(hide_password=True)
-        raise ReadOnlyDatabaseError(
-            f"the database {shown} is read-only ({reason}): lookups and exports work, but "
-            "nothing can be stored; make it writable or use a writable database") from None
+        if code.startswith("SQLITE_READONLY") or code == "25006":
+            raise ReadOnlyDatabaseError(
+                f"the database {shown} is read-only ({reason}): lookups and exports work, but "
+                "nothing can be stored; make it writable or use a writable database") from None
+        if code == "SQLITE_FULL" or code == "53100":
+            raise DatabaseFullError(
+                f"the database {shown} is full ({reason}): nothing of this write was stored; "
+                "free disk space and retry") from None
+        raise
 
 
 def normalize_url(url: str) -> str:

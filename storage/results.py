@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from kernel import DEFAULT_KERNEL, AutotuneError, Problem, TableEntry, get_kernel
+from kernel.resolve import installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 # How a run was timed (autotune.timing): device time from a profiler trace, a compiled loop's
@@ -44,6 +47,10 @@ def default_platform(device_kind: str) -> str:
 def installed_kernel_version(kernel: str = DEFAULT_KERNEL) -> str:
     """The installed version of kernel ``kernel`` (the registry is jax-free to import)."""
     return get_kernel(kernel).version
+
+
+# This process's jax, jaxlib and libtpu versions, read once (rendering a page asks per row).
+_installed_versions = functools.cache(installed_versions)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,12 @@ class TunedResult:
         if self.median_ms is None:
             return False
         return other.median_ms is None or self.median_ms < other.median_ms
+
+    def stale_versions(self, installed: Mapping[str, str | None] | None = None) -> str:
+        """Which of its recorded jax, jaxlib and libtpu versions differ from ``installed``
+        (default: this environment's), as ``jax 0.9.0 (installed 0.10.2)``; '' when none do.
+        A stale config is still legal, but may no longer be the fastest."""
+        return stale_versions(self.measurements(), installed or _installed_versions())
 
     def measurements(self) -> dict[str, Any]:
         """Timings and provenance as plain fields (everything but key and config)."""

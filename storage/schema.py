@@ -15,7 +15,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.engine import WRITE_OPTIONS, make_engine, refusing_read_only, sqlite_file
+from storage.engine import WRITE_OPTIONS, make_engine, refusing_writes, sqlite_file
 from storage.results import SchemaError
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -65,7 +65,7 @@ def upgrade(url: str | Engine, revision: str = "head") -> None:
             raise SchemaError(newer)
         if revision == "head" and current == head_revision():
             return  # nothing to do, and nothing written (a read-only database is fine)
-        with refusing_read_only(engine.url), \
+        with refusing_writes(engine.url), \
                 engine.execution_options(**WRITE_OPTIONS).begin() as connection:
             command.upgrade(alembic_config(connection), revision)
     finally:

@@ -133,6 +133,9 @@ def test_batch_lookup_answers_every_key_in_order(server: Server) -> None:
     bad = httpx.post(f"{server.url}/v1/configs/lookup:batch",
                      json={"keys": [lookup_params(kind), lookup_params(kind, kv_heads=3)]})
     assert bad.status_code == 422 and "keys[1]" in bad.json()["detail"]
+    too_many = httpx.post(f"{server.url}/v1/configs/lookup:batch",
+                          json={"keys": [lookup_params(kind)] * 101})
+    assert too_many.status_code == 422 and "at most 100" in too_many.text
 
 
 def test_list_filters_and_pages(server: Server) -> None:
@@ -145,6 +148,8 @@ def test_list_filters_and_pages(server: Server) -> None:
     assert [item["key"]["q_len"] for item in page["items"]] == [512]
     assert httpx.get(f"{server.url}/v1/configs",
                      params={"device_kind": kind, "dtype": "float32"}).json()["total"] == 0
+    unknown = httpx.get(f"{server.url}/v1/configs", params={"device_kind": kind, "colour": "red"})
+    assert unknown.status_code == 422 and "colour" in unknown.text
 
 
 def test_export_with_etag_and_import(server: Server) -> None:

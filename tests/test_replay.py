@@ -1,4 +1,4 @@
-"""``autotune replay`` on a synthetic landscape and, when present, a real one."""
+"""``autotune replay`` on a synthetic landscape and on a real one (bench/landscapes)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from autotune.cli import app
 from autotune.landscape import load_landscape
 from tests.test_search import write_landscape
 
-REAL = Path(__file__).resolve().parent.parent / ".." / "shared" / "landscapes" / \
-    "convolution-A100.json.gz"
+REAL = Path(__file__).resolve().parent.parent / "bench" / "landscapes" / "convolution-A100.json.gz"
 
 
 def _replay(*args: str) -> dict:
@@ -61,8 +60,6 @@ def test_replay_bad_input_is_a_clear_error(tmp_path):
     assert result.exit_code == 2 and "unknown sampler" in result.output
 
 
-@pytest.mark.skipif(not REAL.exists(), reason=f"real landscape {REAL} is absent (it lives in "
-                    "shared/landscapes beside the repository checkout, not in the repository)")
 def test_replay_a_real_landscape_measures_only_recorded_configs():
     land = load_landscape(REAL)
     out = _replay(str(REAL), "--budget", "30", "--seed", "1")

@@ -25,8 +25,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from conftest import free_port, run_cli, wait_until_answering
-from kernel import FlashConfig
-from kernel.problem import Problem
+from kernel import FlashConfig, Problem
 from present.plots import (
     confirmation_figure,
     convergence_figure,

@@ -195,3 +195,10 @@ def test_stored_configs_must_have_a_depth_some_jax_lowers():
         rules = {v.rule for v in flash.stored_violations(PROBLEM, FlashConfig(pipeline_depth=depth))}
         assert rules == {"pipeline_depth"}
     assert not flash.stored_violations(PROBLEM, FlashConfig(block_q=256, pipeline_depth=4))
+
+
+def test_a_package_not_installed_here_is_not_a_stale_version():
+    installed = {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": None}
+    assert kernel.resolve.stale_versions({"libtpu_version": "0.0.20"}, installed) == ""
+    assert kernel.resolve.stale_versions({"jax_version": "0.9.0"}, installed) == \
+        "jax 0.9.0 (installed 0.10.2)"

@@ -164,6 +164,34 @@ def test_stale_trial_of_a_killed_worker_is_failed_and_its_config_measured_again(
     assert lost in rec.calls and result.measured == len(land.records)
 
 
+def test_an_orphan_claim_without_params_neither_delays_claims_nor_holds_the_budget(land,
+                                                                                 tmp_path):
+    """A worker killed inside ``ask`` (its trial created, its params not yet written) leaves a
+    RUNNING trial without params and without a heartbeat. Later claims do not wait for its
+    params, and once it is older than the grace period it is failed, freeing its budget slot."""
+    import datetime
+
+    from optuna.trial import FrozenTrial, TrialState
+
+    from autotune import search as search_module
+    from storage.studies import get_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = get_storage(url, heartbeat_interval=1, grace_period=60)
+    study = optuna.create_study(storage=storage, study_name="s")
+    started = datetime.datetime.now() - datetime.timedelta(minutes=5)
+    storage.create_new_trial(study._study_id, template_trial=FrozenTrial(
+        number=0, state=TrialState.RUNNING, value=None, datetime_start=started,
+        datetime_complete=None, params={}, distributions={}, user_attrs={}, system_attrs={},
+        intermediate_values={}, trial_id=0))
+    result = search(land.space, Recorder(land), storage=storage, study_name="s", trials=6)
+    assert result.measured == 6 and result.stop_reason == "budget"
+    # A claim that waited for the orphan's params would alone take longer than this.
+    assert result.overhead_s < search_module._CLAIM_WAIT_S
+    orphan = optuna.load_study(study_name="s", storage=url).trials[0]
+    assert orphan.state == TrialState.FAIL and orphan.user_attrs["status"] == "orphan"
+
+
 WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna

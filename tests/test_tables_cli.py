@@ -71,7 +71,12 @@ def test_export_then_import_round_trip(sqlite_db_url: str, tmp_path: Path) -> No
     with Store(other) as store:
         assert store.export_table(DEVICE).to_dict() == table
 
-    # The same timings again: kept without --force (see test_storage), replaced with it.
+    # The same table again is a no-op, even forced; slower timings replace only with --force.
+    assert "2 kept" in run_cli("import", str(table_path), "--db", other, "--force").stdout
+    for entry in table["entries"]:
+        entry["time_ms"] *= 5
+    table_path.write_text(json.dumps(table))
+    assert "2 kept" in run_cli("import", str(table_path), "--db", other).stdout
     assert "2 replaced" in run_cli("import", str(table_path), "--db", other, "--force").stdout
 
 

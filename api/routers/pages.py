@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from api.deps import StoreDep
 from api.schemas import Dtype, ProblemFields, Text, Version
+from kernel import AutotuneError
 from kernel.problem import DTYPES
 from storage import ConfigKey, Store
 from storage.models import TunedConfigRow
@@ -131,7 +132,7 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
     except ValidationError as error:
         return _invalid(request, "Invalid config key", error,
                         "Open a config from the list of tuned configs.")
-    except ValueError as error:  # ProblemError: a cross-field rule of the problem
+    except AutotuneError as error:  # a cross-field rule of the problem
         return _error(request, 422, "Invalid config key", str(error))
     entry = store.get(ConfigKey(key.kernel, key.kernel_version, key.device_kind, key.platform,
                                 problem))

@@ -110,7 +110,7 @@ def tune(
     store = open_store(db_url)
 
     from autotune.progress import TuneProgress
-    from autotune.tune import NothingToPublish, TuneOptions
+    from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.tune import tune as run_tune
     from autotune.timing import TimingError
     from kernel import ConfigError
@@ -131,6 +131,9 @@ def tune(
                 typer.echo(f"error: {error}", err=True)
                 failed += 1
                 continue
+            except TuneInterrupted as stop:  # Ctrl-C: one line, the shell's status for SIGINT
+                typer.echo(f"interrupted: {stop}", err=True)
+                raise typer.Exit(130) from None
             _report(summary, json_output)
     finally:
         store.close()

@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 
 import numpy as np
-from sklearn.ensemble import RandomForestRegressor
 
 from autotune.searchspace import Config, Key, Space
 
@@ -92,6 +91,10 @@ class ForestSurrogate:
         free = [i for i, key in enumerate(keys) if key not in taken]
         if not times or not free:
             return None
+        # Imported here: the service's pages import autotune.search (trial statuses) and its
+        # install (the `serve` extra) has no scikit-learn.
+        from sklearn.ensemble import RandomForestRegressor
+
         worst = math.log(max(times))
         x = self.encode([c for c, _ in pairs])
         y = np.asarray([worst if t is None else math.log(t) for _, t in pairs])

@@ -1,0 +1,73 @@
+"""``autotune stale``: the stored configs tuned under other jax, jaxlib or libtpu versions than
+the installed ones, and the commands that re-tune them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from autotune.commands.db import DbOption, database_errors, open_store
+
+
+def shapes_file_name(kernel: str, device_kind: str) -> str:
+    """``stale-<kernel>-<device kind>.json``, the device kind in lower-case words."""
+    return f"stale-{kernel}-{re.sub(r'[^a-z0-9]+', '-', device_kind.lower()).strip('-')}.json"
+
+
+def stale(
+    db: DbOption = None,
+    output_dir: Annotated[Path, typer.Option(
+        "--output-dir", file_okay=False,
+        help="Where to write the shapes files of the re-tune commands.")] = Path("."),
+) -> None:
+    """List the tuned configs whose jax, jaxlib or libtpu version differs from the installed
+    one (still legal, maybe no longer the fastest), and write per kernel and device kind a
+    shapes file with the `autotune tune` command that re-tunes them there."""
+    from rich.console import Console
+    from rich.table import Table
+    from sqlalchemy.engine import make_url
+
+    from kernel.resolve import installed_versions
+
+    with open_store(db) as store, database_errors(store.url):
+        url = make_url(store.url).render_as_string(hide_password=True)
+        entries, _ = store.list(limit=None)
+    console = Console()
+    installed = installed_versions()
+    here = ", ".join(f"{package} {version}" for package, version in installed.items() if version)
+    groups: dict[tuple[str, str], list] = {}
+    table = Table(title=f"configs tuned under other versions than this environment's ({here})")
+    for column in ("kernel", "device kind", "problem", "config", "tuned under"):
+        table.add_column(column)
+    for entry in entries:
+        result = entry.result
+        changes = result.stale_versions(installed)
+        if not changes:
+            continue
+        groups.setdefault((result.kernel, result.device_kind), []).append(result.problem)
+        table.add_row(result.kernel, result.device_kind, result.problem.label(),
+                      result.config.label(), changes)
+    if not groups:
+        console.print(f"no stale configs: all {len(entries)} were tuned under this "
+                      f"environment's versions ({here}) or recorded none")
+        return
+    console.print(table)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for (kernel, device_kind), problems in groups.items():
+            path = output_dir / shapes_file_name(kernel, device_kind)
+            path.write_text(json.dumps([p.to_dict() for p in problems], indent=2) + "\n")
+            command = shlex.join(["autotune", "tune", "--kernel", kernel, "--shapes", str(path),
+                                  "--force", "--db", url])
+            console.print(f"re-tune the {len(problems)} stale {kernel} config(s) on a "
+                          f"{device_kind!r} device (--force replaces the stored timings "
+                          f"measured under the old versions):\n  {command}",
+                          soft_wrap=True, highlight=False)
+    except OSError as error:
+        typer.echo(f"error: cannot write the shapes file: {error}", err=True)
+        raise typer.Exit(1) from None

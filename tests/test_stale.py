@@ -1,0 +1,105 @@
+"""Stale configs: tuned under other jax, jaxlib or libtpu versions than the installed ones.
+``autotune stale`` lists them and writes the re-tune command; the report and pages mark them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from autotune.commands.tune import load_shapes
+from autotune.report import render
+from kernel import Problem, get_kernel
+from kernel.resolve import installed_versions
+from storage import Store, TunedResult
+from tests.conftest import run_cli
+
+# This environment's versions as the provenance fields of a tuned result.
+INSTALLED = {f"{package}_version": version for package, version in installed_versions().items()}
+default_config = get_kernel("flash").default_config
+
+
+def _problem(q_len: int) -> Problem:
+    return Problem(batch=1, q_heads=2, kv_heads=2, q_len=q_len, kv_len=q_len, head_dim=64,
+                   dtype="float32", causal=False, mode="fwd")
+
+
+# (device kind, problem, versions recorded when it was tuned, stale?)
+ENTRIES = [
+    ("cpu", _problem(128), INSTALLED, False),
+    ("cpu", _problem(256), {**INSTALLED, "jax_version": "0.4.1"}, True),
+    ("cpu", _problem(512), {}, False),  # recorded no versions: nothing to compare
+    ("TPU v5 lite", _problem(128), {**INSTALLED, "libtpu_version": "0.0.1"}, True),
+]
+
+
+@pytest.fixture
+def stale_db(sqlite_db_url: str) -> str:
+    with Store(sqlite_db_url) as store:
+        for device_kind, problem, versions, _ in ENTRIES:
+            store.publish(TunedResult(device_kind=device_kind, problem=problem,
+                                      config=default_config(problem), median_ms=1.0,
+                                      **versions))
+    return sqlite_db_url
+
+
+def test_stale_lists_the_stale_entries_and_writes_the_retune_commands(stale_db: str,
+                                                                     tmp_path: Path) -> None:
+    result = run_cli("stale", "--db", stale_db, "--output-dir", str(tmp_path / "shapes"),
+                     env={"COLUMNS": "250"})
+    assert result.returncode == 0, result.stderr
+    stale = {(kind, problem) for kind, problem, _, is_stale in ENTRIES if is_stale}
+    listed = {(kind, problem) for kind, problem, _, _ in ENTRIES
+              if re.search(rf"{kind}\s+│\s+{re.escape(problem.label())}\s", result.stdout)}
+    assert listed == stale, result.stdout
+    assert "jax 0.4.1" in result.stdout and "libtpu 0.0.1" in result.stdout
+    for kind, problem in stale:
+        slug = "cpu" if kind == "cpu" else "tpu-v5-lite"
+        path = tmp_path / "shapes" / f"stale-flash-{slug}.json"
+        assert load_shapes(path) == [problem]  # what `autotune tune --shapes` reads
+        command = f"autotune tune --kernel flash --shapes {path} --force --db {stale_db}"
+        assert command in result.stdout
+
+
+def test_stale_on_an_up_to_date_database_says_so(sqlite_db_url: str, tmp_path: Path) -> None:
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind="cpu", problem=_problem(128), median_ms=1.0,
+                                  config=default_config(_problem(128)), **INSTALLED))
+    result = run_cli("stale", "--db", sqlite_db_url, "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "no stale configs: all 1 were tuned under this environment's versions" in result.stdout
+    assert not list(tmp_path.glob("stale-*.json"))
+
+
+def _marked(html: str, row_start: str) -> dict[str, bool]:
+    """Per table row starting with ``row_start``: the problem label -> marked stale."""
+    rows = html.split(row_start)[1:]
+    return {re.search(r"<code>([^<]+)</code>", row).group(1): 'class="stale"' in
+            row.split("</tr>")[0] for row in rows}
+
+
+def _expected(device_kind: str) -> dict[str, bool]:
+    return {problem.label(): is_stale for kind, problem, _, is_stale in ENTRIES
+            if kind == device_kind}
+
+
+def test_report_marks_the_stale_entries(stale_db: str) -> None:
+    with Store(stale_db) as store:
+        html = render(store, {"device_kind": "cpu"})
+    assert _marked(html, '<tr class="index-row">') == _expected("cpu")
+    assert "tuned under jax 0.4.1 (installed " in html
+
+
+def test_pages_mark_the_stale_entries(stale_db: str, start_server) -> None:
+    server = start_server(stale_db)
+    index = httpx.get(f"{server.url}/", params={"device_kind": "cpu"}, timeout=30)
+    assert index.status_code == 200
+    assert _marked(index.text, '<tr class="entry"') == _expected("cpu")
+    links = dict(zip(re.findall(r"<td><code>([^<]+)</code></td><td>", index.text),
+                     re.findall(r'class="detail" href="([^"]+)"', index.text), strict=True))
+    for label, is_stale in _expected("cpu").items():
+        detail = httpx.get(server.url + links[label].replace("&amp;", "&"), timeout=30)
+        assert detail.status_code == 200
+        assert ('class="stale"' in detail.text) == is_stale, label
