@@ -72,7 +72,8 @@ class ConfigKey:
 
 # The longest value each text field may hold (the column sizes of storage.models).
 TEXT_LIMITS = {"kernel": 64, "kernel_version": 64, "device_kind": 128, "platform": 32,
-               "method": 16, "timing": 16, "roofline_bound": 16, "jax_version": 64, "jaxlib_version": 64, "libtpu_version": 64,
+               "method": 16, "timing": 16, "roofline_bound": 16, "jax_version": 64,
+               "jaxlib_version": 64, "libtpu_version": 64,
                "study": 256}
 # Control characters (PostgreSQL cannot store NUL) and lone UTF-16 surrogates (not encodable).
 _NOT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
