@@ -93,7 +93,7 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
             counts = error.failures
             classes[name] = max(counts, key=counts.get) if counts else Status.RUNTIME_ERROR
             failures[name] = str(error)
-    timings, lost = _confirm_winners(problem, tuned, options.confirm_rounds)
+    timings, lost = _confirm_winners(problem, tuned, options)
     for name, (status, detail) in lost.items():
         classes[name], failures[name] = status, detail
     if not timings:
@@ -116,7 +116,7 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
                          {name: tuned[name] for name in timings}, failures)
 
 
-def _confirm_winners(problem: Problem, tuned: dict[str, TuneSummary], rounds: int
+def _confirm_winners(problem: Problem, tuned: dict[str, TuneSummary], options: TuneOptions
                      ) -> tuple[dict[str, Timing], dict[str, tuple[str, str]]]:
     """Each tuned kernel's winner re-measured, all interleaved (as a search's candidates are
     against the default): timings by kernel, and ``(failure class, detail)`` of those whose
@@ -124,14 +124,16 @@ def _confirm_winners(problem: Problem, tuned: dict[str, TuneSummary], rounds: in
     measurers, timers, lost = [], {}, {}
     try:
         for name, summary in tuned.items():
-            measurer = Measurer(problem, summary.best_config, get_kernel(name).discover())
+            measurer = Measurer(problem, summary.best_config, get_kernel(name).discover(),
+                                compile_timeout_s=options.compile_timeout_s,
+                                timing=summary.timing)
             measurers.append(measurer)
             executable, failure = measurer.checked(summary.best_config)
             if failure is not None:
                 lost[name] = (failure.status, failure.attrs.get("error", ""))
                 continue
             timers[name] = measurer.timer(executable)
-        return interleaved(timers, rounds), lost
+        return interleaved(timers, options.confirm_rounds), lost
     finally:
         for measurer in measurers:
             measurer.close()

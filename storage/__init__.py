@@ -15,6 +15,8 @@ from storage.engine import (
 from storage.results import (
     MAX_STORED_INT,
     METHODS,
+    ROOFLINE_BOUNDS,
+    TIMINGS,
     ConfigKey,
     Entry,
     PublishOutcome,
@@ -36,8 +38,8 @@ from storage.store import (
 __all__ = [
     "CHOICE_FILTER_FIELDS", "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError",
     "DatabaseUrlError", "Entry", "FILTER_FIELDS", "HistoryEntry", "LookupRequest",
-    "MAX_STORED_INT", "METHODS", "PublishOutcome", "ReadOnlyDatabaseError", "ResultError",
-    "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice", "TunedResult",
-    "WriteRefusedError", "make_engine", "normalize_url",
+    "MAX_STORED_INT", "METHODS", "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError",
+    "ResultError", "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice",
+    "TIMINGS", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url",
     "schema_is_current", "schema_problem", "upgrade",
 ]

@@ -66,6 +66,10 @@ class _ResultColumns(_ProblemColumns, _ProvenanceColumns):
     default_median_ms: Mapped[float | None] = mapped_column(Float)
     speedup: Mapped[float | None] = mapped_column(Float)
     trials: Mapped[int | None] = mapped_column(Integer)
+    timing: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["timing"]))
+    achieved_tflops: Mapped[float | None] = mapped_column(Float)
+    roofline_fraction: Mapped[float | None] = mapped_column(Float)
+    roofline_bound: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["roofline_bound"]))
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
     device_index: Mapped[int | None] = mapped_column(Integer)
 

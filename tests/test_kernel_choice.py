@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import kernel
+from api.routers.pages import detail_link
 from conftest import problem_flags, run_cli
 from kernel import LookupTable, Problem, TableError, reference_attention
 from kernel.resolve import ResolverSettings, reset_resolver
@@ -81,6 +82,11 @@ def test_the_choice_follows_the_confirmed_medians_and_the_service_answers_it(
     assert missing.status_code == 404 and "autotune tune --kernels" in missing.json()["detail"]
     page = httpx.get(f"{server.url}/v1/choices", params={"device_kind": "cpu"}).json()
     assert page["total"] == 1 and page["items"][0]["kernel"] == answer["kernel"]
+    with Store(db) as store:
+        [entry] = [e for e in store.list()[0] if e.result.kernel == "flash"]
+    detail = httpx.get(f"{server.url}{detail_link(entry.result.key)}", timeout=60)
+    assert detail.status_code == 200 and 'data-plot="choice"' in detail.text
+    assert f"<strong>{answer['kernel']}</strong> among" in detail.text
 
 
 def _inputs(problem: Problem) -> tuple[jax.Array, ...]:

@@ -1,7 +1,7 @@
 """Kernel choices: which kernel runs each problem on a device kind, with the evidence.
 
 Revision ID: 0004
-Revises: 0005 (the head on main when written; the lead re-chains at merge)
+Revises: 0003
 Create Date: 2026-11-30
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0004"
-down_revision = "0005"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
