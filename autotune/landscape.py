@@ -51,6 +51,21 @@ class Landscape:
             return Measurement(float(record["time_ms"]), OK, attrs)
         return Measurement(None, record["status"], attrs)
 
+    def best_configs(self, k: int) -> list[Config]:
+        """The ``k`` fastest recorded configs, fastest first."""
+        ok = sorted((r["time_ms"], key) for key, r in self.records.items() if r["status"] == OK)
+        return [dict(zip(self.params, key, strict=True)) for _, key in ok[:k]]
+
+    def warm_seeds(self, other: Landscape, k: int) -> list[Config]:
+        """The ``k`` fastest configs of ``other`` (a neighbouring problem already tuned) that
+        are legal here: what ``tune`` seeds with, the winners of the nearest tuned problems."""
+        if list(other.params) != list(self.params):
+            raise LandscapeError(f"{other.name} has parameters {list(other.params)}, {self.name} "
+                                 f"has {list(self.params)}: warm-start from a landscape of the "
+                                 "same kernel (the same parameters)")
+        return [c for c in other.best_configs(len(other.records))
+                if self.key(c) in self.records][:k]
+
     def score(self, best_ms: float | None) -> float:
         """optimum / best found (1.0 = found the optimum; 0.0 = found nothing)."""
         return 0.0 if best_ms is None else self.optimum_ms / best_ms

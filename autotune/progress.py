@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Any
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.trials import TrialResult
 from kernel import Problem
+
+
+def trial_record(problem: Problem, result: TrialResult) -> dict[str, Any]:
+    """The JSON line ``autotune tune --json`` prints per measured config."""
+    return {"problem": problem.to_dict(), "trial": result.number, "config": result.config,
+            "status": result.measurement.status, "time_ms": result.value,
+            **dict(result.measurement.attrs)}
 
 
 class TuneProgress:
@@ -39,10 +48,7 @@ class TuneProgress:
         if not result.measurement.ok:
             self.failures[result.measurement.status] += 1
         if self.json_output:
-            print(json.dumps({"problem": self.problem.to_dict(), "trial": result.number,
-                              "config": result.config, "status": result.measurement.status,
-                              "time_ms": result.value, **dict(result.measurement.attrs)}),
-                  flush=True)
+            print(json.dumps(trial_record(self.problem, result)), flush=True)
             return
         self._progress.update(self._task, completed=self.measured,
                               status=self._status(best, default_ms))
@@ -50,6 +56,13 @@ class TuneProgress:
     def on_phase(self, phase: str) -> None:
         if self._progress is not None:
             self._progress.update(self._task, status=phase)
+
+    def on_notice(self, message: str) -> None:
+        """Something the user should know once (e.g. the timing method fell back)."""
+        if self.json_output:
+            print(json.dumps({"problem": self.problem.to_dict(), "notice": message}), flush=True)
+        else:
+            self._progress.console.print(f"[yellow]note:[/] {message}")
 
     def _status(self, best: TrialResult | None, default_ms: float | None) -> str:
         parts: list[str] = []

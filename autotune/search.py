@@ -203,7 +203,7 @@ def search(
     if "params" not in study.user_attrs:
         study.set_user_attr("params", space.params)
         study.set_user_attr("sampler", sampler)
-    worker = f"{socket.gethostname()}:{os.getpid()}"
+    worker = worker_name()
     start = time.perf_counter()
     measure_total = 0.0
     own: list[TrialResult] = []
@@ -225,6 +225,7 @@ def search(
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask(distributions)
             own_claims.add(trial.number)
+            trial.set_user_attr("worker", worker)  # so release_claims finds it if we die
             if beats:
                 optuna_storage.record_heartbeat(trial._trial_id)
         return trial
@@ -374,6 +375,26 @@ def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, k
                 study.tell(trial, state=TrialState.PRUNED)
             return
     _drop(study, trial, "duplicate")  # the other claim is still running
+
+
+def worker_name(pid: int | None = None) -> str:
+    """The ``worker`` user attr of the trials a process claims: host and process id."""
+    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
+
+
+def release_claims(storage: BaseStorage, study_name: str, worker: str) -> int:
+    """Fails (status ``orphan``) the RUNNING trials ``worker`` claimed, after its process died:
+    their configs and budget slots go back to the study at once, not after the heartbeat's
+    grace period. Returns how many were released."""
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        return 0
+    mine = [t for t in study._get_trials(deepcopy=False, states=(TrialState.RUNNING,),
+                                         use_cache=False) if t.user_attrs.get("worker") == worker]
+    for t in mine:
+        _fail(study, t._trial_id, "orphan")
+    return len(mine)
 
 
 def _fail_orphans(study: optuna.Study, space: Space, running: list[FrozenTrial],

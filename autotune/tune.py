@@ -16,13 +16,15 @@ import jax
 import optuna
 
 from autotune.measure import Config, Measurer, Timing
+from autotune.peaks import device_roofline
 from autotune.samplers import SamplerName
-from autotune.search import search
+from autotune.search import SearchResult, search
 from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.resolve import installed_versions
+from kernel.roofline import Roofline
 from kernel.table import shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
@@ -42,6 +44,8 @@ class TuneOptions:
     confirm_rounds: int = 5
     compile_timeout_s: float = 300.0
     force: bool = False  # publish even if the stored entry is better
+    device_index: int = 0  # which local device measures (its worker sees only that one)
+    timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
 
 
 @dataclass
@@ -62,21 +66,35 @@ class TuneSummary:
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str
+    device_index: int = 0
+    timing: str = "wallclock"  # the method every trial and the confirmation were timed with
+    timing_note: str | None = None  # why auto fell back from profile, if it did
+    roofline: Roofline | None = None  # None on a CPU
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"problem": self.problem.to_dict(), "kernel": self.kernel,
                 "device_kind": self.device_kind,
-                "method": self.method, "study": self.study,
+                "method": self.method, "timing": self.timing, "timing_note": self.timing_note,
+                **result_roofline(self.roofline), "study": self.study,
                 "best_config": self.best_config.to_dict(),
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
                 "winner_is_default": self.winner_is_default, "publish": self.publish,
-                "stop_reason": self.stop_reason}
+                "stop_reason": self.stop_reason, "device_index": self.device_index}
 
 
-def study_name(problem: Problem, device_kind: str, kernel: str = DEFAULT_KERNEL) -> str:
-    return f"{kernel}/{device_kind}/{problem.label()}"
+def result_roofline(roofline: Roofline | None) -> dict[str, Any]:
+    """A roofline as a result's fields (all None without one: on a CPU)."""
+    return {"achieved_tflops": roofline and roofline.tflops,
+            "roofline_fraction": roofline and roofline.fraction,
+            "roofline_bound": roofline and roofline.bound}
+
+
+def study_name(problem: Problem, device_kind: str, kernel: str, timing: str) -> str:
+    """The study of a key and a timing method: a rerun resumes it, and times taken by another
+    method (not comparable) go to a study of their own."""
+    return f"{kernel}/{device_kind}/{timing}/{problem.label()}"
 
 
 def kernel_space(kernel: TunableKernel, problem: Problem,
@@ -117,15 +135,6 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     params = [{name: getattr(config, name) for name in space.names} for config in seeds]
     legal = [p for p in params if space.is_legal(p)]
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
-
-
-from autotune.samplers import SamplerName
-from autotune.search import search
-from autotune.searchspace import Space
-from autotune.trials import NOT_MEASURED, OK, TrialResult
-from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
-    get_kernel
-from kernel.resolve import installed_versions
 
 
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
@@ -169,79 +178,120 @@ class TuneObserver(Protocol):
 
     def on_phase(self, phase: str) -> None: ...
 
+    def on_notice(self, message: str) -> None: ...
+
+
+class TuneJob:
+    """One problem on this device, open from the search to the publish: the kernel, space,
+    study and measurer. ``search`` may run more than once (a resume pass measures only what
+    the study-wide budget still lacks); ``publish`` confirms the winner and stores it."""
+
+    def __init__(self, problem: Problem, store: Store, db_url: str | None,
+                 options: TuneOptions = TuneOptions(), observer: TuneObserver | None = None,
+                 kernel_name: str = DEFAULT_KERNEL) -> None:
+        self.kernel = kernel = get_kernel(kernel_name).discover()
+        self.device = jax.devices()[0]
+        target = device_target(self.device.platform, self.device.device_kind)
+        tunable(kernel, problem, target)
+        self.problem, self.store, self.options, self.observer = problem, store, options, observer
+        self.space, self.base = kernel_space(kernel, problem, target)
+        self.storage = get_storage(db_url)
+        self.measurer = Measurer(problem, self.base, kernel,
+                                 compile_timeout_s=options.compile_timeout_s,
+                                 timing=options.timing,
+                                 notify=observer.on_notice if observer else None)
+        self._default_params = {name: getattr(self.base, name) for name in self.space.names}
+        self._default_ms: list[float] = []  # the default's search-time measurement, once seen
+        try:  # all trials then share one timing method, and its study
+            self.measurer.settle_timing(self._default_params)
+        except BaseException:
+            self.measurer.close()
+            raise
+        self.name = options.study or study_name(problem, self.device.device_kind, kernel.name,
+                                                self.measurer.timing)
+
+    def close(self) -> None:
+        self.measurer.close()
+
+    def _on_trial(self, result: TrialResult, best: TrialResult | None) -> None:
+        if result.config == self._default_params and result.measurement.ok:
+            self._default_ms.append(result.measurement.value)
+        if self.observer:
+            self.observer.on_trial(result, best,
+                                   self._default_ms[0] if self._default_ms else None)
+
+    def search(self) -> SearchResult:
+        options = self.options
+        return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
+                      sampler=options.sampler, trials=options.trials, timeout=options.timeout,
+                      patience=options.patience,
+                      seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
+                                       self.space, self.base, self.kernel.name),
+                      seed=options.seed, on_trial=self._on_trial,
+                      prepare=self.measurer.prepare)
+
+    def publish(self, result: SearchResult) -> TuneSummary:
+        """Confirms the best measured configs against the default and publishes the winner."""
+        problem, base, options, kernel, device = (self.problem, self.base, self.options,
+                                                  self.kernel, self.device)
+        if self.observer:
+            self.observer.on_phase("confirming")
+        study = optuna.load_study(study_name=self.name, storage=self.storage)
+        top = _top_configs(study, base, options.confirm_top)
+        timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        if not timings:
+            raise NothingToPublish(
+                f"no config of {problem.label()} compiled, ran and passed the correctness "
+                f"check on {device.device_kind} (the default and the best "
+                f"{options.confirm_top} measured); nothing published")
+        winner = choose_winner(timings, base)
+        winner_ms = timings[winner].median_ms
+        default_ms = timings[base].median_ms if base in timings else None
+        speedup = default_ms / winner_ms if default_ms is not None else None
+        roofline = device_roofline(device, problem, winner_ms)
+        confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                    "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                    "is_default": c == base, "is_winner": c == winner}
+                        for c, t in timings.items()}
+        # The study is complete before the entry names it: a kill in between leaves no entry
+        # whose study lacks its confirmation.
+        study.set_user_attr("confirmation", list(confirmation.values()))
+        study.set_user_attr("problem", problem.to_dict())
+        study.set_user_attr("device_kind", device.device_kind)
+        study.set_user_attr("kernel", kernel.name)
+        outcome = self.store.publish(TunedResult(
+            kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
+            problem=problem, config=winner, median_ms=winner_ms,
+            iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
+            speedup=speedup, trials=result.measured, method=self.measurer.method,
+            timing=self.measurer.timing, **result_roofline(roofline),
+            study=self.name, device_index=options.device_index,
+            **{f"{package}_version": version
+               for package, version in installed_versions().items()}),
+            force=options.force)
+        return TuneSummary(
+            problem=problem, kernel=kernel.name, device_kind=device.device_kind,
+            method=self.measurer.method, study=self.name,
+            best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
+            speedup=speedup, measured=result.measured,
+            failures=_failures(study), winner_is_default=winner == base,
+            publish=outcome.status, stop_reason=result.stop_reason,
+            device_index=options.device_index, timing=self.measurer.timing,
+            timing_note=self.measurer.timing_note, roofline=roofline,
+            confirmation=confirmation)
+
 
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
          observer: TuneObserver | None = None, kernel_name: str = DEFAULT_KERNEL) -> TuneSummary:
     """Searches, confirms and publishes the best config of kernel ``kernel_name`` for
     ``problem`` on this device. Raises ``ConfigError`` (before anything is written) for an
     unknown kernel, a device it has no target for, or a problem it cannot run."""
-    kernel = get_kernel(kernel_name).discover()
-    device = jax.devices()[0]
-    target = device_target(device.platform, device.device_kind)
-    tunable(kernel, problem, target)
-    space, base = kernel_space(kernel, problem, target)
-    name = options.study or study_name(problem, device.device_kind, kernel.name)
-    storage = get_storage(db_url)
-    measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
-    default_params = {name: getattr(base, name) for name in space.names}
-    default_ms: list[float] = []  # the default's search-time measurement, once seen
-
-    def on_trial(result: TrialResult, best: TrialResult | None) -> None:
-        if result.config == default_params and result.measurement.ok:
-            default_ms.append(result.measurement.value)
-        if observer:
-            observer.on_trial(result, best, default_ms[0] if default_ms else None)
-
+    job = TuneJob(problem, store, db_url, options, observer, kernel_name)
     try:
-        result = search(space, measurer, storage=storage, study_name=name,
-                        sampler=options.sampler, trials=options.trials, timeout=options.timeout,
-                        patience=options.patience,
-                        seeds=warm_seeds(store, problem, device.device_kind, space, base,
-                                         kernel.name),
-                        seed=options.seed, on_trial=on_trial,
-                        prepare=measurer.prepare)
-        if observer:
-            observer.on_phase("confirming")
-        study = optuna.load_study(study_name=name, storage=storage)
-        top = _top_configs(study, base, options.confirm_top)
-        timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        return job.publish(job.search())
     except KeyboardInterrupt:
         raise TuneInterrupted(
-            f"tuning {kernel.name} {problem.label()} stopped; its measured configs are kept: "
-            f"run the same command again to resume study {name!r}") from None
+            f"tuning {job.kernel.name} {problem.label()} stopped; its measured configs are "
+            f"kept: run the same command again to resume study {job.name!r}") from None
     finally:
-        measurer.close()
-    if not timings:
-        raise NothingToPublish(f"no config of {problem.label()} compiled, ran and passed the "
-                               f"correctness check on {device.device_kind} (the default and "
-                               f"the best {options.confirm_top} measured); nothing published")
-    winner = choose_winner(timings, base)
-    winner_ms = timings[winner].median_ms
-    default_ms = timings[base].median_ms if base in timings else None
-    speedup = default_ms / winner_ms if default_ms is not None else None
-    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                "is_default": c == base, "is_winner": c == winner}
-                    for c, t in timings.items()}
-    # The study is complete before the entry names it: a kill in between leaves no entry
-    # whose study lacks its confirmation.
-    study.set_user_attr("confirmation", list(confirmation.values()))
-    study.set_user_attr("problem", problem.to_dict())
-    study.set_user_attr("device_kind", device.device_kind)
-    study.set_user_attr("kernel", kernel.name)
-    outcome = store.publish(TunedResult(
-        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
-        problem=problem, config=winner, median_ms=winner_ms,
-        iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
-        speedup=speedup, trials=result.measured, method=measurer.method,
-        study=name, **{f"{package}_version": version
-                      for package, version in installed_versions().items()}),
-        force=options.force)
-    return TuneSummary(
-        problem=problem, kernel=kernel.name, device_kind=device.device_kind,
-        method=measurer.method, study=name,
-        best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
-        speedup=speedup, measured=result.measured,
-        failures=_failures(study), winner_is_default=winner == base,
-        publish=outcome.status,
-        stop_reason=result.stop_reason, confirmation=confirmation)
+        job.close()

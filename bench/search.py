@@ -1,19 +1,35 @@
-"""Search quality and overhead on measured landscapes: our searcher vs plain Optuna TPE vs random.
+"""Search quality and overhead on measured landscapes: our searcher against plain Optuna TPE,
+random search and Kernel Tuner's strategies, on the same seeds in one run; warm start measured.
 
-For every ``*.json.gz`` landscape in the directory (default ``bench/landscapes``) it replays
-each sampler with ``--seeds`` seeds for ``max(budgets)`` measured configs and prints score@B =
-optimum / best found after B measured configs (median over seeds; mean in brackets), then the
-tuner's own overhead per trial (everything but ``measure``) with in-memory and SQLite storage.
+For every ``*.json.gz`` landscape in the directory (default ``bench/landscapes``) it replays each searcher with ``--seeds`` seeds (0, 1, ...) for
+``max(budgets)`` measured configs and prints, per landscape and budget, score@B = optimum / best
+found after B measured configs as the median, mean and 10th percentile over the seeds, and
+whether ours holds the goals (each of the three at least plain TPE's, and at least the best
+Kernel Tuner strategy's).
 
-    python bench/search.py [LANDSCAPE_DIR] [--seeds 10] [--budgets 50,100,200] [--json]
+Kernel Tuner (not a project dependency) runs in its simulation mode through
+``bench/kernel_tuner_replay.py``, started with ``--kernel-tuner-python`` (an interpreter that has
+``kernel_tuner`` installed, e.g. a separate venv:
+``python -m venv /tmp/kt && /tmp/kt/bin/pip install kernel_tuner``); without it those rows are
+left out. Its row per landscape and budget is the best of its strategies for each statistic.
+
+Warm start: for each ordered pair of landscapes of one kernel (same parameters), our searcher
+seeded with the other's best configs (``autotune replay --warm-from``) against cold, at
+score@10, @20 and @50. Then the tuner's own overhead per trial (everything but ``measure``) with
+in-memory and SQLite storage, against plain TPE's in the same run.
+
+    python bench/search.py [LANDSCAPE_DIR] [--seeds 20] [--budgets 50,100,200]
+        [--kernel-tuner-python /tmp/kt/bin/python] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,45 +38,104 @@ from pathlib import Path
 
 import optuna
 
-from autotune.landscape import load_landscape
+from autotune.landscape import Landscape, load_landscape
 from autotune.search import search
+from autotune.tune import MAX_WARM_SEEDS
 
 SAMPLERS = {"ours": "tpe", "plain TPE": "plain-tpe", "random": "random"}
-_LANDSCAPES: dict[str, object] = {}
+KERNEL_TUNER = ("genetic_algorithm", "dual_annealing", "pso", "diff_evo", "firefly_algorithm",
+                "bayes_opt")
+WARM_BUDGETS = (10, 20, 50)
+KT_TIMEOUT_S = 1800  # one strategy, all seeds, one landscape
+KT_SCRIPT = Path(__file__).resolve().parent / "kernel_tuner_replay.py"
+_LANDSCAPES: dict[str, Landscape] = {}
+
+Curve = list[float | None]
 
 
-def _run(job: tuple[str, str, int, int]) -> tuple[str, str, int, list[float | None], float]:
-    path, sampler, seed, budget = job
+def _landscape(path: str) -> Landscape:
+    return _LANDSCAPES.get(path) or _LANDSCAPES.setdefault(path, load_landscape(path))
+
+
+def _run(job: tuple) -> tuple[tuple, list[Curve]]:
+    """One job: ("ours" | "plain TPE" | "random", path, seed, budget, warm_from | None) replays
+    our search; ("kernel tuner", path, strategy, seeds, budget, python) runs one Kernel Tuner
+    strategy over all seeds in a subprocess."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    land = _LANDSCAPES.get(path) or _LANDSCAPES.setdefault(path, load_landscape(path))
-    start = time.perf_counter()
-    result = search(land.space, land.measure, sampler=sampler, trials=budget, seed=seed)
-    return path, sampler, seed, result.curve, time.perf_counter() - start
+    if job[0] == "kernel tuner":
+        _, path, strategy, seeds, budget, python = job
+        try:
+            out = subprocess.run(
+                [python, str(KT_SCRIPT), path, "--strategies", strategy, "--budget", str(budget),
+                 "--seeds", ",".join(map(str, range(seeds)))],
+                capture_output=True, text=True, check=True, timeout=KT_TIMEOUT_S)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            tail = (exc.stderr or "").strip().splitlines()[-1:] if isinstance(exc.stderr, str) else []
+            print(f"kernel tuner {strategy} on {Path(path).name} failed: {exc} {tail}",
+                  file=sys.stderr)
+            return job, []
+        return job, [json.loads(line)["curve"] for line in out.stdout.splitlines()]
+    label, path, seed, budget, warm_from = job
+    land = _landscape(path)
+    seeds = land.warm_seeds(_landscape(warm_from), MAX_WARM_SEEDS) if warm_from else []
+    result = search(land.space, land.measure, sampler=SAMPLERS[label], trials=budget,
+                    seed=seed, seeds=seeds)
+    return job, [result.curve]
 
 
-def _score_at(land, curve: list[float | None], budget: int) -> float:
+def _score_at(land: Landscape, curve: Curve, budget: int) -> float:
     return land.score(curve[min(budget, len(curve)) - 1] if curve else None)
 
 
-def _overhead(path: str, trials: int) -> dict[str, float]:
-    """Milliseconds per trial spent outside ``measure`` (our searcher), per storage."""
+def _p10(scores: list[float]) -> float:
+    """The 10th percentile (linear interpolation between the closest ranks)."""
+    ordered = sorted(scores)
+    rank = 0.1 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _stats(land: Landscape, curves: list[Curve], budget: int) -> dict[str, float]:
+    scores = [_score_at(land, c, budget) for c in curves]
+    return {"median": statistics.median(scores), "mean": statistics.mean(scores),
+            "p10": _p10(scores)}
+
+
+def _overhead(path: str, trials: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per trial spent outside ``measure``, ours and plain TPE, per storage."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     land = load_landscape(path)
-    out = {}
+    out: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, storage in (("in-memory", None), ("sqlite", f"sqlite:///{tmp}/bench.db")):
-            result = search(land.space, land.measure, storage=storage, trials=trials, seed=0)
-            out[name] = 1000 * result.overhead_per_trial_s
+        for label in ("ours", "plain TPE"):
+            out[label] = {}
+            for name, storage in (("in-memory", None), ("sqlite", f"sqlite:///{tmp}/{label}.db")):
+                result = search(land.space, land.measure, storage=storage, trials=trials, seed=0,
+                                sampler=SAMPLERS[label])
+                out[label][name] = 1000 * result.overhead_per_trial_s
     return out
+
+
+def _warm_pairs(lands: dict[str, Landscape]) -> list[tuple[str, str]]:
+    """(target, source) for every ordered pair of landscapes with the same parameters."""
+    return [(p, q) for p in lands for q in lands
+            if p != q and list(lands[p].params) == list(lands[q].params)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("landscapes", nargs="?",
                         default=str(Path(__file__).resolve().parent / "landscapes"))
-    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--budgets", default="50,100,200")
-    parser.add_argument("--overhead-trials", type=int, default=100)
+    parser.add_argument("--kernel-tuner-python", default=os.environ.get("KERNEL_TUNER_PYTHON"),
+                        help="interpreter with kernel_tuner installed (default: "
+                             "$KERNEL_TUNER_PYTHON; none: Kernel Tuner is left out)")
+    parser.add_argument("--overhead-landscape", default="gemm-RTX_3090",
+                        help="landscape whose overhead per trial is measured (largest space)")
+    parser.add_argument("--overhead-trials", type=int, default=200)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     budgets = sorted(int(b) for b in args.budgets.split(","))
@@ -68,44 +143,94 @@ def main() -> None:
     if not paths:
         sys.exit(f"no *.json.gz landscapes in {args.landscapes}; pass their directory "
                  "(see bench/landscapes/README.md)")
-    jobs = [(p, s, seed, budgets[-1]) for p in paths for s in SAMPLERS.values()
-            for seed in range(args.seeds)]
-    start = time.perf_counter()
-    with Pool(os.cpu_count()) as pool:
-        runs = pool.map(_run, jobs, chunksize=1)
-    wall = time.perf_counter() - start
     lands = {p: load_landscape(p) for p in paths}
-    report: dict[str, dict] = {}
+    pairs = _warm_pairs(lands)
+    jobs: list[tuple] = [(label, p, seed, budgets[-1], None) for p in paths for label in SAMPLERS
+                         for seed in range(args.seeds)]
+    jobs += [("ours", p, seed, WARM_BUDGETS[-1], q) for p, q in pairs for seed in range(args.seeds)]
+    if args.kernel_tuner_python:
+        jobs += [("kernel tuner", p, s, args.seeds, budgets[-1], args.kernel_tuner_python)
+                 for p in paths for s in KERNEL_TUNER]
+    start = time.perf_counter()
+    with Pool(args.jobs) as pool:
+        runs = pool.map(_run, sorted(jobs, key=lambda j: j[0] != "kernel tuner"), chunksize=1)
+    wall = time.perf_counter() - start
+    curves: dict[tuple, list[Curve]] = {}
+    for job, got in runs:
+        key = (job[0], job[1], job[2]) if job[0] == "kernel tuner" else (job[0], job[1], job[4])
+        curves.setdefault(key, []).extend(got)
+
+    scores: dict[str, dict] = {}
     for p in paths:
-        report[lands[p].name] = row = {}
-        for label, sampler in SAMPLERS.items():
-            mine = [r for r in runs if r[0] == p and r[1] == sampler]
-            scores = {b: [_score_at(lands[p], r[3], b) for r in mine] for b in budgets}
-            row[label] = {
-                **{f"median@{b}": statistics.median(s) for b, s in scores.items()},
-                **{f"mean@{b}": statistics.mean(s) for b, s in scores.items()},
-                "seconds_per_run": statistics.mean(r[4] for r in mine),
-            }
-    overhead = _overhead(paths[-1], args.overhead_trials)
+        land = lands[p]
+        scores[land.name] = table = {}
+        for b in budgets:
+            row = {label: _stats(land, curves[(label, p, None)], b) for label in SAMPLERS}
+            if args.kernel_tuner_python:
+                per = {s: _stats(land, curves[("kernel tuner", p, s)], b) for s in KERNEL_TUNER
+                       if curves[("kernel tuner", p, s)]}
+                row["kernel tuner best"] = {
+                    stat: max(v[stat] for v in per.values()) for stat in ("median", "mean", "p10")}
+                row["kernel tuner best of"] = {
+                    stat: max(per, key=lambda s, stat=stat: per[s][stat])
+                    for stat in ("median", "mean", "p10")}
+                row["kernel tuner"] = per
+            table[b] = row
+    warm = {f"{lands[q].name} -> {lands[p].name}": {
+        b: {"warm": _stats(lands[p], curves[("ours", p, q)], b),
+            "cold": _stats(lands[p], curves[("ours", p, None)], b)} for b in WARM_BUDGETS}
+        for p, q in pairs}
+    overhead_path = next((p for p in paths if lands[p].name == args.overhead_landscape), paths[-1])
+    overhead = _overhead(overhead_path, args.overhead_trials)
     if args.json:
-        print(json.dumps({"seeds": args.seeds, "budgets": budgets, "scores": report,
-                          "overhead_ms_per_trial": overhead, "wall_s": wall}))
+        print(json.dumps({"seeds": args.seeds, "budgets": budgets, "scores": scores,
+                          "warm_start": warm, "overhead_ms_per_trial": overhead, "wall_s": wall}))
         return
-    header = "| landscape | searcher | " + " | ".join(f"score@{b}" for b in budgets) + \
-        " | s/run |"
-    print(f"score@B = optimum / best after B measured configs: median over {args.seeds} seeds "
-          "(mean)\n")
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for name, row in report.items():
-        for label, cells in row.items():
-            scores = " | ".join(f"{cells[f'median@{b}']:.3f} ({cells[f'mean@{b}']:.3f})"
-                                for b in budgets)
-            print(f"| {name} | {label} | {scores} | {cells['seconds_per_run']:.1f} |")
-    print(f"\nour searcher's overhead per trial ({args.overhead_trials} trials on "
-          f"{Path(paths[-1]).name}): " + ", ".join(f"{k} {v:.1f} ms" for k, v in
-                                                   overhead.items()))
-    print(f"benchmark wall time: {wall:.0f} s on {os.cpu_count()} processes")
+    _print(args, budgets, scores, warm, overhead, lands[overhead_path].name, wall)
+
+
+def _cells(stats: dict[str, float]) -> str:
+    return f"{stats['median']:.3f} | {stats['mean']:.3f} | {stats['p10']:.3f}"
+
+
+def _goal(ours: dict[str, float], other: dict[str, float]) -> str:
+    short = [s for s in ("median", "mean", "p10") if ours[s] < other[s] - 1e-9]
+    return "yes" if not short else "no: " + ", ".join(short)
+
+
+def _print(args, budgets, scores, warm, overhead, overhead_name, wall) -> None:  # noqa: ANN001
+    kt = bool(args.kernel_tuner_python)
+    print(f"score@B = optimum / best after B measured configs, over {args.seeds} seeds "
+          "(0, 1, ...): median | mean | 10th percentile")
+    if kt:
+        print("kernel tuner: per statistic, the best of its strategies " + ", ".join(KERNEL_TUNER)
+              + " (which one: median/mean/p10)")
+    print("\n| landscape | B | searcher | median | mean | p10 | ours >= it (all three) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, table in scores.items():
+        for b in budgets:
+            row = table[b]
+            rows = [(label, row[label]) for label in SAMPLERS]
+            if kt:
+                best_of = "/".join(row["kernel tuner best of"][s] for s in ("median", "mean", "p10"))
+                rows.append((f"kernel tuner ({best_of})", row["kernel tuner best"]))
+            for label, stats in rows:
+                goal = "" if label in ("ours", "random") else _goal(row["ours"], stats)
+                print(f"| {name} | {b} | {label} | {_cells(stats)} | {goal} |")
+    if warm:
+        print(f"\nwarm start: ours seeded with the other landscape's {MAX_WARM_SEEDS} best configs "
+              "(autotune replay --warm-from) against cold, same seeds\n")
+        print("| from -> to | B | warm median | mean | p10 | cold median | mean | p10 |")
+        print("|---|---|---|---|---|---|---|---|")
+        for pair, by_budget in warm.items():
+            for b in WARM_BUDGETS:
+                print(f"| {pair} | {b} | {_cells(by_budget[b]['warm'])} | "
+                      f"{_cells(by_budget[b]['cold'])} |")
+    print(f"\ntuner overhead per trial ({args.overhead_trials} trials on {overhead_name}), ms, "
+          "ours (plain TPE in the same run): " + ", ".join(
+              f"{k} {overhead['ours'][k]:.1f} ({overhead['plain TPE'][k]:.1f})"
+              for k in overhead["ours"]))
+    print(f"benchmark wall time: {wall:.0f} s on {args.jobs} processes")
 
 
 if __name__ == "__main__":

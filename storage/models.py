@@ -9,13 +9,15 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.results import TEXT_LIMITS
+from storage.results import KEY_FIELDS, TEXT_LIMITS
 
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
 FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
                   "mode")
 KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "platform")
+# The index order is storage's; the key's fields are storage.results.KEY_FIELDS'.
+assert sorted(KEY_COLUMNS) == sorted(KEY_FIELDS), "the unique key must be the stored key"
 
 
 class Base(DeclarativeBase):
@@ -45,10 +47,15 @@ class _ResultColumns:
     speedup: Mapped[float | None] = mapped_column(Float)
     trials: Mapped[int | None] = mapped_column(Integer)
     method: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["method"]))
+    timing: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["timing"]))
+    achieved_tflops: Mapped[float | None] = mapped_column(Float)
+    roofline_fraction: Mapped[float | None] = mapped_column(Float)
+    roofline_bound: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["roofline_bound"]))
     jax_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jax_version"]))
     jaxlib_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jaxlib_version"]))
     libtpu_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["libtpu_version"]))
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
+    device_index: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

@@ -48,8 +48,7 @@ _T = TypeVar("_T")
 FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
 FAMILY_CACHE_SIZE = 64  # families of nearest-match candidates kept (SQLite); full: cleared
 PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
-_PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
-                   "causal", "mode")
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem))
 _TABLE = TunedConfigRow.__table__
 
 

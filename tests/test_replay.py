@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -47,6 +48,52 @@ def test_replay_table_output(tmp_path):
     result = CliRunner().invoke(app, ["replay", str(path), "--budget", "5"])
     assert result.exit_code == 0, result.output
     assert "best_time_ms" in result.output and "best-so-far curve" in result.output
+
+
+def _other_device(tmp_path: Path, name: str = "other") -> Path:
+    """The synthetic landscape measured on "another device": same space, other times (fastest
+    at b=1), and one config that is illegal on the first device."""
+    with gzip.open(write_landscape(tmp_path / "base.json.gz"), "rt") as f:
+        doc = json.load(f)
+    doc["name"] = name
+    for record in doc["records"]:
+        if record["status"] == "ok":
+            record["time_ms"] = 1.0 + record["config"]["b"] + 0.1 * record["config"]["a"]
+    doc["records"].append({"config": {"a": 16, "b": 4, "c": 0, "d": 7}, "status": "ok",
+                           "time_ms": 0.5})  # the fastest here, illegal there (a*b > 32)
+    path = tmp_path / f"{name}.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+    return path
+
+
+def test_replay_warm_from_measures_the_other_landscapes_best_legal_configs_first(tmp_path):
+    path = write_landscape(tmp_path / "synthetic.json.gz")
+    land, other = load_landscape(path), load_landscape(_other_device(tmp_path))
+    out = _replay(str(path), "--budget", "6", "--warm-from", str(tmp_path / "other.json.gz"),
+                  "--warm-top", "2")
+    # other's fastest config is illegal here: the two seeds are its next two, legal here.
+    assert [land.key(c) for c in out["warm_seeds"]] == [other.key(c) for c in
+                                                        other.best_configs(3)[1:]]
+    first = [land.measure(c).value for c in out["warm_seeds"]]
+    assert out["curve"][:2] == [first[0], min(first)]
+    cold = _replay(str(path), "--budget", "6")
+    assert cold["warm_seeds"] == []
+
+
+def test_replay_warm_start_needs_a_landscape_of_the_same_kernel(tmp_path):
+    path = write_landscape(tmp_path / "synthetic.json.gz")
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    doc["params"] = {"x": [1, 2]}
+    doc["records"] = [{"config": {"x": 1}, "status": "ok", "time_ms": 1.0}]
+    with gzip.open(tmp_path / "unrelated.json.gz", "wt") as f:
+        json.dump(doc, f)
+    result = CliRunner().invoke(app, ["replay", str(path), "--warm-from",
+                                      str(tmp_path / "unrelated.json.gz")])
+    assert result.exit_code == 2 and "same kernel" in result.output
+    result = CliRunner().invoke(app, ["replay", str(path), "--warm-top", "2"])
+    assert result.exit_code == 2 and "--warm-top needs --warm-from" in result.output
 
 
 def test_replay_bad_input_is_a_clear_error(tmp_path):

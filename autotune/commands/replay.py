@@ -19,6 +19,13 @@ def replay(
                                            " default: in memory.")] = None,
     study: Annotated[str | None, typer.Option(help="Study name (default: landscape name, "
                                               "sampler and seed).")] = None,
+    warm_from: Annotated[Path | None, typer.Option(
+        help="Warm start: seed the search with the best configs of this other landscape of the "
+             "same kernel (a neighbouring problem already tuned), as tune seeds with the "
+             "winners of the nearest tuned problems.")] = None,
+    warm_top: Annotated[int | None, typer.Option(
+        min=1, help="How many of --warm-from's best configs to seed with (default: as many as "
+                    "tune takes).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Replay a search on a measured landscape and print how close it got to the optimum."""
@@ -27,24 +34,31 @@ def replay(
     from autotune.landscape import LandscapeError, load_landscape
     from autotune.samplers import SAMPLERS
     from autotune.search import search
+    from autotune.tune import MAX_WARM_SEEDS
 
     if sampler not in SAMPLERS:
         raise typer.BadParameter(f"unknown sampler {sampler!r}; choose one of "
                                  f"{', '.join(SAMPLERS)}", param_hint="--sampler")
+    if warm_top is not None and warm_from is None:
+        raise typer.BadParameter("--warm-top needs --warm-from (the landscape to seed from)",
+                                 param_hint="--warm-top")
     try:
         land = load_landscape(landscape)
+        seeds = [] if warm_from is None else land.warm_seeds(load_landscape(warm_from),
+                                                             warm_top or MAX_WARM_SEEDS)
     except LandscapeError as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(2) from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     result = search(land.space, land.measure, storage=db, trials=budget, seed=seed,
-                    sampler=sampler,  # type: ignore[arg-type]
+                    sampler=sampler, seeds=seeds,  # type: ignore[arg-type]
                     study_name=study or f"replay-{land.name}-{sampler}-{seed}")
     best = result.best.value if result.best else None
     out = {
         "landscape": land.name,
         "sampler": sampler,
         "seed": seed,
+        "warm_seeds": seeds,
         "best_time_ms": best,
         "optimum_ms": land.optimum_ms,
         "measured": result.measured,
