@@ -141,13 +141,13 @@ def test_kernels_buffer_kv_with_the_configured_depth(depth_ok):
     depth = max(supported_pipeline_depths()) + (0 if depth_ok else 1)
     config = FlashConfig(pipeline_depth=depth)
     q, k, v = _specs(PROBLEM)
-    rows = jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)
+    cols = jax.ShapeDtypeStruct((*q.shape[:3], pallas.STATS + 1), jnp.float32)
     calls = {
-        "fwd": lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, save_lse=False)[0],
-        "dq": lambda q, k, v, do, lse, delta: pallas._backward_dq(q, k, v, do, lse, delta,
-                                                                 config, True, 0.1),
+        "fwd": lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, save_stats=False)[0],
+        "dq": lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, config, True,
+                                                            0.1),
     }
-    args = {"fwd": (q, k, v), "dq": (q, k, v, q, rows, rows)}
+    args = {"fwd": (q, k, v), "dq": (q, k, v, q, cols)}
     for name, call in calls.items():
         export = jax.export.export(jax.jit(call), platforms=["tpu"])
         if depth_ok:

@@ -83,8 +83,8 @@ def _flash_and_reference(q, k, v, d_out, causal, config, sm_scale=None):
     def run_flash(q, k, v, d_out):
         fn = lambda q, k, v: flash_attention(q, k, v, causal=causal,  # noqa: E731
                                              sm_scale=sm_scale, config=config)
-        out_vjp, vjp = jax.vjp(fn, q, k, v)  # custom_vjp forward: also emits logsumexp
-        return fn(q, k, v), out_vjp, vjp(d_out)  # plain path: no logsumexp output
+        out_vjp, vjp = jax.vjp(fn, q, k, v)  # custom_vjp forward: also emits the row statistics
+        return fn(q, k, v), out_vjp, vjp(d_out)  # plain path: no statistics output
 
     @jax.jit
     def run_reference(q, k, v, d_out):

@@ -20,9 +20,12 @@ from kernel.backends.flash.config import FlashConfig
 from kernel.contract import ConfigFor
 from kernel.rules import LANES
 
-# Finite mask value: with -inf a fully masked row would compute exp(-inf - -inf) = NaN.
-MASK_VALUE = -1e30
+# Masked logits and the running max's start: the most negative finite f32, so every finite
+# logit is at least as large (a fixed value like -1e30 loses to smaller visible logits, which then
+# count as masked), and no inf - inf NaN arises.
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
+STATS = 2  # softmax statistics the forward saves per query row: the max m and the sum l
 
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
@@ -33,22 +36,34 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, sm_s
     """Softmax(``sm_scale`` q kᵀ) v with Pallas kernels both ways; ``config_for(mode)`` gives
     the config at trace time: ``"fwd"`` for a plain call, ``"fwd_bwd"`` (its backward tiles)
     when differentiated."""
-    return _forward(q, k, v, config_for("fwd"), causal, sm_scale, save_lse=False)[0]
+    return _forward(q, k, v, config_for("fwd"), causal, sm_scale, save_stats=False)[0]
 
 
 def _flash_fwd(q, k, v, causal, sm_scale, config_for):
     # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
-    out, lse = _forward(q, k, v, config_for("fwd_bwd"), causal, sm_scale, save_lse=True)
-    return out, (q, k, v, out, lse[..., 0])  # keep one lane of the lane-replicated lse
+    out, stats, out_low = _forward(q, k, v, config_for("fwd_bwd"), causal, sm_scale,
+                                   save_stats=True)
+    # stats lanes 0, 1: the row max m and sum l
+    return out, (q, k, v, out, out_low, stats[..., :STATS])
 
 
 def _flash_bwd(causal, sm_scale, config_for, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, out, out_low, stats = residuals
     config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
-    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
-    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, config, causal, sm_scale)
-    dq = _backward_dq(q, k, v, d_out, lse, delta, config, causal, sm_scale)
+    # With the f32 output (bf16: its rounded part plus the remainder), not the output rounded
+    # to bf16: that rounding error is shared by a whole row of dS, and was the largest error of
+    # the bf16 gradients.
+    out = out.astype(jnp.float32)
+    if out_low is not None:
+        out = out + out_low.astype(jnp.float32)
+    delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
+    # Per query row: m, 1/l and delta. P = exp(S - m) / l, as the forward normalised it; a single
+    # saved logsumexp m + log l would be rounded to the ulp of m (large for large logits), an
+    # error every recomputed probability shares.
+    rows = jnp.stack([stats[..., 0], 1.0 / stats[..., 1], delta], axis=-2)
+    dk, dv = _backward_dkv(q, k, v, d_out, rows, config, causal, sm_scale)
+    dq = _backward_dq(q, k, v, d_out, jnp.swapaxes(rows, -1, -2), config, causal, sm_scale)
     return dq, dk, dv
 
 
@@ -66,6 +81,18 @@ def _lanes(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
+def _dot_f32(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x @ y`` for an f32 ``x`` to f32 precision: with a bf16 ``y`` as two bf16 MXU passes,
+    ``x``'s bf16 rounding and its remainder (16 mantissa bits), not one pass of ``x`` rounded
+    to bf16 (8 bits: after delta, the largest error of the bf16 dq and dk)."""
+    if y.dtype == jnp.float32:
+        return jnp.dot(x, y, preferred_element_type=jnp.float32)
+    high = x.astype(y.dtype)
+    low = (x - high.astype(jnp.float32)).astype(y.dtype)
+    return (jnp.dot(high, y, preferred_element_type=jnp.float32)
+            + jnp.dot(low, y, preferred_element_type=jnp.float32))
+
+
 def _causal_mask(shape: tuple[int, int], row0, col0, transposed: bool = False) -> jax.Array:
     """True where key position <= query position; rows are queries (keys if ``transposed``)."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
@@ -73,11 +100,17 @@ def _causal_mask(shape: tuple[int, int], row0, col0, transposed: bool = False) -
     return rows <= cols if transposed else cols <= rows
 
 
+def _div(index, divisor: int):
+    """``index // divisor`` for a non-negative traced grid index and a static divisor."""
+    # lax.div, not //: floor division of traced ints lowers through sign(), which Mosaic
+    # lowers per TPU generation (and so fails when lowering on a host without one). The divisor
+    # takes the index's dtype: under jax_enable_x64 a Python int would be int64.
+    return lax.div(index, jnp.asarray(divisor, index.dtype))
+
+
 def _last_kv_block(q_block, block_q: int, block_kv: int):
     """Index of the last kv block that a causal query block attends to."""
-    # lax.div, not //: floor division of traced ints lowers through sign(), which Mosaic
-    # lowers per TPU generation (and so fails when lowering on a host without one).
-    return lax.div((q_block + 1) * block_q - 1, block_kv)
+    return _div((q_block + 1) * block_q - 1, block_kv)
 
 
 def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
@@ -93,11 +126,9 @@ def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, sm_scale: float,
-                    block_kv_compute: int, save_lse: bool):
-    if save_lse:
-        o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    else:
-        (o_ref, m_ref, l_ref, acc_ref), lse_ref = refs, None
+                    block_kv_compute: int, save_stats: bool):
+    *outs, m_ref, l_ref, acc_ref = refs
+    o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     block_kv = k_ref.shape[0]
     q_block, kv_block = pl.program_id(2), pl.program_id(3)
@@ -146,9 +177,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, sm_scale: float,
     @pl.when(kv_block == pl.num_programs(3) - 1)
     def _finish():
         inv_l = 1.0 / l_ref[...]  # every row sees key 0, so l > 0
-        o_ref[...] = (acc_ref[...] * _lanes(inv_l, head_dim)).astype(o_ref.dtype)
-        if save_lse:
-            lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+        out = acc_ref[...] * _lanes(inv_l, head_dim)
+        o_ref[...] = out.astype(o_ref.dtype)
+        if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
+            low_ref[...] = (out - o_ref[...].astype(jnp.float32)).astype(low_ref.dtype)
+        if save_stats:  # m in lane 0, l in lane 1: one whole-vreg store
+            lane = lax.broadcasted_iota(jnp.int32, stats_ref.shape, 1)
+            stats_ref[...] = jnp.where(lane == 0, m_ref[...], l_ref[...])
 
 
 def _kv_index_map(group: int, block_q: int, block_kv: int, causal: bool):
@@ -158,12 +193,12 @@ def _kv_index_map(group: int, block_q: int, block_kv: int, causal: bool):
     def index_map(b, h, i, j):
         if causal:
             j = jnp.minimum(j, _last_kv_block(i, block_q, block_kv))
-        return b, lax.div(h, group), j, 0
+        return b, _div(h, group), j, 0
 
     return index_map
 
 
-def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_lse: bool):
+def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_stats: bool):
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     bq, bkv = config.block_q, config.block_kv
@@ -171,15 +206,18 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_l
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim),
                            _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
                            pipeline_mode=pl.Buffered(config.pipeline_depth))
-    lse_spec = pl.BlockSpec((None, None, bq, LANES), lambda b, h, i, j: (b, h, i, 0))
+    stats_spec = pl.BlockSpec((None, None, bq, LANES), lambda b, h, i, j: (b, h, i, 0))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
-    if save_lse:
-        # Lane-replicated (…, 128) so the kernel stores whole vregs; callers keep one lane.
+    if save_stats:
+        # (…, 128) so the kernel stores whole vregs; callers keep lanes 0 (m) and 1 (l).
         out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, q_len, LANES), jnp.float32))
-        out_specs.append(lse_spec)
+        out_specs.append(stats_spec)
+        if q.dtype != jnp.float32:
+            out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+            out_specs.append(q_spec)
     kernel = functools.partial(_forward_kernel, causal=causal, sm_scale=sm_scale,
-                               block_kv_compute=config.block_kv_compute, save_lse=save_lse)
+                               block_kv_compute=config.block_kv_compute, save_stats=save_stats)
     outs = _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq, kv_len // bkv),
@@ -192,11 +230,13 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_l
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_fwd",
     )(q, k, v)
-    return outs[0], (outs[1] if save_lse else None)
+    if not save_stats:
+        return outs[0], None, None
+    return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc,
-                *, causal: bool, sm_scale: float):
+def _dkv_kernel(q_ref, do_ref, rows_ref, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
+                causal: bool, sm_scale: float):
     block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
     kv_block, head_in_group, q_block = pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
@@ -206,19 +246,19 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     def run():
-        # Transposed logits (keys x queries): lse/delta arrive as (1, block_q) rows and
+        # Transposed logits (keys x queries): m, 1/l and delta arrive as (1, block_q) rows and
         # broadcast over sublanes, and every matmul below is a plain or a@b.T MXU product.
-        q, do = q_ref[...], do_ref[...]
+        q, do, rows = q_ref[...], do_ref[...], rows_ref[...]
         s_t = lax.dot_general(k_ref[...], q, _NT, preferred_element_type=jnp.float32) * sm_scale
-        p_t = jnp.exp(s_t - lse_ref[...])
+        p_t = jnp.exp(s_t - rows[0:1]) * rows[1:2]
         if causal:
             mask = _causal_mask(p_t.shape, kv_block * block_kv, q_block * block_q,
                                 transposed=True)
             p_t = jnp.where(mask, p_t, 0.0)
         dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
         dp_t = lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
-        ds_t = p_t * (dp_t - delta_ref[...])
-        dk_acc[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        ds_t = p_t * (dp_t - rows[2:3])
+        dk_acc[...] += _dot_f32(ds_t, q)
 
     if causal:  # query blocks wholly above the diagonal contribute nothing
         pl.when((q_block + 1) * block_q - 1 >= kv_block * block_kv)(run)
@@ -231,8 +271,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref,
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
-                  sm_scale: float):
+def _backward_dkv(q, k, v, d_out, rows, config: FlashConfig, causal: bool, sm_scale: float):
     """dK, dV: one grid row per kv block, summed over the query heads of its group and over
     the query blocks in the two innermost ("arbitrary") grid axes, in a VMEM accumulator."""
     batch, q_heads, q_len, head_dim = q.shape
@@ -243,7 +282,7 @@ def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
 
     def q_index(b, hk, j, g, i):
         if causal:  # clamp skipped leading query blocks onto the first one needed
-            first = jnp.minimum(lax.div(j * bkv, bq), num_q_blocks - 1)
+            first = jnp.minimum(_div(j * bkv, bq), num_q_blocks - 1)
             i = jnp.maximum(i, first)
         return b, hk * group + g, i, 0
 
@@ -255,24 +294,23 @@ def _backward_dkv(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
         return b, h, 0, i
 
     q_spec = pl.BlockSpec((None, None, bq, head_dim), q_index)
-    row_spec = pl.BlockSpec((None, None, 1, bq), row_index)
+    row_spec = pl.BlockSpec((None, None, STATS + 1, bq), row_index)
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_index)
-    rows = (batch, q_heads, 1, q_len)
     return _pallas_call(
         functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale),
         grid=(batch, kv_heads, kv_len // bkv, group, num_q_blocks),
-        in_specs=[q_spec, q_spec, row_spec, row_spec, kv_spec, kv_spec],
+        in_specs=[q_spec, q_spec, row_spec, kv_spec, kv_spec],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         name="flash_bwd_dkv",
-    )(q, d_out, lse.reshape(rows), delta.reshape(rows), k, v)
+    )(q, d_out, rows, k, v)
 
 
-def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dq_acc, *,
-               causal: bool, sm_scale: float):
+def _dq_kernel(q_ref, do_ref, cols_ref, k_ref, v_ref, dq_ref, dq_acc, *, causal: bool,
+               sm_scale: float):
     block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
     q_block, kv_block = pl.program_id(2), pl.program_id(3)
 
@@ -281,14 +319,14 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dq_acc, 
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
     def run():
-        k = k_ref[...]
+        k, cols = k_ref[...], cols_ref[...]  # m, 1/l, delta: (block_q, 1) columns
         s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * sm_scale
-        p = jnp.exp(s - lse_ref[...])  # (block_q, 1) columns broadcast over lanes
+        p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
         if causal:
             p = jnp.where(_causal_mask(p.shape, q_block * block_q, kv_block * block_kv), p, 0.0)
         dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[...])
-        dq_acc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        ds = p * (dp - cols[:, 2:3])
+        dq_acc[...] += _dot_f32(ds, k)
 
     if causal:
         pl.when(kv_block <= _last_kv_block(q_block, block_q, block_kv))(run)
@@ -300,25 +338,23 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dq_acc, 
         dq_ref[...] = (dq_acc[...] * sm_scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, d_out, lse, delta, config: FlashConfig, causal: bool,
-                 sm_scale: float):
+def _backward_dq(q, k, v, d_out, cols, config: FlashConfig, causal: bool, sm_scale: float):
     """dQ: the forward's grid and K/V pipelining, with its own block sizes."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     bq, bkv = config.block_q_dq, config.block_kv_dq
     q_spec = pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
-    col_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0))
+    col_spec = pl.BlockSpec((None, None, bq, STATS + 1), lambda b, h, i, j: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim),
                            _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
                            pipeline_mode=pl.Buffered(config.pipeline_depth))
-    cols = (batch, q_heads, q_len, 1)
     return _pallas_call(
         functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale),
         grid=(batch, q_heads, q_len // bq, kv_len // bkv),
-        in_specs=[q_spec, q_spec, col_spec, col_spec, kv_spec, kv_spec],
+        in_specs=[q_spec, q_spec, col_spec, kv_spec, kv_spec],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_bwd_dq",
-    )(q, d_out, lse.reshape(cols), delta.reshape(cols), k, v)
+    )(q, d_out, cols, k, v)

@@ -73,9 +73,10 @@ SPILL_FLOOR = 256 * 1024  # the vector register file (64 x 4 KiB), spilled at mo
 # measured up to 0.7 logits tiles.
 NARROW_SPILL_TILES = 0.75
 NARROW_LANES = 2 * LANES
-# The backward kernels with f32 inputs feed the f32 probabilities and logit gradients to the
-# MXU uncast (no half-size bf16 copies): measured up to 2.15 logits tiles, one tile more.
-F32_BACKWARD_SPILL_TILES = 1.0
+# The backward kernels keep the logit gradients dS to f32 precision: with f32 inputs fed to the
+# MXU uncast (no half-size bf16 copies), measured up to 2.15 logits tiles, one tile more; with
+# bf16 inputs as two bf16 halves (its rounding and the f32 remainder), taken as the same bound.
+BACKWARD_DS_SPILL_TILES = 1.0
 
 
 def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES) -> int:
@@ -105,14 +106,16 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + _spill_bytes(bq, bkc, spill_tiles)  # one compute sub-block's logits
     )
     if problem.mode == "fwd_bwd":
-        fwd += 2 * row_stat  # logsumexp output window, saved for the backward pass
+        fwd += 2 * row_stat  # softmax statistics (m, l) output window, saved for the backward
+        if isz < 4:  # the output's bf16 rounding remainder, for the backward's delta
+            fwd += 2 * tile_bytes(bq, d, isz)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
-        bwd_tiles = SPILL_TILES + (F32_BACKWARD_SPILL_TILES if isz == 4 else 0.0)
+        bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES
         qk, kk = config.block_q_dkv, config.block_kv_dkv
         estimate["dkv"] = (
             2 * 2 * tile_bytes(qk, d, isz)  # q, do windows
-            + 2 * 2 * tile_bytes(1, qk, 4)  # logsumexp, delta row windows
+            + 2 * tile_bytes(3, qk, 4)  # (m, 1/l, delta) rows window
             + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
@@ -121,7 +124,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
             2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
-            + 2 * 2 * tile_bytes(qq, 1, 4)  # logsumexp, delta column windows (lane padded)
+            + 2 * tile_bytes(qq, 3, 4)  # (m, 1/l, delta) columns window (lane padded)
             + 2 * depth * tile_bytes(kq, d, isz)  # k, v windows
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq accumulator
