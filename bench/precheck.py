@@ -16,6 +16,11 @@ and ``fwd_bwd``) and TPU generation (v5e: 16 MiB scoped VMEM, v6e: 32 MiB), in o
 
 ``--out`` gets one JSON line per compile result as it arrives (target, mode, result), then one
 summary line per problem, so an interrupted run keeps what it measured.
+
+Each config is also counted under its pipeline depth (the kernel's landscape panel field, e.g.
+``pipeline_depth``; in ``fwd_bwd`` the depth of the part a candidate varies, such as
+``pipeline_depth_dkv``): a column per depth in the table, then per depth the agreement and
+the mean compile seconds.
 """
 
 from __future__ import annotations
@@ -61,6 +66,24 @@ def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int
     return results, seconds
 
 
+def depth_of(result: PrecheckResult, default: object, panel: str) -> int:
+    """The pipeline depth a candidate tries: of the depth field (named after the ``panel`` field)
+    where it differs from the default config, else the default's."""
+    config, fields = result.config.to_dict(), default.to_dict()
+    varied = [config[f] for f in fields if f.startswith(panel) and config[f] != fields[f]]
+    return varied[0] if varied else fields[panel]
+
+
+def by_depth(results: list[PrecheckResult], prob: Problem,
+             target: str) -> dict[int, list[PrecheckResult]]:
+    kernel = get_kernel(DEFAULT_KERNEL)
+    default, panel = kernel.default_config(prob, target), kernel.landscape_axes[2]
+    groups: dict[int, list[PrecheckResult]] = {}
+    for result in results:
+        groups.setdefault(depth_of(result, default, panel), []).append(result)
+    return dict(sorted(groups.items()))
+
+
 def mean_s(results: list[PrecheckResult], status: Status) -> str:
     times = [r.compile_s for r in results if r.status == status]
     return f"{statistics.mean(times):.1f}" if times else "-"
@@ -97,10 +120,12 @@ def main() -> None:
                                       **agreement.to_dict()}) + "\n")
                 out.flush()
 
+    depths = sorted({d for target, mode, _, everything, *_ in rows
+                     for d in by_depth(everything, problem(mode), target)})
     header = (f"{'target':6} {'mode':7} {'configs':>7} {'ok':>4} {'oom':>4} {'other':>5} "
               f"{'admit':>5} {'prec':>5} {'recall':>6} {'ok s':>5} {'oom s':>5} "
               f"{'cpu all':>7} {'cpu est':>7} {'ratio':>5} {'wall all':>8} {'wall est':>8} "
-              f"{'ratio':>5}")
+              f"{'ratio':>5} " + " ".join(f"{f'ok d{d}':>7}" for d in depths))
     print(f"\nflash 1x8x4096x128 bf16 causal, jobs={args.jobs}, timeout={args.timeout:g} s")
     print(header)
     print("-" * len(header))
@@ -112,15 +137,31 @@ def main() -> None:
         cpu_est = sum(r.compile_s for r in everything if r.predicted_fit)
         wall = (f"{all_s:8.0f} {admitted_s:8.0f} {admitted_s / all_s:5.2f}"
                 if admitted_s is not None else f"{all_s:8.0f} {'-':>8} {'-':>5}")
+        groups = by_depth(everything, problem(mode), target)
+        per_depth = " ".join(
+            f"{sum(r.status == Status.OK for r in groups.get(d, [])):>3}/"
+            f"{len(groups.get(d, [])):<3}" for d in depths)
         print(f"{target:6} {mode:7} {len(everything):7d} {ok:4d} {oom:4d} "
               f"{len(everything) - ok - oom:5d} {agreement.admitted:5d} "
               f"{fmt(agreement.precision):>5} {fmt(agreement.recall):>6} "
               f"{mean_s(everything, Status.OK):>5} {mean_s(everything, Status.VMEM_OOM):>5} "
-              f"{cpu_all:7.0f} {cpu_est:7.0f} {cpu_est / cpu_all:5.2f} {wall}")
+              f"{cpu_all:7.0f} {cpu_est:7.0f} {cpu_est / cpu_all:5.2f} {wall} {per_depth}")
     print("ok s / oom s: mean compile seconds of a config that compiles / overflows VMEM. "
           "cpu all / est: compile seconds summed over all / admitted configs; wall all / est: "
           "wall time of the sweep of all configs / of a separate sweep of the admitted ones "
-          "(--separate-sweeps); ratio = est / all.")
+          "(--separate-sweeps); ratio = est / all. ok dN: configs of depth N that compile / "
+          "compiled.")
+    depth_header = (f"{'target':6} {'mode':7} {'depth':>5} {'configs':>7} {'ok':>4} {'oom':>4} "
+                    f"{'admit':>5} {'prec':>5} {'recall':>6} {'ok s':>5} {'oom s':>5}")
+    print(f"\nper pipeline depth\n{depth_header}\n" + "-" * len(depth_header))
+    for target, mode, _agreement, everything, _all_s, _admitted_s in rows:
+        for depth, results in by_depth(everything, problem(mode), target).items():
+            agreement = Agreement.of(results)
+            print(f"{target:6} {mode:7} {depth:5d} {len(results):7d} "
+                  f"{agreement.counts.get(Status.OK, 0):4d} "
+                  f"{agreement.counts.get(Status.VMEM_OOM, 0):4d} {agreement.admitted:5d} "
+                  f"{fmt(agreement.precision):>5} {fmt(agreement.recall):>6} "
+                  f"{mean_s(results, Status.OK):>5} {mean_s(results, Status.VMEM_OOM):>5}")
 
 
 if __name__ == "__main__":
