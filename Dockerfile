@@ -15,6 +15,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY kernel ./kernel
 COPY storage ./storage
+COPY present ./present
 COPY api ./api
 COPY autotune ./autotune
 RUN pip install ".[${EXTRAS}]" \

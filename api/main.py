@@ -17,9 +17,9 @@ from api.metrics import Metrics, MetricsMiddleware
 from api.routers import configs, health, pages, tables
 from api.settings import ApiSettings
 from kernel import AutotuneError
-from storage import Store
+from storage import DatabaseFullError, Store, WriteRefusedError
 
-log = logging.getLogger("api")
+log = logging.getLogger(__package__)
 
 
 def _error(status_code: int, detail: str) -> JSONResponse:
@@ -52,6 +52,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def _invalid(_request: Request, error: AutotuneError) -> JSONResponse:
         # The project's own validation (one error root): the message names the field or rule.
         return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
+
+    @app.exception_handler(WriteRefusedError)
+    async def _write_refused(_request: Request, error: WriteRefusedError) -> JSONResponse:
+        # Read-only or full: reads still work, the message says what to do.
+        return _error(status.HTTP_507_INSUFFICIENT_STORAGE if isinstance(error, DatabaseFullError)
+                      else status.HTTP_503_SERVICE_UNAVAILABLE, str(error))
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, error: SQLAlchemyError) -> JSONResponse:

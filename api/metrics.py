@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+# Request methods counted by name; any other (clients may send any token) counts as "other".
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -31,7 +33,8 @@ class Metrics:
 
 class MetricsMiddleware:
     """Pure ASGI middleware (no per-request task like BaseHTTPMiddleware): counts every HTTP
-    request by its route template, so paths with parameters do not explode the label set."""
+    request by its route template ("unmatched" for any path no route serves) and its method
+    ("other" for unknown ones), so no request can grow the label set."""
 
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app = app
@@ -54,6 +57,6 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_with_status)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            method = scope["method"]
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
             self.metrics.requests.labels(method, route, str(status)).inc()
             self.metrics.latency.labels(method, route).observe(time.perf_counter() - start)

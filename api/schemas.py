@@ -5,16 +5,19 @@ store NUL, and no device kind has them)."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from kernel.problem import DTYPES, MAX_BATCH, MAX_HEAD_DIM, MAX_HEADS, MAX_SEQ_LEN, MODES, Problem
-from kernel import DEFAULT_KERNEL, get_kernel
-from storage import METHODS, Entry, LookupRequest, TunedResult
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from kernel import DEFAULT_KERNEL, Problem, get_kernel
+from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MODES
+from storage import MAX_STORED_INT, METHODS, Entry, LookupRequest, TunedResult
+from storage.results import KEY_TEXT_FIELDS, TEXT_LIMITS
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
-MAX_BATCH_KEYS = 1000
+MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
 # The versions a result was tuned under: the resolver marks an entry stale when they moved.
 VERSION_FIELDS = ("jax_version", "jaxlib_version", "libtpu_version")
 
@@ -30,34 +33,47 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ProblemFields(_Strict):
-    """The attention problem; ``kv_heads``/``kv_len`` default to ``q_heads``/``q_len``."""
+_PROBLEM_HINTS = typing.get_type_hints(Problem)
 
-    batch: Annotated[int, Field(ge=1, le=MAX_BATCH)]
-    q_heads: Annotated[int, Field(ge=1, le=MAX_HEADS)]
-    kv_heads: Annotated[int | None, Field(ge=1, le=MAX_HEADS)] = None
-    q_len: Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)]
-    kv_len: Annotated[int | None, Field(ge=1, le=MAX_SEQ_LEN)] = None
-    head_dim: Annotated[int, Field(ge=1, le=MAX_HEAD_DIM)]
-    dtype: Dtype = "bfloat16"
-    causal: bool = False
-    mode: Mode = "fwd"
 
+def _problem_field(field: dataclasses.Field) -> tuple[Any, Any]:
+    """A request field for a ``Problem`` field: its type and bounds from ``kernel.problem``;
+    optional (``None``) where the problem copies another field by default."""
+    if field.name in INT_LIMITS:
+        bounded = Annotated[int, Field(ge=1, le=INT_LIMITS[field.name])]
+        return (bounded | None, None) if field.name in DEFAULTS_FROM else (bounded, ...)
+    required = field.default is dataclasses.MISSING
+    return _PROBLEM_HINTS[field.name], ... if required else field.default
+
+
+class _ProblemModel(_Strict):
     def to_problem(self) -> Problem:
         """Raises ProblemError (a 422) for cross-field rules, e.g. grouped-query heads."""
         names = [f.name for f in dataclasses.fields(Problem)]
         return Problem.from_dict({n: v for n in names if (v := getattr(self, n)) is not None})
 
 
+# The attention problem, derived from kernel.problem.Problem (its one declaration).
+ProblemFields = create_model(
+    "ProblemFields", __base__=_ProblemModel,
+    __doc__=f"The attention problem; {', '.join(DEFAULTS_FROM)} default to "
+            f"{', '.join(DEFAULTS_FROM.values())}.",
+    **{field.name: _problem_field(field) for field in dataclasses.fields(Problem)})
+
+
+# The key's text fields, bounded by the columns that store them (storage.results.TEXT_LIMITS).
+_KeyText = {name: Annotated[str, Field(min_length=1, max_length=TEXT_LIMITS[name],
+                                       pattern=TEXT_PATTERN)] for name in KEY_TEXT_FIELDS}
+
+
 class LookupKey(ProblemFields):
     """What to look up. ``kernel_version`` defaults to the server's installed kernel;
     ``platform`` to any platform of the device kind."""
 
-    kernel: Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)] = DEFAULT_KERNEL
-    kernel_version: Version | None = None
-    device_kind: Text
-    platform: Annotated[str | None, Field(min_length=1, max_length=32,
-                                          pattern=TEXT_PATTERN)] = None
+    kernel: _KeyText["kernel"] = DEFAULT_KERNEL
+    kernel_version: _KeyText["kernel_version"] | None = None
+    device_kind: _KeyText["device_kind"]
+    platform: _KeyText["platform"] | None = None
 
     def to_request(self) -> LookupRequest:
         return LookupRequest(device_kind=self.device_kind, problem=self.to_problem(),
@@ -65,20 +81,9 @@ class LookupKey(ProblemFields):
                              platform=self.platform)
 
 
-class KeyOut(BaseModel):
-    kernel: str
-    kernel_version: str
-    device_kind: str
-    platform: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    dtype: str
-    causal: bool
-    mode: str
+# A stored key, flat (storage.ConfigKey.to_dict): its text fields, then the problem's.
+KeyOut = create_model("KeyOut", **{name: (str, ...) for name in KEY_TEXT_FIELDS},
+                      **{f.name: (_PROBLEM_HINTS[f.name], ...) for f in dataclasses.fields(Problem)})
 
 
 # A config of the key's kernel: its fields are that kernel's (``TunableKernel.config_type``),
@@ -93,12 +98,14 @@ class Measurements(_Strict):
     iqr_ms: Millis | None = None
     default_median_ms: Millis | None = None
     speedup: Millis | None = None
-    trials: Annotated[int, Field(ge=0, le=1 << 31)] | None = None
+    trials: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] | None = None
     method: Method | None = None
     jax_version: Version | None = None
     jaxlib_version: Version | None = None
     libtpu_version: Version | None = None
     study: Annotated[str, Field(min_length=1, max_length=256, pattern=TEXT_PATTERN)] | None = None
+    device_index: Annotated[int, Field(
+        ge=0, le=MAX_STORED_INT, description="Which local device measured it.")] | None = None
 
 
 class PublishRequest(Measurements):
@@ -133,6 +140,7 @@ class EntryOut(BaseModel):
     jaxlib_version: str | None
     libtpu_version: str | None
     study: str | None
+    device_index: int | None
     created_at: datetime
     updated_at: datetime
 
@@ -170,6 +178,27 @@ class BatchLookupItem(BaseModel):
 
 class BatchLookupResponse(BaseModel):
     results: list[BatchLookupItem]
+
+
+class ListQuery(_Strict):
+    """``GET /v1/configs``: filters (each a column = value) and a page; an unknown query
+    parameter is a 422, not silently ignored."""
+
+    kernel: _KeyText["kernel"] | None = None
+    kernel_version: _KeyText["kernel_version"] | None = None
+    device_kind: _KeyText["device_kind"] | None = None
+    platform: _KeyText["platform"] | None = None
+    dtype: Dtype | None = None
+    mode: Mode | None = None
+    causal: bool | None = None
+    head_dim: Annotated[int | None, Field(ge=1, le=INT_LIMITS["head_dim"])] = None
+    method: Method | None = None
+    study: Text | None = None
+    offset: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] = 0
+    limit: Annotated[int, Field(ge=1, le=1000)] = 100
+
+    def filters(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"offset", "limit"})
 
 
 class ConfigPage(BaseModel):

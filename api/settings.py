@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import SecretStr
+from typing import Annotated
+
+from pydantic import Field, SecretStr
 
 from storage.settings import StorageSettings
 
 
 class ApiSettings(StorageSettings):
     """``AUTOTUNE_DB_URL``, ``AUTOTUNE_API_TOKEN`` (bearer token that writes need),
-    ``AUTOTUNE_ALLOW_ANONYMOUS_WRITES`` (accept writes without a token; off by default) and
-    ``AUTOTUNE_LOOKUP_CACHE_SIZE``."""
+    ``AUTOTUNE_ALLOW_ANONYMOUS_WRITES`` (accept writes without a token; off by default),
+    ``AUTOTUNE_LOOKUP_CACHE_SIZE``, and the connection limits of ``autotune serve`` per worker:
+    ``AUTOTUNE_MAX_CONNECTIONS`` (more get a 503), ``AUTOTUNE_KEEP_ALIVE_S`` (idle time
+    between requests) and ``AUTOTUNE_READ_TIMEOUT_S`` (time to send a whole request)."""
 
     api_token: SecretStr | None = None
     allow_anonymous_writes: bool = False
     db_pool_size: int = 8  # per worker process; the threadpool runs up to 40 requests at once
     lookup_cache_size: int = 4096  # cached lookup answers per worker (SQLite only); 0: none
+    max_connections: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    keep_alive_s: Annotated[int, Field(ge=1, le=3600)] = 5
+    read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0

@@ -30,11 +30,3 @@ def classify_compile_error(message: str) -> Status:
     """``vmem_oom`` when the compiler ran out of VMEM, else ``compile_error``."""
     return Status.VMEM_OOM if _VMEM_OOM.search(message) else Status.COMPILE_ERROR
 
-
-def first_line(message: str, limit: int = 300) -> str:
-    """The first informative line of an error message, for reports and trial attributes."""
-    for line in message.strip().splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Traceback", "File ", "===")):
-            return line[:limit]
-    return message.strip()[:limit]

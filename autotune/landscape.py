@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.search import OK, Measurement
-from autotune.space import Config, Key, Space
+from autotune.searchspace import Config, Key, Space
+from autotune.trials import OK, Measurement
 from kernel import AutotuneError
 
 

@@ -25,8 +25,9 @@ from multiprocessing.connection import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.failures import Status, classify_compile_error, first_line
+from autotune.failures import Status, classify_compile_error
 from kernel import Problem, Target, TunableKernel, get_kernel
+from present.text import first_line
 
 START_TIMEOUT_S = 180.0  # a compiler process that is not ready by then will not be
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Any
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.search import TrialResult
+from autotune.trials import TrialResult
 from kernel import Problem
+
+
+def trial_record(problem: Problem, result: TrialResult) -> dict[str, Any]:
+    """The JSON line ``autotune tune --json`` prints per measured config."""
+    return {"problem": problem.to_dict(), "trial": result.number, "config": result.config,
+            "status": result.measurement.status, "time_ms": result.value,
+            **dict(result.measurement.attrs)}
 
 
 class TuneProgress:
@@ -39,10 +48,7 @@ class TuneProgress:
         if not result.measurement.ok:
             self.failures[result.measurement.status] += 1
         if self.json_output:
-            print(json.dumps({"problem": self.problem.to_dict(), "trial": result.number,
-                              "config": result.config, "status": result.measurement.status,
-                              "time_ms": result.value, **dict(result.measurement.attrs)}),
-                  flush=True)
+            print(json.dumps(trial_record(self.problem, result)), flush=True)
             return
         self._progress.update(self._task, completed=self.measured,
                               status=self._status(best, default_ms))

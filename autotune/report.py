@@ -1,7 +1,7 @@
 """``autotune report``: one self-contained HTML file of what tuning found.
 
 An index of the stored winners per device kind (speedup over the default, trials, failures,
-method, versions), then per problem the four plots of ``autotune.plots`` (landscape,
+method, versions), then per problem the four plots of ``present.plots`` (landscape,
 convergence, confirmation, failures) embedded as PNG data URIs, so the file opens offline.
 Rendered with the same templates as the service's detail page.
 """
@@ -14,9 +14,10 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from autotune.plots import ProblemView, problem_view, read_storage, template_env
 from kernel import AutotuneError
+from present.views import ProblemView, problem_view, template_env
 from storage import Store
+from storage.studies import get_storage
 
 
 class ReportError(AutotuneError):
@@ -35,7 +36,7 @@ def collect(store: Store, filters: Mapping[str, Any]) -> dict[str, list[ProblemV
         wanted = ", ".join(f"{k}={v!r}" for k, v in filters.items())
         raise ReportError(f"no tuned configs match {wanted}; the database has configs for "
                           f"device kind(s) {', '.join(map(repr, kinds))}")
-    storage = read_storage(store.url, store.engine)
+    storage = get_storage(store.url, create=False)
     devices: dict[str, list[ProblemView]] = {}
     for index, entry in enumerate(sorted(entries, key=lambda e: (
             e.result.device_kind, e.result.problem.label()))):

@@ -8,28 +8,26 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import jax
 import optuna
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 
 from autotune.measure import Config, Measurer, Timing
-from autotune.search import NOT_MEASURED, OK, SamplerName, TrialResult, open_storage, search
-from autotune.space import Space
+from autotune.samplers import SamplerName
+from autotune.search import SearchResult, search
+from autotune.searchspace import Space
+from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.resolve import installed_versions
 from kernel.table import shape_distance
-from storage import Store, TunedResult, make_engine
+from storage import Store, TunedResult
+from storage.studies import get_storage
 
 MAX_WARM_SEEDS = 3
-STORAGE_INIT_LOCK = 0x6175746F  # pg_advisory_lock key serialising Optuna's table setup
-STORAGE_INIT_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -44,6 +42,7 @@ class TuneOptions:
     confirm_rounds: int = 5
     compile_timeout_s: float = 300.0
     force: bool = False  # publish even if the stored entry is better
+    device_index: int = 0  # which local device measures (its worker sees only that one)
 
 
 @dataclass
@@ -64,6 +63,7 @@ class TuneSummary:
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str
+    device_index: int = 0
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,7 +74,7 @@ class TuneSummary:
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
                 "winner_is_default": self.winner_is_default, "publish": self.publish,
-                "stop_reason": self.stop_reason}
+                "stop_reason": self.stop_reason, "device_index": self.device_index}
 
 
 def study_name(problem: Problem, device_kind: str, kernel: str = DEFAULT_KERNEL) -> str:
@@ -121,29 +121,6 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
 
 
-def _open_storage(db_url: str | None) -> Any:
-    """``open_storage`` for jobs that start together on an empty database: each would create
-    Optuna's tables (several steps, not one transaction) and all but one fail ("already
-    exists", a duplicate type or version row). On PostgreSQL the opens take turns under an
-    advisory lock; on SQLite a loser opens again, and then finds the tables."""
-    if db_url is None:
-        return open_storage(None)
-    engine = make_engine(db_url)
-    try:
-        with engine.connect() as connection:
-            if engine.dialect.name == "postgresql":  # released when the connection closes
-                connection.execute(text("SELECT pg_advisory_lock(:key)"),
-                                   {"key": STORAGE_INIT_LOCK})
-            for _ in range(STORAGE_INIT_ATTEMPTS - 1):
-                try:
-                    return open_storage(db_url)
-                except SQLAlchemyError:
-                    time.sleep(0.5)
-            return open_storage(db_url)
-    finally:
-        engine.dispose()
-
-
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
     ok = sorted((t for t in study.get_trials(deepcopy=False)
                  if t.state == optuna.trial.TrialState.COMPLETE
@@ -173,6 +150,10 @@ class NothingToPublish(RuntimeError):
     """No config of the problem worked on this device, not even the default."""
 
 
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a tuning run; the message says how to resume it."""
+
+
 class TuneObserver(Protocol):
     """What a progress display gets told while a problem is tuned."""
 
@@ -182,71 +163,105 @@ class TuneObserver(Protocol):
     def on_phase(self, phase: str) -> None: ...
 
 
+class TuneJob:
+    """One problem on this device, open from the search to the publish: the kernel, space,
+    study and measurer. ``search`` may run more than once (a resume pass measures only what
+    the study-wide budget still lacks); ``publish`` confirms the winner and stores it."""
+
+    def __init__(self, problem: Problem, store: Store, db_url: str | None,
+                 options: TuneOptions = TuneOptions(), observer: TuneObserver | None = None,
+                 kernel_name: str = DEFAULT_KERNEL) -> None:
+        self.kernel = kernel = get_kernel(kernel_name).discover()
+        self.device = jax.devices()[0]
+        target = device_target(self.device.platform, self.device.device_kind)
+        tunable(kernel, problem, target)
+        self.problem, self.store, self.options, self.observer = problem, store, options, observer
+        self.space, self.base = kernel_space(kernel, problem, target)
+        self.name = options.study or study_name(problem, self.device.device_kind, kernel.name)
+        self.storage = get_storage(db_url)
+        self.measurer = Measurer(problem, self.base, kernel,
+                                 compile_timeout_s=options.compile_timeout_s)
+        self._default_params = {name: getattr(self.base, name) for name in self.space.names}
+        self._default_ms: list[float] = []  # the default's search-time measurement, once seen
+
+    def close(self) -> None:
+        self.measurer.close()
+
+    def _on_trial(self, result: TrialResult, best: TrialResult | None) -> None:
+        if result.config == self._default_params and result.measurement.ok:
+            self._default_ms.append(result.measurement.value)
+        if self.observer:
+            self.observer.on_trial(result, best,
+                                   self._default_ms[0] if self._default_ms else None)
+
+    def search(self) -> SearchResult:
+        options = self.options
+        return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
+                      sampler=options.sampler, trials=options.trials, timeout=options.timeout,
+                      patience=options.patience,
+                      seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
+                                       self.space, self.base, self.kernel.name),
+                      seed=options.seed, on_trial=self._on_trial,
+                      prepare=self.measurer.prepare)
+
+    def publish(self, result: SearchResult) -> TuneSummary:
+        """Confirms the best measured configs against the default and publishes the winner."""
+        problem, base, options, kernel, device = (self.problem, self.base, self.options,
+                                                  self.kernel, self.device)
+        if self.observer:
+            self.observer.on_phase("confirming")
+        study = optuna.load_study(study_name=self.name, storage=self.storage)
+        top = _top_configs(study, base, options.confirm_top)
+        timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        if not timings:
+            raise NothingToPublish(
+                f"no config of {problem.label()} compiled, ran and passed the correctness "
+                f"check on {device.device_kind} (the default and the best "
+                f"{options.confirm_top} measured); nothing published")
+        winner = choose_winner(timings, base)
+        winner_ms = timings[winner].median_ms
+        default_ms = timings[base].median_ms if base in timings else None
+        speedup = default_ms / winner_ms if default_ms is not None else None
+        confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
+                                    "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                    "is_default": c == base, "is_winner": c == winner}
+                        for c, t in timings.items()}
+        # The study is complete before the entry names it: a kill in between leaves no entry
+        # whose study lacks its confirmation.
+        study.set_user_attr("confirmation", list(confirmation.values()))
+        study.set_user_attr("problem", problem.to_dict())
+        study.set_user_attr("device_kind", device.device_kind)
+        study.set_user_attr("kernel", kernel.name)
+        outcome = self.store.publish(TunedResult(
+            kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
+            problem=problem, config=winner, median_ms=winner_ms,
+            iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
+            speedup=speedup, trials=result.measured, method=self.measurer.method,
+            study=self.name, device_index=options.device_index,
+            **{f"{package}_version": version
+               for package, version in installed_versions().items()}),
+            force=options.force)
+        return TuneSummary(
+            problem=problem, kernel=kernel.name, device_kind=device.device_kind,
+            method=self.measurer.method, study=self.name,
+            best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
+            speedup=speedup, measured=result.measured,
+            failures=_failures(study), winner_is_default=winner == base,
+            publish=outcome.status, stop_reason=result.stop_reason,
+            device_index=options.device_index, confirmation=confirmation)
+
+
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),
          observer: TuneObserver | None = None, kernel_name: str = DEFAULT_KERNEL) -> TuneSummary:
     """Searches, confirms and publishes the best config of kernel ``kernel_name`` for
     ``problem`` on this device. Raises ``ConfigError`` (before anything is written) for an
     unknown kernel, a device it has no target for, or a problem it cannot run."""
-    kernel = get_kernel(kernel_name).discover()
-    device = jax.devices()[0]
-    target = device_target(device.platform, device.device_kind)
-    tunable(kernel, problem, target)
-    space, base = kernel_space(kernel, problem, target)
-    name = options.study or study_name(problem, device.device_kind, kernel.name)
-    storage = _open_storage(db_url)
-    measurer = Measurer(problem, base, kernel, compile_timeout_s=options.compile_timeout_s)
-    default_params = {name: getattr(base, name) for name in space.names}
-    default_ms: list[float] = []  # the default's search-time measurement, once seen
-
-    def on_trial(result: TrialResult, best: TrialResult | None) -> None:
-        if result.config == default_params and result.measurement.ok:
-            default_ms.append(result.measurement.value)
-        if observer:
-            observer.on_trial(result, best, default_ms[0] if default_ms else None)
-
+    job = TuneJob(problem, store, db_url, options, observer, kernel_name)
     try:
-        result = search(space, measurer, storage=storage, study_name=name,
-                        sampler=options.sampler, trials=options.trials, timeout=options.timeout,
-                        patience=options.patience,
-                        seeds=warm_seeds(store, problem, device.device_kind, space, base,
-                                         kernel.name),
-                        seed=options.seed, on_trial=on_trial,
-                        prepare=measurer.prepare)
-        if observer:
-            observer.on_phase("confirming")
-        study = optuna.load_study(study_name=name, storage=storage)
-        top = _top_configs(study, base, options.confirm_top)
-        timings = measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        return job.publish(job.search())
+    except KeyboardInterrupt:
+        raise TuneInterrupted(
+            f"tuning {job.kernel.name} {problem.label()} stopped; its measured configs are "
+            f"kept: run the same command again to resume study {job.name!r}") from None
     finally:
-        measurer.close()
-    if not timings:
-        raise NothingToPublish(f"no config of {problem.label()} compiled, ran and passed the "
-                               f"correctness check on {device.device_kind} (the default and "
-                               f"the best {options.confirm_top} measured); nothing published")
-    winner = choose_winner(timings, base)
-    winner_ms = timings[winner].median_ms
-    default_ms = timings[base].median_ms if base in timings else None
-    speedup = default_ms / winner_ms if default_ms is not None else None
-    outcome = store.publish(TunedResult(
-        kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
-        problem=problem, config=winner, median_ms=winner_ms,
-        iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
-        speedup=speedup, trials=result.measured, method=measurer.method,
-        study=name, **{f"{package}_version": version
-                      for package, version in installed_versions().items()}),
-        force=options.force)
-    confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
-                                "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                                "is_default": c == base, "is_winner": c == winner}
-                    for c, t in timings.items()}
-    study.set_user_attr("confirmation", list(confirmation.values()))
-    study.set_user_attr("problem", problem.to_dict())
-    study.set_user_attr("device_kind", device.device_kind)
-    return TuneSummary(
-        problem=problem, kernel=kernel.name, device_kind=device.device_kind,
-        method=measurer.method, study=name,
-        best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
-        speedup=speedup, measured=result.measured,
-        failures=_failures(study), winner_is_default=winner == base,
-        publish=outcome.status,
-        stop_reason=result.stop_reason, confirmation=confirmation)
+        job.close()

@@ -89,7 +89,7 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     from autotune.measure import Measurer, relative_error
     from autotune.search import search
-    from autotune.space import Space
+    from autotune.searchspace import Space
     from kernel import device_target, get_kernel
 
     kernel = get_kernel("pallas_gpu")

@@ -52,7 +52,8 @@ def main() -> int:
     import jax
 
     from autotune.measure import Measurer
-    from autotune.search import open_storage, search
+    from autotune.search import search
+    from storage.studies import get_storage
     from autotune.tune import kernel_space
     from kernel import DEFAULT_KERNEL, device_target, get_kernel
 
@@ -76,7 +77,7 @@ def main() -> int:
                   f"{mark['elapsed_s']:7.1f} s", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        storage = open_storage(f"sqlite:///{Path(tmp) / 'soak.db'}")
+        storage = get_storage(f"sqlite:///{Path(tmp) / 'soak.db'}")
         print(f"start: rss {rss_mib():.1f} MiB (max {_max_rss_mib():.1f})", flush=True)
         for problem in PROBLEMS:  # each problem's space is measured whole, then the next
             if measured >= args.trials:

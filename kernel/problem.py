@@ -25,13 +25,17 @@ MAX_HEAD_DIM = 1 << 10
 INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_heads": MAX_HEADS,
                               "q_len": MAX_SEQ_LEN, "kv_len": MAX_SEQ_LEN,
                               "head_dim": MAX_HEAD_DIM}
+# Fields that may be left out of a problem's JSON, and the field each then copies.
+DEFAULTS_FROM: dict[str, str] = {"kv_heads": "q_heads", "kv_len": "q_len"}
 
 
 @dataclass(frozen=True)
 class Problem:
     """Shapes and options of one attention call, layout ``[batch, heads, seq, head_dim]``.
 
-    Hashable and JSON round-trippable (``to_dict`` / ``from_dict``).
+    Hashable and JSON round-trippable (``to_dict`` / ``from_dict``). The one declaration of
+    the problem part of every key: the service's request models and storage's columns are
+    derived from these fields, ``INT_LIMITS`` and ``DEFAULTS_FROM``.
     """
 
     batch: int
@@ -85,8 +89,8 @@ class Problem:
         if unknown:
             raise ProblemError(f"unknown problem field(s) {unknown}; known: {sorted(names)}")
         values = dict(data)
-        values.setdefault("kv_heads", values.get("q_heads"))
-        values.setdefault("kv_len", values.get("q_len"))
+        for name, source in DEFAULTS_FROM.items():
+            values.setdefault(name, values.get(source))
         missing = [n for n in ("batch", "q_heads", "q_len", "head_dim") if values.get(n) is None]
         if missing:
             raise ProblemError(f"missing problem field(s): {', '.join(missing)}")

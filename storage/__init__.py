@@ -3,8 +3,16 @@
 Never imports jax (only the pure-Python parts of ``kernel``), so the service stays light.
 """
 
-from storage.engine import DatabaseUrlError, make_engine, normalize_url
+from storage.engine import (
+    DatabaseFullError,
+    DatabaseUrlError,
+    ReadOnlyDatabaseError,
+    WriteRefusedError,
+    make_engine,
+    normalize_url,
+)
 from storage.results import (
+    MAX_STORED_INT,
     METHODS,
     ConfigKey,
     Entry,
@@ -19,8 +27,9 @@ from storage.settings import DEFAULT_DB_URL, StorageSettings
 from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
 
 __all__ = [
-    "DEFAULT_DB_URL", "FILTER_FIELDS", "METHODS", "ConfigKey", "DatabaseUrlError", "Entry",
-    "HistoryEntry", "LookupRequest", "PublishOutcome", "ResultError", "SchemaError",
-    "StorageError", "StorageSettings", "Store", "TunedResult", "make_engine", "normalize_url",
+    "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError", "DatabaseUrlError", "Entry",
+    "FILTER_FIELDS", "HistoryEntry", "LookupRequest", "MAX_STORED_INT", "METHODS",
+    "PublishOutcome", "ReadOnlyDatabaseError", "ResultError", "SchemaError", "StorageError",
+    "StorageSettings", "Store", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url",
     "schema_is_current", "schema_problem", "upgrade",
 ]

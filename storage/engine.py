@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from kernel import AutotuneError
 
@@ -14,6 +21,62 @@ WRITE_OPTIONS = {"autotune_write": True}  # execution option: this transaction w
 
 class DatabaseUrlError(AutotuneError):
     """A database URL cannot be used; the message says what a valid one looks like."""
+
+
+class WriteRefusedError(AutotuneError):
+    """The database cannot store anything now, and nothing of the write was stored; reads
+    still work."""
+
+
+class ReadOnlyDatabaseError(WriteRefusedError):
+    """The database refuses writes (a read-only file, file system, replica or transaction)."""
+
+
+class DatabaseFullError(WriteRefusedError):
+    """The database's disk is full."""
+
+
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file of a SQLite URL; None for other databases, in-memory ones and ``file:`` URIs."""
+    url = make_url(url)
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:") \
+            or url.query.get("uri"):
+        return None
+    return Path(url.database)
+
+
+def sqlite_connect(path: Path, **kwargs: object) -> sqlite3.Connection:
+    """A connection to the SQLite file ``path``; read-only when the file is not writable, and
+    then also immutable on a read-only file system (where a WAL database cannot be read
+    otherwise: its shared-memory file cannot be created)."""
+    if os.access(path, os.W_OK) or not path.exists():
+        return sqlite3.connect(path, **kwargs)
+    immutable = os.statvfs(path).f_flag & os.ST_RDONLY
+    uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
+    return sqlite3.connect(uri, uri=True, **kwargs)
+
+
+@contextmanager
+def refusing_writes(url: str | URL) -> Iterator[None]:
+    """Turns the database's refusal to write (SQLite ``SQLITE_READONLY``/``SQLITE_FULL``,
+    PostgreSQL ``read_only_sql_transaction``/``disk_full``) into a ``WriteRefusedError``
+    that says so and what to do."""
+    try:
+        yield
+    except SQLAlchemyError as error:
+        orig = getattr(error, "orig", None)
+        code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
+        reason = str(orig).strip().splitlines()[0] if orig else ""
+        shown = make_url(url).render_as_string(hide_password=True)
+        if code.startswith("SQLITE_READONLY") or code == "25006":
+            raise ReadOnlyDatabaseError(
+                f"the database {shown} is read-only ({reason}): lookups and exports work, but "
+                "nothing can be stored; make it writable or use a writable database") from None
+        if code == "SQLITE_FULL" or code == "53100":
+            raise DatabaseFullError(
+                f"the database {shown} is full ({reason}): nothing of this write was stored; "
+                "free disk space and retry") from None
+        raise
 
 
 def normalize_url(url: str) -> str:
@@ -36,8 +99,12 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     url = normalize_url(url)
     backend = make_url(url).get_backend_name()
     if backend == "sqlite":
+        path = sqlite_file(url)
         in_memory = make_url(url).database in (None, "", ":memory:")
         pool = {} if in_memory else {"pool_size": pool_size, "max_overflow": 2 * pool_size}
+        if path is not None:
+            # Opened by sqlite_connect: a read-only file is read (no WAL switch, no -shm).
+            pool["creator"] = lambda: sqlite_connect(path, check_same_thread=False)
         engine = create_engine(url, **pool)
         _configure_sqlite(engine)
         return engine
@@ -54,7 +121,11 @@ def sqlite_pragmas(dbapi_connection, _record: object = None) -> None:  # noqa: A
     SQLAlchemy ``connect`` listener, for engines built elsewhere: Optuna's storage)."""
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    cursor.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
+    try:
+        cursor.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
+    except sqlite3.OperationalError as error:
+        if not error.sqlite_errorname.startswith("SQLITE_READONLY"):
+            raise  # a read-only database keeps its journal mode; it is only read
     cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe with WAL
     cursor.close()
 

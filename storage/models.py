@@ -9,13 +9,15 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.results import TEXT_LIMITS
+from storage.results import KEY_FIELDS, TEXT_LIMITS
 
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
 FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
                   "mode")
 KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "platform")
+# The index order is storage's; the key's fields are storage.results.KEY_FIELDS'.
+assert sorted(KEY_COLUMNS) == sorted(KEY_FIELDS), "the unique key must be the stored key"
 
 
 class Base(DeclarativeBase):
@@ -49,6 +51,7 @@ class _ResultColumns:
     jaxlib_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jaxlib_version"]))
     libtpu_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["libtpu_version"]))
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
+    device_index: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -16,7 +17,7 @@ from kernel.resolve import installed_versions, stale_versions
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
 PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
-                     "study")
+                     "study", "device_index")
 
 
 class StorageError(AutotuneError):
@@ -56,17 +57,25 @@ class ConfigKey:
     problem: Problem
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat: the kernel and device fields, then the problem fields."""
-        return {"kernel": self.kernel, "kernel_version": self.kernel_version,
-                "device_kind": self.device_kind, "platform": self.platform,
+        """Flat: the kernel and device fields, then the problem fields (``KEY_FIELDS``)."""
+        return {**{name: getattr(self, name) for name in KEY_TEXT_FIELDS},
                 **self.problem.to_dict()}
+
+
+# The key's own text fields (before its problem): with the problem's fields, the one
+# declaration of what a result is stored and looked up under.
+KEY_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(ConfigKey) if f.name != "problem")
+KEY_FIELDS = (*KEY_TEXT_FIELDS, *(f.name for f in dataclasses.fields(Problem)))
 
 
 # The longest value each text field may hold (the column sizes of storage.models).
 TEXT_LIMITS = {"kernel": 64, "kernel_version": 64, "device_kind": 128, "platform": 32,
                "method": 16, "jax_version": 64, "jaxlib_version": 64, "libtpu_version": 64,
                "study": 256}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Control characters (PostgreSQL cannot store NUL) and lone UTF-16 surrogates (not encodable).
+_NOT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
+# The largest integer both SQLite and PostgreSQL (INTEGER: 32-bit signed) columns hold.
+MAX_STORED_INT = 2**31 - 1
 
 
 def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
@@ -74,9 +83,10 @@ def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
         return
     if not isinstance(value, str) or not value.strip():
         raise ResultError(f"{name} must be a non-empty string, got {value!r}")
-    if len(value) > TEXT_LIMITS[name] or _CONTROL.search(value):
-        raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters without "
-                          f"control characters, got {value[:40]!r}")
+    if len(value) > TEXT_LIMITS[name] or _NOT_TEXT.search(value):
+        shown = value[:40].encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters of text "
+                          f"without control characters or lone surrogates, got {shown!r}")
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,7 @@ class TunedResult:
     jaxlib_version: str | None = None
     libtpu_version: str | None = None
     study: str | None = None
+    device_index: int | None = None  # which local device measured it (tune --devices)
     kernel: str = DEFAULT_KERNEL
     kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
@@ -123,9 +134,12 @@ class TunedResult:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                       or not math.isfinite(value) or value < 0):
                 raise ResultError(f"{name} must be a finite non-negative number, got {value!r}")
-        if self.trials is not None and (isinstance(self.trials, bool)
-                                        or not isinstance(self.trials, int) or self.trials < 0):
-            raise ResultError(f"trials must be a non-negative integer, got {self.trials!r}")
+        for name in ("trials", "device_index"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_STORED_INT):
+                raise ResultError(f"{name} must be an integer from 0 to {MAX_STORED_INT}, "
+                                  f"got {value!r}")
         if self.method is not None and self.method not in METHODS:
             raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not self.platform:

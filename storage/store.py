@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import json
+import math
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import String, bindparam, cast, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernel import DEFAULT_KERNEL, LookupTable, Problem, get_kernel
-from kernel.table import nearest_entry
-from storage.engine import WRITE_OPTIONS, make_engine, normalize_url
+from kernel import DEFAULT_KERNEL, LookupTable, Problem, TableEntry, get_kernel
+from kernel.table import nearest_entry, shape_distance
+from storage.engine import (
+    WRITE_OPTIONS,
+    make_engine,
+    normalize_url,
+    refusing_writes,
+    sqlite_connect,
+    sqlite_file,
+)
 from storage.models import FAMILY_COLUMNS, KEY_COLUMNS, TunedConfigHistoryRow, TunedConfigRow
 from storage.results import (
     MEASUREMENT_FIELDS,
@@ -35,21 +46,29 @@ from storage.settings import StorageSettings
 Match = Literal["exact", "nearest"]
 _T = TypeVar("_T")
 FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
+FAMILY_CACHE_SIZE = 64  # families of nearest-match candidates kept (SQLite); full: cleared
 PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
-_PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
-                   "causal", "mode")
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem))
 _TABLE = TunedConfigRow.__table__
 
 
-def _select_where(names: Iterable[str]) -> Any:
-    """A prepared ``SELECT * ... WHERE name = :name AND ...`` (compiled once, then cached)."""
-    return select(_TABLE).where(*(_TABLE.c[name] == bindparam(name) for name in names))
+def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,)) -> Any:
+    """A prepared ``SELECT columns ... WHERE name = :name AND ...`` (compiled once, cached)."""
+    return select(*columns).where(*(_TABLE.c[name] == bindparam(name) for name in names))
 
 
 _EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
 _EXACT_ON_PLATFORM = _select_where(KEY_COLUMNS)
-_FAMILY = _select_where(FAMILY_COLUMNS)
-_FAMILY_ON_PLATFORM = _select_where((*FAMILY_COLUMNS, "platform"))
+_BY_ID = _select_where(("id",))
+# Nearest-match candidates: sizes and the config's JSON text, decoded only when visited (no
+# full rows; read through the key's index).
+_CANDIDATE_COLUMNS = [*(_TABLE.c[name] for name in ("id", "batch", "q_heads", "kv_heads",
+                                                    "q_len", "kv_len")),
+                      cast(_TABLE.c.config, String).label("config")]
+_FAMILY = _select_where(FAMILY_COLUMNS, _CANDIDATE_COLUMNS).order_by(
+    _TABLE.c.q_len, _TABLE.c.id)
+_FAMILY_ON_PLATFORM = _select_where((*FAMILY_COLUMNS, "platform"), _CANDIDATE_COLUMNS).order_by(
+    _TABLE.c.q_len, _TABLE.c.id)
 
 
 @dataclass(frozen=True)
@@ -118,10 +137,63 @@ def _best(entries: Sequence[Entry]) -> Entry | None:
     return best
 
 
-def _nearest(problem: Problem, kernel: str, family: Sequence[Entry]) -> Entry | None:
-    entries = [entry.result.to_table_entry() for entry in family]
-    chosen = nearest_entry(problem, entries, kernel)
-    return next((e for e, t in zip(family, entries, strict=True) if t is chosen), None)
+class _Shape(NamedTuple):
+    """A candidate's sizes: what ``kernel.table.shape_distance`` reads, without building a
+    validated Problem for every row of a family."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def group_size(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+class _Family:
+    """The nearest-match candidates of one family (same kernel, device, dtype, head_dim,
+    causal, mode), sorted by q_len. ``nearest`` visits them in order of the q_len term of
+    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound
+    exceeds the best legal distance found, so a lookup reads a few q_len neighbourhoods, not
+    the family; legality is checked once per distinct config."""
+
+    def __init__(self, rows: Sequence[Any]) -> None:
+        self.rows = rows  # (id, batch, q_heads, kv_heads, q_len, kv_len, config), by q_len, id
+        self.q_lens = [row[4] for row in rows]
+
+    def nearest(self, problem: Problem, kernel: str) -> tuple[int, str] | None:
+        """The id and config JSON of the closest candidate whose config
+        ``kernel.table.nearest_entry`` takes for ``problem`` (ties: the oldest), or None."""
+        rules = get_kernel(kernel)
+        legal: dict[str, bool] = {}
+        best: tuple[float, int, str] | None = None
+        right = bisect.bisect_left(self.q_lens, problem.q_len)
+        left = right - 1
+
+        def bound(index: int) -> float:
+            return abs(math.log2(problem.q_len / self.q_lens[index]))
+
+        while left >= 0 or right < len(self.rows):
+            if right == len(self.rows) or (left >= 0 and bound(left) <= bound(right)):
+                index, left = left, left - 1
+            else:
+                index, right = right, right + 1
+            if best is not None and bound(index) > best[0]:
+                break  # every row not yet visited is at least this far
+            row_id, *sizes, config = self.rows[index]
+            shape = _Shape(*sizes)
+            distance = shape_distance(problem, shape)  # type: ignore[arg-type]
+            if best is not None and (distance, row_id) >= best[:2]:
+                continue
+            if config not in legal:
+                candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()),
+                                       rules.config_from_dict(json.loads(config)))
+                legal[config] = nearest_entry(problem, [candidate], kernel) is not None
+            if legal[config]:
+                best = (distance, row_id, config)
+        return None if best is None else best[1:]
 
 
 class Store:
@@ -136,6 +208,8 @@ class Store:
         self._writer = self.engine.execution_options(**WRITE_OPTIONS)
         self._watcher: sqlite3.Connection | None = None
         self._watcher_lock = threading.Lock()
+        # family key -> (data version, nearest-match candidates); see lookup_many
+        self._families: dict[tuple[Any, ...], tuple[int, _Family]] = {}
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -151,13 +225,13 @@ class Store:
         SQLite's ``PRAGMA data_version`` on a connection that never writes (a few
         microseconds, no query of our tables).
         """
-        database = self.engine.url.database
-        if self.engine.url.get_backend_name() != "sqlite" or database in (None, "", ":memory:"):
+        path = sqlite_file(self.engine.url)
+        if path is None:
             return None
         with self._watcher_lock:
             if self._watcher is None:
-                self._watcher = sqlite3.connect(database, check_same_thread=False,
-                                                isolation_level=None)
+                self._watcher = sqlite_connect(path, check_same_thread=False,
+                                               isolation_level=None)
             return self._watcher.execute("PRAGMA data_version").fetchone()[0]
 
     def __enter__(self) -> Store:
@@ -206,9 +280,12 @@ class Store:
         return self._write(lambda session: [self._publish(session, r, force) for r in results])
 
     def _write(self, work: Callable[[Session], _T]) -> _T:
+        """Runs ``work`` in one write transaction; ReadOnlyDatabaseError if writes are refused."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
-                with Session(self._writer, expire_on_commit=False) as session, session.begin():
+                with refusing_writes(self.engine.url), \
+                        Session(self._writer, expire_on_commit=False) as session, \
+                        session.begin():
                     return work(session)
             except IntegrityError:
                 # PostgreSQL: another writer inserted the same new key first; retrying finds it.
@@ -229,6 +306,8 @@ class Store:
             session.flush()
             return PublishOutcome("inserted", _entry(row))
         previous = _result(row)
+        if _columns(result) == _columns(previous):
+            return PublishOutcome("kept", _entry(row), previous)  # the same result: a no-op
         wins = result.beats(previous)
         if wins or force:
             session.add(TunedConfigHistoryRow(
@@ -263,9 +342,11 @@ class Store:
 
     def lookup_many(self, requests: Sequence[LookupRequest]) -> list[tuple[Entry, Match] | None]:
         """``lookup`` for many keys on one connection; each family of candidates (same kernel,
-        device, dtype, head_dim, causal, mode) is read at most once."""
+        device, dtype, head_dim, causal, mode) is read at most once, and on SQLite kept until
+        the next commit to the database (``data_version``)."""
         out: list[tuple[Entry, Match] | None] = []
-        families: dict[tuple[Any, ...], list[Entry]] = {}
+        version = self.data_version()  # before reading, so a later write is not masked
+        families: dict[tuple[Any, ...], _Family] = {}
         with self.engine.connect() as connection:
             for request in requests:
                 on_platform = request.platform is not None
@@ -278,13 +359,33 @@ class Store:
                 family_names = (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS
                 params = request.params(family_names)
                 family_key = tuple(params.values())
-                if family_key not in families:
+                family = families.get(family_key) or self._cached_family(family_key, version)
+                if family is None:
                     query = _FAMILY_ON_PLATFORM if on_platform else _FAMILY
-                    families[family_key] = [_entry(row) for row in
-                                            connection.execute(query, params).mappings()]
-                nearest = _nearest(request.problem, request.kernel, families[family_key])
-                out.append((nearest, "nearest") if nearest else None)
+                    family = _Family(connection.execute(query, params).all())
+                    self._cache_family(family_key, version, family)
+                families[family_key] = family
+                nearest = family.nearest(request.problem, request.kernel)
+                row = None if nearest is None else connection.execute(
+                    _BY_ID, {"id": nearest[0]}).mappings().one()
+                if row is not None and row["config"] != json.loads(nearest[1]):
+                    # Replaced since the family was read: look it up again, uncached.
+                    self._families.clear()
+                    out.extend(self.lookup_many([request]))
+                    continue
+                out.append(None if row is None else (_entry(row), "nearest"))
         return out
+
+    def _cached_family(self, key: tuple[Any, ...], version: int | None) -> _Family | None:
+        cached = self._families.get(key)
+        return cached[1] if cached and version is not None and cached[0] == version else None
+
+    def _cache_family(self, key: tuple[Any, ...], version: int | None, family: _Family) -> None:
+        if version is None:
+            return
+        if len(self._families) >= FAMILY_CACHE_SIZE:
+            self._families.clear()
+        self._families[key] = (version, family)
 
     def history(self, key: ConfigKey) -> list[HistoryEntry]:
         """Results archived under ``key``, oldest first."""

@@ -169,17 +169,27 @@ def wait_until_answering(process: subprocess.Popen, url: str, name: str,
 
 @contextmanager
 def running_server(db_url: str, log_dir: Path, *, token: str | None = TOKEN,
-                   args: tuple[str, ...] = ()) -> Iterator[Server]:
-    """Starts ``autotune serve`` on ``db_url`` (already upgraded) and waits for /readyz."""
+                   args: tuple[str, ...] = (), settings: dict[str, str] | None = None,
+                   max_open_files: int | None = None) -> Iterator[Server]:
+    """Starts ``autotune serve`` on ``db_url`` (already upgraded) and waits for /readyz;
+    ``settings`` are extra environment variables, ``max_open_files`` its ``ulimit -n``."""
+    import resource
+
     port = free_port()
     log = log_dir / f"server-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    env.update(settings or {})
     if token:
         env["AUTOTUNE_API_TOKEN"] = token
+
+    def limit_files() -> None:
+        if max_open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
     with log.open("w") as sink:
         process = subprocess.Popen(
             [*AUTOTUNE, "serve", "--db", db_url, "--port", str(port), *args],
-            stdout=sink, stderr=subprocess.STDOUT, env=env)
+            stdout=sink, stderr=subprocess.STDOUT, env=env, preexec_fn=limit_files)
     server = Server(f"http://127.0.0.1:{port}", db_url, token, process, log)
     try:
         wait_until_answering(process, f"{server.url}/readyz", "autotune serve", log.read_text)

@@ -6,6 +6,7 @@ bad input (4xx naming the field), readiness, metrics, 50 concurrent readers with
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import uuid
@@ -132,6 +133,9 @@ def test_batch_lookup_answers_every_key_in_order(server: Server) -> None:
     bad = httpx.post(f"{server.url}/v1/configs/lookup:batch",
                      json={"keys": [lookup_params(kind), lookup_params(kind, kv_heads=3)]})
     assert bad.status_code == 422 and "keys[1]" in bad.json()["detail"]
+    too_many = httpx.post(f"{server.url}/v1/configs/lookup:batch",
+                          json={"keys": [lookup_params(kind)] * 101})
+    assert too_many.status_code == 422 and "at most 100" in too_many.text
 
 
 def test_list_filters_and_pages(server: Server) -> None:
@@ -144,6 +148,8 @@ def test_list_filters_and_pages(server: Server) -> None:
     assert [item["key"]["q_len"] for item in page["items"]] == [512]
     assert httpx.get(f"{server.url}/v1/configs",
                      params={"device_kind": kind, "dtype": "float32"}).json()["total"] == 0
+    unknown = httpx.get(f"{server.url}/v1/configs", params={"device_kind": kind, "colour": "red"})
+    assert unknown.status_code == 422 and "colour" in unknown.text
 
 
 def test_export_with_etag_and_import(server: Server) -> None:
@@ -265,6 +271,57 @@ def test_bad_publish_is_a_422_naming_the_field(server: Server, mutate, field: st
     assert field in response.text
 
 
+def _table(device_kind: str, *entries: dict[str, Any]) -> dict[str, Any]:
+    return {"schema_version": 1, "kernel": "flash", "kernel_version": "1",
+            "device_kind": device_kind, "entries": list(entries)}
+
+
+TABLE_ENTRY = {"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
+               "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}
+
+
+@pytest.mark.parametrize("method, path, raw, field", [
+    ("PUT", "/v1/configs", json.dumps(body("K")).replace('"median_ms": 1.0', '"median_ms": NaN'),
+     "body.median_ms: NaN"),
+    ("PUT", "/v1/configs", json.dumps(body("K")).replace('"K"', '"TPU \\ud800"'),
+     "body.key.device_kind"),
+    ("POST", "/v1/tables", json.dumps(_table("K", TABLE_ENTRY)).replace(
+        '"time_ms": 1.0', '"time_ms": Infinity'), "body.entries[0].time_ms: Infinity"),
+    ("POST", "/v1/tables", json.dumps(_table("K", TABLE_ENTRY)).replace('"K"', '"\\udc00"'),
+     "body.device_kind"),
+    ("POST", "/v1/configs/lookup:batch", json.dumps({"keys": [lookup_params("K")]}).replace(
+        '"q_len": 1024', '"q_len": -Infinity'), "body.keys[0].q_len: -Infinity"),
+    ("POST", "/v1/configs/lookup:batch", '{"keys": [{"\\ud800": 1}]}', "body.keys[0]: the key"),
+], ids=["publish-nan", "publish-surrogate", "import-infinity", "import-surrogate",
+        "batch-infinity", "batch-surrogate-key"])
+def test_non_finite_numbers_and_lone_surrogates_are_422s_naming_the_field(
+        server: Server, method: str, path: str, raw: str, field: str) -> None:
+    """Python's json reads NaN, Infinity and lone surrogates; neither validation errors nor
+    the database can encode them, so they are refused first (they were 500s)."""
+    response = httpx.request(method, f"{server.url}{path}", content=raw.encode(),
+                             headers={**server.auth, "Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert field in response.json()["detail"]
+    assert httpx.get(f"{server.url}/v1/configs", params={"device_kind": "K"}).json()[
+        "total"] == 0
+
+
+def test_integers_beyond_what_a_database_column_holds_are_422s(server: Server) -> None:
+    """2**31 fits SQLite's INTEGER but not PostgreSQL's: every stored integer is bounded by
+    both (a 503 on PostgreSQL and a 500 on SQLite before)."""
+    kind = device()
+    for trials in (2**31, 2**64):
+        response = httpx.put(f"{server.url}/v1/configs", json={**body(kind), "trials": trials},
+                             headers=server.auth)
+        assert response.status_code == 422 and "trials" in response.text
+        entry = {**TABLE_ENTRY, "provenance": {"trials": trials}}
+        response = httpx.post(f"{server.url}/v1/tables", json=_table(kind, entry),
+                              headers=server.auth)
+        assert response.status_code == 422
+        assert "entry 0" in response.json()["detail"] and "trials" in response.text
+    assert publish(server, {**body(kind), "trials": 2**31 - 1})["status"] == "inserted"
+
+
 def test_malformed_json_is_a_4xx(server: Server) -> None:
     response = httpx.put(f"{server.url}/v1/configs", content=b"{not json",
                          headers={**server.auth, "Content-Type": "application/json"})
@@ -294,6 +351,22 @@ def test_metrics_count_lookups_by_match_kind(server: Server) -> None:
     assert "autotune_http_request_duration_seconds_bucket" in text_metrics
 
 
+def test_metrics_labels_stay_bounded_under_random_methods_and_paths(server: Server) -> None:
+    """Unknown methods and unmatched paths fold into one label value each (random method
+    names grew /metrics without bound)."""
+    with server.client() as client:
+        for i in range(20):
+            client.request(f"X{uuid.uuid4().hex[:8].upper()}", f"/nowhere/{i}")
+            client.request(f"Y{uuid.uuid4().hex[:8].upper()}", "/healthz")
+        exposed = client.get("/metrics").text
+    labels = re.findall(r'^autotune_http_requests_total\{method="([^"]*)",route="([^"]*)"',
+                        exposed, re.M)
+    assert {method for method, _ in labels} <= {"GET", "HEAD", "POST", "PUT", "PATCH",
+                                                "DELETE", "OPTIONS", "other"}
+    assert ("other", "unmatched") in labels
+    assert not any(route.startswith("/nowhere") for _, route in labels)
+
+
 def test_health_docs_and_openapi(server: Server) -> None:
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready"}
@@ -307,25 +380,25 @@ def test_readyz_is_503_when_the_schema_is_not_current(tokenless_server: Server) 
     with Store(tokenless_server.db_url) as store:
         with store.engine.begin() as connection:
             head = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
-            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
+            connection.execute(text(f"DELETE FROM {VERSION_TABLE}"))
         try:
             response = httpx.get(f"{tokenless_server.url}/readyz")
             assert response.status_code == 503
             assert "autotune db upgrade" in response.json()["detail"]
         finally:
             with store.engine.begin() as connection:
-                connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = :head"),
+                connection.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES (:head)"),
                                    {"head": head})
     assert httpx.get(f"{tokenless_server.url}/readyz").status_code == 200
 
 
-@pytest.mark.parametrize("stale", [False, True], ids=["missing", "outdated"])
-def test_serve_refuses_a_missing_or_outdated_schema(tmp_path, stale: bool) -> None:
+@pytest.mark.parametrize("stale", [False, True], ids=["missing", "unversioned"])
+def test_serve_refuses_a_missing_or_unversioned_schema(tmp_path, stale: bool) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
     if stale:
         assert run_cli("db", "upgrade", "--db", url).returncode == 0
         with Store(url) as store, store.engine.begin() as connection:
-            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
+            connection.execute(text(f"DELETE FROM {VERSION_TABLE}"))
     done = run_cli("serve", "--db", url, "--port", "1", timeout=60)
     assert done.returncode == 1
     assert f"autotune db upgrade --db {url}" in done.stderr

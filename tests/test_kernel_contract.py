@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from kernel import ConfigError, Problem, TunableKernel, device_target, get_kernel, kernel_names
@@ -20,6 +19,7 @@ from kernel.aot import input_specs
 from kernel.contract import AttentionFn
 from kernel.registry import KERNELS
 from kernel.targets import GPU_TARGET
+from kernel.tolerance import MAX_RELATIVE_ERROR, relative_error
 
 NAMES = kernel_names()
 # Backends with a CPU target (interpret mode, or XLA itself) run here; the others are checked
@@ -29,8 +29,7 @@ ON_CPU = [name if "cpu" in get_kernel(name).targets else pytest.param(
                                  "; bench/gpu_check.py checks it there")) for name in NAMES]
 TUNABLE = [name for name in NAMES if "cpu" in get_kernel(name).targets
            and get_kernel(name).space_params(Problem(1, 2, 1, 256, 256, 64, "float32"))]
-# Relative to the reference's largest magnitude, as the tuner's correctness gate.
-TOLERANCE = {"float32": 2e-3, "bfloat16": 4e-2}
+TOLERANCE = MAX_RELATIVE_ERROR  # per dtype: the tuner's correctness gate
 
 
 def _problem(mode: str = "fwd", **changes) -> Problem:
@@ -50,12 +49,9 @@ def _inputs(problem: Problem) -> list[jax.Array]:
 
 
 def _max_error(got, want) -> float:
-    worst = 0.0
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g), np.asarray(w)
         assert g.shape == w.shape
-        worst = max(worst, float(np.max(np.abs(g - w)) / np.max(np.abs(w))))
-    return worst
+    return max(relative_error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def _run(fn, args):

@@ -19,7 +19,10 @@ from conftest import problem_flags, run_cli
 from kernel import FlashConfig
 from kernel.problem import Problem
 from kernel.registry import get_kernel
+from present.plots import landscape_figure
+from present.studies import StudyData
 from storage import ResultError, Store, TunedResult
+from storage.studies import get_storage
 
 # Tiny f32 problems, one head: a few seconds per interpreted compile.
 PROBLEMS = {
@@ -36,9 +39,11 @@ def lookup_params(kernel: str, problem: Problem) -> dict[str, Any]:
             "causal": str(fields["causal"]).lower()}
 
 
-def test_tune_each_kernel_and_look_it_up_under_its_own_name(tmp_path: Path,
-                                                             start_server: Any) -> None:
-    db = f"sqlite:///{tmp_path / 'kernels.db'}"
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """A SQLite database where ``autotune tune`` tuned each problem of PROBLEMS with its
+    kernel, and each kernel's winner."""
+    db = f"sqlite:///{tmp_path_factory.mktemp('kernels') / 'kernels.db'}"
     summaries = {}
     for name, problem in PROBLEMS.items():
         done = run_cli("tune", "--kernel", name, *problem_flags(problem), "--trials", "3",
@@ -54,7 +59,12 @@ def test_tune_each_kernel_and_look_it_up_under_its_own_name(tmp_path: Path,
         best = kernel.config_from_dict(summary["best_config"])
         assert kernel.is_legal(problem, best)
         summaries[name] = best
+    return db, summaries
 
+
+def test_tune_each_kernel_and_look_it_up_under_its_own_name(
+        tuned: tuple[str, dict[str, Any]], start_server: Any) -> None:
+    db, summaries = tuned
     server = start_server(db)
     for name, problem in PROBLEMS.items():
         found = httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(name, problem))
@@ -71,6 +81,33 @@ def test_tune_each_kernel_and_look_it_up_under_its_own_name(tmp_path: Path,
                         params=lookup_params("nope", PROBLEMS["pallas_gpu"]))
     assert unknown.status_code == 422
     assert "'nope'" in unknown.text and "jax_tpu_flash" in unknown.text
+
+
+def test_report_draws_each_kernel_landscape_on_that_kernel_axes(
+        tuned: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """The landscape's axes and panels are the fields each kernel declares, not FlashConfig's,
+    in the figure and in the report's text."""
+    db, _ = tuned
+    storage = get_storage(db, create=False)
+    for name, problem in PROBLEMS.items():
+        x, y, panel = get_kernel(name).landscape_axes
+        data = StudyData.load(storage, f"{name}/cpu/{problem.label()}")
+        assert data is not None and data.kernel == name
+        figure = landscape_figure(data)
+        panels = [ax for ax in figure.axes if ax.get_title()]
+        assert [ax.get_title() for ax in panels] == [f"{panel}={v}" for v in data.space[panel]]
+        assert {(ax.get_xlabel(), ax.get_ylabel()) for ax in panels} == {(x, y)}
+        measured = {(p.params[x], p.params[y], p.params[panel]) for p in data.points}
+        assert sum(len(ax.texts) for ax in panels) == len(measured)
+    report = tmp_path / "report.html"
+    done = run_cli("report", "--db", db, "-o", str(report))
+    assert done.returncode == 0, done.stderr
+    html = report.read_text()
+    for name in PROBLEMS:
+        x, y, panel = get_kernel(name).landscape_axes
+        assert f"Best time per {x} × {y} cell (over the other fields), one panel per\n{panel};" \
+            in html
+    assert html.count('data-plot="landscape"') == len(PROBLEMS)
 
 
 def test_an_unknown_kernel_or_device_is_refused_before_anything_is_written(

@@ -24,19 +24,17 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from autotune.plots import (
-    FAILURE_LETTERS,
-    StudyData,
+from conftest import free_port, run_cli, wait_until_answering
+from kernel import FlashConfig, Problem
+from present.plots import (
     confirmation_figure,
     convergence_figure,
     failures_figure,
     landscape_figure,
-    read_storage,
 )
-from conftest import free_port, run_cli, wait_until_answering
-from kernel import FlashConfig
-from kernel.problem import Problem
+from present.studies import FAILURE_LETTERS, StudyData
 from storage import Store, TunedResult, upgrade
+from storage.studies import get_storage
 
 TUNED = Problem(1, 1, 1, 256, 256, 128, "float32", False, "fwd")
 FAILING = Problem(1, 2, 2, 512, 512, 128, "bfloat16", False, "fwd")
@@ -113,7 +111,7 @@ def failing_db(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def failing(failing_db: str) -> StudyData:
     with Store(failing_db) as store:
-        data = StudyData.load(read_storage(store.url, store.engine), FAILING_STUDY)
+        data = StudyData.load(get_storage(store.url, create=False), FAILING_STUDY)
     assert data is not None
     return data
 

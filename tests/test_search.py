@@ -15,8 +15,9 @@ import optuna
 import pytest
 
 from autotune.landscape import load_landscape
-from autotune.search import Measurement, search
-from autotune.space import Space
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import Measurement
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -146,10 +147,10 @@ def test_resumed_study_measures_only_new_configs(land, tmp_path):
 
 
 def test_stale_trial_of_a_killed_worker_is_failed_and_its_config_measured_again(land, tmp_path):
-    from autotune.search import open_storage
+    from storage.studies import get_storage
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    storage = open_storage(url, heartbeat_interval=1, grace_period=1)
+    storage = get_storage(url, heartbeat_interval=1, grace_period=1)
     study = optuna.create_study(storage=storage, study_name="s")
     study.enqueue_trial(dict(zip(land.params, next(iter(land.records)), strict=True)))
     killed = study.ask(land.space.distributions)  # a worker claimed a legal config, then died
@@ -161,6 +162,34 @@ def test_stale_trial_of_a_killed_worker_is_failed_and_its_config_measured_again(
     result = search(land.space, rec, storage=storage, study_name="s", trials=len(land.records))
     assert optuna.load_study(study_name="s", storage=url).trials[0].state.name == "FAIL"
     assert lost in rec.calls and result.measured == len(land.records)
+
+
+def test_an_orphan_claim_without_params_neither_delays_claims_nor_holds_the_budget(land,
+                                                                                 tmp_path):
+    """A worker killed inside ``ask`` (its trial created, its params not yet written) leaves a
+    RUNNING trial without params and without a heartbeat. Later claims do not wait for its
+    params, and once it is older than the grace period it is failed, freeing its budget slot."""
+    import datetime
+
+    from optuna.trial import FrozenTrial, TrialState
+
+    from autotune import search as search_module
+    from storage.studies import get_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = get_storage(url, heartbeat_interval=1, grace_period=60)
+    study = optuna.create_study(storage=storage, study_name="s")
+    started = datetime.datetime.now() - datetime.timedelta(minutes=5)
+    storage.create_new_trial(study._study_id, template_trial=FrozenTrial(
+        number=0, state=TrialState.RUNNING, value=None, datetime_start=started,
+        datetime_complete=None, params={}, distributions={}, user_attrs={}, system_attrs={},
+        intermediate_values={}, trial_id=0))
+    result = search(land.space, Recorder(land), storage=storage, study_name="s", trials=6)
+    assert result.measured == 6 and result.stop_reason == "budget"
+    # A claim that waited for the orphan's params would alone take longer than this.
+    assert result.overhead_s < search_module._CLAIM_WAIT_S
+    orphan = optuna.load_study(study_name="s", storage=url).trials[0]
+    assert orphan.state == TrialState.FAIL and orphan.user_attrs["status"] == "orphan"
 
 
 WORKER = textwrap.dedent("""

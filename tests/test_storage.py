@@ -128,6 +128,51 @@ def test_lookup_many_answers_in_order(store: Store) -> None:
     assert [a and a[1] for a in answers] == [None, "exact", "nearest"]
 
 
+def test_nearest_lookup_agrees_with_the_table_rule(store: Store) -> None:
+    """The store's bounded nearest-first search finds an entry as close as
+    ``kernel.table.nearest_entry`` over the whole family, also after a write (the SQLite
+    candidate cache follows the data version)."""
+    import random
+
+    from kernel.registry import get_kernel
+    from kernel.table import shape_distance
+
+    rng = random.Random(7)
+    entries = {}
+    for _ in range(150):
+        q_len, kv_len = (512 * rng.randint(1, 16) for _ in range(2))
+        heads = rng.choice((8, 16, 32))
+        tuned = problem(q_len, kv_len=kv_len, q_heads=heads,
+                        kv_heads=heads // rng.choice((1, 2, 4)), batch=rng.choice((1, 2, 4)))
+        config = FlashConfig(block_q=rng.choice((128, 256, 512)),
+                             block_kv=rng.choice((128, 256, 512)))
+        entries[tuned] = TableEntry(tuned, config, time_ms=1.0)
+    table = LookupTable("flash", "1", DEVICE, tuple(entries.values()))
+    store.import_table(table)
+    found_nearest = 0
+    for round_ in range(2):
+        for _ in range(40):
+            heads = rng.choice((4, 8, 64))
+            asked = problem(64 * rng.randint(1, 80), kv_len=64 * rng.randint(1, 80),
+                            q_heads=heads, kv_heads=heads, batch=rng.choice((1, 3, 8)))
+            expected = table.lookup(asked)
+            found = store.lookup("flash", DEVICE, asked)
+            if expected is None:
+                assert found is None, asked
+                continue
+            assert found is not None and found[1] == expected[1], asked
+            found_nearest += found[1] == "nearest"
+            assert shape_distance(asked, found[0].result.problem) == pytest.approx(
+                shape_distance(asked, expected[0].problem)), asked
+            assert not get_kernel("flash").stored_violations(asked, found[0].result.config)
+        if round_ == 0:  # a write between rounds: the next lookups see it
+            newcomer = TableEntry(problem(1152, kv_len=1152), FlashConfig(block_q=128,
+                                                                           block_kv=128), 1.0)
+            table = dataclasses.replace(table, entries=(*table.entries, newcomer))
+            store.import_table(dataclasses.replace(table, entries=(newcomer,)))
+    assert found_nearest > 20
+
+
 def test_list_filters_and_pages(store: Store) -> None:
     for q_len in (256, 512, 1024):
         store.publish(result(prob=problem(q_len), config=FlashConfig(block_q=256, block_kv=256)))
@@ -155,7 +200,21 @@ def test_export_and_import_round_trip(store: Store, tmp_path) -> None:
         assert [o.status for o in outcomes] == ["inserted", "inserted"]
         assert other.export_table(DEVICE).to_dict() == table.to_dict()
         assert [o.status for o in other.import_table(table)] == ["kept", "kept"]
-        assert [o.status for o in other.import_table(table, force=True)] == ["replaced"] * 2
+
+
+def test_re_importing_the_same_table_changes_nothing(store: Store) -> None:
+    """Identical entries are no-ops, even forced: no history row per re-import."""
+    entries = tuple(TableEntry(problem(q_len), FlashConfig(block_q=256, block_kv=256),
+                               time_ms=1.0, provenance={"trials": 4})
+                    for q_len in (256, 512))
+    table = LookupTable("flash", "1", DEVICE, entries)
+    assert [o.status for o in store.import_table(table)] == ["inserted", "inserted"]
+    before = store.list()[0]
+    for force in (False, True):
+        assert [o.status for o in store.import_table(table, force=force)] == ["kept", "kept"]
+    assert store.list()[0] == before
+    key = ConfigKey("flash", "1", DEVICE, "tpu", problem(256))
+    assert store.history(key) == []
 
 
 def test_import_is_all_or_nothing(store: Store) -> None:
@@ -169,9 +228,12 @@ def test_import_is_all_or_nothing(store: Store) -> None:
 
 @pytest.mark.parametrize("field, value", [
     ("device_kind", "TPU " + "v" * 200), ("device_kind", "TPU\x00v5"),
-    ("study", "s" * 300), ("platform", 5)])
-def test_text_that_a_column_cannot_hold_is_refused(store: Store, field: str,
-                                                   value: object) -> None:
+    ("device_kind", "TPU \ud800"), ("study", "s" * 300), ("platform", 5),
+    ("trials", 2**31), ("trials", 2**64)])
+def test_values_that_a_column_cannot_hold_are_refused(store: Store, field: str,
+                                                     value: object) -> None:
+    """Text too long or not encodable, integers beyond a 32-bit column: a ResultError naming
+    the field, before the database sees it (SQLite and PostgreSQL alike)."""
     with pytest.raises(ResultError, match=field):
         result(**{field: value})
     provenance = {field: value} if field != "device_kind" else {}
@@ -238,12 +300,20 @@ def test_migrations_share_the_database_with_optuna(empty_db_url: str) -> None:
     assert len(reloaded.trials) == 2
 
 
-def test_outdated_schema_is_reported(db_url: str) -> None:
+def test_a_database_at_another_revision_is_reported(db_url: str) -> None:
+    """No revision recorded: run `autotune db upgrade`; a revision this version does not know:
+    a newer version wrote it (upgrading the schema cannot help)."""
     with Store(db_url) as store:
         with store.engine.begin() as connection:
-            connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0000'"))
-        assert "has schema revision 0000" in store.schema_problem()
+            connection.execute(text(f"DELETE FROM {VERSION_TABLE}"))
+        assert "has no autotune schema" in store.schema_problem()
         assert "autotune db upgrade" in store.schema_problem()
+        with store.engine.begin() as connection:
+            connection.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES ('f00d0099')"))
+        assert "newer version of flash-autotune (schema revision f00d0099" in \
+            store.schema_problem()
+        with pytest.raises(SchemaError, match="newer version"):
+            upgrade(store.engine)
 
 
 def test_unreachable_database_is_reported() -> None:

@@ -10,10 +10,11 @@ import numpy as np
 import optuna
 import pytest
 
-import autotune.surrogate as surrogate
-from autotune.search import Measurement, search
-from autotune.space import Space
-from autotune.surrogate import ForestSurrogate
+import autotune.samplers.forest as surrogate
+from autotune.samplers.forest import ForestSurrogate
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import Measurement
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

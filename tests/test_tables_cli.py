@@ -71,7 +71,12 @@ def test_export_then_import_round_trip(sqlite_db_url: str, tmp_path: Path) -> No
     with Store(other) as store:
         assert store.export_table(DEVICE).to_dict() == table
 
-    # The same timings again: kept without --force (see test_storage), replaced with it.
+    # The same table again is a no-op, even forced; slower timings replace only with --force.
+    assert "2 kept" in run_cli("import", str(table_path), "--db", other, "--force").stdout
+    for entry in table["entries"]:
+        entry["time_ms"] *= 5
+    table_path.write_text(json.dumps(table))
+    assert "2 kept" in run_cli("import", str(table_path), "--db", other).stdout
     assert "2 replaced" in run_cli("import", str(table_path), "--db", other, "--force").stdout
 
 
@@ -82,6 +87,8 @@ def test_export_then_import_round_trip(sqlite_db_url: str, tmp_path: Path) -> No
       "config": {"block_q": 384}}, "block_divides"),
     ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
       "config": {}, "provenance": {"method": "guess"}}, "entry 1"),
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
+      "config": {}, "provenance": {"trials": 2**64}}, "trials must be an integer"),
 ])
 def test_a_bad_entry_imports_nothing(sqlite_db_url: str, tmp_path: Path, bad_entry: dict,
                                      phrase: str) -> None:

@@ -25,8 +25,9 @@ import yaml
 
 from autotune.failures import Status, classify_compile_error
 from autotune.measure import Measurer, Timing
-from autotune.search import Measurement, search
-from autotune.space import Space
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import Measurement
 from autotune.tune import choose_winner, kernel_space
 from conftest import run_cli
 from kernel import FlashConfig, Problem, device_target, get_kernel

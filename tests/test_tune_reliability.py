@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 import pytest
 
-from autotune.search import NOT_MEASURED
+from storage.studies import NOT_MEASURED
 from conftest import AUTOTUNE, problem_flags, run_cli
 from kernel.problem import Problem
 from storage import Store
@@ -78,16 +78,24 @@ def wait_mid_measurement(db_file: Path, finished: int, process: subprocess.Popen
                 f"{log.read_text()}")
 
 
-def test_kill_9_mid_study_then_rerun_resumes(tmp_path: Path) -> None:
-    db_file = tmp_path / "tune.db"
-    db, study, trials = f"sqlite:///{db_file}", "killed", 5
-    log = tmp_path / "first.log"
-    first = start(tune_args(db, study, trials), log)
+def signal_mid_measurement(tmp_path: Path, study: str, trials: int, finished: int,
+                           signum: int) -> tuple[str, Path, subprocess.Popen]:
+    """Starts ``autotune tune`` on a new SQLite file and sends it ``signum`` once ``finished``
+    trials are finished and another is being measured: (database URL, log, the ended job)."""
+    db_file, log = tmp_path / "tune.db", tmp_path / "first.log"
+    db = f"sqlite:///{db_file}"
+    job = start(tune_args(db, study, trials), log)
     try:
-        wait_mid_measurement(db_file, 2, first, log)
+        wait_mid_measurement(db_file, finished, job, log)
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        job.send_signal(signum)
+        job.wait(timeout=120)
+    return db, log, job
+
+
+def test_kill_9_mid_study_then_rerun_resumes(tmp_path: Path) -> None:
+    study, trials = "killed", 5
+    db, _, first = signal_mid_measurement(tmp_path, study, trials, 2, signal.SIGKILL)
     assert first.returncode == -signal.SIGKILL
     before = {t.number: t for t in measured_trials(db, study)}
     assert len(before) >= 2
@@ -109,7 +117,7 @@ def test_kill_9_mid_study_then_rerun_resumes(tmp_path: Path) -> None:
         config_key(t) for t in before.values())
     # The killed job's claims (the config it was measuring, and the next one it had claimed to
     # compile ahead) stay RUNNING until their heartbeat is older than the grace period
-    # (search.open_storage); until then they hold their configs and slots of the budget.
+    # (storage.studies.get_storage); until then they hold their configs and slots of the budget.
     running = optuna.load_study(study_name=study, storage=db).get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     assert 1 <= len(running) <= 2
@@ -164,3 +172,93 @@ def test_two_jobs_share_one_study(fresh_db: str, tmp_path: Path) -> None:
         entry, match = store.lookup("flash", "cpu", TINY)
     assert match == "exact" and entry.result.study == study
     assert entry.result.config.to_dict() in [s[0]["best_config"] for s in done]
+
+
+def test_ctrl_c_says_how_to_resume_and_releases_the_job_claims(tmp_path: Path) -> None:
+    study, trials = "ctrl-c", 4
+    db, log, job = signal_mid_measurement(tmp_path, study, trials, 1, signal.SIGINT)
+    assert job.returncode == 130
+    output = log.read_text()
+    assert "Traceback" not in output
+    said = [line for line in output.splitlines() if "interrupt" in line.lower()]
+    assert len(said) == 1 and said[0] == output.splitlines()[-1], output[-3000:]
+    assert f"resume study '{study}'" in said[0]
+    loaded = optuna.load_study(study_name=study, storage=db).get_trials(deepcopy=False)
+    assert not [t for t in loaded if t.state == optuna.trial.TrialState.RUNNING]
+    released = [t for t in loaded if t.user_attrs.get("status") == "interrupted"]
+    assert released and all(t.state == optuna.trial.TrialState.FAIL for t in released)
+    before = measured_trials(db, study)
+
+    rerun = run_cli(*tune_args(db, study, trials), timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    after = measured_trials(db, study)
+    keys = [config_key(t) for t in after]
+    assert len(after) == trials == len(set(keys))  # the released slots were measured now
+    assert {t.number for t in before} <= {t.number for t in after}
+
+
+@pytest.mark.postgres
+def test_kill_9_during_confirmation_then_publish_leaves_nothing_half_written(
+        postgres_databases: Any, tmp_path: Path) -> None:
+    """The first job is killed while it confirms, the second while its publishing transaction
+    has locked the stored entry and waits (on a lock this test holds) to archive it; the third
+    publishes. The stored entry changes only with that third job, whole."""
+    from sqlalchemy import create_engine, text
+
+    from kernel.registry import get_kernel
+    from storage import TunedResult, normalize_url, upgrade
+
+    db, study, trials = postgres_databases(), "killed-late", 3
+    upgrade(db)
+    slow = TunedResult(device_kind="cpu", problem=TINY, median_ms=1e6, method="interpret",
+                       config=get_kernel("flash").default_config(TINY))
+    with Store(db) as store:
+        store.publish(slow)
+    locker = create_engine(normalize_url(db))
+    held, watch = locker.connect(), locker.connect().execution_options(
+        isolation_level="AUTOCOMMIT")  # pg_stat_activity is fixed for a transaction
+    held.execute(text("LOCK TABLE autotune_config_history IN ACCESS EXCLUSIVE MODE"))
+    try:
+        confirming = start(tune_args(db, study, trials), tmp_path / "confirming.log")
+        try:
+            while len([line for line in (tmp_path / "confirming.log").read_text().splitlines()
+                       if line.startswith('{"problem"')]) < trials:
+                assert confirming.poll() is None, (tmp_path / "confirming.log").read_text()
+                time.sleep(0.05)
+        finally:
+            confirming.send_signal(signal.SIGKILL)
+            confirming.wait()
+        publishing = start(tune_args(db, study, trials), tmp_path / "publishing.log")
+        try:
+            while not watch.execute(text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()")).scalar():
+                assert publishing.poll() is None, (tmp_path / "publishing.log").read_text()
+                time.sleep(0.05)
+        finally:
+            publishing.send_signal(signal.SIGKILL)
+            publishing.wait()
+    finally:
+        held.rollback()
+        held.close()
+        watch.close()
+        locker.dispose()
+    with Store(db) as store:
+        entry, _ = store.lookup("flash", "cpu", TINY)
+        assert entry.result.median_ms == slow.median_ms and not store.history(entry.result.key)
+    # The publishing job recorded its study whole (confirmation included) before publishing,
+    # so no entry ever names a study without its confirmation.
+    assert optuna.load_study(study_name=study, storage=db).user_attrs["confirmation"]
+
+    done = run_cli(*tune_args(db, study, trials), timeout=300)
+    assert done.returncode == 0, done.stderr
+    [summary] = summaries(done.stdout)
+    assert summary["publish"] == "replaced" and summary["measured"] == trials
+    with Store(db) as store:
+        entry, _ = store.lookup("flash", "cpu", TINY)
+        assert entry.result.config.to_dict() == summary["best_config"]
+        assert entry.result.median_ms == summary["best_time_ms"]
+        [archived] = store.history(entry.result.key)
+    assert (archived.reason, archived.result.median_ms) == ("replaced", slow.median_ms)
+    confirmed = optuna.load_study(study_name=study, storage=db).user_attrs["confirmation"]
+    assert [c["config"] for c in confirmed if c["is_winner"]] == [summary["best_config"]]

@@ -12,21 +12,20 @@ from api.schemas import (
     BatchLookupRequest,
     BatchLookupResponse,
     ConfigPage,
-    Dtype,
     ErrorResponse,
+    ListQuery,
     LookupKey,
     LookupResponse,
-    Method,
-    Mode,
     PublishRequest,
     PublishResponse,
-    Text,
-    Version,
     lookup_body,
 )
+from api.strict_json import StrictJsonRoute
+from kernel import AutotuneError
 from storage import LookupRequest
 
-router = APIRouter(prefix="/v1/configs", tags=["configs"])
+router = APIRouter(prefix="/v1/configs", tags=["configs"],
+                   route_class=StrictJsonRoute)
 
 
 def _miss_detail(request: LookupRequest) -> str:
@@ -67,7 +66,7 @@ def lookup_batch(body: BatchLookupRequest, store: StoreDep,
     for index, key in enumerate(body.keys):
         try:
             requests.append(key.to_request())
-        except ValueError as error:
+        except AutotuneError as error:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"keys[{index}]: {error}") from None
     results = []
@@ -92,27 +91,9 @@ def publish(body: PublishRequest, store: StoreDep) -> dict[str, Any]:
                 **previous.measurements()}}
 
 
-@router.get("", response_model=ConfigPage)
-def list_configs(
-    store: StoreDep,
-    kernel: Annotated[Text | None, Query()] = None,
-    kernel_version: Annotated[Version | None, Query()] = None,
-    device_kind: Annotated[Text | None, Query()] = None,
-    platform: Annotated[Text | None, Query()] = None,
-    dtype: Annotated[Dtype | None, Query()] = None,
-    mode: Annotated[Mode | None, Query()] = None,
-    causal: Annotated[bool | None, Query()] = None,
-    head_dim: Annotated[int | None, Query(ge=1, le=1 << 20)] = None,
-    method: Annotated[Method | None, Query()] = None,
-    study: Annotated[Text | None, Query()] = None,
-    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> dict[str, Any]:
+@router.get("", response_model=ConfigPage, responses={422: {"model": ErrorResponse}})
+def list_configs(query: Annotated[ListQuery, Query()], store: StoreDep) -> dict[str, Any]:
     """Stored entries matching every given filter, oldest first, a page at a time."""
-    filters = {name: value for name, value in {
-        "kernel": kernel, "kernel_version": kernel_version, "device_kind": device_kind,
-        "platform": platform, "dtype": dtype, "mode": mode, "causal": causal,
-        "head_dim": head_dim, "method": method, "study": study}.items() if value is not None}
-    entries, total = store.list(filters, offset=offset, limit=limit)
-    return {"items": [entry.to_dict() for entry in entries], "total": total, "offset": offset,
-            "limit": limit}
+    entries, total = store.list(query.filters(), offset=query.offset, limit=query.limit)
+    return {"items": [entry.to_dict() for entry in entries], "total": total,
+            "offset": query.offset, "limit": query.limit}

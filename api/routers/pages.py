@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from api.deps import StoreDep
 from api.schemas import Dtype, ProblemFields, Text, Version
+from kernel import AutotuneError
 from kernel.problem import DTYPES
 from storage import ConfigKey, Store
 from storage.models import TunedConfigRow
@@ -76,8 +77,8 @@ class PlotCache:
 def _page(request: Request, template: str, status_code: int = 200, **context: Any
           ) -> HTMLResponse:
     env = getattr(request.app.state, "page_templates", None)
-    if env is None:
-        from autotune.plots import template_env
+    if env is None:  # matplotlib and the templates load with the first page
+        from present.views import template_env
 
         env = request.app.state.page_templates = template_env()
     return HTMLResponse(env.get_template(template).render(**context), status_code=status_code)
@@ -131,7 +132,7 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
     except ValidationError as error:
         return _invalid(request, "Invalid config key", error,
                         "Open a config from the list of tuned configs.")
-    except ValueError as error:  # ProblemError: a cross-field rule of the problem
+    except AutotuneError as error:  # a cross-field rule of the problem
         return _error(request, 422, "Invalid config key", str(error))
     entry = store.get(ConfigKey(key.kernel, key.kernel_version, key.device_kind, key.platform,
                                 problem))
@@ -140,13 +141,15 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
                       f"Nothing is stored for {key.kernel} {key.kernel_version} on "
                       f"{key.device_kind!r} ({key.platform}) for {problem.label()}.")
 
-    from autotune.plots import images, problem_view, read_storage
+    from present.plots import images
+    from present.views import problem_view
+    from storage.studies import get_storage
 
     state = request.app.state
     cache: PlotCache = getattr(state, "plot_cache", None) or PlotCache(PLOT_CACHE_SIZE)
     state.plot_cache = cache
     # Kept once Optuna's tables exist (a tuner may create them after the server started).
-    storage = getattr(state, "optuna_storage", None) or read_storage(store.url, store.engine)
+    storage = getattr(state, "optuna_storage", None) or get_storage(store.url, create=False)
     state.optuna_storage = storage
     version = store.data_version()
 

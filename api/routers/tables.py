@@ -10,9 +10,10 @@ from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Respons
 
 from api.deps import StoreDep, Writer
 from api.schemas import TEXT_PATTERN, ErrorResponse, ImportResponse, Text, Version
+from api.strict_json import StrictJsonRoute
 from kernel import DEFAULT_KERNEL, LookupTable
 
-router = APIRouter(prefix="/v1/tables", tags=["tables"])
+router = APIRouter(prefix="/v1/tables", tags=["tables"], route_class=StrictJsonRoute)
 
 
 @router.get("/{device_kind}", responses={

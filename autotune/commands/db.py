@@ -36,12 +36,17 @@ def _reason(error: Exception) -> str:
 
 @contextmanager
 def database_errors(url: str) -> Iterator[None]:
-    """Turns a database failure (unreachable, rejected statement) into a one-line error and
-    exit status 1."""
+    """Turns a database failure (unreachable, read-only, full, rejected statement, a schema
+    newer than this version) into a one-line error and exit status 1."""
     from sqlalchemy.exc import SQLAlchemyError
+
+    from storage import SchemaError, WriteRefusedError
 
     try:
         yield
+    except (WriteRefusedError, SchemaError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
     except SQLAlchemyError as error:
         typer.echo(f"error: database {url}: {_reason(error)}", err=True)
         raise typer.Exit(1) from None

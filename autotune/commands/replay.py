@@ -25,7 +25,8 @@ def replay(
     import optuna
 
     from autotune.landscape import LandscapeError, load_landscape
-    from autotune.search import SAMPLERS, search
+    from autotune.samplers import SAMPLERS
+    from autotune.search import search
 
     if sampler not in SAMPLERS:
         raise typer.BadParameter(f"unknown sampler {sampler!r}; choose one of "

@@ -85,12 +85,22 @@ def tune(
     json_output: Annotated[bool, typer.Option(
         "--json", help="One JSON object per trial, then one summary object per problem.")]
     = False,
+    devices: Annotated[str, typer.Option(
+        help="Local devices to tune on, one worker process each: all, a count (2) or device "
+             "indices (0,2,5). Workers share the database and spread over the problems.")]
+    = "1",
 ) -> None:
-    """Tune a kernel's block sizes (and pipeline depth) on the local device, confirm the
+    """Tune a kernel's block sizes (and pipeline depth) on the local device(s), confirm the
     winner against the default, and publish it with provenance under the kernel's name."""
+    from autotune.devices import DeviceSelectionError, LocalDevices, parse_devices, select_devices
+
     if sampler not in SAMPLER_NAMES:
         raise typer.BadParameter(f"{sampler!r}: use one of {', '.join(SAMPLER_NAMES)}",
                                  param_hint="--sampler")
+    try:
+        selection = parse_devices(devices)
+    except DeviceSelectionError as error:
+        raise typer.BadParameter(str(error), param_hint="--devices") from None
     problems = load_shapes(shapes) if shapes else [problem]
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
@@ -100,12 +110,20 @@ def tune(
     store = open_store(db_url)
 
     from autotune.progress import TuneProgress
-    from autotune.tune import NothingToPublish, TuneOptions
+    from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.tune import tune as run_tune
     from kernel import ConfigError
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
                           seed=seed, study=study, force=force)
+    if selection != 1:
+        store.close()
+        try:
+            chosen = select_devices(selection, local := LocalDevices.probe())
+        except DeviceSelectionError as error:
+            raise typer.BadParameter(str(error), param_hint="--devices") from None
+        _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output)
+        return
     failed = 0
     try:
         for item in problems:
@@ -120,25 +138,55 @@ def tune(
                 typer.echo(f"error: {error}", err=True)
                 failed += 1
                 continue
-            _report(summary, json_output)
+            except TuneInterrupted as stop:  # Ctrl-C: one line, the shell's status for SIGINT
+                typer.echo(f"interrupted: {stop}", err=True)
+                raise typer.Exit(130) from None
+            _report(summary.to_dict(), json_output)
     finally:
         store.close()
     if failed:
         raise typer.Exit(1)
 
 
-def _report(summary: Any, json_output: bool) -> None:
+def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform: str,
+                     db_url: str, kernel: str, options: Any, json_output: bool) -> None:
+    from dataclasses import asdict
+
+    from autotune.workers import WorkerPool, WorkersFailed, WorkersInterrupted
+
+    pool = WorkerPool(problems, devices, platform, db_url=db_url, kernel=kernel,
+                      options={k: v for k, v in asdict(options).items() if k != "device_index"},
+                      json_output=json_output,
+                      on_summary=lambda summary: _report(summary, json_output))
+    try:
+        failed = pool.run()
+    except WorkersFailed as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(error.status) from None
+    except WorkersInterrupted as stop:  # Ctrl-C: one line, the shell's status for SIGINT
+        typer.echo(f"interrupted: {stop}", err=True)
+        raise typer.Exit(130) from None
+    if failed:
+        raise typer.Exit(1)
+
+
+def _report(summary: dict[str, Any], json_output: bool) -> None:
+    """Prints one problem's summary (``TuneSummary.to_dict()``)."""
     if json_output:
-        print(json.dumps({"summary": True, **summary.to_dict()}), flush=True)
+        print(json.dumps({"summary": True, **summary}), flush=True)
         return
     from rich.console import Console
 
+    from kernel import get_kernel
+
+    problem = Problem.from_dict(summary["problem"])
+    best = get_kernel(summary["kernel"]).config_from_dict(summary["best_config"])
     verdict = ("the default stays: no candidate beat it beyond the measured noise"
-               if summary.winner_is_default else "the default failed on this device"
-               if summary.speedup is None else f"{summary.speedup:.2f}x over the default")
+               if summary["winner_is_default"] else "the default failed on this device"
+               if summary["speedup"] is None else f"{summary['speedup']:.2f}x over the default")
     Console().print(
-        f"[bold]{summary.kernel} {summary.problem.label()}[/] on {summary.device_kind} "
-        f"({summary.method}): "
-        f"best {summary.best_config.label()} at {summary.best_time_ms:.3f} ms, {verdict}; "
-        f"{summary.measured} measured, failures {summary.failures or 'none'}; "
-        f"published: {summary.publish} (study {summary.study!r})")
+        f"[bold]{summary['kernel']} {problem.label()}[/] on {summary['device_kind']} "
+        f"device {summary['device_index']} ({summary['method']}): "
+        f"best {best.label()} at {summary['best_time_ms']:.3f} ms, {verdict}; "
+        f"{summary['measured']} measured, failures {summary['failures'] or 'none'}; "
+        f"published: {summary['publish']} (study {summary['study']!r})")

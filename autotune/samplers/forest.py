@@ -1,5 +1,5 @@
 """A random-forest surrogate over a space's legal configs (SMAC-style), used by the ``tpe``
-searcher to pick which fresh legal config to measure next.
+searcher (:mod:`autotune.samplers.engine`) to pick which fresh legal config to measure next.
 
 The acquisition function is evaluated on the legal configs themselves instead of being
 optimised by local search, so the pick is always legal and never a repeat. A space of up to
@@ -26,7 +26,7 @@ from functools import cached_property
 
 import numpy as np
 
-from autotune.space import Config, Key, Space
+from autotune.searchspace import Config, Key, Space
 
 _ENUMERATE_MAX = 200_000  # combinations above which the legal set is sampled, not enumerated
 _SAMPLED_CANDIDATES = 5_000

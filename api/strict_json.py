@@ -1,0 +1,70 @@
+"""JSON request bodies as RFC 8259 defines them: ``NaN``, ``Infinity`` and lone UTF-16
+surrogates (``"\\ud800"``), which Python's ``json`` accepts, are refused with a 422 naming the
+field, before validation or storage see them (neither can encode them, and FastAPI's default
+422 handler fails echoing them)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import HTTPException, Request, Response, status
+from fastapi.routing import APIRoute
+
+
+def _field(path: list[str | int]) -> str:
+    return "body" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                            for part in path)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NOT_TEXT = "holds a lone UTF-16 surrogate, which is not text; send valid Unicode"
+
+
+def json_problem(value: Any) -> str | None:
+    """Why ``value`` (parsed JSON) is not portable JSON, naming the first bad field, or None.
+    Iterative: nesting as deep as the parser allows cannot overflow the stack here."""
+    pending: list[tuple[list[str | int], Any]] = [([], value)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return (f"{_field(path)}: {json.dumps(value)} is not a JSON number; send a finite "
+                    "number (or null where the field is optional)")
+        if isinstance(value, str) and _SURROGATE.search(value):
+            return f"{_field(path)}: {json.dumps(value[:60])} {_NOT_TEXT}"
+        items: Any = (value.items() if isinstance(value, dict)
+                      else enumerate(value) if isinstance(value, list) else ())
+        children = []
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return f"{_field(path)}: the key {json.dumps(key[:60])} {_NOT_TEXT}"
+            children.append(([*path, key], item))
+        pending.extend(reversed(children))  # first field first
+    return None
+
+
+class StrictJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            parsed = json.loads(await self.body())
+            problem = json_problem(parsed)
+            if problem:
+                # An HTTPException passes FastAPI's body parsing unchanged (others become 400s).
+                raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, problem)
+            self._json = parsed
+        return self._json
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose JSON body is parsed by ``StrictJsonRequest``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request) -> Response:
+            return await handler(StrictJsonRequest(request.scope, request.receive))
+
+        return strict_handler

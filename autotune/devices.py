@@ -1,0 +1,97 @@
+"""Which local devices ``autotune tune --devices`` tunes on, and the environment that makes a
+worker process see only its own device. Pure Python (no jax): the parent must not open the
+accelerators its workers are about to claim.
+
+TPU: libtpu reads ``TPU_VISIBLE_CHIPS`` (the chip a process may open) and the topology of the
+slice the process belongs to from ``TPU_CHIPS_PER_PROCESS_BOUNDS`` and ``TPU_PROCESS_BOUNDS``.
+A worker is a one-chip, one-process slice (``1,1,1`` each), so workers never coordinate with
+each other nor with other hosts of a pod; each gets its own ``TPU_PROCESS_PORT``, and
+``ALLOW_MULTIPLE_LIBTPU_LOAD`` lets several processes of the VM load libtpu (else the first
+holds ``/tmp/libtpu_lockfile``). These are the variables JAX's own multi-process test runner
+sets per process (``jax/_src/test_multiprocess.py``), all present in the installed libtpu.
+GPU: ``CUDA_VISIBLE_DEVICES``. CPU: an ordinary process (the device index only names it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from kernel import AutotuneError
+
+TPU_BASE_PORT = 8476  # libtpu's default TPU_PROCESS_PORT; worker d takes 8476 + d
+PROBE = ("import json, jax; d = jax.local_devices(); "
+         "print(json.dumps({'platform': d[0].platform, 'count': len(d)}))")
+
+
+class DeviceSelectionError(AutotuneError):
+    """``--devices`` names no device, or one this machine does not have."""
+
+
+@dataclass(frozen=True)
+class LocalDevices:
+    """The accelerator platform of this machine and how many devices it has."""
+
+    platform: str  # "tpu", "gpu" (cuda/rocm) or "cpu"
+    count: int
+
+    @classmethod
+    def probe(cls) -> LocalDevices:
+        """Asks JAX in a short-lived process (which releases the devices as it exits). On CPU
+        each core counts as a device: ``--devices all`` starts one worker per core."""
+        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                              timeout=300, check=False)
+        if done.returncode != 0:
+            raise DeviceSelectionError("cannot list the local devices: JAX failed to start: "
+                                       + (done.stderr.strip().splitlines() or ["?"])[-1])
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        platform = "gpu" if found["platform"] in ("cuda", "rocm", "gpu") else found["platform"]
+        count = (os.cpu_count() or 1) if platform == "cpu" else found["count"]
+        return cls(platform, count)
+
+
+def parse_devices(spec: str) -> int | tuple[int, ...] | None:
+    """``all`` (None), a count (``4``) or a comma-separated list of indices (``0,2,5``)."""
+    text = spec.strip().lower()
+    if text == "all":
+        return None
+    try:
+        if "," in text:
+            indices = tuple(int(part) for part in text.split(",") if part.strip())
+            if indices and min(indices) >= 0 and len(set(indices)) == len(indices):
+                return indices
+        elif int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise DeviceSelectionError(f"--devices {spec!r}: use 'all', a count such as 2, or distinct "
+                               "device indices such as 0,2,5 (one index: '3,')")
+
+
+def select_devices(spec: int | tuple[int, ...] | None, local: LocalDevices) -> tuple[int, ...]:
+    """The device indices ``spec`` selects on this machine."""
+    if spec is None:
+        return tuple(range(local.count))
+    wanted = tuple(range(spec)) if isinstance(spec, int) else spec
+    missing = [i for i in wanted if i >= local.count]
+    if missing:
+        raise DeviceSelectionError(
+            f"--devices selects device(s) {', '.join(map(str, missing))}, but this machine has "
+            f"{local.count} {local.platform} device(s) (indices 0 to {local.count - 1})")
+    return wanted
+
+
+def worker_env(platform: str, index: int) -> dict[str, str]:
+    """The environment variables that make a worker process see only device ``index``."""
+    if platform == "tpu":
+        port = TPU_BASE_PORT + index
+        return {"TPU_VISIBLE_CHIPS": str(index), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+                "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_PORT": str(port),
+                "TPU_PROCESS_ADDRESSES": f"localhost:{port}", "CLOUD_TPU_TASK_ID": "0",
+                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": "tpu"}
+    if platform == "gpu":
+        return {"CUDA_VISIBLE_DEVICES": str(index)}
+    return {"JAX_PLATFORMS": "cpu"}

@@ -1,0 +1,41 @@
+"""The samplers of the search, one module each, behind one factory (:func:`create_sampler`).
+
+- ``tpe`` (default): our searcher, plain TPE's proposals made free plus a forest surrogate
+  (:mod:`autotune.samplers.engine`). Three proposals in five are what Optuna's plain
+  ``TPESampler`` would ask next, but its illegal and already-measured proposals are answered in
+  memory (pruned, or the measured outcome) instead of costing a trial
+  (:mod:`autotune.samplers.plain_tpe`). The other two are the untaken legal config of lowest
+  confidence bound under a random forest fitted to the measurements
+  (:mod:`autotune.samplers.forest`): it exploits interactions (tile x vector width, flags that
+  only pay together) that TPE's independent per-parameter densities cannot see, while TPE keeps
+  exploring. The mix was chosen on the measured landscapes (bench/search.py, 20 seeds):
+  forest-only and half-forest searches stall in the deceptive plateaus of the convolution
+  landscapes (a flag whose typical configs are slow but whose best config is the optimum), a
+  third of forest picks is too few to help on gemm; two in five did best overall.
+- ``random``: uniformly random legal unmeasured configs.
+- ``grid``: every legal config in lexicographic order of the declared values.
+- ``plain-tpe``: the baseline, Optuna's ``TPESampler`` over one categorical per parameter; the
+  search tells an illegal proposal as pruned and answers a repeated one from the study, both
+  free.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from optuna.samplers import BaseSampler, TPESampler
+
+from autotune.samplers.engine import EngineSampler
+from autotune.searchspace import Space
+
+SamplerName = Literal["tpe", "random", "grid", "plain-tpe"]
+SAMPLERS: tuple[str, ...] = ("tpe", "random", "grid", "plain-tpe")
+
+
+def create_sampler(name: str, space: Space, seed: int | None) -> BaseSampler:
+    """The sampler ``name`` (one of :data:`SAMPLERS`) over ``space``."""
+    if name == "plain-tpe":
+        return TPESampler(seed=seed)
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+    return EngineSampler(space, name, seed)

@@ -1,0 +1,70 @@
+"""The engine sampler: proposes legal configs the study has not taken (``tpe``, ``random``,
+``grid``; see :mod:`autotune.samplers`)."""
+
+from __future__ import annotations
+
+import random
+
+from optuna.samplers import BaseSampler
+from optuna.trial import FrozenTrial
+
+from autotune.samplers.forest import ForestSurrogate
+from autotune.samplers.plain_tpe import PlainTPEView
+from autotune.searchspace import Config, Key, Space
+from autotune.trials import LIVE, OK, is_measurement, trial_status
+
+FOREST_PICKS, FOREST_CYCLE = 2, 5  # ``tpe``: two proposals in five are the forest's
+FOREST_AFTER = 5  # measured configs before the forest's first pick
+
+
+class EngineSampler(BaseSampler):
+    """Proposes legal configs the study has not taken: ``tpe``, ``random`` or ``grid``.
+
+    ``tpe``: after ``FOREST_AFTER`` measurements, ``FOREST_PICKS`` proposals in every
+    ``FOREST_CYCLE`` are the forest surrogate's; the others are plain TPE's
+    (:class:`PlainTPEView`). When TPE has no fresh proposal, a uniformly random legal one is
+    taken. ``exhausted`` says that the last trial found no legal config left.
+    """
+
+    def __init__(self, space: Space, mode: str, seed: int | None) -> None:
+        self._space = space
+        self._rand = random.Random(seed)
+        self._grid = space.configs() if mode == "grid" else None
+        self._tpe = PlainTPEView(space, seed) if mode == "tpe" else None
+        self._forest = ForestSurrogate(space, seed) if mode == "tpe" else None
+        self.exhausted = False
+
+    def infer_relative_search_space(self, study, trial):  # noqa: ANN001, ANN201
+        return {n: d for n, d in self._space.distributions.items() if not d.single()}
+
+    def sample_relative(self, study, trial, search_space):  # noqa: ANN001, ANN201
+        if "fixed_params" in trial.system_attrs:  # an enqueued seed
+            return {}
+        others = [t for t in study._get_trials(deepcopy=False, states=LIVE, use_cache=False)
+                  if t.number != trial.number]
+        names = set(self._space.names)  # a trial being claimed may lack some params yet
+        taken = {self._space.key(t.params) for t in others if t.params.keys() >= names}
+        config = self._propose(others, taken)
+        self.exhausted = config is None
+        return {} if config is None else {n: config[n] for n in search_space}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):  # noqa
+        # Reached only for single-valued parameters or when the space is exhausted.
+        return self._space.params[param_name][0]
+
+    def _propose(self, others: list[FrozenTrial], taken: set[Key]) -> Config | None:
+        space = self._space
+        if self._grid is not None:
+            for config in self._grid:
+                if space.key(config) not in taken and space.is_legal(config):
+                    return config
+            return None
+        if self._tpe is None or self._forest is None:
+            return space.random_legal(self._rand, taken)
+        outcomes = {space.key(t.params): t.value if trial_status(t) == OK else None
+                    for t in others if is_measurement(t)}
+        config = None
+        if len(outcomes) >= FOREST_AFTER and len(outcomes) % FOREST_CYCLE < FOREST_PICKS:
+            config = self._forest.propose(outcomes, taken)
+        return (config or self._tpe.propose(outcomes, taken)
+                or space.random_legal(self._rand, taken))

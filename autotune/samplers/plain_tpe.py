@@ -1,0 +1,74 @@
+"""Plain TPE as it would run on a study, in one worker's memory, its wasted proposals free."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import optuna
+from optuna.samplers import TPESampler
+from optuna.trial import TrialState
+
+from autotune.searchspace import Config, Key, Space
+
+STALL = 2000  # consecutive free proposals after which plain TPE counts as stuck
+
+
+class PlainTPEView:
+    """Plain TPE as it would run on this study, kept in this worker's memory.
+
+    Optuna's ``TPESampler`` (independent, default settings) asks in a private in-memory study.
+    A proposal that is illegal is told there as pruned, one already measured is told its
+    measured outcome, one being measured elsewhere is failed (TPE ignores failed trials), and
+    TPE is asked again: all of that is free, no real trial and no measurement. The first fresh
+    legal proposal is returned; its real outcome is told when the study has it. Measurements
+    that came from elsewhere (seeds, the forest, other workers, an earlier run of the study) are
+    added as finished trials, so the view is rebuilt from the study on resume.
+    """
+
+    def __init__(self, space: Space, seed: int | None) -> None:
+        self._space = space
+        level = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study" line for a view
+        try:
+            self._study = optuna.create_study(direction="minimize",
+                                              sampler=TPESampler(seed=seed))
+        finally:
+            optuna.logging.set_verbosity(level)
+        self._told: set[Key] = set()
+        self._asked: dict[Key, optuna.Trial] = {}
+
+    def propose(self, outcomes: Mapping[Key, float | None], taken: set[Key]) -> Config | None:
+        """A fresh legal config (not in ``taken``), or None when TPE keeps proposing known or
+        illegal ones. ``outcomes``: every measured config's time, None for a failure."""
+        space, study = self._space, self._study
+        for key, value in outcomes.items():
+            if key in self._told:
+                continue
+            self._told.add(key)
+            trial = self._asked.pop(key, None)
+            if trial is not None:
+                study.tell(trial, value, state=_outcome_state(value))
+            else:
+                study.add_trial(optuna.trial.create_trial(
+                    params=dict(zip(space.names, key, strict=True)),
+                    distributions=space.distributions, value=value,
+                    state=_outcome_state(value)))
+        for _ in range(STALL):
+            trial = study.ask(space.distributions)
+            config = space.config(trial.params)
+            key = space.key(config)
+            if not space.is_legal(config):
+                study.tell(trial, state=TrialState.PRUNED)
+            elif key in outcomes:
+                study.tell(trial, outcomes[key], state=_outcome_state(outcomes[key]))
+            elif key in taken:
+                study.tell(trial, state=TrialState.FAIL)
+            else:
+                self._asked[key] = trial
+                return config
+        return None
+
+
+def _outcome_state(value: float | None) -> TrialState:
+    """How a measured outcome is told to TPE: a time completes, a failure (None) is pruned."""
+    return TrialState.PRUNED if value is None else TrialState.COMPLETE

@@ -1,0 +1,116 @@
+"""One tuning worker of ``autotune tune --devices``: a process that sees one device.
+
+Started by :mod:`autotune.workers` as ``python -m autotune.worker SPEC`` (SPEC: JSON with
+``db_url``, ``kernel`` and the ``TuneOptions`` fields). It reads commands from stdin, one JSON
+object a line, and writes events to stdout, one JSON object a line (anything else printed goes
+to stderr):
+
+- ``{"search": PROBLEM}``: opens the problem's job and searches until the study-wide budget is
+  claimed; events ``study`` (its name, study-wide measured so far, this worker's name), one
+  ``trial`` per measured config, then ``searched``;
+- ``{"publish": true}``: confirms and publishes the problem searched last (after a resume pass
+  that measures what released claims left missing); event ``summary``;
+- ``{"drop": true}``: closes that job (another worker publishes it).
+
+Errors are events too: ``error`` with ``kind`` ``config`` (the kernel cannot tune this device or
+problem: the worker exits 2) or ``nothing`` (no config worked; the worker carries on); Ctrl-C
+(SIGINT) gives ``interrupted`` and exit 130. End of stdin ends the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any, TextIO
+
+from autotune.progress import trial_record
+from autotune.search import SearchResult, worker_name
+from autotune.trials import TrialResult
+from autotune.tune import NothingToPublish, TuneJob, TuneOptions
+from kernel import ConfigError, Problem
+from storage import Store
+from storage.studies import is_measurement
+
+
+class _Events:
+    """The worker's event stream (the real stdout) and a :class:`TuneObserver` of one job."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.problem: Problem | None = None
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self.stream.write(json.dumps({"event": event, **fields}) + "\n")
+        self.stream.flush()
+
+    def on_trial(self, result: TrialResult, best: TrialResult | None,
+                 default_ms: float | None) -> None:
+        self.emit("trial", record=trial_record(self.problem, result),
+                  best_ms=best.value if best is not None else None)
+
+    def on_phase(self, phase: str) -> None:
+        self.emit("phase", phase=phase)
+
+
+def _measured(job: TuneJob) -> int:
+    """The study-wide number of measured configs of ``job``'s study (0 before it exists)."""
+    try:
+        study_id = job.storage.get_study_id_from_name(job.name)
+    except KeyError:
+        return 0
+    return sum(map(is_measurement, job.storage.get_all_trials(study_id, deepcopy=False)))
+
+
+def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
+    """Runs commands until stdin ends; the process exit status."""
+    options = TuneOptions(**spec["options"])
+    job: TuneJob | None = None
+    searched: SearchResult | None = None
+    with Store(spec["db_url"]) as store:
+        try:
+            while line := commands.readline():
+                command = json.loads(line)
+                if job is not None and ("search" in command or "drop" in command):
+                    job.close()
+                    job = None
+                if "search" in command:
+                    events.problem = Problem.from_dict(command["search"])
+                    job = TuneJob(events.problem, store, spec["db_url"], options, events,
+                                  spec["kernel"])
+                    events.emit("study", study=job.name, measured=_measured(job),
+                                worker=worker_name())
+                    searched = job.search()
+                    events.emit("searched", stop_reason=searched.stop_reason)
+                elif "publish" in command and job is not None and searched is not None:
+                    if searched.stop_reason == "budget":
+                        searched = job.search()  # claims released by a dead worker
+                    try:
+                        events.emit("summary", summary=job.publish(searched).to_dict())
+                    except NothingToPublish as error:
+                        events.emit("error", kind="nothing", message=str(error))
+                    job.close()
+                    job = None
+        except ConfigError as error:
+            events.emit("error", kind="config", message=str(error))
+            return 2
+        except KeyboardInterrupt:
+            events.emit("interrupted")
+            return 130
+        finally:
+            if job is not None:
+                job.close()
+    return 0
+
+
+def main() -> None:
+    # The parent stops a worker with SIGINT, even where its own shell ignores it (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    events = _Events(os.fdopen(os.dup(sys.stdout.fileno()), "w"))
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray output must not mix with events
+    sys.exit(serve(json.loads(sys.argv[1]), sys.stdin, events))
+
+
+if __name__ == "__main__":
+    main()

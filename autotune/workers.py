@@ -1,0 +1,274 @@
+"""``autotune tune --devices``: one worker process per local device, all on one database.
+
+The parent never imports jax: it starts the workers (:mod:`autotune.worker`, each seeing only
+its device, :mod:`autotune.devices`), hands out problems and shows one Rich display. Problems
+are spread first: a free worker takes a problem nobody works on; when none is left it joins the
+study with the fewest workers that still has budget to claim. Workers of one study share its
+study-wide budget without measuring a config twice (:mod:`autotune.search`); the last one to
+finish searching confirms and publishes, so each problem has one winner, confirmed on one
+device. A worker that dies is reported, its claims are released at once (their configs and
+budget go back to the study) and its problem is taken over. Ctrl-C stops every worker; each
+gives its claims back, and a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune.devices import worker_env
+from kernel import Problem
+
+STOP_WAIT_S = 60.0  # how long a stopped worker may take to give its claims back
+STDERR_LINES = 20  # the tail of a dead worker's stderr shown in its report
+
+
+@dataclass(eq=False)
+class _Problem:
+    problem: Problem
+    searchers: set[_Worker] = field(default_factory=set)
+    publisher: _Worker | None = None
+    done: bool = False
+    study: str | None = None
+    measured: int = 0
+    best_ms: float | None = None
+
+
+@dataclass(eq=False)
+class _Worker:
+    device: int
+    process: subprocess.Popen
+    name: str = ""  # the ``worker`` attr of its trials, from its first event
+    task: _Problem | None = None
+    phase: str = "starting"
+    stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))
+    row: Any = None  # its task in the progress display
+
+    def send(self, **command: Any) -> None:
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):  # it died; its end of stream is on the way
+            pass
+
+
+class WorkersFailed(RuntimeError):
+    """Every worker died, or one said the kernel cannot tune this device: exit ``status``."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WorkersInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the workers; the message says how to resume."""
+
+
+def _read(stream: IO[str], sink: Callable[[str], None], end: Callable[[], None]) -> None:
+    for line in stream:
+        sink(line.rstrip("\n"))
+    end()
+
+
+class WorkerPool:
+    """The workers of one ``autotune tune --devices`` run and the problems they share."""
+
+    def __init__(self, problems: list[Problem], devices: tuple[int, ...], platform: str, *,
+                 db_url: str, kernel: str, options: dict[str, Any], json_output: bool,
+                 on_summary: Callable[[dict[str, Any]], None]) -> None:
+        self.problems = [_Problem(p) for p in problems]
+        self.budget = options["trials"]
+        self.db_url, self.json_output, self.on_summary = db_url, json_output, on_summary
+        self.events: queue.Queue[tuple[_Worker, dict[str, Any] | None]] = queue.Queue()
+        self.failed = 0
+        self.progress = None if json_output else Progress(
+            TextColumn("[bold]device {task.fields[device]}"), TextColumn("{task.description}"),
+            BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"))
+        self.workers = [self._start(d, platform, kernel, options) for d in devices]
+
+    def _start(self, device: int, platform: str, kernel: str,
+               options: dict[str, Any]) -> _Worker:
+        spec = {"db_url": self.db_url, "kernel": kernel,
+                "options": {**options, "device_index": device}}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "autotune.worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **worker_env(platform, device)},
+            start_new_session=True)  # Ctrl-C reaches the parent, which stops each worker once
+        worker = _Worker(device, process)
+        threading.Thread(target=_read, daemon=True, args=(
+            process.stdout, lambda line: self.events.put((worker, json.loads(line))),
+            lambda: self.events.put((worker, None)))).start()
+        threading.Thread(target=_read, daemon=True, args=(
+            process.stderr, worker.stderr.append, lambda: None)).start()
+        if self.progress is not None:
+            worker.row = self.progress.add_task("", total=self.budget, device=device,
+                                                status="starting")
+        return worker
+
+    # --- scheduling -------------------------------------------------------------------------
+
+    def _assign(self, worker: _Worker) -> None:
+        """Gives a free worker a problem nobody works on, else a study to join."""
+        open_ = [p for p in self.problems if not p.done and p.publisher is None]
+        free = [p for p in open_ if not p.searchers]
+        joinable = [p for p in open_ if p.measured + len(p.searchers) < self.budget]
+        if free or joinable:
+            target = free[0] if free else min(joinable, key=lambda p: (len(p.searchers),
+                                                                       p.measured))
+            target.searchers.add(worker)
+            worker.task, worker.phase = target, "searching"
+            worker.send(search=target.problem.to_dict())
+        else:
+            worker.task, worker.phase = None, "idle"
+        self._show(worker)
+
+    def _alive(self) -> list[_Worker]:
+        return [w for w in self.workers if w.process.returncode is None]
+
+    def _show(self, worker: _Worker) -> None:
+        if self.progress is None:
+            return
+        task = worker.task
+        status = worker.phase
+        if task is not None and task.best_ms is not None:
+            status += f", best {task.best_ms:.3f} ms"
+        self.progress.update(worker.row, description=task.problem.label() if task else "",
+                             completed=task.measured if task else 0, status=status)
+
+    # --- events -----------------------------------------------------------------------------
+
+    def _handle(self, worker: _Worker, event: dict[str, Any]) -> None:
+        kind, task = event["event"], worker.task
+        if kind == "study":
+            worker.name, task.study = event["worker"], event["study"]
+            task.measured = max(task.measured, event["measured"])
+        elif kind == "trial":
+            task.measured += 1
+            best = event["best_ms"]
+            if best is not None and (task.best_ms is None or best < task.best_ms):
+                task.best_ms = best
+            if self.json_output:
+                print(json.dumps({**event["record"], "device": worker.device}), flush=True)
+        elif kind == "phase":
+            worker.phase = event["phase"]
+        elif kind == "searched":
+            task.searchers.discard(worker)
+            if task.searchers:  # the last searcher of the study publishes it
+                worker.send(drop=True)
+                self._assign(worker)
+                return
+            task.publisher, worker.phase = worker, "confirming"
+            worker.send(publish=True)
+        elif kind in ("summary", "error") and event.get("kind") != "config":
+            task.done, task.publisher = True, None
+            if kind == "summary":
+                self.on_summary(event["summary"])
+            else:
+                self.failed += 1
+                self._say(f"error: {event['message']}")
+            self._assign(worker)
+            return
+        elif kind == "error":
+            raise WorkersFailed(f"error: {event['message']}", 2)
+        self._show(worker)
+
+    def _died(self, worker: _Worker) -> None:
+        """A worker's event stream ended: its claims go back, its problem to another."""
+        status = worker.process.wait()
+        task, worker.task = worker.task, None
+        worker.phase = "stopped"
+        self._show(worker)
+        if task is None or task.done:
+            return
+        how = f"signal {-status}" if status < 0 else f"exit status {status}"
+        tail = "\n".join(f"  {line}" for line in list(worker.stderr)[-5:])
+        released = self._release(worker, task)
+        self._say(f"worker of device {worker.device} died ({how}) while tuning "
+                  f"{task.problem.label()}; {released} claimed config(s) released, the problem "
+                  f"goes to another worker" + (f"; its last output:\n{tail}" if tail else ""))
+        task.searchers.discard(worker)
+        if task.publisher is worker:
+            task.publisher = None
+        for idle in self._alive():
+            if idle.task is None:
+                self._assign(idle)
+
+    def _release(self, worker: _Worker, task: _Problem) -> int:
+        from autotune.search import release_claims
+        from storage.studies import get_storage
+
+        if not (task.study and worker.name):
+            return 0
+        return release_claims(get_storage(self.db_url), task.study, worker.name)
+
+    def _say(self, message: str) -> None:
+        console = self.progress.console if self.progress is not None else Console(stderr=True)
+        console.print(message, markup=False, highlight=False, style=None)
+
+    # --- the run ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Tunes every problem; the number that had nothing to publish. Raises WorkersFailed
+        or WorkersInterrupted."""
+        if self.progress is not None:
+            self.progress.start()
+        try:
+            for worker in self.workers:
+                self._assign(worker)
+            while not all(p.done for p in self.problems):
+                if not self._alive() and self.events.empty():
+                    left = [p.problem.label() for p in self.problems if not p.done]
+                    raise WorkersFailed(f"error: every worker died; not tuned: "
+                                        f"{', '.join(left)}; run the same command to resume", 1)
+                try:
+                    worker, event = self.events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if event is None:
+                    self._died(worker)
+                else:
+                    self._handle(worker, event)
+        except KeyboardInterrupt:
+            self._stop(signal.SIGINT)
+            left = sum(not p.done for p in self.problems)
+            raise WorkersInterrupted(
+                f"{left} problem(s) not finished; every measured config is kept: run the same "
+                f"command again to resume") from None
+        except WorkersFailed:
+            self._stop(signal.SIGINT)
+            raise
+        finally:
+            if self.progress is not None:
+                self.progress.stop()
+        self._stop(None)
+        return self.failed
+
+    def _stop(self, sig: signal.Signals | None) -> None:
+        """Ends every worker: end of input (``sig`` None), else ``sig`` and, if one does not
+        end within STOP_WAIT_S, SIGKILL; the claims of a killed one are released."""
+        for worker in self._alive():
+            if sig is not None:
+                worker.process.send_signal(sig)
+            worker.process.stdin.close()
+        for worker in self.workers:
+            try:
+                worker.process.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+                if worker.task is not None:
+                    self._release(worker, worker.task)

@@ -1,0 +1,60 @@
+"""The Jinja2 templates (package data of :mod:`present`) shared by ``autotune report`` and the
+service's pages, and what they show per stored winner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jinja2
+from optuna.storages import BaseStorage
+
+from present.plots import images, landscape_axes
+from present.studies import StudyData, short_label
+from storage import Entry
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def template_env() -> jinja2.Environment:
+    """The templates with autoescaping and the number filters they use (``ms``, ``ratio``)."""
+    env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
+                             autoescape=True, undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(ms=_ms, ratio=_ratio, short_label=short_label)
+    return env
+
+
+@dataclass(frozen=True)
+class ProblemView:
+    """A stored winner with its tuning study (None when this database has none, e.g. the
+    result was imported from a lookup table) and the study's plots as data URIs."""
+
+    entry: Entry
+    study: StudyData | None
+    images: dict[str, str]
+    anchor: str = ""
+
+    @property
+    def axes(self) -> tuple[str, str, str] | None:
+        """The landscape's (x, y, panel) fields, None without one."""
+        return None if self.study is None else landscape_axes(self.study)
+
+    @property
+    def failures(self) -> int | None:
+        return None if self.study is None else len(self.study.failed)
+
+
+def problem_view(entry: Entry, storage: BaseStorage | None, anchor: str = "",
+                 render: Callable[[StudyData], dict[str, str]] = images) -> ProblemView:
+    """The view of ``entry``; ``render`` draws the study's plots (e.g. through a cache)."""
+    name = entry.result.study
+    study = (StudyData.load(storage, name, entry.result.kernel)
+             if storage is not None and name else None)
+    return ProblemView(entry, study, render(study) if study else {}, anchor)

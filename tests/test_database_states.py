@@ -1,0 +1,157 @@
+"""``serve``, ``export``, ``import`` and ``db upgrade`` on databases in awkward states, as a user
+runs them: a missing SQLite file (not created by refusing), a schema written by a newer
+version (named, no Alembic traceback), read-only databases (reads work, writes say
+read-only): a SQLite file on a tmpfs remounted read-only, and PostgreSQL with read-only
+transactions (as on a standby), and a full disk while publishing (nothing half-written)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from conftest import running_server, run_cli
+from kernel.table import LookupTable
+from storage import Store, upgrade
+from storage.schema import VERSION_TABLE
+
+TABLE = {"schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": "cpu",
+         "entries": [{"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
+                      "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}]}
+LOOKUP = {"device_kind": "cpu", "batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128}
+PUBLISH = {"key": LOOKUP, "config": {"block_q": 128, "block_kv": 256}, "median_ms": 0.5}
+
+
+def seed(url: str) -> None:
+    """The schema and TABLE, written in-process (cheaper than two `autotune` runs)."""
+    upgrade(url)
+    with Store(url) as store:
+        store.import_table(LookupTable.from_dict(TABLE))
+
+
+def assert_clean_failure(done: subprocess.CompletedProcess[str], *phrases: str) -> None:
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stdout + done.stderr
+    for phrase in phrases:
+        assert phrase in done.stderr, done.stderr
+
+
+def test_a_missing_sqlite_file_is_refused_without_being_created(tmp_path: Path) -> None:
+    path = tmp_path / "missing.db"
+    url = f"sqlite:///{path}"
+    for args in (("serve", "--port", "1"), ("export", "-o", str(tmp_path / "out.json"))):
+        assert_clean_failure(run_cli(*args, "--db", url, timeout=60), "does not exist",
+                             f"autotune db upgrade --db {url}")
+    assert not path.exists()
+
+
+def test_a_schema_newer_than_this_version_is_named(sqlite_db_url: str) -> None:
+    with Store(sqlite_db_url) as store, store.engine.begin() as connection:
+        connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = 'f00d0099'"))
+    for args in (("serve", "--port", "1"), ("db", "upgrade")):
+        assert_clean_failure(run_cli(*args, "--db", sqlite_db_url, timeout=60),
+                             "written by a newer version of flash-autotune",
+                             "schema revision f00d0099")
+
+
+@pytest.fixture
+def small_mount(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs at a new directory (remount it ``ro`` to make it read-only)."""
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs",
+                              str(mount_point)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {mounted.stderr}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> None:
+    """``export`` and a served lookup work; ``import`` and a served publish say read-only."""
+    table = tmp_path / "faster.json"
+    faster = {**TABLE, "entries": [{**TABLE["entries"][0], "time_ms": 0.5}]}
+    table.write_text(json.dumps(faster))
+    exported = run_cli("export", "--db", db_url, "-o", str(tmp_path / "out.json"))
+    assert exported.returncode == 0, exported.stderr
+    assert_clean_failure(run_cli("import", str(table), "--db", db_url), "read-only")
+    with running_server(db_url, tmp_path) as server:
+        found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
+        assert found.status_code == 200 and found.json()["match"] == "exact"
+        refused = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
+        assert refused.status_code == 503 and "read-only" in refused.json()["detail"]
+
+
+def test_a_read_only_sqlite_file_serves_reads_and_refuses_writes(small_mount: Path,
+                                                                  tmp_path: Path) -> None:
+    url = f"sqlite:///{small_mount / 'autotune.db'}"
+    seed(url)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
+    assert_reads_work_and_writes_say_read_only(url, tmp_path)
+    upgraded = run_cli("db", "upgrade", "--db", url)  # current: nothing to write
+    assert upgraded.returncode == 0 and "(current)" in upgraded.stdout
+    assert sorted(p.name for p in small_mount.iterdir()) == ["autotune.db"]
+
+
+@pytest.mark.postgres
+def test_a_read_only_postgresql_serves_reads_and_refuses_writes(postgres_databases,
+                                                                tmp_path: Path) -> None:
+    url = postgres_databases()
+    seed(url)
+    parsed = make_url(url)
+    options = parsed.query["options"] + " -cdefault_transaction_read_only=on"
+    read_only = parsed.update_query_dict({"options": options})
+    assert_reads_work_and_writes_say_read_only(
+        read_only.render_as_string(hide_password=False), tmp_path)
+
+
+def fill(directory: Path) -> Path:
+    """Fills the file system of ``directory`` to the last byte; returns the filler file."""
+    filler = directory / "filler"
+    descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(descriptor, b"\0" * 4096):
+            pass
+    except OSError as error:
+        assert error.errno == errno.ENOSPC, error
+    finally:
+        os.close(descriptor)
+    return filler
+
+
+def test_a_full_disk_while_publishing_leaves_nothing_half_written(small_mount: Path,
+                                                                  tmp_path: Path) -> None:
+    url = f"sqlite:///{small_mount / 'autotune.db'}"
+    seed(url)
+    big = {**TABLE, "device_kind": "TPU full", "entries": [
+        {"problem": {"batch": b, "q_heads": h, "q_len": 128 * n, "head_dim": 128},
+         "config": {"block_q": 128, "block_kv": 128}, "time_ms": 1.0,
+         "provenance": {"study": "s" * 200}}
+        for b in (1, 2) for h in (8, 16) for n in range(1, 17)]}
+    table = tmp_path / "big.json"
+    table.write_text(json.dumps(big))
+    with running_server(url, tmp_path) as server:  # the disk fills while it runs
+        filler = fill(small_mount)
+        response = httpx.post(f"{server.url}/v1/tables", json=big, headers=server.auth,
+                              timeout=60)
+        assert response.status_code == 507, response.text
+        assert "full" in response.json()["detail"]
+        assert httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP).status_code == 200
+        assert_clean_failure(run_cli("import", str(table), "--db", url), "full")
+        filler.unlink()
+        with Store(url) as store, store.engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
+            assert [e.result.device_kind for e in store.list()[0]] == ["cpu"]
+        response = httpx.post(f"{server.url}/v1/tables", json=big, headers=server.auth,
+                              timeout=60)
+        assert response.json()["inserted"] == len(big["entries"])  # with room again, all in

@@ -1,0 +1,156 @@
+"""``autotune tune --devices``: one worker process per device, sharing one database.
+
+On CPU, for real: two worker processes tune a two-problem shapes file (both publish, no config
+is measured twice); one killed with SIGKILL mid-run leaves its problem to the other, and a rerun
+has nothing left to measure. The environment a TPU or GPU worker gets is checked as data.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.devices import (
+    DeviceSelectionError,
+    LocalDevices,
+    parse_devices,
+    select_devices,
+    worker_env,
+)
+from conftest import AUTOTUNE, run_cli
+from kernel import Problem
+from storage import Store
+from storage.studies import is_measurement
+
+PROBLEMS = [Problem(1, 1, 1, 256, 256, 128, "float32", causal, "fwd") for causal in (False, True)]
+TRIALS = 4
+
+
+def shapes_file(tmp_path: Path) -> Path:
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps([p.to_dict() for p in PROBLEMS]))
+    return path
+
+
+def tune_args(tmp_path: Path, db: str) -> list[str]:
+    return ["tune", "--shapes", str(shapes_file(tmp_path)), "--devices", "2", "--trials",
+            str(TRIALS), "--db", db, "--json"]
+
+
+def studies(db: str) -> dict[str, list[optuna.trial.FrozenTrial]]:
+    return {name: optuna.load_study(study_name=name, storage=db).get_trials(deepcopy=False)
+            for name in optuna.get_all_study_names(db)}
+
+
+def assert_each_problem_tuned_once(db: str) -> None:
+    """Both problems published, each study at its budget, no config measured twice."""
+    by_study = studies(db)
+    assert len(by_study) == len(PROBLEMS)
+    for name, trials in by_study.items():
+        measured = [json.dumps(t.params, sort_keys=True) for t in trials if is_measurement(t)]
+        assert len(measured) == TRIALS == len(set(measured)), (name, sorted(measured))
+    with Store(db) as store:
+        entries, _ = store.list({}, limit=None)
+    assert sorted(e.result.problem.label() for e in entries) == sorted(
+        p.label() for p in PROBLEMS)
+    assert {e.result.device_index for e in entries} <= {0, 1}
+
+
+def test_two_workers_tune_a_shapes_file(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli(*tune_args(tmp_path, db), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    summaries = [line for line in lines if line.get("summary")]
+    assert sorted(s["device_index"] for s in summaries) == [0, 1]
+    assert {line["device"] for line in lines if "trial" in line} == {0, 1}
+    workers = {t.user_attrs["worker"] for trials in studies(db).values() for t in trials
+               if is_measurement(t)}
+    assert len(workers) == 2, workers
+    assert_each_problem_tuned_once(db)
+
+
+def running_worker_pid(db_file: Path, job: subprocess.Popen, log: Path) -> int:
+    """The process id of a worker that is measuring a config, once both workers measured."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert job.poll() is None, log.read_text()[-3000:]
+        try:
+            with sqlite3.connect(f"file:{db_file}?mode=ro", uri=True, timeout=5) as db:
+                rows = db.execute(
+                    "SELECT t.state, a.value_json FROM trials t JOIN trial_user_attributes a "
+                    "ON a.trial_id = t.trial_id AND a.key = 'worker'").fetchall()
+        except sqlite3.OperationalError:  # no tables yet
+            rows = []
+        finished = {w for state, w in rows if state in ("COMPLETE", "PRUNED")}
+        running = [w for state, w in rows if state == "RUNNING"]
+        if len(finished) == 2 and running:
+            return int(json.loads(running[0]).rsplit(":", 1)[1])
+        time.sleep(0.1)
+    pytest.fail(f"the two workers did not both measure in time:\n{log.read_text()[-3000:]}")
+
+
+def test_a_killed_worker_s_problem_is_taken_over(tmp_path: Path) -> None:
+    db_file = tmp_path / "tune.db"
+    db, log = f"sqlite:///{db_file}", tmp_path / "tune.log"
+    with log.open("w") as sink:
+        job = subprocess.Popen([*AUTOTUNE, *tune_args(tmp_path, db)], stdout=sink,
+                               stderr=subprocess.STDOUT)
+    try:
+        victim = running_worker_pid(db_file, job, log)
+        subprocess.run(["kill", "-9", str(victim)], check=True)
+        job.wait(timeout=400)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = log.read_text()
+    assert job.returncode == 0, output[-3000:]
+    assert "died (signal 9)" in output and "goes to another worker" in output
+    assert "Traceback" not in output
+    assert_each_problem_tuned_once(db)
+    released = [t for trials in studies(db).values() for t in trials
+                if t.user_attrs.get("status") == "orphan"]
+    assert released and all(t.user_attrs["worker"].endswith(f":{victim}") for t in released)
+
+    rerun = run_cli(*tune_args(tmp_path, db), timeout=400)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not [line for line in rerun.stdout.splitlines() if '"trial"' in line]
+    assert [json.loads(line)["measured"] for line in rerun.stdout.splitlines()
+            if '"summary"' in line] == [TRIALS, TRIALS]
+
+
+def test_each_worker_sees_only_its_device() -> None:
+    tpu = [worker_env("tpu", index) for index in (0, 5)]
+    assert [env["TPU_VISIBLE_CHIPS"] for env in tpu] == ["0", "5"]
+    for env in tpu:
+        assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == env["TPU_PROCESS_BOUNDS"] == "1,1,1"
+        assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
+        assert env["TPU_PROCESS_ADDRESSES"] == f"localhost:{env['TPU_PROCESS_PORT']}"
+    assert tpu[0]["TPU_PROCESS_PORT"] != tpu[1]["TPU_PROCESS_PORT"]
+    assert worker_env("gpu", 3) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert worker_env("cpu", 1) == {"JAX_PLATFORMS": "cpu"}
+
+
+def test_device_selection() -> None:
+    eight = LocalDevices("tpu", 8)
+    assert select_devices(parse_devices("all"), eight) == tuple(range(8))
+    assert select_devices(parse_devices("2"), eight) == (0, 1)
+    assert select_devices(parse_devices("0,2,5"), eight) == (0, 2, 5)
+    assert select_devices(parse_devices("7,"), eight) == (7,)
+    with pytest.raises(DeviceSelectionError, match=r"device\(s\) 8.*indices 0 to 7"):
+        select_devices(parse_devices("0,8"), eight)
+    for bad in ("0", "-1", "two", "1,1", ","):
+        with pytest.raises(DeviceSelectionError, match="use 'all', a count"):
+            parse_devices(bad)
+
+
+def test_a_bad_selection_is_a_usage_error(tmp_path: Path) -> None:
+    done = run_cli("tune", "--devices", "0,0", "--db", f"sqlite:///{tmp_path / 'x.db'}")
+    assert done.returncode == 2 and "--devices" in done.stderr and "Traceback" not in done.stderr
