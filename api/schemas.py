@@ -13,7 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
 from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MODES
-from storage import MAX_STORED_INT, METHODS, Entry, LookupRequest, TunedResult
+from storage import (
+    MAX_STORED_INT,
+    METHODS,
+    ROOFLINE_BOUNDS,
+    TIMINGS,
+    Entry,
+    LookupRequest,
+    TunedResult,
+)
 from storage.results import KEY_TEXT_FIELDS, TEXT_LIMITS
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
@@ -27,6 +35,8 @@ Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 Mode = Literal[MODES]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
+Timing = Literal[TIMINGS]  # type: ignore[valid-type]
+RooflineBound = Literal[ROOFLINE_BOUNDS]  # type: ignore[valid-type]
 
 
 class _Strict(BaseModel):
@@ -100,6 +110,12 @@ class Measurements(_Strict):
     speedup: Millis | None = None
     trials: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] | None = None
     method: Method | None = None
+    timing: Timing | None = Field(None, description="How runs were timed: profile (device "
+                                  "time from a profiler trace), loop or wallclock.")
+    achieved_tflops: Millis | None = None
+    roofline_fraction: Millis | None = Field(None, description="The fraction of the device's "
+                                             "binding roof (roofline_bound) reached.")
+    roofline_bound: RooflineBound | None = None
     jax_version: Version | None = None
     jaxlib_version: Version | None = None
     libtpu_version: Version | None = None
@@ -136,6 +152,10 @@ class EntryOut(BaseModel):
     speedup: float | None
     trials: int | None
     method: str | None
+    timing: str | None
+    achieved_tflops: float | None
+    roofline_fraction: float | None
+    roofline_bound: str | None
     jax_version: str | None
     jaxlib_version: str | None
     libtpu_version: str | None

@@ -2,14 +2,17 @@
 
 Per candidate: an ahead-of-time compile (started early, in a small thread pool, for the
 candidates the search will ask about next), a correctness gate against the XLA reference, then
-timing: warm-up, repeated runs with ``block_until_ready``, median and spread. Every failure is
-classified and returned, never raised. Off the kernel's platforms (a CPU-only machine) the
-kernel runs in Pallas interpret mode: the pipeline is exercised for real, but the times are no
-device figure (method ``interpret``).
+timing with one method of :mod:`autotune.timing` (``profile``, ``loop`` or ``wallclock``):
+warm-up, repeated runs, median and spread. Every failure is classified and returned, never
+raised. Off the kernel's platforms (a CPU-only machine) the kernel runs in Pallas interpret
+mode: the pipeline is exercised for real, but the times are no device figure (method
+``interpret``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
 import threading
 import time
@@ -20,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 from autotune.failures import Status, classify_compile_error
+from autotune.timing import TimingError, kernel_op_matcher, looped, profile_runs, timing_plan
 from autotune.trials import Measurement
 from kernel import Problem, TunableKernel
 from kernel.aot import input_specs
@@ -31,11 +36,14 @@ from present.text import first_line
 
 Config = Any  # the measured kernel's config type (``TunableKernel.config_type``)
 BuildFn = Callable[[Problem, Config], Callable[..., Any]]
+RUN_COUNT = jax.ShapeDtypeStruct((), np.int32)  # the run count a looped program takes first
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Wall times of repeated runs of one compiled config, in milliseconds."""
+    """Times of repeated runs of one compiled config, in milliseconds (what each is depends
+    on the timing method: a run's wall or device time, or a loop's time per run)."""
 
     samples_ms: tuple[float, ...]
 
@@ -49,6 +57,18 @@ class Timing:
             return max(self.samples_ms) - min(self.samples_ms)
         q1, _, q3 = statistics.quantiles(self.samples_ms, n=4)
         return q3 - q1
+
+
+@dataclass(frozen=True)
+class Program:
+    """A measured function compiled for the timing method: a ``looped`` one takes the number
+    of runs first (:func:`autotune.timing.looped`); ``kernel_names`` are the kernels a profile
+    counts (``TunableKernel.profile_names``; empty: every op)."""
+
+    fn: Callable[..., Any]
+    compiled: Any
+    looped: bool
+    kernel_names: tuple[str, ...] = ()
 
 
 def relative_error(got: Any, want: Any) -> float:
@@ -65,8 +85,12 @@ class Measurer:
 
     ``prepare(config)`` starts compiling a config the search will ask about soon; calling the
     measurer with a config waits for its compile (``compile_timeout_s``), checks the result
-    against ``kernel.reference`` and times it. ``build`` makes the function to measure
-    (``kernel.build`` by default).
+    against ``kernel.reference`` and times it with ``timing`` (``auto``, ``profile``, ``loop``
+    or ``wallclock``; after construction the method in use). ``build`` makes the function to
+    measure (``kernel.build`` by default). ``fallback`` is the method used when a profile
+    trace holds no event of the kernel (``auto`` sets ``loop`` on a TPU or GPU; without one,
+    ``profile`` raises ``TimingError``); on falling back, ``timing_note`` says why and
+    ``notify`` (else the log) is told once.
     """
 
     problem: Problem
@@ -75,12 +99,18 @@ class Measurer:
     compile_timeout_s: float = 300.0
     min_runs: int = 5
     max_runs: int = 50
-    min_time_s: float = 0.2  # keep timing until this much wall time (or max_runs) is spent
+    min_time_s: float = 0.2  # keep timing until this much time (or max_runs) is spent
     warmup: int = 1
     tolerance: float | None = None
     pool_size: int = 2
     build: BuildFn | None = None
     seed: int = 0
+    timing: str = "auto"
+    fallback: str | None = None
+    notify: Callable[[str], None] | None = None
+    loop_sample_s: float = 0.02  # a loop program runs the kernel about this long per sample
+    max_loop_runs: int = 1000
+    timing_note: str | None = field(init=False, default=None)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
     _compiles: dict[Config, Future] = field(init=False, repr=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
@@ -88,6 +118,8 @@ class Measurer:
     def __post_init__(self) -> None:
         self.device = jax.devices()[0]
         self.method = "device" if self.device.platform in self.kernel.platforms else "interpret"
+        self.timing, planned = timing_plan(self.timing, self.device.platform)
+        self.fallback = self.fallback or planned
         if self.build is None:
             self.build = self.kernel.build
         if self.tolerance is None:
@@ -103,10 +135,25 @@ class Measurer:
     def config(self, params: dict[str, Any]) -> Config:
         return self.base.replace(**params)
 
-    def _compile(self, config: Config) -> tuple[Any, float]:
+    def compile(self, fn: Callable[..., Any],
+                kernel_names: Sequence[str] = ()) -> tuple[Program, float]:
+        """Compiles the measured function ``fn`` (of the measurer's inputs) in the form the
+        timing method runs; returns the program and the compile seconds."""
         start = time.perf_counter()
-        compiled = jax.jit(self.build(self.problem, config)).lower(*self.inputs).compile()
-        return compiled, time.perf_counter() - start
+        if self.timing == "loop":
+            compiled = jax.jit(looped(fn)).lower(RUN_COUNT, *self.inputs).compile()
+        else:
+            compiled = jax.jit(fn).lower(*self.inputs).compile()
+        return (Program(fn, compiled, self.timing == "loop", tuple(kernel_names)),
+                time.perf_counter() - start)
+
+    def _compile(self, config: Config) -> tuple[Program, float]:
+        return self.compile(self.build(self.problem, config), self.kernel.profile_names)
+
+    def run(self, program: Program, runs: int = 1) -> Any:
+        """Runs ``program`` to completion (``runs`` times in one call if looped)."""
+        args = (np.int32(runs), *self.inputs) if program.looped else self.inputs
+        return jax.block_until_ready(program.compiled(*args))
 
     def prepare(self, params: dict[str, Any]) -> None:
         """Starts compiling ``params`` in the background (no-op if already started)."""
@@ -115,13 +162,30 @@ class Measurer:
             if config not in self._compiles:
                 self._compiles[config] = self._pool.submit(self._compile, config)
 
+    def settle_timing(self, params: dict[str, Any]) -> None:
+        """Settles a ``profile`` timing before a search by timing ``params`` (the default)
+        twice: falls back to ``loop``, or raises ``TimingError`` for an explicit ``profile``,
+        when the trace holds no event of the kernel. Its compile is kept for the search; a
+        config that fails leaves the question to the first config that runs."""
+        if self.timing != "profile":
+            return
+        self.prepare(params)
+        with self._lock:
+            future = self._compiles[self.config(params)]
+        try:
+            program, compile_s = future.result(timeout=self.compile_timeout_s)
+        except Exception:  # noqa: BLE001 - the search measures and reports this config
+            return
+        if self._check(program, compile_s)[0] is None:
+            self.time(program, runs=2)
+
     def __call__(self, params: dict[str, Any]) -> Measurement:
         config = self.config(params)
         self.prepare(params)
         with self._lock:
             future = self._compiles[config]
         try:
-            compiled, compile_s = future.result(timeout=self.compile_timeout_s)
+            program, compile_s = future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
             # A running compile cannot be interrupted; it finishes in the background and is
             # dropped. The config is classified and the search moves on.
@@ -134,7 +198,7 @@ class Measurer:
         finally:
             with self._lock:  # drop the executable once measured: flat memory over long runs
                 self._compiles.pop(config, None)
-        return self._check_and_time(compiled, compile_s)
+        return self._check_and_time(program, compile_s)
 
     def _abandon_pool(self) -> None:
         """Leaves an overrunning compile its thread and gives later compiles a new pool, so
@@ -146,10 +210,10 @@ class Measurer:
             stuck.shutdown(wait=False, cancel_futures=True)
             self._compiles = {c: f for c, f in self._compiles.items() if not f.cancelled()}
 
-    def _check(self, compiled: Any, compile_s: float) -> tuple[Measurement | None, float]:
-        """Runs ``compiled`` once against the reference: (its failure or None, its error)."""
+    def _check(self, program: Program, compile_s: float) -> tuple[Measurement | None, float]:
+        """Runs ``program`` once against the reference: (its failure or None, its error)."""
         try:
-            got = jax.block_until_ready(compiled(*self.inputs))
+            got = self.run(program)
         except Exception as error:
             return Measurement.failure(Status.RUNTIME_ERROR, compile_s=compile_s,
                                        error=first_line(str(error))), float("inf")
@@ -160,49 +224,84 @@ class Measurer:
                                              f"{self.tolerance:g}"), error
         return None, error
 
-    def _check_and_time(self, compiled: Any, compile_s: float) -> Measurement:
-        failure, error = self._check(compiled, compile_s)
+    def _check_and_time(self, program: Program, compile_s: float) -> Measurement:
+        failure, error = self._check(program, compile_s)
         if failure is not None:
             return failure
-        timing = self.time(compiled)
+        timing = self.time(program)
         return Measurement(timing.median_ms, Status.OK, {
             "compile_s": round(compile_s, 4), "iqr_ms": timing.iqr_ms,
-            "runs": len(timing.samples_ms), "max_error": error})
+            "runs": len(timing.samples_ms), "max_error": error, "timing": self.timing})
 
-    def time(self, compiled: Any, *, runs: int | None = None) -> Timing:
-        """Times ``compiled`` after ``warmup`` runs: exactly ``runs`` runs when given, else at
-        least ``min_runs`` and until ``min_time_s`` has passed (at most ``max_runs``)."""
+    def time(self, program: Program, *, runs: int | None = None) -> Timing:
+        """Times ``program`` with the timing method after ``warmup`` runs: exactly ``runs``
+        samples when given, else at least ``min_runs`` and until ``min_time_s`` has passed
+        (at most ``max_runs``). A program compiled for another method is compiled again."""
+        if program.looped != (self.timing == "loop"):
+            program = self.compile(program.fn, program.kernel_names)[0]
+        start = time.perf_counter()
         for _ in range(self.warmup):
-            jax.block_until_ready(compiled(*self.inputs))
+            self.run(program)
+        run_s = (time.perf_counter() - start) / max(self.warmup, 1)
+        if self.timing == "profile":
+            count = runs or min(self.max_runs, max(self.min_runs,
+                                                   math.ceil(self.min_time_s / run_s)))
+            samples = profile_runs(lambda: program.compiled(*self.inputs), count,
+                                   kernel_op_matcher(program.compiled, program.kernel_names))
+            if samples is not None:
+                return Timing(tuple(samples))
+            self._fall_back(program.kernel_names)
+            return self.time(program, runs=runs)
+        if self.timing == "loop":
+            n = min(self.max_loop_runs, max(2, math.ceil(self.loop_sample_s / run_s)))
+            return self._sample(lambda: self.run(program, n), runs, per_call=n)
+        return self._sample(lambda: self.run(program), runs)
+
+    def _sample(self, call: Callable[[], Any], runs: int | None, per_call: int = 1) -> Timing:
         samples: list[float] = []
         begin = time.perf_counter()
         while len(samples) < (runs or self.max_runs):
             start = time.perf_counter()
-            jax.block_until_ready(compiled(*self.inputs))
-            samples.append((time.perf_counter() - start) * 1e3)
+            call()
+            samples.append((time.perf_counter() - start) * 1e3 / per_call)
             if runs is None and len(samples) >= self.min_runs and (
                     time.perf_counter() - begin >= self.min_time_s):
                 break
         return Timing(tuple(samples))
 
+    def _fall_back(self, kernel_names: Sequence[str]) -> None:
+        """The profile holds no event of the kernel: switch to the fallback and say so once,
+        or (an explicit ``profile``) raise ``TimingError``."""
+        what = (f"named {', '.join(kernel_names)}" if kernel_names
+                else "of the measured program")
+        reason = (f"the profiler trace on {self.device.device_kind} holds no device event "
+                  f"{what}")
+        if self.fallback is None:
+            raise TimingError(f"profile timing cannot time kernel {self.kernel.name!r}: "
+                              f"{reason}; use --timing loop or wallclock")
+        self.timing, self.fallback = self.fallback, None
+        self.timing_note = f"timing with {self.timing} instead of profile: {reason}"
+        (self.notify or log.warning)(self.timing_note)
+
     def confirm(self, configs: Sequence[Config], rounds: int = 5,
                 runs_per_round: int = 3) -> dict[Config, Timing]:
         """Re-measures ``configs`` interleaved (A B C A B C ...), so drift and noise hit all
-        alike; each round contributes the median of ``runs_per_round`` runs per config.
-        Configs that fail to compile, run or pass the correctness gate here are left out (the
-        default is confirmed even when the search never measured it)."""
+        alike; each round contributes the median of ``runs_per_round`` runs per config, timed
+        with the same method as the search. Configs that fail to compile, run or pass the
+        correctness gate here are left out (the default is confirmed even when the search
+        never measured it)."""
         compiled = {}
         for config in dict.fromkeys(configs):
             try:
-                executable, compile_s = self._compile(config)
+                program, compile_s = self._compile(config)
             except Exception:  # noqa: BLE001 - any compiler failure leaves the config out
                 continue
-            if self._check(executable, compile_s)[0] is None:
-                compiled[config] = executable
+            if self._check(program, compile_s)[0] is None:
+                compiled[config] = program
         samples: dict[Config, list[float]] = {config: [] for config in compiled}
         for _ in range(rounds):
-            for config, executable in compiled.items():
-                samples[config].append(self.time(executable, runs=runs_per_round).median_ms)
+            for config, program in compiled.items():
+                samples[config].append(self.time(program, runs=runs_per_round).median_ms)
         return {config: Timing(tuple(values)) for config, values in samples.items()}
 
     def close(self) -> None:

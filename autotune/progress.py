@@ -57,6 +57,13 @@ class TuneProgress:
         if self._progress is not None:
             self._progress.update(self._task, status=phase)
 
+    def on_notice(self, message: str) -> None:
+        """Something the user should know once (e.g. the timing method fell back)."""
+        if self.json_output:
+            print(json.dumps({"problem": self.problem.to_dict(), "notice": message}), flush=True)
+        else:
+            self._progress.console.print(f"[yellow]note:[/] {message}")
+
     def _status(self, best: TrialResult | None, default_ms: float | None) -> str:
         parts: list[str] = []
         if best is not None:

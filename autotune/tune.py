@@ -16,6 +16,7 @@ import jax
 import optuna
 
 from autotune.measure import Config, Measurer, Timing
+from autotune.peaks import device_roofline
 from autotune.samplers import SamplerName
 from autotune.search import SearchResult, search
 from autotune.searchspace import Space
@@ -23,6 +24,7 @@ from autotune.trials import NOT_MEASURED, OK, TrialResult
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.resolve import installed_versions
+from kernel.roofline import Roofline
 from kernel.table import shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
@@ -43,6 +45,7 @@ class TuneOptions:
     compile_timeout_s: float = 300.0
     force: bool = False  # publish even if the stored entry is better
     device_index: int = 0  # which local device measures (its worker sees only that one)
+    timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
 
 
 @dataclass
@@ -64,12 +67,16 @@ class TuneSummary:
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str
     device_index: int = 0
+    timing: str = "wallclock"  # the method every trial and the confirmation were timed with
+    timing_note: str | None = None  # why auto fell back from profile, if it did
+    roofline: Roofline | None = None  # None on a CPU
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"problem": self.problem.to_dict(), "kernel": self.kernel,
                 "device_kind": self.device_kind,
-                "method": self.method, "study": self.study,
+                "method": self.method, "timing": self.timing, "timing_note": self.timing_note,
+                **result_roofline(self.roofline), "study": self.study,
                 "best_config": self.best_config.to_dict(),
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
@@ -77,8 +84,17 @@ class TuneSummary:
                 "stop_reason": self.stop_reason, "device_index": self.device_index}
 
 
-def study_name(problem: Problem, device_kind: str, kernel: str = DEFAULT_KERNEL) -> str:
-    return f"{kernel}/{device_kind}/{problem.label()}"
+def result_roofline(roofline: Roofline | None) -> dict[str, Any]:
+    """A roofline as a result's fields (all None without one: on a CPU)."""
+    return {"achieved_tflops": roofline and roofline.tflops,
+            "roofline_fraction": roofline and roofline.fraction,
+            "roofline_bound": roofline and roofline.bound}
+
+
+def study_name(problem: Problem, device_kind: str, kernel: str, timing: str) -> str:
+    """The study of a key and a timing method: a rerun resumes it, and times taken by another
+    method (not comparable) go to a study of their own."""
+    return f"{kernel}/{device_kind}/{timing}/{problem.label()}"
 
 
 def kernel_space(kernel: TunableKernel, problem: Problem,
@@ -162,6 +178,8 @@ class TuneObserver(Protocol):
 
     def on_phase(self, phase: str) -> None: ...
 
+    def on_notice(self, message: str) -> None: ...
+
 
 class TuneJob:
     """One problem on this device, open from the search to the publish: the kernel, space,
@@ -177,12 +195,20 @@ class TuneJob:
         tunable(kernel, problem, target)
         self.problem, self.store, self.options, self.observer = problem, store, options, observer
         self.space, self.base = kernel_space(kernel, problem, target)
-        self.name = options.study or study_name(problem, self.device.device_kind, kernel.name)
         self.storage = get_storage(db_url)
         self.measurer = Measurer(problem, self.base, kernel,
-                                 compile_timeout_s=options.compile_timeout_s)
+                                 compile_timeout_s=options.compile_timeout_s,
+                                 timing=options.timing,
+                                 notify=observer.on_notice if observer else None)
         self._default_params = {name: getattr(self.base, name) for name in self.space.names}
         self._default_ms: list[float] = []  # the default's search-time measurement, once seen
+        try:  # all trials then share one timing method, and its study
+            self.measurer.settle_timing(self._default_params)
+        except BaseException:
+            self.measurer.close()
+            raise
+        self.name = options.study or study_name(problem, self.device.device_kind, kernel.name,
+                                                self.measurer.timing)
 
     def close(self) -> None:
         self.measurer.close()
@@ -222,6 +248,7 @@ class TuneJob:
         winner_ms = timings[winner].median_ms
         default_ms = timings[base].median_ms if base in timings else None
         speedup = default_ms / winner_ms if default_ms is not None else None
+        roofline = device_roofline(device, problem, winner_ms)
         confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                     "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
                                     "is_default": c == base, "is_winner": c == winner}
@@ -237,6 +264,7 @@ class TuneJob:
             problem=problem, config=winner, median_ms=winner_ms,
             iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
             speedup=speedup, trials=result.measured, method=self.measurer.method,
+            timing=self.measurer.timing, **result_roofline(roofline),
             study=self.name, device_index=options.device_index,
             **{f"{package}_version": version
                for package, version in installed_versions().items()}),
@@ -248,7 +276,9 @@ class TuneJob:
             speedup=speedup, measured=result.measured,
             failures=_failures(study), winner_is_default=winner == base,
             publish=outcome.status, stop_reason=result.stop_reason,
-            device_index=options.device_index, confirmation=confirmation)
+            device_index=options.device_index, timing=self.measurer.timing,
+            timing_note=self.measurer.timing_note, roofline=roofline,
+            confirmation=confirmation)
 
 
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),

@@ -53,6 +53,9 @@ class _Events:
     def on_phase(self, phase: str) -> None:
         self.emit("phase", phase=phase)
 
+    def on_notice(self, message: str) -> None:
+        self.emit("notice", message=message)
+
 
 def _measured(job: TuneJob) -> int:
     """The study-wide number of measured configs of ``job``'s study (0 before it exists)."""

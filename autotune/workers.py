@@ -165,6 +165,8 @@ class WorkerPool:
                 print(json.dumps({**event["record"], "device": worker.device}), flush=True)
         elif kind == "phase":
             worker.phase = event["phase"]
+        elif kind == "notice":  # e.g. the timing method fell back: once per worker and problem
+            self._say(f"note (device {worker.device}): {event['message']}")
         elif kind == "searched":
             task.searchers.discard(worker)
             if task.searchers:  # the last searcher of the study publishes it

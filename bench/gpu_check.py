@@ -108,14 +108,14 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
         best = list(dict.fromkeys(default.replace(**t.config) for t in ok))[:args.top]
         contenders = {"default": default}
         contenders.update((f"tuned{i}", c) for i, c in enumerate(c for c in best if c != default))
-        executables = {name: jax.jit(kernel.build(problem, config)).lower(
-            *measurer.inputs).compile() for name, config in contenders.items()}
+        executables = {name: measurer.compile(kernel.build(problem, config))[0]
+                       for name, config in contenders.items()}
         baseline_error = None
         if device.platform == "gpu":
             try:
-                compiled = jax.jit(cudnn_fn(problem)).lower(*measurer.inputs).compile()
-                baseline_error = relative_error(compiled(*measurer.inputs), measurer.expected)
-                executables["cudnn"] = compiled
+                program = measurer.compile(cudnn_fn(problem))[0]
+                baseline_error = relative_error(measurer.run(program), measurer.expected)
+                executables["cudnn"] = program
             except Exception as error:  # noqa: BLE001 - cuDNN may not support the shape
                 print(f"  cudnn unavailable: {str(error).splitlines()[0][:200]}")
         samples: dict[str, list[float]] = {name: [] for name in executables}

@@ -93,6 +93,9 @@ class TunableKernel(ABC):
       - ``attention``: the differentiable forward function, taking its config per mode from
         ``config_for`` at trace time (``"fwd"``; ``"fwd_bwd"`` in its backward rule, if it has
         separately tuned backward tiles).
+      - Optionally ``profile_names``: the ``name=`` of each ``pallas_call`` it runs, so the
+        tuner's profiler timing counts those kernels' device events only (empty: every device
+        op of the measured program).
       - Optionally ``discover`` (facts only the installed JAX can tell), ``stored_violations``,
         ``compile_parts`` (kernels of a gradient program that compile separately) or ``build``
         (when the measured function needs more than ``attention``).
@@ -111,6 +114,8 @@ class TunableKernel(ABC):
     # A config compiles exactly when each part does with the others at the default, so
     # precheck covers the product of the parts with their sum of compiles. Empty: one program.
     compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    # The pallas_call names of its kernels, as device profiles show them; (): every device op.
+    profile_names: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def space_params(self, problem: Problem) -> Params:

@@ -15,8 +15,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from kernel import ConfigError
-from kernel.registry import get_kernel
+from kernel import ConfigError, get_kernel
 from present.studies import StudyData, failure_letter
 from storage.studies import OK
 

@@ -11,7 +11,7 @@ from optuna.storages import BaseStorage
 
 from present.plots import images, landscape_axes
 from present.studies import StudyData, short_label
-from storage import Entry
+from storage import Entry, TunedResult
 
 
 def _ms(value: float | None) -> str:
@@ -22,12 +22,23 @@ def _ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
+def _roofline(result: TunedResult) -> str:
+    """Achieved TFLOP/s and the fraction of the binding roof, as far as the result knows."""
+    if result.achieved_tflops is None:
+        return "–"
+    text = f"{result.achieved_tflops:.1f} TFLOP/s"
+    if result.roofline_fraction is None:
+        return text
+    return f"{text}, {result.roofline_fraction:.0%} of {result.roofline_bound} roof"
+
+
 def template_env() -> jinja2.Environment:
-    """The templates with autoescaping and the number filters they use (``ms``, ``ratio``)."""
+    """The templates with autoescaping and the filters they use (``ms``, ``ratio``,
+    ``roofline``)."""
     env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=_ms, ratio=_ratio, short_label=short_label)
+    env.filters.update(ms=_ms, ratio=_ratio, roofline=_roofline, short_label=short_label)
     return env
 
 

@@ -14,6 +14,8 @@ from storage.engine import (
 from storage.results import (
     MAX_STORED_INT,
     METHODS,
+    ROOFLINE_BOUNDS,
+    TIMINGS,
     ConfigKey,
     Entry,
     PublishOutcome,
@@ -29,7 +31,7 @@ from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
 __all__ = [
     "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError", "DatabaseUrlError", "Entry",
     "FILTER_FIELDS", "HistoryEntry", "LookupRequest", "MAX_STORED_INT", "METHODS",
-    "PublishOutcome", "ReadOnlyDatabaseError", "ResultError", "SchemaError", "StorageError",
-    "StorageSettings", "Store", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url",
-    "schema_is_current", "schema_problem", "upgrade",
+    "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError", "ResultError", "SchemaError",
+    "StorageError", "StorageSettings", "Store", "TIMINGS", "TunedResult", "WriteRefusedError",
+    "make_engine", "normalize_url", "schema_is_current", "schema_problem", "upgrade",
 ]

@@ -15,9 +15,17 @@ from kernel import DEFAULT_KERNEL, AutotuneError, Problem, TableEntry, get_kerne
 from kernel.resolve import installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
-MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup")
-PROVENANCE_FIELDS = ("trials", "method", "jax_version", "jaxlib_version", "libtpu_version",
-                     "study", "device_index")
+# How a run was timed (autotune.timing): device time from a profiler trace, a compiled loop's
+# time per run, or host wall time around each call.
+TIMINGS: tuple[str, ...] = ("profile", "loop", "wallclock")
+ROOFLINE_BOUNDS: tuple[str, ...] = ("compute", "memory")
+MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup", "achieved_tflops",
+                      "roofline_fraction")
+PROVENANCE_FIELDS = ("trials", "method", "timing", "roofline_bound", "jax_version",
+                     "jaxlib_version", "libtpu_version", "study", "device_index")
+# What a lookup table's entry carries besides its timings (kernel.table.TableEntry.provenance).
+TABLE_PROVENANCE = ("platform", "iqr_ms", "achieved_tflops", "roofline_fraction",
+                    *PROVENANCE_FIELDS)
 
 
 class StorageError(AutotuneError):
@@ -70,7 +78,8 @@ KEY_FIELDS = (*KEY_TEXT_FIELDS, *(f.name for f in dataclasses.fields(Problem)))
 
 # The longest value each text field may hold (the column sizes of storage.models).
 TEXT_LIMITS = {"kernel": 64, "kernel_version": 64, "device_kind": 128, "platform": 32,
-               "method": 16, "jax_version": 64, "jaxlib_version": 64, "libtpu_version": 64,
+               "method": 16, "timing": 16, "roofline_bound": 16, "jax_version": 64,
+               "jaxlib_version": 64, "libtpu_version": 64,
                "study": 256}
 # Control characters (PostgreSQL cannot store NUL) and lone UTF-16 surrogates (not encodable).
 _NOT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
@@ -106,6 +115,11 @@ class TunedResult:
     speedup: float | None = None
     trials: int | None = None
     method: Literal["device", "interpret", "replay"] | None = None
+    timing: Literal["profile", "loop", "wallclock"] | None = None
+    # Against the device's roofline (kernel.roofline); None on a CPU or where peaks are unknown.
+    achieved_tflops: float | None = None
+    roofline_fraction: float | None = None
+    roofline_bound: Literal["compute", "memory"] | None = None
     jax_version: str | None = None
     jaxlib_version: str | None = None
     libtpu_version: str | None = None
@@ -140,8 +154,11 @@ class TunedResult:
                                       or not 0 <= value <= MAX_STORED_INT):
                 raise ResultError(f"{name} must be an integer from 0 to {MAX_STORED_INT}, "
                                   f"got {value!r}")
-        if self.method is not None and self.method not in METHODS:
-            raise ResultError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name, allowed in (("method", METHODS), ("timing", TIMINGS),
+                              ("roofline_bound", ROOFLINE_BOUNDS)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ResultError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if not self.platform:
             object.__setattr__(self, "platform", default_platform(self.device_kind))
         _check_text("platform", self.platform)
@@ -176,7 +193,7 @@ class TunedResult:
         return {name: getattr(self, name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)}
 
     def to_table_entry(self) -> TableEntry:
-        provenance = {name: value for name in ("platform", "iqr_ms", *PROVENANCE_FIELDS)
+        provenance = {name: value for name in TABLE_PROVENANCE
                       if (value := getattr(self, name)) is not None}
         return TableEntry(problem=self.problem, config=self.config, time_ms=self.median_ms,
                           default_time_ms=self.default_median_ms, speedup=self.speedup,
@@ -187,8 +204,7 @@ class TunedResult:
                          device_kind: str) -> TunedResult:
         """A result from a lookup-table entry; provenance fields this format knows are read
         back, others are ignored."""
-        known = {name: entry.provenance[name] for name in ("platform", "iqr_ms",
-                                                           *PROVENANCE_FIELDS)
+        known = {name: entry.provenance[name] for name in TABLE_PROVENANCE
                  if entry.provenance.get(name) is not None}
         return cls(kernel=kernel, kernel_version=kernel_version, device_kind=device_kind,
                    problem=entry.problem, config=entry.config, median_ms=entry.time_ms,

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from kernel import ConfigError, Problem, TunableKernel, device_target, get_kernel, kernel_names

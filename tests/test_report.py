@@ -104,7 +104,9 @@ def failing_db(tmp_path_factory: pytest.TempPathFactory) -> str:
     with Store(url) as store:
         store.publish(TunedResult(
             device_kind="TPU v5 lite", problem=FAILING, config=WINNER, median_ms=1.575,
-            iqr_ms=0.1, default_median_ms=2.1, trials=15, method="device", study=FAILING_STUDY))
+            iqr_ms=0.1, default_median_ms=2.1, trials=15, method="device", timing="profile",
+            achieved_tflops=2.72, roofline_fraction=0.014, roofline_bound="compute",
+            study=FAILING_STUDY))
     return url
 
 
@@ -181,6 +183,9 @@ def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
     assert entry.result.trials == 5
     assert f"{entry.result.speedup:.2f}×" in html
     assert "No failures" in html
+    # Timed by wall clock on the CPU, where no roofline figure is made up (index and summary).
+    assert len(re.findall(r'<td>wallclock</td>\s*<td class="roofline">–</td>', html)) == 1
+    assert re.search(r'<th>roofline</th><td class="roofline">–</td>', html)
 
 
 def test_report_names_each_distinct_error(failing_db: str, tmp_path: Path) -> None:
@@ -193,6 +198,8 @@ def test_report_names_each_distinct_error(failing_db: str, tmp_path: Path) -> No
     assert OOM in html and MOSAIC in html and "at line 3" not in html  # first lines only
     row = re.search(r"<td>vmem_oom</td><td class=\"num\">(\d+)</td>", html)
     assert row and int(row.group(1)) == 2  # (512, 512) at both depths
+    assert "<td>profile</td>" in html
+    assert html.count("2.7 TFLOP/s, 1% of compute roof") == 2  # the index and the summary
 
 
 def test_report_on_an_empty_database_says_so(tmp_path: Path) -> None:
@@ -315,7 +322,7 @@ def dashboard(tuned_db: str, tmp_path: Path) -> Iterator[str]:
 def test_optuna_dashboard_shows_the_study(dashboard: str) -> None:
     studies = httpx.get(f"{dashboard}/api/studies", timeout=10).json()["study_summaries"]
     (summary,) = studies
-    assert summary["study_name"] == "flash/cpu/" + TUNED.label()
+    assert summary["study_name"] == "flash/cpu/wallclock/" + TUNED.label()
     study_attrs = {a["key"] for a in summary["user_attrs"]}
     assert {"problem", "device_kind", "confirmation", "params"} <= study_attrs
     detail = httpx.get(f"{dashboard}/api/studies/{summary['study_id']}", params={"after": 0},

@@ -5,12 +5,13 @@ share a database with Optuna, SQLite concurrency settings, and no jax import."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import subprocess
 import sys
 import threading
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import MetaData, Table, text
 
 from kernel import FlashConfig
 from kernel.problem import Problem
@@ -92,6 +93,12 @@ def test_result_fields_are_validated() -> None:
         result(method="guess")
     with pytest.raises(ResultError, match="device_kind"):
         result(device_kind=" ")
+    with pytest.raises(ResultError, match="timing must be one of profile, loop, wallclock"):
+        result(timing="stopwatch")
+    with pytest.raises(ResultError, match="roofline_bound must be one of compute, memory"):
+        result(roofline_bound="disk")
+    with pytest.raises(ResultError, match="roofline_fraction"):
+        result(roofline_fraction=float("nan"))
 
 
 def test_lookup_exact_nearest_and_miss(store: Store) -> None:
@@ -298,6 +305,33 @@ def test_migrations_share_the_database_with_optuna(empty_db_url: str) -> None:
         store.publish(result())
     reloaded = optuna.load_study(storage=empty_db_url, study_name="shared")
     assert len(reloaded.trials) == 2
+
+
+def test_upgrade_keeps_rows_and_adds_timing_and_roofline(empty_db_url: str) -> None:
+    """A row stored at revision 0001 survives the upgrade with no timing or roofline (never
+    recorded); a result with them round-trips, also through a lookup table."""
+    upgrade(empty_db_url, "0001")
+    old = result(2.0)
+    with Store(empty_db_url) as store:
+        configs = Table("autotune_configs", MetaData(), autoload_with=store.engine)
+        now = datetime.datetime.now(datetime.UTC)
+        with store.engine.begin() as connection:
+            connection.execute(configs.insert().values(
+                **old.key.to_dict(), config=old.config.to_dict(), median_ms=2.0,
+                method="device", created_at=now, updated_at=now))
+    upgrade(empty_db_url)
+    with Store(empty_db_url) as store:
+        kept = store.get(old.key).result
+        assert (kept.median_ms, kept.method) == (2.0, "device")
+        assert (kept.timing, kept.achieved_tflops, kept.roofline_fraction,
+                kept.roofline_bound) == (None, None, None, None)
+        new = result(1.0, timing="profile", achieved_tflops=151.5, roofline_fraction=0.77,
+                     roofline_bound="compute")
+        assert store.publish(new).status == "replaced"
+        assert store.get(new.key).result == new
+        [entry] = store.export_table(DEVICE).entries
+        assert TunedResult.from_table_entry(entry, kernel="flash", kernel_version="1",
+                                            device_kind=DEVICE) == new
 
 
 def test_a_database_at_another_revision_is_reported(db_url: str) -> None:

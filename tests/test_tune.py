@@ -32,6 +32,7 @@ from autotune.tune import choose_winner, kernel_space
 from conftest import run_cli
 from kernel import FlashConfig, Problem, device_target, get_kernel
 from kernel.aot import compile_for_target
+from storage import Store
 
 FLASH = get_kernel("flash").discover()
 
@@ -91,6 +92,10 @@ def check_tuned(problem: Problem, trials: list[dict[str, Any]], summary: dict[st
     assert SUMMARY_KEYS <= summary.keys()
     assert (summary["measured"], summary["failures"]) == (len(trials), {})
     assert (summary["device_kind"], summary["method"]) == ("cpu", "interpret")
+    # auto times by wall clock on a CPU, and an interpret-mode time has no roofline.
+    assert (summary["timing"], summary["timing_note"]) == ("wallclock", None)
+    assert summary["achieved_tflops"] is summary["roofline_fraction"] is None
+    assert all(trial["timing"] == "wallclock" for trial in trials)
     best = FlashConfig.from_dict(summary["best_config"])
     base = FLASH.default_config(problem, "cpu")
     assert best == base or best in [base.replace(**t["config"]) for t in trials]
@@ -115,7 +120,8 @@ def check_tuned(problem: Problem, trials: list[dict[str, Any]], summary: dict[st
     assert found.json()["config"] == summary["best_config"]
     [entry] = httpx.get(f"{url}/v1/configs",
                         params={"device_kind": "cpu", "study": summary["study"]}).json()["items"]
-    assert entry["method"] == "interpret"
+    assert (entry["method"], entry["timing"]) == ("interpret", "wallclock")
+    assert entry["achieved_tflops"] is entry["roofline_fraction"] is entry["roofline_bound"] is None
     assert entry["trials"] == len(trials)
     assert entry["jax_version"] == importlib.metadata.version("jax")
     assert entry["jaxlib_version"] == importlib.metadata.version("jaxlib")
@@ -142,6 +148,25 @@ def test_bad_shapes_file_is_refused_before_anything_is_written(
     assert expected in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not database.exists()
+
+
+def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """An unknown method, and ``profile`` of our kernel in interpret mode (its trace holds no
+    flash_fwd event): exit 2 with the way out, and nothing published."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    flags = ["--batch", "1", "--q-heads", "1", "--q-len", "256", "--head-dim", "128",
+             "--dtype", "float32", "--trials", "2", "--db", db]
+    unknown = run_cli("tune", *flags, "--timing", "stopwatch", env=WIDE)
+    assert unknown.returncode == 2
+    assert "'stopwatch': use one of auto, profile, loop, wallclock" in unknown.stderr
+    profile = run_cli("tune", *flags, "--timing", "profile", env=WIDE, timeout=300)
+    assert profile.returncode == 2, profile.stderr
+    assert ("profile timing cannot time kernel 'flash': the profiler trace on cpu holds no "
+            "device event named flash_fwd") in profile.stderr
+    assert "use --timing loop or wallclock" in profile.stderr
+    assert "Traceback" not in profile.stderr + profile.stdout
+    with Store(db) as store:
+        assert store.list() == ([], 0)
 
 
 # --- failure classes, in process ---

@@ -82,6 +82,11 @@ def tune(
         help="Optuna study name (default: derived from the key, so a rerun resumes).")] = None,
     force: Annotated[bool, typer.Option(
         help="Publish even if the stored result is better.")] = False,
+    timing: Annotated[str, typer.Option(
+        help="How runs are timed: profile (device time from a profiler trace), loop (many "
+             "runs in one compiled program), wallclock (host time per call), or auto: "
+             "profile on a TPU or GPU (loop if the trace shows no kernel), wallclock on a "
+             "CPU.")] = "auto",
     json_output: Annotated[bool, typer.Option(
         "--json", help="One JSON object per trial, then one summary object per problem.")]
     = False,
@@ -101,6 +106,11 @@ def tune(
         selection = parse_devices(devices)
     except DeviceSelectionError as error:
         raise typer.BadParameter(str(error), param_hint="--devices") from None
+    from storage import TIMINGS
+
+    if timing not in ("auto", *TIMINGS):
+        raise typer.BadParameter(f"{timing!r}: use one of auto, {', '.join(TIMINGS)}",
+                                 param_hint="--timing")
     problems = load_shapes(shapes) if shapes else [problem]
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
@@ -112,10 +122,11 @@ def tune(
     from autotune.progress import TuneProgress
     from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.tune import tune as run_tune
+    from autotune.timing import TimingError
     from kernel import ConfigError
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
-                          seed=seed, study=study, force=force)
+                          seed=seed, study=study, force=force, timing=timing)
     if selection != 1:
         store.close()
         try:
@@ -131,7 +142,7 @@ def tune(
                 with TuneProgress(item, trials, json_output=json_output) as progress:
                     summary = run_tune(item, store, db_url, options, observer=progress,
                                        kernel_name=kernel)
-            except ConfigError as error:  # a device or problem the kernel cannot tune
+            except (ConfigError, TimingError) as error:  # nothing this kernel can tune here
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
             except NothingToPublish as error:  # the other problems are still tuned
@@ -181,12 +192,18 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
 
     problem = Problem.from_dict(summary["problem"])
     best = get_kernel(summary["kernel"]).config_from_dict(summary["best_config"])
+    tflops, fraction = summary["achieved_tflops"], summary["roofline_fraction"]
+    roofline = ("no roofline (CPU)" if tflops is None
+                else f"{tflops:.1f} TFLOP/s, " + ("no peaks known for this device"
+                                                  if fraction is None else
+                                                  f"{fraction:.0%} of the "
+                                                  f"{summary['roofline_bound']} roofline"))
     verdict = ("the default stays: no candidate beat it beyond the measured noise"
                if summary["winner_is_default"] else "the default failed on this device"
                if summary["speedup"] is None else f"{summary['speedup']:.2f}x over the default")
     Console().print(
         f"[bold]{summary['kernel']} {problem.label()}[/] on {summary['device_kind']} "
-        f"device {summary['device_index']} ({summary['method']}): "
-        f"best {best.label()} at {summary['best_time_ms']:.3f} ms, {verdict}; "
+        f"device {summary['device_index']} ({summary['method']}, timed by {summary['timing']}): "
+        f"best {best.label()} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
         f"{summary['measured']} measured, failures {summary['failures'] or 'none'}; "
         f"published: {summary['publish']} (study {summary['study']!r})")

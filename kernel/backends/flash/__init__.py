@@ -37,6 +37,7 @@ class FlashKernel(TunableKernel):
     config_type: ClassVar[type[FlashConfig]] = FlashConfig
     landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv", "pipeline_depth")
     compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = (FORWARD_FIELDS, DKV_FIELDS, DQ_FIELDS)
+    profile_names: ClassVar[tuple[str, ...]] = ("flash_fwd", "flash_bwd_dkv", "flash_bwd_dq")
 
     def problem_violations(self, problem: Problem) -> list[Violation]:
         return rules.problem_violations(problem)

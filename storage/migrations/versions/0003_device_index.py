@@ -1,7 +1,7 @@
 """The index of the local device that measured a tuned result (``autotune tune --devices``).
 
-Revision ID: 0005
-Revises: 0001
+Revision ID: 0003
+Revises: 0002
 Create Date: 2026-11-30
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0001"
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 

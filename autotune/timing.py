@@ -1,0 +1,159 @@
+"""How one run of a compiled function is timed: ``profile``, ``loop`` or ``wallclock``.
+
+- ``wallclock``: host time around ``jax.block_until_ready(f(x))``; includes Python dispatch
+  and host synchronisation (tens of microseconds), more than small kernels take.
+- ``loop``: ``n`` runs inside one compiled program (:func:`looped`), its host time over
+  ``n``: dispatch is paid once per ``n`` runs. Each run's first input depends on the previous
+  run's output, so the compiler can neither hoist the runs out of the loop nor merge or
+  overlap them; ``n`` is a runtime argument, so it cannot unroll them away either.
+- ``profile``: a ``jax.profiler`` trace around the runs, read with the ``xprof`` package
+  (:func:`profile_runs`); per run, the busy time of the device events of the measured
+  executable: those named after the kernel's ``pallas_call`` names when it declares them
+  (``TunableKernel.profile_names``), else every op of the executable. On a CPU the executable's
+  ops run as host-side events, which the same rule reads.
+
+``auto`` is ``profile`` on a TPU or GPU, falling back to ``loop`` when the trace holds no
+device event of the kernel, and ``wallclock`` on a CPU (:func:`timing_plan`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from kernel import AutotuneError
+from storage import TIMINGS
+
+TIMING_CHOICES: tuple[str, ...] = ("auto", *TIMINGS)
+RUN_MARK = "autotune-run-"  # the host annotation around each profiled run
+XLA_OPS_LINE = "XLA Ops"  # xprof's line of a device's HLO op events (TPU and GPU)
+_INSTRUCTION = re.compile(r"%([^\s=,()]+) = ")
+
+
+class TimingError(AutotuneError):
+    """A timing method cannot time this kernel here; the message names the method to use."""
+
+
+def timing_plan(requested: str, platform: str) -> tuple[str, str | None]:
+    """The method to time with and the one to fall back to when a profile trace holds no
+    event of the kernel: ``auto`` is (``profile``, ``loop``) on a TPU or GPU and
+    (``wallclock``, None) on a CPU; a named method is itself with no fallback."""
+    if requested not in TIMING_CHOICES:
+        raise TimingError(f"unknown timing method {requested!r}; choose one of "
+                          f"{', '.join(TIMING_CHOICES)}")
+    if requested != "auto":
+        return requested, None
+    return ("wallclock", None) if platform == "cpu" else ("profile", "loop")
+
+
+def looped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``(n, *args) -> fn(*args)`` computed ``n`` times in one program (``n >= 1``, a traced
+    int32): each run's first argument gets the previous output's first element times zero
+    added to one element, a data dependency the compiler cannot see through."""
+    def run(n: Any, *args: Any) -> Any:
+        def body(_: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            first, out = carry
+            dependency = jax.tree.leaves(out)[0].ravel()[0] * 0
+            first = first.at[(0,) * first.ndim].add(dependency.astype(first.dtype))
+            return first, fn(first, *args[1:])
+
+        return jax.lax.fori_loop(1, n, body, (args[0], fn(*args)))[1]
+
+    return run
+
+
+def op_names(compiled: Any) -> frozenset[str]:
+    """The HLO instruction names of a compiled executable: what its op events are called."""
+    return frozenset(_INSTRUCTION.findall(compiled.as_text()))
+
+
+def kernel_op_matcher(compiled: Any, kernel_names: Iterable[str]) -> Callable[[str], bool]:
+    """Which op events count: those named after ``kernel_names`` (an HLO instruction
+    ``flash_fwd.1`` is a ``pallas_call(name="flash_fwd")``), or with none given, every op of
+    ``compiled``."""
+    names = tuple(kernel_names)
+    if names:
+        return lambda op: op.split(".")[0] in names
+    ops = op_names(compiled)
+    return ops.__contains__
+
+
+def trace_events(logdir: str | Path) -> list[dict[str, Any]]:
+    """The events of the ``jax.profiler`` trace in ``logdir`` (Chrome trace format, converted
+    by xprof), each with its process and thread names added (``process``, ``thread``)."""
+    from xprof.convert.raw_to_tool_data import xspace_to_tool_data
+
+    paths = sorted(str(p) for p in Path(logdir).rglob("*.xplane.pb"))
+    if not paths:
+        raise TimingError(f"jax.profiler wrote no trace under {logdir}")
+    data, _ = xspace_to_tool_data(paths, "trace_viewer@", {"use_saved_result": False})
+    events = json.loads(data)["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return [{**e, "process": processes.get(e["pid"], ""),
+             "thread": threads.get((e["pid"], e.get("tid")), "")}
+            for e in events if e.get("ph") == "X"]
+
+
+def _op_name(event: dict[str, Any]) -> str:
+    """An op event's HLO instruction name (xprof may show a long form ``%name = ...``)."""
+    match = _INSTRUCTION.match(event.get("args", {}).get("long_name", ""))
+    return match.group(1) if match else event["name"]
+
+
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals in microseconds, in ms (nested or
+    overlapping op events count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def run_times(events: list[dict[str, Any]], runs: int,
+              counts: Callable[[str], bool]) -> list[float] | None:
+    """Per profiled run, the busy time (ms) of the op events ``counts`` accepts: on a device's
+    ``XLA Ops`` line when the trace has devices, else (a CPU) on the host's threads. Runs are
+    told apart by their host annotations; None when no event counts."""
+    marks = sorted((e["ts"], int(e["name"][len(RUN_MARK):])) for e in events
+                   if e["name"].startswith(RUN_MARK))
+    if len(marks) != runs:
+        raise TimingError(f"the trace holds {len(marks)} of the {runs} runs' annotations")
+    on_device = any("/device:" in e["process"] for e in events)
+    ops = [e for e in events if ("/device:" in e["process"] and e["thread"] == XLA_OPS_LINE
+                                 if on_device else not e["name"].startswith(RUN_MARK))
+           and counts(_op_name(e))]
+    if not ops:
+        return None
+    starts = [ts for ts, _ in marks]
+    intervals: list[list[tuple[float, float]]] = [[] for _ in range(runs)]
+    for event in ops:  # a device clock slightly ahead of the host's still counts for its run
+        run = marks[max(0, bisect.bisect_right(starts, event["ts"]) - 1)][1]
+        intervals[run].append((event["ts"], event["ts"] + event.get("dur", 0.0)))
+    return [_busy_ms(spans) for spans in intervals]
+
+
+def profile_runs(call: Callable[[], Any], runs: int,
+                 counts: Callable[[str], bool]) -> list[float] | None:
+    """Runs ``call`` ``runs`` times (each to completion) under one ``jax.profiler`` trace and
+    returns :func:`run_times` of it."""
+    with tempfile.TemporaryDirectory(prefix="autotune-profile-") as logdir:
+        jax.profiler.start_trace(logdir)
+        try:
+            for index in range(runs):
+                with jax.profiler.TraceAnnotation(f"{RUN_MARK}{index}"):
+                    jax.block_until_ready(call())
+        finally:
+            jax.profiler.stop_trace()
+        return run_times(trace_events(logdir), runs, counts)

@@ -1,0 +1,172 @@
+"""Timing methods and the roofline, on this machine's CPU.
+
+``profile`` reads a real ``jax.profiler`` trace of a real executable with xprof (on a CPU the
+executable's ops are host-side events); ``auto`` falls back to ``loop`` when the trace holds no
+event of the kernel (our Pallas kernels in interpret mode run no ``flash_fwd``) and says why,
+once; a looped program really runs its body n times; the roofline formulas against values
+worked out by hand, and no roofline figure on a CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from autotune.measure import Measurer
+from autotune.peaks import device_roofline, gpu_peaks, tpu_peaks
+from autotune.timing import (
+    TimingError,
+    kernel_op_matcher,
+    looped,
+    op_names,
+    profile_runs,
+    timing_plan,
+)
+from kernel import Problem, get_kernel
+from kernel.roofline import Peaks, attention_bytes, attention_flops, attention_pairs, roofline
+
+FLASH = get_kernel("flash")
+TINY = Problem(1, 1, 1, 256, 256, 128, "float32", False, "fwd")
+X = jnp.asarray(np.random.default_rng(0).normal(size=(384, 384)), jnp.float32)
+
+
+def matmuls(x: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ x) @ x
+
+
+def test_profile_reads_device_time_per_run_from_a_real_trace() -> None:
+    compiled = jax.jit(matmuls).lower(X).compile()
+    jax.block_until_ready(compiled(X))
+    walls: list[float] = []
+
+    def timed_call() -> jax.Array:
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled(X))
+        walls.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    first = profile_runs(timed_call, 6, kernel_op_matcher(compiled, ()))
+    second = profile_runs(lambda: compiled(X), 6, kernel_op_matcher(compiled, ()))
+    assert first is not None and second is not None and len(first) == len(second) == 6
+    assert all(0 < busy <= wall for busy, wall in zip(first, walls, strict=True)), (first, walls)
+    ratio = statistics.median(second) / statistics.median(first)
+    assert 1 / 3 < ratio < 3, (first, second)  # the same executable reads about the same
+    # Events of kernels the executable does not run are none: not a zero time.
+    assert profile_runs(lambda: compiled(X), 2, kernel_op_matcher(compiled, ("flash_fwd",))) \
+        is None
+
+
+def test_auto_plan_per_platform() -> None:
+    assert timing_plan("auto", "tpu") == ("profile", "loop")
+    assert timing_plan("auto", "gpu") == ("profile", "loop")
+    assert timing_plan("auto", "cpu") == ("wallclock", None)
+    assert timing_plan("loop", "tpu") == ("loop", None)
+    with pytest.raises(TimingError, match="unknown timing method 'stopwatch'; choose one of"):
+        timing_plan("stopwatch", "cpu")
+
+
+def test_profile_without_kernel_events_falls_back_to_loop_and_says_why_once() -> None:
+    """What ``auto`` does on a TPU or GPU, on our kernel in interpret mode: its trace has no
+    ``flash_fwd`` event, so the run's measurements are a loop's."""
+    notes: list[str] = []
+    base = FLASH.default_config(TINY, "cpu")
+    measurer = Measurer(TINY, base, FLASH, timing="profile", fallback="loop",
+                        notify=notes.append, min_time_s=0.01, min_runs=2)
+    try:
+        measurer.settle_timing({})
+        first = measurer({})
+    finally:
+        measurer.close()
+    assert measurer.timing == "loop"
+    assert notes == [measurer.timing_note]
+    assert "timing with loop instead of profile" in notes[0]
+    assert "no device event named flash_fwd, flash_bwd_dkv, flash_bwd_dq" in notes[0]
+    assert first.ok and first.attrs["timing"] == "loop"
+
+
+def test_explicit_profile_without_kernel_events_names_the_way_out() -> None:
+    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="profile")
+    try:
+        with pytest.raises(TimingError, match="use --timing loop or wallclock"):
+            measurer.settle_timing({})
+    finally:
+        measurer.close()
+
+
+def test_loop_runs_its_body_n_times() -> None:
+    """The loop is in the compiled program (a while loop holding the matrix products) and its
+    time grows with n: nothing hoisted, merged or unrolled away."""
+    compiled = jax.jit(looped(matmuls)).lower(jax.ShapeDtypeStruct((), np.int32), X).compile()
+    text = compiled.as_text()
+    body = text[text.index("while"):]
+    assert "while" in text and "dot(" in body
+    assert jnp.allclose(compiled(np.int32(1), X), matmuls(X))
+
+    def seconds(n: int) -> float:
+        jax.block_until_ready(compiled(np.int32(n), X))
+        return min(_wall(lambda: compiled(np.int32(n), X)) for _ in range(3))
+
+    assert seconds(16) / seconds(2) > 4
+
+
+def _wall(call) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    return time.perf_counter() - start
+
+
+def test_op_names_are_the_executables_instructions() -> None:
+    compiled = jax.jit(matmuls).lower(X).compile()
+    names = op_names(compiled)
+    assert names and all(" " not in name for name in names)
+    assert kernel_op_matcher(compiled, ("flash_fwd",))("flash_fwd.3")
+    assert not kernel_op_matcher(compiled, ("flash_fwd",))("flash_fwd_helper.3")
+
+
+# --- roofline ---
+
+MHA = Problem(2, 8, 8, 1024, 1024, 128, "bfloat16", False, "fwd")
+GQA_CAUSAL = Problem(1, 8, 2, 512, 256, 64, "float32", True, "fwd_bwd")
+
+
+def test_roofline_formulas_against_hand_computed_values() -> None:
+    # MHA: 1024 x 1024 pairs; 4 FLOPs per pair and head_dim, batch 2, 8 heads.
+    assert attention_pairs(MHA) == 1_048_576
+    assert attention_flops(MHA) == 4 * 2 * 8 * 128 * 1_048_576 == 8_589_934_592
+    # |Q| = |O| = 2*8*1024*128 = 2_097_152 elements = |K| = |V|; bf16: 2 bytes each.
+    assert attention_bytes(MHA) == 2 * 4 * 2_097_152 == 16_777_216
+    # Causal, top-left aligned, q 512 over kv 256: rows 0..255 keep 1..256 keys (32_896),
+    # rows 256..511 all 256 (65_536).
+    assert attention_pairs(GQA_CAUSAL) == 32_896 + 65_536 == 98_432
+    assert attention_flops(GQA_CAUSAL) == 14 * 8 * 64 * 98_432 == 705_560_576
+    # |Q| = 8*512*64 = 262_144; |K| = 2*256*64 = 32_768; float32; lse 4 bytes x 2 x 4096 rows.
+    assert attention_bytes(GQA_CAUSAL) == 4 * 6 * (262_144 + 32_768) + 8 * 4096 == 7_110_656
+    # Square causal: about half the pairs.
+    assert attention_pairs(Problem(1, 1, 1, 4, 4, 8, causal=True)) == 10
+
+    peaks = Peaks(flops_per_s=100e12, bytes_per_s=1e12, source="test")
+    # 8.59 GFLOP take 85.9 us at 100 TFLOP/s, 16.8 MB take 16.8 us at 1 TB/s: compute binds.
+    at_half = roofline(MHA, 2 * 8_589_934_592 / 100e12 * 1e3, peaks)
+    assert (at_half.bound, at_half.fraction, at_half.tflops) == ("compute", pytest.approx(0.5),
+                                                                 pytest.approx(50.0))
+    slow_memory = Peaks(flops_per_s=100e12, bytes_per_s=0.1e12, source="test")
+    memory = roofline(MHA, 1.0, slow_memory)  # 16.8 MB at 0.1 TB/s: 168 us of 1 ms
+    assert (memory.bound, memory.fraction) == ("memory", pytest.approx(0.16777216))
+    assert roofline(MHA, 1.0, None).fraction is None
+
+
+def test_peaks_from_jax_and_the_gpu_table_and_none_on_cpu() -> None:
+    v5e = tpu_peaks("TPU v5 lite", 1)
+    assert (v5e.flops_per_s, v5e.bytes_per_s) == (197e12, 820e9)
+    assert tpu_peaks("TPU v4", 2).flops_per_s == 2 * 137.5e12  # megacore: both TensorCores
+    assert tpu_peaks("TPU v99", 1) is None
+    assert gpu_peaks("NVIDIA H200", "bfloat16").bytes_per_s == 4.8e12
+    assert gpu_peaks("NVIDIA H100 80GB HBM3", "float32").flops_per_s == 494.5e12
+    assert gpu_peaks("NVIDIA H100 PCIe", "bfloat16").flops_per_s == 756.5e12
+    assert gpu_peaks("Tesla T4", "bfloat16") is None
+    assert device_roofline(jax.devices()[0], MHA, 1.0) is None
