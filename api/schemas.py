@@ -76,13 +76,22 @@ _KeyText = {name: Annotated[str, Field(min_length=1, max_length=TEXT_LIMITS[name
                                        pattern=TEXT_PATTERN)] for name in KEY_TEXT_FIELDS}
 
 
-class LookupKey(ProblemFields):
+class ChoiceKey(ProblemFields):
+    """A kernel choice to look up: the device kind and the problem (no kernel: the choice
+    names it)."""
+
+    device_kind: _KeyText["device_kind"]
+
+    def to_choice_request(self) -> tuple[str, Problem]:
+        return self.device_kind, self.to_problem()
+
+
+class LookupKey(ChoiceKey):
     """What to look up. ``kernel_version`` defaults to the server's installed kernel;
     ``platform`` to any platform of the device kind."""
 
     kernel: _KeyText["kernel"] = DEFAULT_KERNEL
     kernel_version: _KeyText["kernel_version"] | None = None
-    device_kind: _KeyText["device_kind"]
     platform: _KeyText["platform"] | None = None
 
     def to_request(self) -> LookupRequest:
@@ -91,9 +100,12 @@ class LookupKey(ProblemFields):
                              platform=self.platform)
 
 
-# A stored key, flat (storage.ConfigKey.to_dict): its text fields, then the problem's.
-KeyOut = create_model("KeyOut", **{name: (str, ...) for name in KEY_TEXT_FIELDS},
-                      **{f.name: (_PROBLEM_HINTS[f.name], ...) for f in dataclasses.fields(Problem)})
+# A problem as answered, and a stored key, flat (storage.ConfigKey.to_dict): the problem's
+# fields and the key's text fields.
+ProblemOut = create_model("ProblemOut", **{f.name: (_PROBLEM_HINTS[f.name], ...)
+                                           for f in dataclasses.fields(Problem)})
+KeyOut = create_model("KeyOut", __base__=ProblemOut,
+                      **{name: (str, ...) for name in KEY_TEXT_FIELDS})
 
 
 # A config of the key's kernel: its fields are that kernel's (``TunableKernel.config_type``),
@@ -232,6 +244,64 @@ class ImportResponse(BaseModel):
     inserted: int
     replaced: int
     kept: int
+    choices: int = Field(description="Kernel choices stored (each replaces the key's).")
+
+
+class KernelTimingOut(BaseModel):
+    """A candidate's confirmed median and spread (IQR), or the failure class that kept it
+    out of the choice."""
+
+    median_ms: float | None = None
+    iqr_ms: float | None = None
+    failure: str | None = None
+
+
+class _ChoiceFields(BaseModel):
+    kernel: str = Field(description="The chosen kernel.")
+    config: dict[str, int] = Field(description="Its config for this problem.")
+    times_ms: dict[str, float | None] = Field(
+        description="Every candidate's confirmed median (null: it failed, see candidates).")
+    candidates: dict[str, KernelTimingOut]
+    problem: ProblemOut = Field(description="The problem the choice was measured on.")
+    provenance: dict[str, str | None] = Field(
+        description="Platform, chosen kernel's version, method and jax/jaxlib/libtpu versions.")
+
+
+class ChoiceResponse(_ChoiceFields):
+    match: Literal["exact", "nearest"]
+
+
+class ChoiceOut(_ChoiceFields):
+    device_kind: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class BatchChoiceRequest(_Strict):
+    keys: Annotated[list[ChoiceKey], Field(min_length=1, max_length=MAX_BATCH_KEYS)]
+
+
+class BatchChoiceItem(BaseModel):
+    found: bool
+    kernel: str | None = None
+    config: dict[str, int] | None = None
+    match: Literal["exact", "nearest"] | None = None
+    times_ms: dict[str, float | None] | None = None
+    candidates: dict[str, KernelTimingOut] | None = None
+    problem: ProblemOut | None = None
+    provenance: dict[str, str | None] | None = None
+    detail: str | None = None
+
+
+class BatchChoiceResponse(BaseModel):
+    results: list[BatchChoiceItem]
+
+
+class ChoicePage(BaseModel):
+    items: list[ChoiceOut]
+    total: int
+    offset: int
+    limit: int
 
 
 class ErrorResponse(BaseModel):

@@ -16,11 +16,11 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -35,6 +35,7 @@ from kernel.tolerance import relative_error as output_error
 from present.text import first_line
 
 Config = Any  # the measured kernel's config type (``TunableKernel.config_type``)
+K = TypeVar("K", bound=Hashable)
 BuildFn = Callable[[Problem, Config], Callable[..., Any]]
 RUN_COUNT = jax.ShapeDtypeStruct((), np.int32)  # the run count a looped program takes first
 log = logging.getLogger(__name__)
@@ -283,27 +284,44 @@ class Measurer:
         self.timing_note = f"timing with {self.timing} instead of profile: {reason}"
         (self.notify or log.warning)(self.timing_note)
 
+    def checked(self, config: Config) -> tuple[Program | None, Measurement | None]:
+        """``config`` compiled and run once against the reference: ``(program, None)``, or
+        ``(None, its failure)``."""
+        try:
+            program, compile_s = self._compile(config)
+        except Exception as error:  # noqa: BLE001 - any compiler failure is a result
+            return None, Measurement.failure(classify_compile_error(str(error)),
+                                             error=first_line(str(error)))
+        failure, _ = self._check(program, compile_s)
+        return (None, failure) if failure else (program, None)
+
+    def timer(self, program: Program, runs_per_round: int = 3) -> Callable[[], Timing]:
+        """One round of :func:`interleaved` for ``program``: ``runs_per_round`` samples, timed
+        with the same method as the search."""
+        return lambda: self.time(program, runs=runs_per_round)
+
     def confirm(self, configs: Sequence[Config], rounds: int = 5,
                 runs_per_round: int = 3) -> dict[Config, Timing]:
-        """Re-measures ``configs`` interleaved (A B C A B C ...), so drift and noise hit all
-        alike; each round contributes the median of ``runs_per_round`` runs per config, timed
-        with the same method as the search. Configs that fail to compile, run or pass the
-        correctness gate here are left out (the default is confirmed even when the search
-        never measured it)."""
-        compiled = {}
+        """Re-measures ``configs`` :func:`interleaved`. Configs that fail to compile, run or
+        pass the correctness gate here are left out (the default is confirmed even when the
+        search never measured it)."""
+        timers = {}
         for config in dict.fromkeys(configs):
-            try:
-                program, compile_s = self._compile(config)
-            except Exception:  # noqa: BLE001 - any compiler failure leaves the config out
-                continue
-            if self._check(program, compile_s)[0] is None:
-                compiled[config] = program
-        samples: dict[Config, list[float]] = {config: [] for config in compiled}
-        for _ in range(rounds):
-            for config, program in compiled.items():
-                samples[config].append(self.time(program, runs=runs_per_round).median_ms)
-        return {config: Timing(tuple(values)) for config, values in samples.items()}
+            program, _ = self.checked(config)
+            if program is not None:
+                timers[config] = self.timer(program, runs_per_round)
+        return interleaved(timers, rounds)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._compiles.clear()
+
+
+def interleaved(timers: Mapping[K, Callable[[], Timing]], rounds: int) -> dict[K, Timing]:
+    """Runs every timer once per round, interleaved (A B C A B C ...), so drift and noise hit
+    all alike; each round contributes the median of that timer's runs."""
+    samples: dict[K, list[float]] = {key: [] for key in timers}
+    for _ in range(rounds):
+        for key, timer in timers.items():
+            samples[key].append(timer().median_ms)
+    return {key: Timing(tuple(values)) for key, values in samples.items()}

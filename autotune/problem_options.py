@@ -37,16 +37,28 @@ _OPTIONS: list[inspect.Parameter] = [
 _NAMES = [p.name for p in _OPTIONS]
 
 
-def _known_kernel(name: str) -> str:
+def known_kernel(name: str | None) -> str | None:
+    if name is None:
+        return None
     try:
         return get_kernel(name).name
     except ConfigError as error:
         raise typer.BadParameter(str(error)) from None
 
 
+def known_kernels(names: str | None) -> list[str] | None:
+    """``--kernels``: comma-separated registered kernel names (None: not given)."""
+    if names is None:
+        return None
+    out = [name.strip() for name in names.split(",") if name.strip()]
+    if not out:
+        raise typer.BadParameter("name at least one kernel, e.g. --kernels flash,xla")
+    return list(dict.fromkeys(known_kernel(name) for name in out))
+
+
 # ``--kernel`` of every command that tunes, checks or looks up a kernel (default ``flash``).
 KernelOption = Annotated[str, typer.Option(
-    "--kernel", callback=_known_kernel,
+    "--kernel", callback=known_kernel,
     help=f"Registered kernel: {' | '.join(kernel_names())}.")]
 
 

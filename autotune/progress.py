@@ -22,8 +22,10 @@ def trial_record(problem: Problem, result: TrialResult) -> dict[str, Any]:
 class TuneProgress:
     """A :class:`autotune.tune.TuneObserver` for the CLI."""
 
-    def __init__(self, problem: Problem, budget: int, *, json_output: bool = False) -> None:
+    def __init__(self, problem: Problem, budget: int, *, json_output: bool = False,
+                 kernel: str | None = None) -> None:
         self.problem = problem
+        self.kernel = kernel  # named in the bar and the JSON lines when several are tuned
         self.json_output = json_output
         self.failures: Counter[str] = Counter()
         self.measured = 0
@@ -31,7 +33,8 @@ class TuneProgress:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
         self._task = None if self._progress is None else self._progress.add_task(
-            problem.label(), total=budget, status="starting")
+            f"{kernel} {problem.label()}" if kernel else problem.label(), total=budget,
+            status="starting")
 
     def __enter__(self) -> TuneProgress:
         if self._progress is not None:
@@ -48,7 +51,8 @@ class TuneProgress:
         if not result.measurement.ok:
             self.failures[result.measurement.status] += 1
         if self.json_output:
-            print(json.dumps(trial_record(self.problem, result)), flush=True)
+            kernel = {"kernel": self.kernel} if self.kernel else {}
+            print(json.dumps({**trial_record(self.problem, result), **kernel}), flush=True)
             return
         self._progress.update(self._task, completed=self.measured,
                               status=self._status(best, default_ms))

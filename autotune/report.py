@@ -1,8 +1,10 @@
 """``autotune report``: one self-contained HTML file of what tuning found.
 
 An index of the stored winners per device kind (speedup over the default, trials, failures,
-method, versions), then per problem the four plots of ``present.plots`` (landscape,
-convergence, confirmation, failures) embedded as PNG data URIs, so the file opens offline.
+method, versions), then per problem the kernel choice's bar chart (every candidate kernel's
+confirmed time with its spread, the chosen one marked) and the four plots of
+``present.plots`` (landscape, convergence, confirmation, failures) embedded as PNG data URIs,
+so the file opens offline.
 Rendered with the same templates as the service's detail page.
 """
 
@@ -37,11 +39,15 @@ def collect(store: Store, filters: Mapping[str, Any]) -> dict[str, list[ProblemV
         raise ReportError(f"no tuned configs match {wanted}; the database has configs for "
                           f"device kind(s) {', '.join(map(repr, kinds))}")
     storage = get_storage(store.url, create=False)
+    choices = {(stored.device_kind, stored.choice.problem): stored
+               for stored in store.list_choices(limit=None)[0]}
     devices: dict[str, list[ProblemView]] = {}
     for index, entry in enumerate(sorted(entries, key=lambda e: (
-            e.result.device_kind, e.result.problem.label()))):
-        devices.setdefault(entry.result.device_kind, []).append(
-            problem_view(entry, storage, anchor=f"problem-{index + 1}"))
+            e.result.device_kind, e.result.problem.label(), e.result.kernel))):
+        result = entry.result
+        devices.setdefault(result.device_kind, []).append(problem_view(
+            entry, storage, anchor=f"problem-{index + 1}",
+            choice=choices.get((result.device_kind, result.problem))))
     return devices
 
 

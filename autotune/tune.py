@@ -30,6 +30,7 @@ from storage import Store, TunedResult
 from storage.studies import get_storage
 
 MAX_WARM_SEEDS = 3
+NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,12 @@ def choose_winner(timings: dict[Config, Timing], default: Config) -> Config:
 
 
 class NothingToPublish(RuntimeError):
-    """No config of the problem worked on this device, not even the default."""
+    """No config of the problem worked on this device, not even the default. ``failures``:
+    how many configs ended in each failure class."""
+
+    def __init__(self, message: str, failures: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
 
 
 class TuneInterrupted(KeyboardInterrupt):
@@ -184,7 +190,9 @@ class TuneObserver(Protocol):
 class TuneJob:
     """One problem on this device, open from the search to the publish: the kernel, space,
     study and measurer. ``search`` may run more than once (a resume pass measures only what
-    the study-wide budget still lacks); ``publish`` confirms the winner and stores it."""
+    the study-wide budget still lacks); ``publish`` confirms the winner and stores it. A
+    kernel without tunable fields (``xla``) has no space and no study: its one config is
+    confirmed alone."""
 
     def __init__(self, problem: Problem, store: Store, db_url: str | None,
                  options: TuneOptions = TuneOptions(), observer: TuneObserver | None = None,
@@ -194,13 +202,16 @@ class TuneJob:
         target = device_target(self.device.platform, self.device.device_kind)
         tunable(kernel, problem, target)
         self.problem, self.store, self.options, self.observer = problem, store, options, observer
-        self.space, self.base = kernel_space(kernel, problem, target)
+        self.space, self.base = (kernel_space(kernel, problem, target)
+                                 if kernel.space_params(problem)
+                                 else (None, kernel.default_config(problem, target)))
         self.storage = get_storage(db_url)
         self.measurer = Measurer(problem, self.base, kernel,
                                  compile_timeout_s=options.compile_timeout_s,
                                  timing=options.timing,
                                  notify=observer.on_notice if observer else None)
-        self._default_params = {name: getattr(self.base, name) for name in self.space.names}
+        self._default_params = ({name: getattr(self.base, name) for name in self.space.names}
+                                if self.space else {})
         self._default_ms: list[float] = []  # the default's search-time measurement, once seen
         try:  # all trials then share one timing method, and its study
             self.measurer.settle_timing(self._default_params)
@@ -222,6 +233,8 @@ class TuneJob:
 
     def search(self) -> SearchResult:
         options = self.options
+        if self.space is None:
+            return SearchResult(self.name, None, 0, [], [], NOTHING_TO_SEARCH, 0.0)
         return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
                       sampler=options.sampler, trials=options.trials, timeout=options.timeout,
                       patience=options.patience,
@@ -236,14 +249,16 @@ class TuneJob:
                                                   self.kernel, self.device)
         if self.observer:
             self.observer.on_phase("confirming")
-        study = optuna.load_study(study_name=self.name, storage=self.storage)
-        top = _top_configs(study, base, options.confirm_top)
+        study = (optuna.load_study(study_name=self.name, storage=self.storage)
+                 if self.space else None)
+        top = _top_configs(study, base, options.confirm_top) if study else []
         timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        failures = _failures(study) if study else {}
         if not timings:
             raise NothingToPublish(
                 f"no config of {problem.label()} compiled, ran and passed the correctness "
                 f"check on {device.device_kind} (the default and the best "
-                f"{options.confirm_top} measured); nothing published")
+                f"{options.confirm_top} measured); nothing published", failures)
         winner = choose_winner(timings, base)
         winner_ms = timings[winner].median_ms
         default_ms = timings[base].median_ms if base in timings else None
@@ -255,26 +270,27 @@ class TuneJob:
                         for c, t in timings.items()}
         # The study is complete before the entry names it: a kill in between leaves no entry
         # whose study lacks its confirmation.
-        study.set_user_attr("confirmation", list(confirmation.values()))
-        study.set_user_attr("problem", problem.to_dict())
-        study.set_user_attr("device_kind", device.device_kind)
-        study.set_user_attr("kernel", kernel.name)
+        if study:
+            study.set_user_attr("confirmation", list(confirmation.values()))
+            study.set_user_attr("problem", problem.to_dict())
+            study.set_user_attr("device_kind", device.device_kind)
+            study.set_user_attr("kernel", kernel.name)
         outcome = self.store.publish(TunedResult(
             kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
             problem=problem, config=winner, median_ms=winner_ms,
             iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
             speedup=speedup, trials=result.measured, method=self.measurer.method,
             timing=self.measurer.timing, **result_roofline(roofline),
-            study=self.name, device_index=options.device_index,
+            study=self.name if study else None, device_index=options.device_index,
             **{f"{package}_version": version
                for package, version in installed_versions().items()}),
             force=options.force)
         return TuneSummary(
             problem=problem, kernel=kernel.name, device_kind=device.device_kind,
-            method=self.measurer.method, study=self.name,
+            method=self.measurer.method, study=self.name if study else "",
             best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
             speedup=speedup, measured=result.measured,
-            failures=_failures(study), winner_is_default=winner == base,
+            failures=failures, winner_is_default=winner == base,
             publish=outcome.status, stop_reason=result.stop_reason,
             device_index=options.device_index, timing=self.measurer.timing,
             timing_note=self.measurer.timing_note, roofline=roofline,

@@ -36,8 +36,8 @@ def run(devices: int, trials: int, work: Path) -> dict[str, float]:
     shapes = work / "shapes.json"
     shapes.write_text(json.dumps([p.to_dict() for p in PROBLEMS]))
     start = time.perf_counter()
-    process = subprocess.Popen([AUTOTUNE, "tune", "--shapes", str(shapes), "--devices",
-                                str(devices), "--trials", str(trials), "--db", db, "--json"],
+    process = subprocess.Popen([AUTOTUNE, "tune", "--kernel", "flash", "--shapes", str(shapes),
+                                "--devices", str(devices), "--trials", str(trials), "--db", db, "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     first = None
     measured = 0

@@ -26,6 +26,10 @@ On this CPU-only host the kernels run in interpret mode (a correctness run of th
 the times say nothing about a GPU)::
 
     python bench/gpu_check.py --interpret --shape 1,2,256,64 --trials 4
+
+Then it runs ``bench/choice.py`` (``--choice grid|full|none``): every candidate kernel's
+confirmed time and the chosen kernel over a grid of shapes (this part needs the project's
+dependencies too: it tunes and stores through ``autotune`` and ``storage``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=2, help="best configs re-measured")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--choice", default=None, choices=["grid", "full", "none"],
+                        help="then bench/choice.py (which kernel wins each shape): its default "
+                             "grid, its full grid, or not (default: grid on the device, none "
+                             "with --interpret)")
     return parser.parse_args()
 
 
@@ -162,6 +170,18 @@ def main() -> None:
               f"{cudnn}; {out['trials']} trials in {out['search_s']} s, "
               f"failures {out['failures']}")
         print(json.dumps(out), flush=True)
+    run_choice(args)
+
+
+def run_choice(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """``bench/choice.py`` (beside this script) as ``--choice`` says: which kernel wins each
+    shape of its grid here; None when not run."""
+    mode = args.choice or ("none" if args.interpret else "grid")
+    if mode == "none":
+        return None
+    import choice
+
+    return choice.main(["--full"] if mode == "full" else [])
 
 
 if __name__ == "__main__":

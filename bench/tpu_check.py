@@ -22,6 +22,9 @@ Sections (each kernel and config is checked against the XLA reference before it 
    with achieved TFLOP/s and its fraction of the chip's roofline.
 4. ``precheck``: for the first shape, every candidate with the VMEM estimate's verdict next to
    the chip's compile result (with ``--interpret``: a deviceless compile for v5e).
+5. ``choice`` (``--choice grid|full|none``; default grid on a TPU, none with ``--interpret``):
+   ``bench/choice.py``, every candidate kernel's confirmed time and the chosen kernel over a
+   grid of shapes.
 
 ``--interpret`` runs it all on a CPU with tiny shapes (the kernels in interpret mode; ``profile``
 cannot see a Pallas kernel there, so its rows say why; times are no device figure)::
@@ -101,6 +104,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precheck-limit", type=int, default=None,
                         help="compile at most this many candidates (default: all; 4 with "
                              "--interpret)")
+    parser.add_argument("--choice", default=None, choices=["grid", "full", "none"],
+                        help="then bench/choice.py (which kernel wins each shape): its default "
+                             "grid, its full grid, or not (default: grid on the device, none "
+                             "with --interpret)")
     parser.add_argument("--out", type=Path, default=Path("tpu_check.json"))
     parser.add_argument("--html", type=Path, default=Path("tpu_check.html"))
     return parser.parse_args()
@@ -365,6 +372,9 @@ def main() -> None:
         sys.exit(f"no TPU found (JAX sees {jax.devices()[0].device_kind}); pass --interpret "
                  "to run on a CPU")
     report = run(args)
+    from gpu_check import run_choice  # bench/gpu_check.py, beside this script
+
+    report["choice"] = run_choice(args)
     args.out.write_text(json.dumps(report, indent=1, default=str))
     write_html(report, args.html)
     for timed in report["timing"]:

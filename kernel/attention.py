@@ -39,12 +39,15 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
     defaults to ``head_dim ** -0.5``.
 
-    The backend is the one resolved for the default device's platform
-    (:meth:`kernel.resolve.Resolver.platform_kernel`: ours on a TPU and, interpreted, on a
-    CPU; upstream's Pallas Triton kernel on a GPU). ``config`` is one of that backend's configs,
-    checked against its rules; by default it is resolved per problem at trace time, the
-    ``fwd_bwd`` entry when differentiated. Any other keyword (segment ids, bias, soft-cap,
-    sliding window, dropout, ...) raises ``TypeError`` naming it as unsupported.
+    Without ``config``, the backend is the one the kernel choice for this problem and device
+    names (pinned table > lookup service; when it cannot run here, the choice's next best
+    candidate that can, else ``xla``), and its config is resolved per problem at trace time,
+    the ``fwd_bwd`` entry when differentiated. Without a choice, or with an explicit
+    ``config`` (one of its configs, checked against its rules), it is the platform's backend
+    (:meth:`kernel.resolve.Resolver.platform_kernel`: ours on a TPU, or ``AUTOTUNE_TPU_KERNEL``
+    which also disables choices there, and, interpreted, on a CPU; upstream's Pallas Triton
+    kernel on a GPU). Any other keyword (segment ids, bias, soft-cap, sliding window,
+    dropout, ...) raises ``TypeError`` naming it as unsupported.
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
@@ -60,16 +63,17 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
                                   f"not on {platform!r}")
     resolver = get_resolver()
-    backend = resolver.platform_kernel(platform)
     target = device_target(platform, device_kind)
+    pick = resolver.pick(problem, device_kind, platform, target) if config is None else None
+    backend = pick.kernel if pick else resolver.platform_kernel(platform)
     broken = backend.problem_violations(problem)
     if broken:
         raise ConfigError(f"kernel {backend.name!r} cannot run {problem.label()}: "
                           + "; ".join(map(str, broken)))
-    if config is None:
+    if pick is not None:
         def config_for(mode: str) -> Any:
-            return resolver.resolve(dataclasses.replace(problem, mode=mode), device_kind, backend.name,
-                                    target).config
+            return resolver.resolve(dataclasses.replace(problem, mode=mode), device_kind,
+                                    backend.name, target, pick.by).config
     else:
         config_for = _explicit(backend, problem, config, target, platform)
     return backend.attention(problem, config_for, float(sm_scale))(q, k, v)

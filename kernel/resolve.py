@@ -1,10 +1,14 @@
-"""Resolution at trace time: which backend runs on this platform, and with which config.
+"""Resolution at trace time: which backend runs for a problem, and with which config.
 
-The whole order lives in :meth:`Resolver.resolve`: pinned table > lookup service > the
-backend's default, each candidate checked against the backend's rules for the device before it
-is used (the one legality fallback). An explicit config never reaches the resolver: the
-wrapper checks it and raises. Every answer, misses and fallbacks included, is cached per key
-for the life of the process, and the first fallback per key logs one warning saying why.
+The whole order lives here. The backend (:meth:`Resolver.pick`): a pinned TPU kernel
+(``AUTOTUNE_TPU_KERNEL``) wins; else the kernel choice for the problem (pinned table > lookup
+service), falling back to the choice's next best candidate that can run here, then ``xla``;
+without a choice, the platform's backend. The config (:meth:`Resolver.resolve`): the choice's
+config for its kernel, then pinned table > lookup service > the backend's default, each
+checked against the backend's rules for the device before it is used (the one legality
+fallback). An explicit config never reaches the resolver: the wrapper checks it and raises.
+Every answer, misses and fallbacks included, is cached per key for the life of the process,
+and the first fallback per key logs one warning saying why.
 
 Pure Python and the standard library only (http.client), so a model build that embeds a table
 needs nothing but jax. The service gets a deadline for the whole request, a reply size cap and
@@ -13,6 +17,7 @@ a circuit breaker: a slow, down or garbage-answering service never fails a trace
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import importlib.metadata
 import json
@@ -28,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from kernel.contract import TunableKernel
-from kernel.problem import Problem
+from kernel.errors import ConfigError
+from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
-from kernel.table import LookupTable
+from kernel.table import KernelChoice, LookupTable
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,7 @@ log = logging.getLogger(__name__)
 SOURCES = ("table", "service", "default")
 MAX_REPLY_BYTES = 64 * 1024  # a lookup answer is well under 1 KiB
 VERSIONED_PACKAGES = ("jax", "jaxlib", "libtpu")
+SAFE_KERNEL = "xla"  # runs every problem on every platform: the last fallback of a choice
 Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
 
 
@@ -51,10 +58,25 @@ class Resolution:
     source: str  # one of SOURCES
     detail: str = ""
     stale: str = ""
+    kernel_by: str = ""  # why this backend ran, when a kernel choice picked it
 
     def describe(self) -> str:
-        """The source, marked when stale: ``table`` or ``table (stale: jax 0.9.0 ...)``."""
-        return f"{self.source} (stale: {self.stale})" if self.stale else self.source
+        """The source, marked when stale and with how a choice picked the kernel: ``table``,
+        ``table (stale: jax 0.9.0 ...)``, ``default; kernel: next best ...``."""
+        described = f"{self.source} (stale: {self.stale})" if self.stale else self.source
+        return f"{described}; kernel: {self.kernel_by}" if self.kernel_by else described
+
+
+@dataclass(frozen=True)
+class KernelPick:
+    """The backend that runs a problem, and why: ``by`` is empty without a choice, else
+    ``chosen (...)`` or ``next best (...)`` naming where the choice came from."""
+
+    kernel: TunableKernel
+    by: str = ""
+    choice: KernelChoice | None = None
+    source: str = ""  # where the choice came from: table or service
+    stale: str = ""
 
 
 def _env_number(name: str, default: float) -> float:
@@ -132,6 +154,8 @@ class Resolver:
         self.settings = settings or ResolverSettings.from_env()
         self._lock = threading.Lock()
         self._cache: dict[Key, Resolution] = {}
+        self._picks: dict[tuple[str, str, Problem], KernelPick] = {}
+        self._choice_configs: dict[Key, Resolution] = {}
         self._tables: list[LookupTable] = []
         self._kernels: dict[str, TunableKernel] = {}
         self._installed = installed_versions()
@@ -147,6 +171,8 @@ class Resolver:
         with self._lock:
             self._tables.append(table)
             self._cache.clear()
+            self._picks.clear()
+            self._choice_configs.clear()
 
     def platform_kernel(self, platform: str) -> TunableKernel:
         """The backend ``flash_attention`` runs on a JAX platform, with what the installed JAX
@@ -169,19 +195,115 @@ class Resolver:
             self._kernels[name] = get_kernel(name).discover()
         return self._kernels[name]
 
+    def pick(self, problem: Problem, device_kind: str, platform: str,
+             target: Target) -> KernelPick:
+        """The backend that runs ``problem`` (as called) on this device, when no explicit
+        config pins it to the platform's: the module docstring gives the order."""
+        key = (platform, device_kind, problem)
+        cached = self._picks.get(key)
+        if cached is not None:
+            return cached
+        with self._lock:
+            if key not in self._picks:
+                self._picks[key] = self._pick_uncached(problem, device_kind, platform, target)
+            return self._picks[key]
+
+    def _pick_uncached(self, problem: Problem, device_kind: str, platform: str,
+                       target: Target) -> KernelPick:
+        if platform == "tpu" and self.settings.tpu_kernel:
+            return KernelPick(self.platform_kernel(platform))
+        choice, source, why = self._find_choice(problem, device_kind)
+        if choice is None:
+            return KernelPick(self.platform_kernel(platform))
+        stale = stale_versions(choice.provenance, self._installed)
+        refused = []
+        for name in dict.fromkeys([*choice.ranked(), SAFE_KERNEL]):
+            reason = self._cannot_run(name, problem, target)
+            if reason:
+                refused.append(reason)
+                continue
+            if name == choice.kernel:
+                by = f"chosen ({why})"
+            else:
+                by = f"next best ({why}: " + "; ".join(refused) + ")"
+                log.warning("flash-autotune: running %s for %s on %s instead of the chosen %s "
+                            "(%s)", name, problem.label(), device_kind, choice.kernel,
+                            "; ".join(refused))
+            if name == choice.kernel:
+                self._choice_configs[(name, device_kind, dataclasses.replace(
+                    problem, mode=choice.problem.mode))] = Resolution(choice.config, source,
+                                                                      why, stale)
+            return KernelPick(self.kernel(name), by, choice, source, stale)
+        log.warning("flash-autotune: no candidate of the kernel choice for %s on %s can run "
+                    "here (%s); using the platform's kernel", problem.label(), device_kind,
+                    "; ".join(refused))
+        return KernelPick(self.platform_kernel(platform))
+
+    def _cannot_run(self, name: str, problem: Problem, target: Target) -> str:
+        """Why backend ``name`` cannot run ``problem`` on ``target`` ('' when it can)."""
+        if name not in KERNELS:
+            return f"kernel {name!r} is not in this build"
+        kernel = self.kernel(name)
+        try:
+            kernel.target(target)
+        except ConfigError as error:
+            return str(error)
+        broken = kernel.problem_violations(problem)
+        if broken:
+            return (f"kernel {name!r} cannot run {problem.label()}: "
+                    + "; ".join(map(str, broken)))
+        return ""
+
+    def _find_choice(self, problem: Problem,
+                     device_kind: str) -> tuple[KernelChoice | None, str, str]:
+        """The kernel choice for ``problem``: pinned tables, then the service; the called
+        mode's first, then the other's (a model tuned for training traces its forward pass
+        before it is differentiated). ``(choice, source, match)``, or ``(None, '', why)``."""
+        modes = [problem.mode, *(mode for mode in MODES if mode != problem.mode)]
+        reasons = []
+        for source, found in (("table", self._choice_from_tables),
+                              ("service", self._choice_from_service)):
+            for mode in modes:
+                choice, why = found(dataclasses.replace(problem, mode=mode), device_kind)
+                if choice is not None:
+                    return choice, source, why
+                reasons.append(why)
+        return None, "", "; ".join(reasons)
+
+    def _choice_from_tables(self, problem: Problem,
+                            device_kind: str) -> tuple[KernelChoice | None, str]:
+        for table in self._tables:
+            if table.device_kind == device_kind:
+                found = table.lookup_choice(problem)
+                if found:
+                    return found[0], f"{found[1]} choice in pinned table"
+        return None, f"no pinned kernel choice for {problem.label()} on {device_kind!r}"
+
+    def _choice_from_service(self, problem: Problem,
+                             device_kind: str) -> tuple[KernelChoice | None, str]:
+        answer, why = self._ask_service(
+            "/v1/choices/lookup", {"device_kind": device_kind, **_problem_params(problem)},
+            "lookup service has no kernel choice for this key",
+            lambda answer: (KernelChoice.from_dict(answer), answer.get("match")))
+        if answer is None:
+            return None, why
+        return answer[0], f"{answer[1]} choice from service"
+
     def resolve(self, problem: Problem, device_kind: str, kernel_name: str,
-                target: Target) -> Resolution:
+                target: Target, kernel_by: str = "") -> Resolution:
         """The config of ``kernel_name`` for ``problem`` on a device of ``device_kind``, whose
-        rules are ``target``'s: the first of the pinned tables, the service and the default
-        that is legal there."""
+        rules are ``target``'s: the first of the kernel choice's config (when the choice
+        picked this kernel), the pinned tables, the service and the default that is legal
+        there. ``kernel_by``: how :meth:`pick` chose the kernel, for :meth:`sources`."""
         key = (kernel_name, device_kind, problem)
         cached = self._cache.get(key)  # dict reads are atomic: the hot path takes no lock
         if cached is not None:
             return cached
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = self._resolve_uncached(problem, device_kind,
-                                                          self.kernel(kernel_name), target)
+                resolution = self._resolve_uncached(problem, device_kind,
+                                                    self.kernel(kernel_name), target)
+                self._cache[key] = dataclasses.replace(resolution, kernel_by=kernel_by)
             return self._cache[key]
 
     def sources(self) -> dict[Key, str]:
@@ -191,6 +313,13 @@ class Resolver:
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:
         reasons = []
+        chosen = self._choice_configs.get((kernel.name, device_kind, problem))
+        if chosen is not None:
+            broken = kernel.violations(problem, chosen.config, target)
+            if not broken:
+                return chosen
+            reasons.append(f"the kernel choice's config {chosen.config.label()} is illegal "
+                           "here: " + "; ".join(map(str, broken)))
         for source, found in (("table", self._from_tables), ("service", self._from_service)):
             config, provenance, why = found(problem, device_kind, kernel)
             if config is None:
@@ -222,31 +351,46 @@ class Resolver:
 
     def _from_service(self, problem: Problem, device_kind: str,
                       kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
+        answer, why = self._ask_service(
+            "/v1/configs/lookup",
+            dict(kernel=kernel.name, device_kind=device_kind, **_problem_params(problem)),
+            "lookup service has no config for this key",
+            lambda answer: (kernel.config_from_dict(answer["config"]),
+                            answer.get("provenance") or {}, answer.get("match")))
+        if answer is None:
+            return None, {}, why
+        config, provenance, match = answer
+        return config, provenance, f"{match} match from service"
+
+    def _ask_service(self, path: str, params: Mapping[str, Any], miss: str,
+                     parse: Any) -> tuple[Any, str]:
+        """One GET of the service (one deadline), its JSON answer through ``parse``:
+        ``(parsed, '')``, or ``(None, why)``. A 404 is ``miss``; any failure, a bad answer
+        included, opens the circuit breaker."""
         if not self.settings.url:
-            return None, {}, "AUTOTUNE_URL unset"
+            return None, "AUTOTUNE_URL unset"
         if time.monotonic() < self._breaker_open_until:
-            return None, {}, "lookup service failed recently (circuit breaker open)"
-        query = urllib.parse.urlencode(dict(
-            kernel=kernel.name, device_kind=device_kind,
-            **{k: str(v).lower() if isinstance(v, bool) else v
-               for k, v in problem.to_dict().items()}))
+            return None, "lookup service failed recently (circuit breaker open)"
         self.service_requests += 1
-        status, body, failure = _get(f"{self.settings.url.rstrip('/')}/v1/configs/lookup?"
-                                     f"{query}", self.settings.timeout_s)
+        status, body, failure = _get(f"{self.settings.url.rstrip('/')}{path}?"
+                                     f"{urllib.parse.urlencode(params)}", self.settings.timeout_s)
         if status == 404:
-            return None, {}, "lookup service has no config for this key"
+            return None, miss
         if failure is None and status != 200:
             failure = f"lookup service answered HTTP {status}"
         if failure is None:
             try:
-                answer = json.loads(body)
-                provenance = answer.get("provenance") or {}
-                return (kernel.config_from_dict(answer["config"]), provenance,
-                        f"{answer.get('match')} match from service")
+                return parse(json.loads(body)), ""
             except Exception as error:  # noqa: BLE001 - any garbage answer falls back
                 failure = f"lookup service sent a bad answer: {type(error).__name__}: {error}"
         self._breaker_open_until = time.monotonic() + self.settings.breaker_s
-        return None, {}, failure
+        return None, failure
+
+
+def _problem_params(problem: Problem) -> dict[str, Any]:
+    """The problem's fields as query parameters (booleans as ``true``/``false``)."""
+    return {k: str(v).lower() if isinstance(v, bool) else v
+            for k, v in problem.to_dict().items()}
 
 
 def _get(url: str, deadline_s: float) -> tuple[int | None, bytes, str | None]:
@@ -321,5 +465,6 @@ def use_table(path: str | Path) -> None:
 
 def resolution_sources() -> dict[Key, str]:
     """How each key traced so far in this process was resolved: ``table``, ``service`` or
-    ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu versions."""
+    ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu versions and
+    followed by ``; kernel: ...`` when a kernel choice picked the key's kernel (which ran)."""
     return get_resolver().sources()

@@ -1,7 +1,8 @@
-"""Lookup tables: tuned configs as plain, versioned JSON that a model build can embed.
+"""Lookup tables: tuned configs, and kernel choices, as plain versioned JSON a build can embed.
 
 Pure Python (no jax): the service exports and imports the same format, and uses the same
-nearest-match rule, as the kernel wrapper reading a pinned table.
+nearest-match rules, as the kernel wrapper reading a pinned table. Schema 2 added ``choices``
+(which kernel wins per problem on the table's device kind); schema 1 tables still load.
 """
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kernel.errors import AutotuneError, TableError
 from kernel.problem import Problem
-from kernel.registry import get_kernel
+from kernel.registry import KERNELS, get_kernel
 
-TABLE_SCHEMA_VERSION = 1
+TABLE_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: configs only; 2: configs and kernel choices
 
 
 @dataclass(frozen=True)
@@ -49,15 +51,116 @@ class TableEntry:
         config = get_kernel(kernel).config_from_dict(data["config"])
         numbers = {}
         for name in ("time_ms", "default_time_ms", "speedup"):
-            value = data.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(
-                    value, int | float) or not math.isfinite(value) or value < 0):
-                raise TableError(f"{name} must be a non-negative number, got {value!r}")
-            numbers[name] = value
-        provenance = data.get("provenance") or {}
-        if not isinstance(provenance, dict):
-            raise TableError("provenance must be a JSON object")
-        return cls(problem=problem, config=config, provenance=provenance, **numbers)
+            numbers[name] = _milliseconds(name, data.get(name))
+        return cls(problem=problem, config=config, provenance=_provenance(data), **numbers)
+
+
+def _milliseconds(name: str, value: Any) -> float | None:
+    """``value`` if it is None or a finite non-negative number, else a ``TableError``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not math.isfinite(value) or value < 0):
+        raise TableError(f"{name} must be a non-negative number, got {value!r}")
+    return value
+
+
+def _provenance(data: Mapping[str, Any]) -> dict[str, Any]:
+    provenance = data.get("provenance") or {}
+    if not isinstance(provenance, dict):
+        raise TableError("provenance must be a JSON object")
+    return provenance
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """One candidate kernel's confirmed outcome for a problem: its median and spread (IQR) in
+    milliseconds, or the failure class that kept it out (``compile_error``, ...)."""
+
+    median_ms: float | None = None
+    iqr_ms: float | None = None
+    failure: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.failure is not None:
+            return {"failure": self.failure}
+        return {"median_ms": self.median_ms, "iqr_ms": self.iqr_ms}
+
+    @classmethod
+    def from_dict(cls, data: Any, name: str) -> KernelTiming:
+        if not isinstance(data, dict):
+            raise TableError(f"candidate {name!r} must be a JSON object, got {data!r}")
+        failure = data.get("failure")
+        if failure is not None:
+            if not isinstance(failure, str) or not failure:
+                raise TableError(f"candidate {name!r}: failure must be a non-empty string")
+            return cls(failure=failure)
+        median = _milliseconds(f"candidate {name!r} median_ms", data.get("median_ms"))
+        if median is None:
+            raise TableError(f"candidate {name!r} needs a median_ms or a failure")
+        return cls(median, _milliseconds(f"candidate {name!r} iqr_ms", data.get("iqr_ms")))
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which kernel runs ``problem`` on the table's device kind, with which config, and the
+    evidence: every candidate's confirmed timing or failure. The chosen kernel may be unknown
+    to this build (a table from a newer one): its config then stays raw fields, and the
+    resolver runs the next best candidate it knows."""
+
+    problem: Problem
+    kernel: str
+    config: Any  # a config of ``kernel`` if registered here, else its fields as a dict
+    candidates: Mapping[str, KernelTiming] = field(default_factory=dict, hash=False,
+                                                   compare=False)
+    provenance: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def times_ms(self) -> dict[str, float | None]:
+        """Each candidate's confirmed median (None: it failed)."""
+        return {name: timing.median_ms for name, timing in self.candidates.items()}
+
+    def ranked(self) -> list[str]:
+        """The chosen kernel, then the other measured candidates, fastest first."""
+        measured = sorted((name for name, t in self.candidates.items()
+                           if t.median_ms is not None and name != self.kernel),
+                          key=lambda name: self.candidates[name].median_ms)
+        return [self.kernel, *measured]
+
+    def config_dict(self) -> dict[str, Any]:
+        return dict(self.config) if isinstance(self.config, Mapping) else self.config.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(problem=self.problem.to_dict(), kernel=self.kernel,
+                    config=self.config_dict(),
+                    candidates={name: t.to_dict() for name, t in self.candidates.items()},
+                    provenance=dict(self.provenance))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KernelChoice:
+        if not isinstance(data, dict):
+            raise TableError(f"a choice must be a JSON object, got {type(data).__name__}")
+        for name in _CHOICE_FIELDS:
+            if name not in data:
+                raise TableError(f"choice is missing {name!r}")
+        kernel, raw_candidates = (data[name] for name in _CHOICE_FIELDS[1::2])
+        if not isinstance(kernel, str) or not kernel:
+            raise TableError(f"choice kernel must be a non-empty string, got {kernel!r}")
+        if not isinstance(raw_candidates, dict):
+            raise TableError("choice candidates must be a JSON object (kernel -> timing)")
+        candidates = {name: KernelTiming.from_dict(raw, name)
+                      for name, raw in raw_candidates.items()}
+        if kernel not in candidates or candidates[kernel].median_ms is None:
+            raise TableError(f"chosen kernel {kernel!r} must be a candidate with a median_ms")
+        config = data["config"]
+        if kernel in KERNELS:
+            config = get_kernel(kernel).config_from_dict(config)
+        elif not isinstance(config, dict):
+            raise TableError(f"choice config must be a JSON object, got {config!r}")
+        return cls(Problem.from_dict(data["problem"]), kernel, config, candidates,
+                   _provenance(data))
+
+
+# A choice's required fields: problem, kernel, config, candidates (named through the class: a
+# module of ``kernel`` spelling its own package's name as a string reads as an import of it).
+_CHOICE_FIELDS = tuple(f.name for f in dataclasses.fields(KernelChoice)[:4])
 
 
 @dataclass(frozen=True)
@@ -70,12 +173,14 @@ class LookupTable:
     entries: tuple[TableEntry, ...]
     jax_version: str | None = None
     schema_version: int = TABLE_SCHEMA_VERSION
+    choices: tuple[KernelChoice, ...] = ()  # kernel choices on ``device_kind`` (any kernel)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(schema_version=self.schema_version, kernel=self.kernel,
                     kernel_version=self.kernel_version, device_kind=self.device_kind,
                     jax_version=self.jax_version,
-                    entries=[entry.to_dict() for entry in self.entries])
+                    entries=[entry.to_dict() for entry in self.entries],
+                    choices=[choice.to_dict() for choice in self.choices])
 
     @classmethod
     def from_dict(cls, data: Any) -> LookupTable:
@@ -83,9 +188,16 @@ class LookupTable:
         if not isinstance(data, dict):
             raise TableError(f"a table must be a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version != TABLE_SCHEMA_VERSION:
+        if (isinstance(version, int) and not isinstance(version, bool)
+                and version > TABLE_SCHEMA_VERSION):
+            raise TableError(f"table schema_version {version} is newer than this build, which "
+                             f"reads versions up to {TABLE_SCHEMA_VERSION}: upgrade "
+                             "flash-autotune, or export the table from a service running "
+                             "this build")
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise TableError(f"unsupported schema_version {version!r}; this build reads "
-                             f"version {TABLE_SCHEMA_VERSION} (re-export the table)")
+                             f"versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))} "
+                             "(re-export the table)")
         header = {name: data.get(name) for name in _HEADER_TEXT}
         for name, value in header.items():
             if not isinstance(value, str) or not value:
@@ -94,13 +206,13 @@ class LookupTable:
         raw_entries = data.get("entries")
         if not isinstance(raw_entries, list):
             raise TableError("table field 'entries' must be a list")
-        entries = []
-        for index, raw in enumerate(raw_entries):
-            try:
-                entries.append(TableEntry.from_dict(raw, kernel))
-            except (AutotuneError, TypeError) as error:
-                raise TableError(f"entry {index}: {error}") from None
-        return cls(**header, entries=tuple(entries), jax_version=data.get("jax_version"))
+        entries = _parse_each(raw_entries, "entry", lambda raw: TableEntry.from_dict(raw, kernel))
+        raw_choices = data.get("choices", []) if version >= 2 else []
+        if not isinstance(raw_choices, list):
+            raise TableError("table field 'choices' must be a list")
+        choices = _parse_each(raw_choices, "choice", KernelChoice.from_dict)
+        return cls(**header, entries=entries, jax_version=data.get("jax_version"),
+                   choices=choices)
 
     @classmethod
     def load(cls, path: str | Path) -> LookupTable:
@@ -129,6 +241,25 @@ class LookupTable:
         entry = nearest_entry(problem, self.entries, self.kernel)
         return (entry, "nearest") if entry else None
 
+    def lookup_choice(self, problem: Problem) -> tuple[KernelChoice, str] | None:
+        """The kernel choice for exactly ``problem``, else the nearest (``nearest_choice``)."""
+        for choice in self.choices:
+            if choice.problem == problem:
+                return choice, "exact"
+        choice = nearest_choice(problem, self.choices)
+        return (choice, "nearest") if choice else None
+
+
+def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:
+    """Each item parsed; the first bad one is a ``TableError`` naming its index."""
+    parsed = []
+    for index, raw in enumerate(raw_items):
+        try:
+            parsed.append(parse(raw))
+        except (AutotuneError, TypeError) as error:
+            raise TableError(f"{what} {index}: {error}") from None
+    return tuple(parsed)
+
 
 # The table's non-empty text fields, the kernel's name first.
 _HEADER_TEXT = tuple(f.name for f in dataclasses.fields(LookupTable)[:3])
@@ -146,12 +277,28 @@ def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
     """The closest tuned problem with the same dtype, head_dim, causality and mode whose
     config (one of kernel ``kernel``'s) passes that kernel's stored-config rules for
     ``problem``; None when none does."""
-    rules = get_kernel(kernel)
-    candidates = [
-        entry for entry in entries
-        if (entry.problem.dtype, entry.problem.head_dim, entry.problem.causal,
-            entry.problem.mode) == (problem.dtype, problem.head_dim, problem.causal, problem.mode)
-        and isinstance(entry.config, rules.config_type)
-        and not rules.stored_violations(problem, entry.config)
-    ]
-    return min(candidates, key=lambda e: shape_distance(problem, e.problem), default=None)
+    return _nearest(problem, entries, lambda entry: kernel)
+
+
+def nearest_choice(problem: Problem, choices: Iterable[KernelChoice]) -> KernelChoice | None:
+    """The choice of the closest problem with the same dtype, head_dim, causality and mode
+    whose chosen kernel is registered here and whose config passes its stored-config rules
+    for ``problem``; None when none does (an unknown kernel's choice matches only exactly)."""
+    return _nearest(problem, choices, lambda choice: choice.kernel)
+
+
+def _nearest(problem: Problem, items: Iterable[Any], kernel_of: Any) -> Any:
+    """The item (a ``TableEntry`` or ``KernelChoice``) nearest ``problem`` among those of the
+    same family whose config is legal for it, by :func:`shape_distance`."""
+    family = (problem.dtype, problem.head_dim, problem.causal, problem.mode)
+    candidates = []
+    for item in items:
+        name = kernel_of(item)
+        if (item.problem.dtype, item.problem.head_dim, item.problem.causal,
+                item.problem.mode) != family or name not in KERNELS:
+            continue
+        rules = KERNELS[name]
+        if (isinstance(item.config, rules.config_type)
+                and not rules.stored_violations(problem, item.config)):
+            candidates.append(item)
+    return min(candidates, key=lambda item: shape_distance(problem, item.problem), default=None)

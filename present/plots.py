@@ -1,6 +1,7 @@
-"""The four figures of a tuning study (landscape, convergence, confirmation, failures),
-drawn with matplotlib's object API (no pyplot state, so server threads may draw at once, always
-with the Agg canvas) and rendered as PNG data URIs by :func:`images`.
+"""The four figures of a tuning study (landscape, convergence, confirmation, failures), and
+the kernel choice's bar chart, drawn with matplotlib's object API (no pyplot state, so server
+threads may draw at once, always with the Agg canvas) and rendered as PNG data URIs by
+:func:`images` and :func:`choice_image`.
 
 The landscape's axes come from the tuned kernel's contract
 (``kernel.registry.TunableKernel.landscape_axes``), so every kernel's report shows its own
@@ -16,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from kernel import ConfigError, get_kernel
+from kernel.table import KernelChoice
 from present.studies import StudyData, failure_letter
 from storage.studies import OK
 
@@ -181,6 +183,33 @@ def failures_figure(data: StudyData) -> Figure:
     ax.set_xlabel("measured configs")
     ax.set_xlim(0, max(counts + [1]) * 1.15)
     return figure
+
+
+def choice_figure(choice: KernelChoice) -> Figure:
+    """Every candidate kernel's confirmed median with its spread (IQR), the chosen one marked;
+    a failed candidate is a labelled row without a bar."""
+    names = list(choice.candidates)
+    figure = _figure(6.4, 0.9 + 0.45 * len(names))
+    ax = figure.subplots()
+    timings = [choice.candidates[name] for name in names]
+    medians = [t.median_ms or 0.0 for t in timings]
+    spreads = [t.iqr_ms or 0.0 for t in timings]
+    colors = ["#27ae60" if name == choice.kernel else "#95a5a6" for name in names]
+    bars = ax.barh(names, medians, xerr=[[s / 2 for s in spreads], [s / 2 for s in spreads]],
+                   color=colors, capsize=4, error_kw={"elinewidth": 1})
+    ax.bar_label(bars, labels=[
+        f"failed: {t.failure}" if t.failure else
+        f"{t.median_ms:.3f} ms" + (" (chosen)" if name == choice.kernel else "")
+        for name, t in zip(names, timings, strict=True)], padding=6, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("confirmed median time per call (ms); whiskers: IQR")
+    ax.set_xlim(0, max(m + s / 2 for m, s in zip(medians, spreads, strict=True)) * 1.45 or 1)
+    return figure
+
+
+def choice_image(choice: KernelChoice) -> str:
+    """The choice's bar chart as a data URI."""
+    return data_uri(choice_figure(choice))
 
 
 def data_uri(figure: Figure) -> str:

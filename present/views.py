@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import jinja2
 from optuna.storages import BaseStorage
 
-from present.plots import images, landscape_axes
+from kernel.table import KernelChoice
+from present.plots import choice_image, images, landscape_axes
 from present.studies import StudyData, short_label
-from storage import Entry, TunedResult
+from storage import Entry, StoredChoice, TunedResult
 
 
 def _ms(value: float | None) -> str:
@@ -45,12 +46,14 @@ def template_env() -> jinja2.Environment:
 @dataclass(frozen=True)
 class ProblemView:
     """A stored winner with its tuning study (None when this database has none, e.g. the
-    result was imported from a lookup table) and the study's plots as data URIs."""
+    result was imported from a lookup table), the kernel choice stored for its problem (None
+    when none), and their plots as data URIs (the choice's as ``choice``)."""
 
     entry: Entry
     study: StudyData | None
     images: dict[str, str]
     anchor: str = ""
+    choice: StoredChoice | None = None
 
     @property
     def axes(self) -> tuple[str, str, str] | None:
@@ -63,9 +66,15 @@ class ProblemView:
 
 
 def problem_view(entry: Entry, storage: BaseStorage | None, anchor: str = "",
-                 render: Callable[[StudyData], dict[str, str]] = images) -> ProblemView:
-    """The view of ``entry``; ``render`` draws the study's plots (e.g. through a cache)."""
+                 render: Callable[[StudyData], dict[str, str]] = images,
+                 choice: StoredChoice | None = None,
+                 render_choice: Callable[[KernelChoice], str] = choice_image) -> ProblemView:
+    """The view of ``entry`` and the kernel ``choice`` of its problem; ``render`` draws the
+    study's plots (e.g. through a cache), ``render_choice`` the choice's bar chart."""
     name = entry.result.study
     study = (StudyData.load(storage, name, entry.result.kernel)
              if storage is not None and name else None)
-    return ProblemView(entry, study, render(study) if study else {}, anchor)
+    drawn = render(study) if study else {}
+    if choice is not None:
+        drawn = {**drawn, "choice": render_choice(choice.choice)}
+    return ProblemView(entry, study, drawn, anchor, choice)

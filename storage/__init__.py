@@ -3,6 +3,7 @@
 Never imports jax (only the pure-Python parts of ``kernel``), so the service stays light.
 """
 
+from storage.choices import StoredChoice
 from storage.engine import (
     DatabaseFullError,
     DatabaseUrlError,
@@ -26,12 +27,19 @@ from storage.results import (
 )
 from storage.schema import schema_is_current, schema_problem, upgrade
 from storage.settings import DEFAULT_DB_URL, StorageSettings
-from storage.store import FILTER_FIELDS, HistoryEntry, LookupRequest, Store
+from storage.store import (
+    CHOICE_FILTER_FIELDS,
+    FILTER_FIELDS,
+    HistoryEntry,
+    LookupRequest,
+    Store,
+)
 
 __all__ = [
-    "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError", "DatabaseUrlError", "Entry",
-    "FILTER_FIELDS", "HistoryEntry", "LookupRequest", "MAX_STORED_INT", "METHODS",
-    "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError", "ResultError", "SchemaError",
-    "StorageError", "StorageSettings", "Store", "TIMINGS", "TunedResult", "WriteRefusedError",
-    "make_engine", "normalize_url", "schema_is_current", "schema_problem", "upgrade",
+    "CHOICE_FILTER_FIELDS", "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError",
+    "DatabaseUrlError", "Entry", "FILTER_FIELDS", "HistoryEntry", "LookupRequest",
+    "MAX_STORED_INT", "METHODS", "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError",
+    "ResultError", "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice",
+    "TIMINGS", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url",
+    "schema_is_current", "schema_problem", "upgrade",
 ]

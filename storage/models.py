@@ -18,17 +18,19 @@ FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim"
 KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "platform")
 # The index order is storage's; the key's fields are storage.results.KEY_FIELDS'.
 assert sorted(KEY_COLUMNS) == sorted(KEY_FIELDS), "the unique key must be the stored key"
+# A kernel choice's key: the device and the problem (no kernel: the choice names it).
+CHOICE_FAMILY_COLUMNS = ("device_kind", "dtype", "head_dim", "causal", "mode")
+CHOICE_KEY_COLUMNS = (*CHOICE_FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len",
+                      "platform")
 
 
 class Base(DeclarativeBase):
     pass
 
 
-class _ResultColumns:
-    """The columns of a tuned result, shared by the live table and its history."""
+class _ProblemColumns:
+    """The device and problem columns every table is keyed on."""
 
-    kernel: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel"]))
-    kernel_version: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel_version"]))
     device_kind: Mapped[str] = mapped_column(String(TEXT_LIMITS["device_kind"]))
     platform: Mapped[str] = mapped_column(String(TEXT_LIMITS["platform"]))
     batch: Mapped[int] = mapped_column(Integer)
@@ -40,24 +42,36 @@ class _ResultColumns:
     dtype: Mapped[str] = mapped_column(String(16))
     causal: Mapped[bool]
     mode: Mapped[str] = mapped_column(String(16))
+
+
+class _ProvenanceColumns:
+    """How a result was measured and under which versions, and when it was stored."""
+
+    method: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["method"]))
+    jax_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jax_version"]))
+    jaxlib_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jaxlib_version"]))
+    libtpu_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["libtpu_version"]))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class _ResultColumns(_ProblemColumns, _ProvenanceColumns):
+    """The columns of a tuned result, shared by the live table and its history."""
+
+    kernel: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel"]))
+    kernel_version: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel_version"]))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     median_ms: Mapped[float | None] = mapped_column(Float)
     iqr_ms: Mapped[float | None] = mapped_column(Float)
     default_median_ms: Mapped[float | None] = mapped_column(Float)
     speedup: Mapped[float | None] = mapped_column(Float)
     trials: Mapped[int | None] = mapped_column(Integer)
-    method: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["method"]))
     timing: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["timing"]))
     achieved_tflops: Mapped[float | None] = mapped_column(Float)
     roofline_fraction: Mapped[float | None] = mapped_column(Float)
     roofline_bound: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["roofline_bound"]))
-    jax_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jax_version"]))
-    jaxlib_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["jaxlib_version"]))
-    libtpu_version: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["libtpu_version"]))
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
     device_index: Mapped[int | None] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class TunedConfigRow(_ResultColumns, Base):
@@ -79,3 +93,18 @@ class TunedConfigHistoryRow(_ResultColumns, Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     reason: Mapped[str] = mapped_column(String(16))
     archived_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class KernelChoiceRow(_ProblemColumns, _ProvenanceColumns, Base):
+    """The kernel chosen per device kind and problem, its config, and every candidate's
+    confirmed timing or failure class (``candidates``: kernel name -> ``{"median_ms",
+    "iqr_ms"}`` or ``{"failure"}``). A newer choice for the key replaces it."""
+
+    __tablename__ = "autotune_kernel_choices"
+    __table_args__ = (UniqueConstraint(*CHOICE_KEY_COLUMNS, name="uq_autotune_kernel_choices_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kernel: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel"]))
+    kernel_version: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel_version"]))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    candidates: Mapped[dict[str, Any]] = mapped_column(JSON)

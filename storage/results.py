@@ -80,14 +80,14 @@ KEY_FIELDS = (*KEY_TEXT_FIELDS, *(f.name for f in dataclasses.fields(Problem)))
 TEXT_LIMITS = {"kernel": 64, "kernel_version": 64, "device_kind": 128, "platform": 32,
                "method": 16, "timing": 16, "roofline_bound": 16, "jax_version": 64,
                "jaxlib_version": 64, "libtpu_version": 64,
-               "study": 256}
+               "study": 256, "failure": 64}
 # Control characters (PostgreSQL cannot store NUL) and lone UTF-16 surrogates (not encodable).
 _NOT_TEXT = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
 # The largest integer both SQLite and PostgreSQL (INTEGER: 32-bit signed) columns hold.
 MAX_STORED_INT = 2**31 - 1
 
 
-def _check_text(name: str, value: Any, *, optional: bool = False) -> None:
+def check_text(name: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str) or not value.strip():
@@ -130,14 +130,14 @@ class TunedResult:
     platform: str = ""  # empty: derived from device_kind
 
     def __post_init__(self) -> None:
-        _check_text("kernel", self.kernel)
+        check_text("kernel", self.kernel)
         rules = get_kernel(self.kernel)
         if not self.kernel_version:
             object.__setattr__(self, "kernel_version", rules.version)
         for name in ("kernel_version", "device_kind"):
-            _check_text(name, getattr(self, name))
+            check_text(name, getattr(self, name))
         for name in ("jax_version", "jaxlib_version", "libtpu_version", "study"):
-            _check_text(name, getattr(self, name), optional=True)
+            check_text(name, getattr(self, name), optional=True)
         if not isinstance(self.problem, Problem):
             raise ResultError(f"problem must be a kernel.problem.Problem, got {self.problem!r}")
         if not isinstance(self.config, rules.config_type):
@@ -161,7 +161,7 @@ class TunedResult:
                 raise ResultError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if not self.platform:
             object.__setattr__(self, "platform", default_platform(self.device_kind))
-        _check_text("platform", self.platform)
+        check_text("platform", self.platform)
 
     @property
     def key(self) -> ConfigKey:

@@ -17,8 +17,9 @@ from sqlalchemy import String, bindparam, cast, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernel import DEFAULT_KERNEL, LookupTable, Problem, TableEntry, get_kernel
-from kernel.table import nearest_entry, shape_distance
+from kernel import DEFAULT_KERNEL, AutotuneError, LookupTable, Problem, TableEntry, get_kernel
+from kernel.table import KernelChoice, nearest_choice, nearest_entry, shape_distance
+from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
 from storage.engine import (
     WRITE_OPTIONS,
     make_engine,
@@ -27,7 +28,15 @@ from storage.engine import (
     sqlite_connect,
     sqlite_file,
 )
-from storage.models import FAMILY_COLUMNS, KEY_COLUMNS, TunedConfigHistoryRow, TunedConfigRow
+from storage.models import (
+    CHOICE_FAMILY_COLUMNS,
+    CHOICE_KEY_COLUMNS,
+    FAMILY_COLUMNS,
+    KEY_COLUMNS,
+    KernelChoiceRow,
+    TunedConfigHistoryRow,
+    TunedConfigRow,
+)
 from storage.results import (
     MEASUREMENT_FIELDS,
     PROVENANCE_FIELDS,
@@ -46,15 +55,19 @@ from storage.settings import StorageSettings
 Match = Literal["exact", "nearest"]
 _T = TypeVar("_T")
 FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
+CHOICE_FILTER_FIELDS = (*CHOICE_KEY_COLUMNS, "kernel", "method")
 FAMILY_CACHE_SIZE = 64  # families of nearest-match candidates kept (SQLite); full: cleared
 PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
 _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem))
 _TABLE = TunedConfigRow.__table__
+_CHOICES = KernelChoiceRow.__table__
 
 
-def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,)) -> Any:
-    """A prepared ``SELECT columns ... WHERE name = :name AND ...`` (compiled once, cached)."""
-    return select(*columns).where(*(_TABLE.c[name] == bindparam(name) for name in names))
+def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,),
+                  table: Any = _TABLE) -> Any:
+    """A prepared ``SELECT columns ... WHERE name = :name AND ...`` on ``table`` (compiled
+    once, cached)."""
+    return select(*columns).where(*(table.c[name] == bindparam(name) for name in names))
 
 
 _EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
@@ -69,6 +82,8 @@ _FAMILY = _select_where(FAMILY_COLUMNS, _CANDIDATE_COLUMNS).order_by(
     _TABLE.c.q_len, _TABLE.c.id)
 _FAMILY_ON_PLATFORM = _select_where((*FAMILY_COLUMNS, "platform"), _CANDIDATE_COLUMNS).order_by(
     _TABLE.c.q_len, _TABLE.c.id)
+_CHOICE_EXACT = _select_where(CHOICE_KEY_COLUMNS[:-1], (_CHOICES,), _CHOICES)  # any platform
+_CHOICE_FAMILY = _select_where(CHOICE_FAMILY_COLUMNS, (_CHOICES,), _CHOICES)
 
 
 @dataclass(frozen=True)
@@ -112,9 +127,14 @@ def _columns(result: TunedResult) -> dict[str, Any]:
     return columns
 
 
+def _getter(row: Any) -> Callable[[str], Any]:
+    """Reads a column of a table row (ORM object or Core row mapping) by name."""
+    return row.__getitem__ if isinstance(row, Mapping) else row.__getattribute__
+
+
 def _result(row: Any) -> TunedResult:
     """A result from a table row (ORM object or Core row mapping)."""
-    get = row.__getitem__ if isinstance(row, Mapping) else row.__getattribute__
+    get = _getter(row)
     return TunedResult(
         kernel=get("kernel"), kernel_version=get("kernel_version"),
         device_kind=get("device_kind"), platform=get("platform"),
@@ -124,7 +144,7 @@ def _result(row: Any) -> TunedResult:
 
 
 def _entry(row: Any) -> Entry:
-    get = row.__getitem__ if isinstance(row, Mapping) else row.__getattribute__
+    get = _getter(row)
     return Entry(_result(row), _utc(get("created_at")), _utc(get("updated_at")))
 
 
@@ -261,10 +281,35 @@ class Store:
         result.check_legal()
         return self._write(lambda session: self._publish(session, result, force))
 
-    def import_table(self, table: LookupTable, force: bool = False) -> list[PublishOutcome]:
-        """Publishes every entry of ``table`` in one transaction: all or nothing.
+    def publish_choice(self, device_kind: str, choice: KernelChoice) -> StoredChoice:
+        """Stores the kernel choice for ``choice.problem`` on ``device_kind``, replacing the
+        stored one (a choice is the latest comparison of the candidates). Raises ResultError
+        naming what is wrong (``storage.choices.check_choice``)."""
+        check_choice(device_kind, choice)
+        return self._write(lambda session: self._publish_choice(session, device_kind, choice))
 
-        Every entry is checked before anything is written; ResultError names the first bad one.
+    @staticmethod
+    def _publish_choice(session: Session, device_kind: str,
+                        choice: KernelChoice) -> StoredChoice:
+        now = datetime.now(UTC)
+        columns = choice_columns(device_kind, choice)
+        key = {name: columns[name] for name in CHOICE_KEY_COLUMNS}
+        row = session.scalars(select(KernelChoiceRow).filter_by(**key).with_for_update()) \
+            .one_or_none()
+        if row is None:
+            row = KernelChoiceRow(**columns, created_at=now, updated_at=now)
+            session.add(row)
+        else:
+            for name, value in columns.items():
+                setattr(row, name, value)
+            row.updated_at = now
+        session.flush()
+        return stored_choice(_getter(row), _utc)
+
+    def import_table(self, table: LookupTable, force: bool = False) -> list[PublishOutcome]:
+        """Publishes every entry of ``table``, and its kernel choices, in one transaction:
+        all or nothing. Every entry and choice is checked before anything is written;
+        ResultError names the first bad one. The outcomes are the entries'.
         """
         results = []
         for index, table_entry in enumerate(table.entries):
@@ -277,7 +322,19 @@ class Store:
                 raise ResultError(f"entry {index} ({table_entry.problem.label()}): {error}") \
                     from None
             results.append(result)
-        return self._write(lambda session: [self._publish(session, r, force) for r in results])
+        for index, choice in enumerate(table.choices):
+            try:
+                check_choice(table.device_kind, choice)
+            except AutotuneError as error:
+                raise ResultError(f"choice {index} ({choice.problem.label()}): {error}") \
+                    from None
+
+        def write(session: Session) -> list[PublishOutcome]:
+            for choice in table.choices:
+                self._publish_choice(session, table.device_kind, choice)
+            return [self._publish(session, r, force) for r in results]
+
+        return self._write(write)
 
     def _write(self, work: Callable[[Session], _T]) -> _T:
         """Runs ``work`` in one write transaction; ReadOnlyDatabaseError if writes are refused."""
@@ -410,24 +467,64 @@ class Store:
         entries, _ = self.list({"kernel": kernel, "kernel_version": version,
                                 "device_kind": device_kind}, limit=None)
         jax_versions = {entry.result.jax_version for entry in entries}
+        choices, _ = self.list_choices({"device_kind": device_kind}, limit=None)
         return LookupTable(kernel=kernel, kernel_version=version, device_kind=device_kind,
                            entries=tuple(entry.result.to_table_entry() for entry in entries),
-                           jax_version=jax_versions.pop() if len(jax_versions) == 1 else None)
+                           jax_version=jax_versions.pop() if len(jax_versions) == 1 else None,
+                           choices=tuple(stored.choice for stored in choices))
 
     def list(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
              limit: int | None = 100) -> tuple[Sequence[Entry], int]:
         """Entries matching ``filters`` (column = value; see FILTER_FIELDS) in insertion
         order, a page of them, and how many match in all."""
+        return self._page(_TABLE, FILTER_FIELDS, _entry, filters, offset, limit)
+
+    def list_choices(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
+                     limit: int | None = 100) -> tuple[Sequence[StoredChoice], int]:
+        """Kernel choices matching ``filters`` (see CHOICE_FILTER_FIELDS), as ``list``."""
+        return self._page(_CHOICES, CHOICE_FILTER_FIELDS,
+                          lambda row: stored_choice(_getter(row), _utc), filters, offset, limit)
+
+    def _page(self, table: Any, known: Sequence[str], convert: Callable[[Any], _T],
+              filters: Mapping[str, Any] | None, offset: int,
+              limit: int | None) -> tuple[list[_T], int]:
         filters = dict(filters or {})
-        unknown = sorted(set(filters) - set(FILTER_FIELDS))
+        unknown = sorted(set(filters) - set(known))
         if unknown:
-            raise StorageError(f"unknown filter(s) {unknown}; known: {list(FILTER_FIELDS)}")
+            raise StorageError(f"unknown filter(s) {unknown}; known: {list(known)}")
         if offset < 0 or (limit is not None and limit < 0):
             raise StorageError("offset and limit must be non-negative")
-        where = [_TABLE.c[name] == value for name, value in filters.items()]
-        page = select(_TABLE).where(*where).order_by(_TABLE.c.id).offset(offset).limit(limit)
-        count = select(func.count()).select_from(_TABLE).where(*where)
+        where = [table.c[name] == value for name, value in filters.items()]
+        page = select(table).where(*where).order_by(table.c.id).offset(offset).limit(limit)
+        count = select(func.count()).select_from(table).where(*where)
         with self.engine.connect() as connection:
             total = connection.scalar(count) or 0
-            entries = [_entry(row) for row in connection.execute(page).mappings()]
-        return entries, total
+            items = [convert(row) for row in connection.execute(page).mappings()]
+        return items, total
+
+    def lookup_choices(self, requests: Sequence[tuple[str, Problem]]
+                       ) -> list[tuple[StoredChoice, Match] | None]:
+        """The kernel choice per ``(device_kind, problem)``: the one stored for exactly the
+        problem, else the nearest whose config is legal for it (``kernel.table.
+        nearest_choice``); None when nothing fits. Each family is read at most once."""
+        out: list[tuple[StoredChoice, Match] | None] = []
+        families: dict[tuple[Any, ...], list[StoredChoice]] = {}
+        with self.engine.connect() as connection:
+            for device_kind, problem in requests:
+                values = {"device_kind": device_kind, **problem.to_dict()}
+                exact = connection.execute(
+                    _CHOICE_EXACT, {name: values[name] for name in CHOICE_KEY_COLUMNS[:-1]}
+                ).mappings().first()
+                if exact is not None:
+                    out.append((stored_choice(_getter(exact), _utc), "exact"))
+                    continue
+                params = {name: values[name] for name in CHOICE_FAMILY_COLUMNS}
+                family_key = tuple(params.values())
+                if family_key not in families:
+                    families[family_key] = [stored_choice(_getter(row), _utc) for row in
+                                            connection.execute(_CHOICE_FAMILY, params).mappings()]
+                family = families[family_key]
+                nearest = nearest_choice(problem, [stored.choice for stored in family])
+                out.append(next(((stored, "nearest") for stored in family
+                                 if stored.choice is nearest), None) if nearest else None)
+        return out

@@ -169,7 +169,7 @@ def test_export_with_etag_and_import(server: Server) -> None:
     copy_kind = device()
     imported = httpx.post(f"{server.url}/v1/tables", headers=server.auth,
                           json={**table, "device_kind": copy_kind})
-    assert imported.json() == {"inserted": 2, "replaced": 0, "kept": 0}
+    assert imported.json() == {"inserted": 2, "replaced": 0, "kept": 0, "choices": 0}
     copy = httpx.get(f"{server.url}/v1/tables/{copy_kind}").json()
     assert copy["entries"] == table["entries"]
     assert httpx.get(url, headers={"If-None-Match": etag}).status_code == 304  # unchanged

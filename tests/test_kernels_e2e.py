@@ -194,7 +194,8 @@ def test_a_lowered_vmem_limit_applies_to_every_kernel_s_rules() -> None:
 
 
 def test_tune_refuses_a_length_no_block_can_tile(tmp_path: Path) -> None:
-    done = run_cli("tune", "--batch", "1", "--q-heads", "2", "--q-len", "5000", "--head-dim",
+    done = run_cli("tune", "--kernel", "flash", "--batch", "1", "--q-heads", "2", "--q-len",
+                   "5000", "--head-dim",
                    "64", "--trials", "2", "--db", f"sqlite:///{tmp_path / 'x.db'}",
                    env={"COLUMNS": "400"})
     assert done.returncode == 2, done.stderr

@@ -36,7 +36,7 @@ def pages_server(start_server: Callable[..., Server],
     """A server on a database with a real tuning run (cpu, float32) and one entry published
     without a study (TPU v5 lite, bfloat16)."""
     url = f"sqlite:///{tmp_path_factory.mktemp('pages') / 'autotune.db'}"
-    tuned = run_cli("tune", "--q-len", "256", "--q-heads", "1", "--head-dim", "128",
+    tuned = run_cli("tune", "--kernel", "flash", "--q-len", "256", "--q-heads", "1", "--head-dim", "128",
                     "--dtype", "float32", "--trials", "5", "--db", url, timeout=300)
     assert tuned.returncode == 0, tuned.stderr
     with Store(url) as store:

@@ -25,8 +25,10 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from conftest import free_port, run_cli, wait_until_answering
-from kernel import FlashConfig, Problem
+from kernel import FlashConfig, Problem, get_kernel
+from kernel.table import KernelChoice, KernelTiming
 from present.plots import (
+    choice_figure,
     confirmation_figure,
     convergence_figure,
     failures_figure,
@@ -47,10 +49,12 @@ EXTERNAL = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:)?//
 
 @pytest.fixture(scope="module")
 def tuned_db(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A SQLite file holding a real (small) ``autotune tune`` run on this machine's CPU."""
+    """A SQLite file holding a real (small) ``autotune tune`` run on this machine's CPU: flash
+    tuned, xla confirmed, and the kernel choice between them."""
     url = f"sqlite:///{tmp_path_factory.mktemp('tuned') / 'autotune.db'}"
-    tuned = run_cli("tune", "--q-len", "256", "--q-heads", "1", "--head-dim", "128",
-                    "--dtype", "float32", "--trials", "5", "--db", url, timeout=300)
+    tuned = run_cli("tune", "--kernels", "flash,xla", "--q-len", "256", "--q-heads", "1",
+                    "--head-dim", "128", "--dtype", "float32", "--trials", "5", "--db", url,
+                    timeout=300)
     assert tuned.returncode == 0, tuned.stderr
     return url
 
@@ -171,16 +175,19 @@ def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
     html = output.read_text()
     assert not EXTERNAL.findall(html), "the report must not load anything from elsewhere"
     page = _parse(html)
-    assert page.index_rows == 1
+    assert page.index_rows == 2  # one per kernel
     assert TUNED.label() in html and "<h2" in html and ">cpu</h2>" in html
-    (sections,) = page.problems.values()
-    assert list(sections) == ["landscape", "convergence", "confirmation", "failures"]
-    for name, sources in sections.items():
+    flash, xla = page.problems.values()
+    assert list(flash) == ["choice", "landscape", "convergence", "confirmation", "failures"]
+    assert list(xla) == ["choice"]  # a one-config kernel has no study
+    for name, sources in [*flash.items(), *xla.items()]:
         assert len(sources) == 1, name
         assert _png(sources[0]).startswith(PNG)
     with Store(tuned_db) as store:
-        (entry,) = store.list()[0]
+        entry = next(e for e in store.list()[0] if e.result.kernel == "flash")
+        [stored] = store.list_choices()[0]
     assert entry.result.trials == 5
+    assert f"{stored.choice.kernel} (chosen)" in html
     assert f"{entry.result.speedup:.2f}×" in html
     assert "No failures" in html
     # Timed by wall clock on the CPU, where no roofline figure is made up (index and summary).
@@ -293,6 +300,22 @@ def test_failures_draws_one_bar_per_outcome(failing: StudyData) -> None:
     names = [t.get_text() for t in ax.get_yticklabels()]
     assert names == ["ok", "vmem_oom", "compile_error"]
     assert [p.get_width() for p in ax.patches] == [12, 2, 1]
+
+
+def test_choice_draws_each_candidates_median_and_spread_and_marks_the_chosen() -> None:
+    choice = KernelChoice(TUNED, "xla", get_kernel("xla").default_config(TUNED), {
+        "flash": KernelTiming(2.0, 0.4), "xla": KernelTiming(0.5, 0.1),
+        "jax_tpu_flash": KernelTiming(failure="compile_error")})
+    ax = choice_figure(choice).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["flash", "xla", "jax_tpu_flash"]
+    assert [p.get_width() for p in ax.patches] == [2.0, 0.5, 0.0]
+    chosen = [p.get_facecolor() for p in ax.patches]
+    assert chosen[1] != chosen[0] == chosen[2]  # only the chosen bar stands out
+    [whiskers] = [c for c in ax.collections if len(c.get_segments()) == 3]
+    spans = [segment[1][0] - segment[0][0] for segment in whiskers.get_segments()]
+    assert spans == pytest.approx([0.4, 0.1, 0.0])
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == ["2.000 ms", "0.500 ms (chosen)", "failed: compile_error"]
 
 
 # --- optuna-dashboard ---

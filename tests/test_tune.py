@@ -69,8 +69,8 @@ def test_tune_json_publishes_the_winners_the_service_returns(tmp_path: Path,
     shapes = tmp_path / "shapes.yaml"
     shapes.write_text(yaml.safe_dump([TINY.to_dict(), TINY_GQA.to_dict()]))
     db = f"sqlite:///{tmp_path / 'tune.db'}"
-    done = run_cli("tune", "--shapes", str(shapes), "--trials", "2", "--db", db, "--json",
-                   timeout=300)
+    done = run_cli("tune", "--kernel", "flash", "--shapes", str(shapes), "--trials", "2",
+                   "--db", db, "--json", timeout=300)
     assert done.returncode == 0, done.stderr
     trials, summaries = parse_json_lines(done.stdout)
     assert [t["problem"] for t in trials] == [TINY.to_dict()] * 2 + [TINY_GQA.to_dict()] * 2

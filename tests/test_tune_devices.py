@@ -40,8 +40,8 @@ def shapes_file(tmp_path: Path) -> Path:
 
 
 def tune_args(tmp_path: Path, db: str) -> list[str]:
-    return ["tune", "--shapes", str(shapes_file(tmp_path)), "--devices", "2", "--trials",
-            str(TRIALS), "--db", db, "--json"]
+    return ["tune", "--kernel", "flash", "--shapes", str(shapes_file(tmp_path)), "--devices",
+            "2", "--trials", str(TRIALS), "--db", db, "--json"]
 
 
 def studies(db: str) -> dict[str, list[optuna.trial.FrozenTrial]]:

@@ -30,7 +30,7 @@ TINY = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=1
 
 
 def tune_args(db: str, study: str, trials: int) -> list[str]:
-    return ["tune", *problem_flags(TINY), "--trials", str(trials), "--db", db,
+    return ["tune", "--kernel", "flash", *problem_flags(TINY), "--trials", str(trials), "--db", db,
             "--study", study, "--json"]
 
 

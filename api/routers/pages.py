@@ -141,7 +141,7 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
                       f"Nothing is stored for {key.kernel} {key.kernel_version} on "
                       f"{key.device_kind!r} ({key.platform}) for {problem.label()}.")
 
-    from present.plots import images
+    from present.plots import choice_image, images
     from present.views import problem_view
     from storage.studies import get_storage
 
@@ -162,5 +162,12 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
                 cache.put((study.name, version), drawn)
         return drawn
 
-    view = problem_view(entry, storage, render=render)
+    def render_choice(choice: Any) -> str:
+        with _DRAWING:
+            return choice_image(choice)
+
+    found = store.lookup_choices([(key.device_kind, problem)])[0]
+    view = problem_view(entry, storage, render=render,
+                        choice=found[0] if found and found[1] == "exact" else None,
+                        render_choice=render_choice)
     return _page(request, "detail.html", view=view)

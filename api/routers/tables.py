@@ -28,9 +28,10 @@ def export_table(
     kernel_version: Annotated[Version | None, Query()] = None,
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
 ) -> Response:
-    """Every tuned config of ``kernel`` on ``device_kind``, ready to pin in a model build."""
+    """Every tuned config of ``kernel`` on ``device_kind``, and every kernel choice there,
+    ready to pin in a model build."""
     table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
-    if not table.entries:
+    if not table.entries and not table.choices:
         known = store.device_kinds(kernel)
         raise HTTPException(status.HTTP_404_NOT_FOUND,
                             f"no tuned configs of kernel {kernel!r} version "
@@ -54,10 +55,12 @@ def import_table(
     table: Annotated[dict[str, Any], Body(description="A kernel.table.LookupTable as JSON.")],
     force: Annotated[bool, Query(description="Replace stored entries even if faster.")] = False,
 ) -> dict[str, int]:
-    """Imports a whole table in one transaction: all entries or none (422 names the bad one).
-    Each entry is published like ``PUT /v1/configs`` (keep-better unless ``force``)."""
-    outcomes = store.import_table(LookupTable.from_dict(table), force=force)
-    counts = {"inserted": 0, "replaced": 0, "kept": 0}
+    """Imports a whole table in one transaction: all entries and choices or none (422 names
+    the bad one). Each entry is published like ``PUT /v1/configs`` (keep-better unless
+    ``force``); each kernel choice replaces the stored one for its problem."""
+    parsed = LookupTable.from_dict(table)
+    outcomes = store.import_table(parsed, force=force)
+    counts = {"inserted": 0, "replaced": 0, "kept": 0, "choices": len(parsed.choices)}
     for outcome in outcomes:
         counts[outcome.status] += 1
     return counts

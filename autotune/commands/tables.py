@@ -25,7 +25,8 @@ def export_table(
         help="Kernel version (default: the installed kernel's).", show_default=False)] = None,
     db: DbOption = None,
 ) -> None:
-    """Write the tuned configs of one device kind as a lookup table to pin in a model build."""
+    """Write the tuned configs of one device kind, and its kernel choices, as a lookup table to
+    pin in a model build."""
     with open_store(db) as store, database_errors(store.url):
         if device_kind is None:
             kinds = store.device_kinds(kernel)
@@ -35,7 +36,7 @@ def export_table(
                 raise typer.Exit(2)
             device_kind = kinds[0]
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
-    if not table.entries:
+    if not table.entries and not table.choices:
         typer.echo(f"error: no tuned configs of {kernel!r} version {table.kernel_version!r} on "
                    f"{device_kind!r}", err=True)
         raise typer.Exit(1)
@@ -44,7 +45,8 @@ def export_table(
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"wrote {len(table.entries)} entries for {device_kind!r} to {output}")
+    typer.echo(f"wrote {len(table.entries)} entries and {len(table.choices)} kernel choices "
+               f"for {device_kind!r} to {output}")
 
 
 def import_table(
@@ -70,4 +72,5 @@ def import_table(
     counts = {status: sum(o.status == status for o in outcomes)
               for status in ("inserted", "replaced", "kept")}
     typer.echo(f"imported {path} into {table.device_kind!r}: " +
-               ", ".join(f"{n} {status}" for status, n in counts.items()))
+               ", ".join(f"{n} {status}" for status, n in counts.items())
+               + f", {len(table.choices)} kernel choices")

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from autotune.commands.db import DbOption, open_store, resolve_url
-from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
+from autotune.problem_options import known_kernel, known_kernels, with_problem_options
 from kernel import Problem, ProblemError
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
@@ -74,7 +74,12 @@ def tune(
     = None,
     patience: Annotated[int | None, typer.Option(
         min=1, help="Stop after this many measured configs without improvement.")] = None,
-    kernel: KernelOption = DEFAULT_KERNEL,
+    kernel: Annotated[str | None, typer.Option(
+        "--kernel", callback=known_kernel,
+        help="Tune this one registered kernel only (no kernel choice).")] = None,
+    kernels: Annotated[str | None, typer.Option(
+        help="Comma-separated kernels to tune, confirm against each other and choose among "
+             "(default: every registered kernel with rules for this device).")] = None,
     sampler: Annotated[str, typer.Option(help="tpe | random | grid.")] = "tpe",
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 0,
     db: DbOption = None,
@@ -95,8 +100,10 @@ def tune(
              "indices (0,2,5). Workers share the database and spread over the problems.")]
     = "1",
 ) -> None:
-    """Tune a kernel's block sizes (and pipeline depth) on the local device(s), confirm the
-    winner against the default, and publish it with provenance under the kernel's name."""
+    """Tune each candidate kernel's block sizes (and pipeline depth) on the local device,
+    confirm each winner against its default and publish it under the kernel's name; then
+    confirm the kernels' winners against each other and publish the kernel choice. With
+    --kernel, tune that one kernel (on several devices with --devices)."""
     from autotune.devices import DeviceSelectionError, LocalDevices, parse_devices, select_devices
 
     if sampler not in SAMPLER_NAMES:
@@ -111,14 +118,29 @@ def tune(
     if timing not in ("auto", *TIMINGS):
         raise typer.BadParameter(f"{timing!r}: use one of auto, {', '.join(TIMINGS)}",
                                  param_hint="--timing")
+    if kernel is not None and kernels is not None:
+        raise typer.BadParameter("give --kernel (one kernel) or --kernels (a choice), not both",
+                                 param_hint="--kernels")
+    try:
+        candidates = [kernel] if kernel else known_kernels(kernels)
+    except typer.BadParameter as error:
+        raise typer.BadParameter(error.message, param_hint="--kernels") from None
+    if selection != 1 and kernel is None:
+        raise typer.BadParameter("a kernel choice runs on one device: give --kernel NAME to "
+                                 "tune one kernel on several, or leave --devices out",
+                                 param_hint="--devices")
     problems = load_shapes(shapes) if shapes else [problem]
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
+                                 param_hint="--study")
+    if study and kernel is None:
+        raise typer.BadParameter("--study names one kernel's study; give --kernel NAME too",
                                  param_hint="--study")
     db_url = resolve_url(db)
     ensure_schema(db_url)
     store = open_store(db_url)
 
+    from autotune.choice import choose_kernel, local_kernels
     from autotune.progress import TuneProgress
     from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.tune import tune as run_tune
@@ -135,13 +157,22 @@ def tune(
             raise typer.BadParameter(str(error), param_hint="--devices") from None
         _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output)
         return
+    candidates = candidates or local_kernels()
     failed = 0
     try:
         for item in problems:
+            def progress_for(name: str, item: Problem = item) -> TuneProgress:
+                return TuneProgress(item, trials, json_output=json_output,
+                                    kernel=name if kernel is None else None)
+
             try:
-                with TuneProgress(item, trials, json_output=json_output) as progress:
-                    summary = run_tune(item, store, db_url, options, observer=progress,
-                                       kernel_name=kernel)
+                if kernel is not None:
+                    with progress_for(kernel) as progress:
+                        summary = run_tune(item, store, db_url, options, observer=progress,
+                                           kernel_name=kernel)
+                else:
+                    summary = choose_kernel(item, store, db_url, candidates, options,
+                                            observer_for=progress_for)
             except (ConfigError, TimingError) as error:  # nothing this kernel can tune here
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
@@ -182,12 +213,24 @@ def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform
 
 
 def _report(summary: dict[str, Any], json_output: bool) -> None:
-    """Prints one problem's summary (``TuneSummary.to_dict()``)."""
+    """Prints one problem's summary (``TuneSummary.to_dict()``, or ``ChoiceSummary``'s: the
+    chosen kernel's with the kernel choice and each candidate's summary under ``tuned``)."""
     if json_output:
         print(json.dumps({"summary": True, **summary}), flush=True)
         return
     from rich.console import Console
 
+    if "chosen_kernel" in summary:
+        for tuned in summary["tuned"].values():
+            _report(tuned, json_output)
+        times = ", ".join(
+            f"{name} failed ({summary['kernel_failures'][name]})" if ms is None else
+            f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
+            for name, ms in summary["kernels"].items())
+        Console().print(f"[bold]chosen: {summary['chosen_kernel']}[/] for "
+                        f"{Problem.from_dict(summary['problem']).label()} on "
+                        f"{summary['device_kind']} ({summary['choice_method']}): {times}")
+        return
     from kernel import get_kernel
 
     problem = Problem.from_dict(summary["problem"])

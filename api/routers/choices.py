@@ -1,0 +1,94 @@
+"""``/v1/choices``: which kernel runs a problem on a device kind, with the evidence."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.responses import JSONResponse
+
+from api.deps import StoreDep
+from api.schemas import (
+    BatchChoiceRequest,
+    BatchChoiceResponse,
+    ChoiceKey,
+    ChoicePage,
+    ChoiceResponse,
+    Dtype,
+    ErrorResponse,
+    Method,
+    Mode,
+    Text,
+)
+from api.strict_json import StrictJsonRoute
+from kernel import Problem
+from storage import StoredChoice
+
+router = APIRouter(prefix="/v1/choices", tags=["choices"], route_class=StrictJsonRoute)
+
+
+def _miss_detail(device_kind: str, problem: Problem) -> str:
+    return (f"no kernel choice on {device_kind!r} fits {problem.label()} (no exact one, and "
+            "none with the same dtype, head_dim, causal and mode whose config is legal for "
+            "it); make one with `autotune tune --kernels ...` or import a table")
+
+
+def _answer(stored: StoredChoice, match: str) -> dict[str, Any]:
+    """A found choice: the chosen kernel and config, the match, every candidate's time."""
+    body = stored.to_dict()
+    return {"match": match, **{name: body[name] for name in (
+        "kernel", "config", "times_ms", "candidates", "problem", "provenance")}}
+
+
+@router.get("/lookup", response_model=ChoiceResponse,
+            responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
+def lookup(key: Annotated[ChoiceKey, Query()], store: StoreDep) -> Any:
+    """The kernel chosen for exactly this problem on this device kind, else the nearest
+    problem's choice (same dtype, head_dim, causal, mode) whose config is legal here."""
+    device_kind, problem = key.to_choice_request()
+    found = store.lookup_choices([(device_kind, problem)])[0]
+    if found is None:
+        return JSONResponse({"detail": _miss_detail(device_kind, problem)},
+                            status_code=status.HTTP_404_NOT_FOUND)
+    return _answer(*found)
+
+
+@router.post("/lookup:batch", response_model=BatchChoiceResponse,
+             responses={422: {"model": ErrorResponse}})
+def lookup_batch(body: BatchChoiceRequest, store: StoreDep) -> dict[str, Any]:
+    """Many choice lookups in one request; one result per key, in order, misses included."""
+    requests = []
+    for index, key in enumerate(body.keys):
+        try:
+            requests.append(key.to_choice_request())
+        except ValueError as error:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"keys[{index}]: {error}") from None
+    return {"results": [
+        {"found": True, **_answer(*found)} if found else
+        {"found": False, "detail": _miss_detail(*request)}
+        for request, found in zip(requests, store.lookup_choices(requests), strict=True)]}
+
+
+@router.get("", response_model=ChoicePage)
+def list_choices(
+    store: StoreDep,
+    device_kind: Annotated[Text | None, Query()] = None,
+    platform: Annotated[Text | None, Query()] = None,
+    kernel: Annotated[Text | None, Query(description="The chosen kernel.")] = None,
+    dtype: Annotated[Dtype | None, Query()] = None,
+    mode: Annotated[Mode | None, Query()] = None,
+    causal: Annotated[bool | None, Query()] = None,
+    head_dim: Annotated[int | None, Query(ge=1, le=1 << 20)] = None,
+    method: Annotated[Method | None, Query()] = None,
+    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    """Stored kernel choices matching every given filter, oldest first, a page at a time."""
+    filters = {name: value for name, value in {
+        "device_kind": device_kind, "platform": platform, "kernel": kernel, "dtype": dtype,
+        "mode": mode, "causal": causal, "head_dim": head_dim, "method": method}.items()
+        if value is not None}
+    choices, total = store.list_choices(filters, offset=offset, limit=limit)
+    return {"items": [stored.to_dict() for stored in choices], "total": total,
+            "offset": offset, "limit": limit}

@@ -1,0 +1,139 @@
+"""Choosing the kernel for one problem by measurement: tune each candidate kernel in its own
+study, confirm their winners against each other in interleaved rounds, publish the choice.
+
+Kernel-agnostic: candidates come from the registry and are run through the contract; a
+kernel that cannot run the problem here, or whose every config fails, is recorded with its
+failure class and never chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from autotune.failures import Status
+from autotune.measure import Measurer, Timing, interleaved
+from autotune.tune import NothingToPublish, TuneObserver, TuneOptions, TuneSummary, tune
+from kernel import ConfigError, Problem, device_target, get_kernel, kernel_names
+from kernel.resolve import installed_versions
+from kernel.table import KernelChoice, KernelTiming
+from storage import Store
+
+ObserverFor = Callable[[str], AbstractContextManager[TuneObserver | None]]
+
+
+def local_kernels() -> list[str]:
+    """Every registered kernel with rules for the local device (on a CPU, those that run
+    interpreted too): the default candidates of ``autotune tune``."""
+    device = jax.devices()[0]
+    target = device_target(device.platform, device.device_kind)
+    out = []
+    for name in kernel_names():
+        try:
+            get_kernel(name).target(target)
+        except ConfigError:
+            continue
+        out.append(name)
+    return out
+
+
+@dataclass
+class ChoiceSummary:
+    """The outcome of choosing a kernel for one problem: each candidate's tuning summary or
+    failure, their confirmed timings, and the published choice."""
+
+    problem: Problem
+    device_kind: str
+    choice: KernelChoice
+    tuned: dict[str, TuneSummary]  # the candidates that tuned
+    failures: dict[str, str] = field(default_factory=dict)  # candidate -> why it failed
+
+    @property
+    def chosen(self) -> TuneSummary:
+        return self.tuned[self.choice.kernel]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The chosen kernel's tuning summary with ``chosen_kernel``, ``kernels`` (each
+        candidate's confirmed median, null when it failed), ``kernel_failures`` (the failure
+        class of those), ``kernels_iqr_ms`` and every candidate's own summary (``tuned``)."""
+        candidates = self.choice.candidates
+        return {**self.chosen.to_dict(), "chosen_kernel": self.choice.kernel,
+                "kernels": self.choice.times_ms(),
+                "kernels_iqr_ms": {name: t.iqr_ms for name, t in candidates.items()
+                                   if t.failure is None},
+                "kernel_failures": {name: t.failure for name, t in candidates.items()
+                                    if t.failure is not None},
+                "kernel_failure_details": dict(self.failures),
+                "choice_method": self.choice.provenance["method"],
+                "tuned": {name: summary.to_dict() for name, summary in self.tuned.items()}}
+
+
+def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: Sequence[str],
+                  options: TuneOptions = TuneOptions(),
+                  observer_for: ObserverFor | None = None) -> ChoiceSummary:
+    """Tunes each of ``kernels`` for ``problem`` (``options.trials`` each, its own study and
+    published result), confirms the winners against each other in ``options.confirm_rounds``
+    interleaved rounds, and publishes the fastest confirmed kernel as the choice. Raises
+    ``NothingToPublish`` when no candidate produced a confirmed timing."""
+    device = jax.devices()[0]
+    tuned: dict[str, TuneSummary] = {}
+    failures: dict[str, str] = {}
+    classes: dict[str, str] = {}
+    for name in kernels:
+        try:
+            with (observer_for(name) if observer_for else nullcontext()) as observer:
+                tuned[name] = tune(problem, store, db_url, options, observer, kernel_name=name)
+        except ConfigError as error:  # no target here, or a problem it cannot run
+            classes[name], failures[name] = Status.ILLEGAL, str(error)
+        except NothingToPublish as error:
+            counts = error.failures
+            classes[name] = max(counts, key=counts.get) if counts else Status.RUNTIME_ERROR
+            failures[name] = str(error)
+    timings, lost = _confirm_winners(problem, tuned, options)
+    for name, (status, detail) in lost.items():
+        classes[name], failures[name] = status, detail
+    if not timings:
+        raise NothingToPublish(f"no candidate kernel ({', '.join(kernels)}) ran "
+                               f"{problem.label()} on {device.device_kind}: "
+                               + "; ".join(f"{k}: {v}" for k, v in failures.items()))
+    chosen = min(timings, key=lambda name: timings[name].median_ms)
+    candidates = {name: KernelTiming(timings[name].median_ms, timings[name].iqr_ms)
+                  if name in timings else KernelTiming(failure=str(classes[name]))
+                  for name in kernels}
+    methods = {tuned[name].method for name in timings}
+    choice = KernelChoice(
+        problem=problem, kernel=chosen, config=tuned[chosen].best_config, candidates=candidates,
+        provenance={"platform": device.platform, "kernel_version": get_kernel(chosen).version,
+                    "method": "interpret" if "interpret" in methods else "device",
+                    **{f"{package}_version": version for package, version
+                       in installed_versions().items() if version is not None}})
+    store.publish_choice(device.device_kind, choice)
+    return ChoiceSummary(problem, device.device_kind, choice,
+                         {name: tuned[name] for name in timings}, failures)
+
+
+def _confirm_winners(problem: Problem, tuned: dict[str, TuneSummary], options: TuneOptions
+                     ) -> tuple[dict[str, Timing], dict[str, tuple[str, str]]]:
+    """Each tuned kernel's winner re-measured, all interleaved (as a search's candidates are
+    against the default): timings by kernel, and ``(failure class, detail)`` of those whose
+    winner fails to compile, run or pass the correctness check here."""
+    measurers, timers, lost = [], {}, {}
+    try:
+        for name, summary in tuned.items():
+            measurer = Measurer(problem, summary.best_config, get_kernel(name).discover(),
+                                compile_timeout_s=options.compile_timeout_s,
+                                timing=summary.timing)
+            measurers.append(measurer)
+            executable, failure = measurer.checked(summary.best_config)
+            if failure is not None:
+                lost[name] = (failure.status, failure.attrs.get("error", ""))
+                continue
+            timers[name] = measurer.timer(executable)
+        return interleaved(timers, options.confirm_rounds), lost
+    finally:
+        for measurer in measurers:
+            measurer.close()

@@ -1,0 +1,94 @@
+"""Kernel choices as stored: a ``kernel.table.KernelChoice`` with its device and provenance.
+
+A choice names the kernel that won a problem on a device kind among the candidates tuned
+there, its config, and every candidate's confirmed median and spread or failure class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kernel import Problem, get_kernel
+from kernel.table import KernelChoice, KernelTiming
+from storage.results import (
+    METHODS,
+    ResultError,
+    check_text,
+    default_platform,
+)
+
+# Provenance a stored choice keeps in columns (the rest of a table's provenance is dropped).
+CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "jax_version", "jaxlib_version",
+                     "libtpu_version")
+_PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
+                   "causal", "mode")
+
+
+def check_choice(device_kind: str, choice: KernelChoice) -> None:
+    """Raises ``ResultError`` naming what is wrong: a chosen kernel this build does not know,
+    a config illegal for the problem, a candidate name or failure that is not plain text."""
+    check_text("device_kind", device_kind)
+    if not isinstance(choice.config, get_kernel(choice.kernel).config_type):
+        raise ResultError(f"the config of chosen kernel {choice.kernel!r} must be one of its "
+                          f"configs, got {choice.config!r}")
+    broken = get_kernel(choice.kernel).stored_violations(choice.problem, choice.config)
+    if broken:
+        raise ResultError(f"config {choice.config.label()} of chosen kernel "
+                          f"{choice.kernel!r} is illegal for {choice.problem.label()}: "
+                          + "; ".join(map(str, broken)))
+    for name, timing in choice.candidates.items():
+        check_text("kernel", name)
+        if timing.failure is not None:
+            check_text("failure", timing.failure)
+    for name in CHOICE_PROVENANCE:
+        check_text(name, choice.provenance.get(name), optional=True)
+    if choice.provenance.get("method") not in (None, *METHODS):
+        raise ResultError(f"method must be one of {', '.join(METHODS)}, got "
+                          f"{choice.provenance['method']!r}")
+
+
+def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:
+    """The row of a checked choice (everything but the id and the timestamps)."""
+    provenance = choice.provenance
+    return {"device_kind": device_kind,
+            "platform": provenance.get("platform") or default_platform(device_kind),
+            **choice.problem.to_dict(), "kernel": choice.kernel,
+            "kernel_version": provenance.get("kernel_version") or get_kernel(choice.kernel).version,
+            "config": choice.config.to_dict(),
+            "candidates": {name: t.to_dict() for name, t in choice.candidates.items()},
+            **{name: provenance.get(name) for name in CHOICE_PROVENANCE[2:]}}
+
+
+@dataclass(frozen=True)
+class StoredChoice:
+    """A stored kernel choice with its device kind and timestamps (UTC)."""
+
+    device_kind: str
+    choice: KernelChoice
+    created_at: datetime
+    updated_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire shape: the choice (problem, kernel, config, candidates, provenance), its
+        device kind, every candidate's median (``times_ms``, null when it failed) and the
+        timestamps."""
+        return {"device_kind": self.device_kind, **self.choice.to_dict(),
+                "times_ms": self.choice.times_ms(),
+                "created_at": self.created_at.isoformat(),
+                "updated_at": self.updated_at.isoformat()}
+
+
+def stored_choice(get: Callable[[str], Any], utc: Callable[[datetime], datetime]) -> StoredChoice:
+    """A stored choice from a row's column getter (``utc`` makes its timestamps aware)."""
+    candidates = {name: KernelTiming.from_dict(raw, name)
+                  for name, raw in get("candidates").items()}
+    provenance = {name: get(name) for name in CHOICE_PROVENANCE if get(name) is not None}
+    choice = KernelChoice(
+        problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}), kernel=get("kernel"),
+        config=get_kernel(get("kernel")).config_from_dict(get("config")),
+        candidates=candidates, provenance=provenance)
+    return StoredChoice(get("device_kind"), choice, utc(get("created_at")),
+                        utc(get("updated_at")))

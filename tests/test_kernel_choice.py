@@ -1,0 +1,205 @@
+"""Per-shape kernel choice: ``autotune tune --kernels`` measures the candidates and publishes a
+choice; the service answers it; a traced ``flash_attention`` runs the chosen kernel, or the
+next best one that can run here when the chosen one cannot; tables carry choices.
+
+One real small tuning run (interpret mode on the CPU) for the module, a real server on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel
+from api.routers.pages import detail_link
+from conftest import problem_flags, run_cli
+from kernel import LookupTable, Problem, TableError, reference_attention
+from kernel.resolve import ResolverSettings, reset_resolver
+from kernel.table import TABLE_SCHEMA_VERSION
+from storage import Store
+
+SMALL = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
+                dtype="float32")
+
+
+def choice_params(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
+    fields = problem.to_dict()
+    return {"device_kind": device_kind, **fields, "causal": str(fields["causal"]).lower()}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """``autotune tune --kernels flash,xla,cudnn`` on SMALL (cuDNN cannot run on a CPU): the
+    database and the JSON summary."""
+    db = f"sqlite:///{tmp_path_factory.mktemp('choice') / 'choice.db'}"
+    done = run_cli("tune", "--kernels", "flash,xla,cudnn", *problem_flags(SMALL), "--trials",
+                   "2", "--db", db, "--json", timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    [summary] = [line for line in lines if line.get("summary")]
+    assert {line["kernel"] for line in lines if not line.get("summary")} == {"flash"}
+    return db, summary
+
+
+@pytest.fixture(autouse=True)
+def fresh_resolver() -> Any:
+    yield
+    reset_resolver(ResolverSettings())
+
+
+def test_the_choice_follows_the_confirmed_medians_and_the_service_answers_it(
+        tuned: tuple[str, dict[str, Any]], start_server: Any) -> None:
+    db, summary = tuned
+    times = summary["kernels"]
+    assert times["cudnn"] is None and summary["kernel_failures"] == {"cudnn": "illegal"}
+    measured = {name: ms for name, ms in times.items() if ms is not None}
+    assert set(measured) == {"flash", "xla"} and all(t > 0 for t in measured.values())
+    assert summary["chosen_kernel"] == min(measured, key=measured.get)
+    assert summary["choice_method"] == "interpret"  # flash ran interpreted on the CPU
+    server = start_server(db)
+    found = httpx.get(f"{server.url}/v1/choices/lookup", params=choice_params(SMALL))
+    assert found.status_code == 200, found.text
+    answer = found.json()
+    assert (answer["kernel"], answer["match"], answer["times_ms"]) == (
+        summary["chosen_kernel"], "exact", times)
+    assert answer["config"] == summary["tuned"][answer["kernel"]]["best_config"]
+    longer = Problem.from_dict({**SMALL.to_dict(), "q_len": 256, "kv_len": 256})
+    other_dim = Problem.from_dict({**SMALL.to_dict(), "head_dim": 128})
+    batch = httpx.post(f"{server.url}/v1/choices/lookup:batch", json={"keys": [
+        choice_params(longer), choice_params(other_dim)]}).json()["results"]
+    assert (batch[0]["found"], batch[0]["match"], batch[0]["kernel"]) == (
+        True, "nearest", answer["kernel"])
+    assert batch[1]["found"] is False and "no kernel choice" in batch[1]["detail"]
+    missing = httpx.get(f"{server.url}/v1/choices/lookup", params=choice_params(other_dim))
+    assert missing.status_code == 404 and "autotune tune --kernels" in missing.json()["detail"]
+    page = httpx.get(f"{server.url}/v1/choices", params={"device_kind": "cpu"}).json()
+    assert page["total"] == 1 and page["items"][0]["kernel"] == answer["kernel"]
+    with Store(db) as store:
+        [entry] = [e for e in store.list()[0] if e.result.kernel == "flash"]
+    detail = httpx.get(f"{server.url}{detail_link(entry.result.key)}", timeout=60)
+    assert detail.status_code == 200 and 'data-plot="choice"' in detail.text
+    assert f"<strong>{answer['kernel']}</strong> among" in detail.text
+
+
+def _inputs(problem: Problem) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(1), 3)
+    return tuple(jax.random.normal(key, shape, problem.dtype) for key, shape in zip(
+        keys, [(problem.batch, problem.q_heads, problem.q_len, problem.head_dim),
+               (problem.batch, problem.kv_heads, problem.kv_len, problem.head_dim),
+               (problem.batch, problem.kv_heads, problem.kv_len, problem.head_dim)],
+        strict=True))
+
+
+def _traced(problem: Problem) -> tuple[dict[Any, str], np.ndarray]:
+    """Runs ``flash_attention`` under jit on ``problem``: the sources and its error against
+    the reference."""
+    q, k, v = _inputs(problem)
+    got = jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v, causal=problem.causal))(
+        q, k, v)
+    want = reference_attention(q, k, v, causal=problem.causal)
+    return kernel.resolution_sources(), float(jnp.max(jnp.abs(got - want)))
+
+
+@pytest.mark.parametrize("via", ["table", "service"])
+def test_a_traced_call_runs_the_chosen_kernel(tuned: tuple[str, dict[str, Any]], via: str,
+                                             tmp_path: Path, start_server: Any) -> None:
+    db, summary = tuned
+    if via == "table":
+        path = tmp_path / "table.json"
+        with Store(db) as store:
+            path.write_text(json.dumps(store.export_table("cpu", "flash").to_dict()))
+        reset_resolver(ResolverSettings(table_paths=(str(path),)))
+    else:
+        reset_resolver(ResolverSettings(url=start_server(db).url, timeout_s=10))
+    sources, error = _traced(SMALL)
+    chosen = summary["chosen_kernel"]
+    assert error < 1e-4
+    [(key, source)] = sources.items()
+    assert key == (chosen, "cpu", SMALL)
+    where = "in pinned table" if via == "table" else "from service"
+    assert source == f"{via}; kernel: chosen (exact choice {where})"
+
+
+def _choice_table(tmp_path: Path, problem: Problem, kernel_name: str,
+                  candidates: dict[str, float]) -> Path:
+    """A pinned table (the current schema) whose one choice for ``problem`` names
+    ``kernel_name`` (its config: no fields, taken as defaults where the kernel is known)."""
+    table = {"schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash", "kernel_version": "1",
+             "device_kind": "cpu", "entries": [], "choices": [{
+                 "problem": problem.to_dict(), "kernel": kernel_name, "config": {},
+                 "candidates": {name: {"median_ms": ms, "iqr_ms": 0.0}
+                                for name, ms in candidates.items()}}]}
+    path = tmp_path / f"{kernel_name}.json"
+    path.write_text(json.dumps(table))
+    return path
+
+
+@pytest.mark.parametrize(("chosen", "problem", "runs", "why"), [
+    # a kernel from a newer build: the next best candidate this build knows
+    ("kernel_of_the_future", SMALL, "flash", "'kernel_of_the_future' is not in this build"),
+    # illegal for the traced shape (keys not a multiple of 128): the next best, which can
+    ("jax_tpu_flash", Problem(1, 2, 2, 128, 200, 64, "float32"), "flash", "kv_len=200"),
+    # refused on this platform (cuDNN has no CPU target), the next best likewise: xla
+    ("cudnn", SMALL, "xla", "has no target 'cpu'"),
+])
+def test_a_chosen_kernel_that_cannot_run_here_falls_back_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, chosen: str, problem: Problem,
+        runs: str, why: str) -> None:
+    candidates = {chosen: 1.0, "xla": 3.0} if chosen == "cudnn" else {
+        chosen: 1.0, "flash": 2.0, "xla": 3.0}
+    reset_resolver(ResolverSettings(table_paths=(str(_choice_table(
+        tmp_path, problem, chosen, candidates)),)))
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    sources, error = _traced(problem)
+    _traced(problem)  # cached: no second warning
+    assert error < 1e-4
+    [(key, source)] = sources.items()
+    assert key[0] == runs and source.startswith(
+        ("table; kernel: next best", "default; kernel: next best")) and why in source
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "instead of the chosen" in r.getMessage()]
+    assert len(warnings) == 1 and runs in warnings[0] and chosen in warnings[0]
+
+
+def test_export_import_round_trip_carries_the_choices(tuned: tuple[str, dict[str, Any]],
+                                                      tmp_path: Path) -> None:
+    db, summary = tuned
+    path = tmp_path / "table.json"
+    assert run_cli("export", "--db", db, "--device-kind", "cpu", "--output",
+                   str(path)).returncode == 0
+    exported = json.loads(path.read_text())
+    assert exported["schema_version"] == TABLE_SCHEMA_VERSION
+    [choice] = exported["choices"]
+    assert (choice["kernel"], {k: v.get("median_ms") for k, v in choice["candidates"].items()}) == (
+        summary["chosen_kernel"], summary["kernels"])
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert run_cli("db", "upgrade", "--db", other).returncode == 0
+    done = run_cli("import", str(path), "--db", other)
+    assert done.returncode == 0, done.stderr
+    with Store(db) as before, Store(other) as after:
+        assert after.export_table("cpu", "flash").choices == before.export_table(
+            "cpu", "flash").choices
+        [(stored, match)] = after.lookup_choices([("cpu", SMALL)])
+        assert (stored.choice.kernel, match) == (summary["chosen_kernel"], "exact")
+        assert stored.choice.times_ms() == summary["kernels"]
+
+
+def test_an_old_table_loads_and_a_newer_one_names_the_upgrade(tmp_path: Path) -> None:
+    old = {"schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": "cpu",
+           "entries": [{"problem": SMALL.to_dict(), "config": {"block_q": 128}}]}
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    table = LookupTable.load(path)
+    assert (len(table.entries), table.choices) == (1, ())
+    assert table.entries[0].config.block_q == 128
+    path.write_text(json.dumps({**old, "schema_version": TABLE_SCHEMA_VERSION + 1}))
+    with pytest.raises(TableError, match=r"newer than this build.*upgrade flash-autotune"):
+        LookupTable.load(path)
