@@ -180,10 +180,13 @@ def precheck(
     jobs: int = 2, timeout_s: float = 300.0, include_rejected: bool = False,
     compiler_options: dict[str, Any] | None = None,
     on_result: Callable[[PrecheckResult], None] | None = None,
+    sample_every: int = 1,
 ) -> list[PrecheckResult]:
     """Compiles every candidate of ``kernel`` (discovered) for ``target`` in ``jobs``
-    processes, each with a timeout."""
-    todo = candidates(problem, target, kernel, include_rejected=include_rejected)
+    processes, each with a timeout; with ``sample_every`` n > 1 only every n-th candidate (a
+    deterministic sample: pick an n prime to the sizes of the space's axes, so every value of
+    each axis is drawn)."""
+    todo = candidates(problem, target, kernel, include_rejected=include_rejected)[::sample_every]
     results: list[PrecheckResult | None] = [None] * len(todo)
     ctx = mp.get_context("spawn")
     next_index = 0  # the next candidate to hand to a worker

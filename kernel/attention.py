@@ -19,10 +19,19 @@ from kernel.resolve import get_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
+# Attention features of other APIs (jax.nn, tokamax, upstream's kernels) that no backend here
+# implements, named in the error when a caller passes them.
+UNSUPPORTED_FEATURES = {
+    "segment_ids": "segment ids", "q_segment_ids": "segment ids",
+    "kv_segment_ids": "segment ids", "bias": "an attention bias", "ab": "an attention bias",
+    "mask": "a mask other than causal", "logits_soft_cap": "logit soft-capping",
+    "sliding_window": "sliding-window attention", "local_window_size": "sliding-window attention",
+    "dropout_rate": "dropout",
+}
 
 
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
-                    sm_scale: float | None = None, config: Any = None) -> Any:
+                    sm_scale: float | None = None, config: Any = None, **unsupported: Any) -> Any:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable.
 
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
@@ -37,8 +46,11 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     ``config`` (one of its configs, checked against its rules), it is the platform's backend
     (:meth:`kernel.resolve.Resolver.platform_kernel`: ours on a TPU, or ``AUTOTUNE_TPU_KERNEL``
     which also disables choices there, and, interpreted, on a CPU; upstream's Pallas Triton
-    kernel on a GPU).
+    kernel on a GPU). Any other keyword (segment ids, bias, soft-cap, sliding window,
+    dropout, ...) raises ``TypeError`` naming it as unsupported.
     """
+    if unsupported:
+        raise TypeError(_unsupported_message(unsupported))
     problem = _problem(q, k, v, causal)
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
@@ -65,6 +77,16 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     else:
         config_for = _explicit(backend, problem, config, target, platform)
     return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
+
+
+def _unsupported_message(unsupported: dict[str, Any]) -> str:
+    names = ", ".join(f"'{name}'" + (f" ({UNSUPPORTED_FEATURES[name]})"
+                                      if name in UNSUPPORTED_FEATURES else "")
+                      for name in unsupported)
+    plural = "s" if len(unsupported) > 1 else ""
+    return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
+            "q, k, v, causal, sm_scale and config (causal masking is the only mask); drop the "
+            "argument, or use an attention implementation that supports it")
 
 
 def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Target,

@@ -4,6 +4,7 @@ deviceless Mosaic compile for v5e."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -14,6 +15,7 @@ import kernel
 from kernel import ConfigError, FlashConfig, Problem
 from kernel.backends.flash import pallas
 from kernel.backends.flash.depths import pipeline_depth_lowers, supported_pipeline_depths
+from kernel.backends.flash.config import DEPTH_FIELDS
 from kernel.backends.flash.rules import MAX_PROBED_DEPTH
 
 FLASH = kernel.get_kernel("flash").discover()
@@ -50,26 +52,29 @@ def _tpu_kernels(problem: Problem, config: FlashConfig) -> list[str]:
 
 def _kernel_keys(config: FlashConfig) -> set[tuple]:
     """The fields each of the three kernels is built from."""
-    return {("fwd", config.block_q, config.block_kv, config.block_kv_compute,
-             config.pipeline_depth),
-            ("dkv", config.block_q_dkv, config.block_kv_dkv),
-            ("dq", config.block_q_dq, config.block_kv_dq, config.pipeline_depth)}
+    return {(fields[0], *(getattr(config, f) for f in fields)) for fields in FLASH.compile_parts}
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_every_forward_config_lowers_for_tpu(causal):
     problem = Problem(**{**PROBLEM.to_dict(), "causal": causal, "mode": "fwd"})
-    configs = FLASH.search_space(problem, "v5e")
-    assert len(configs) >= 30
+    # every depth with the causal mask; the full one's tilings at depth 2
+    configs = (FLASH if causal else dataclasses.replace(FLASH, depths=(2,))).search_space(
+        problem, "v5e")
+    assert len(configs) >= (60 if causal else 15)
     for config in configs:
         assert _tpu_kernels(problem, config) == ["flash_fwd"], config.label()
 
 
 def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
     """The fwd_bwd space is the product of three kernels' tiles; lowering a subset that
-    contains every distinct tiling of each kernel covers all of it."""
+    contains every distinct tiling of each kernel covers all of it. Every tiling at depth 2,
+    and every depth at the default tiles (a depth changes only the buffer count of the
+    pipelines: test_each_kernel_buffers_its_streamed_operands_with_its_own_depth)."""
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
-    space = FLASH.search_space(problem, "v5e")
+    default = FLASH.default_config(problem, "v5e")
+    space = dataclasses.replace(FLASH, depths=(2,)).search_space(problem, "v5e") + [
+        default.replace(**dict.fromkeys(DEPTH_FIELDS, depth)) for depth in FLASH.depths]
     needed = set().union(*map(_kernel_keys, space))
     covered: set[tuple] = set()
     for config in space:
@@ -123,8 +128,9 @@ def test_supported_pipeline_depths_are_exactly_those_that_lower():
     assert all(pipeline_depth_lowers(depth) for depth in depths)
     if len(depths) < MAX_PROBED_DEPTH:
         assert not pipeline_depth_lowers(len(depths) + 1)
-    problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
-    assert {c.pipeline_depth for c in FLASH.search_space(problem, "v5e")} == set(depths)
+    assert {c.pipeline_depth for c in FLASH.search_space(PROBLEM, "v5e")} == set(depths)
+    params = FLASH.space_params(Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"}))
+    assert all(params[field] == list(depths) for field in DEPTH_FIELDS)
 
 
 def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
@@ -134,24 +140,40 @@ def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
         assert pipeline_depth_lowers(1)
 
 
-@pytest.mark.parametrize("depth_ok", [True, False], ids=["supported", "first-unsupported"])
-def test_kernels_buffer_kv_with_the_configured_depth(depth_ok):
-    """The forward and dQ kernels really pass pipeline_depth to Mosaic: the first depth that
-    discovery rejects makes both fail to lower (the config check is bypassed here)."""
-    depth = max(supported_pipeline_depths()) + (0 if depth_ok else 1)
-    config = FlashConfig(pipeline_depth=depth)
+def _traced_kernels(config: FlashConfig) -> dict[str, str]:
+    """The jaxpr (text) of each kernel traced with ``config`` for PROBLEM."""
     q, k, v = _specs(PROBLEM)
-    cols = jax.ShapeDtypeStruct((*q.shape[:3], flash.STATS + 1), jnp.float32)
+    rows = jax.ShapeDtypeStruct((*q.shape[:2], pallas.STATS + 1, q.shape[2]), jnp.float32)
+    cols = jax.ShapeDtypeStruct((*q.shape[:3], pallas.STATS + 1), jnp.float32)
     calls = {
-        "fwd": lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, save_stats=False)[0],
-        "dq": lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, config, True,
-                                                            0.1),
+        "fwd": (lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, False)[0], (q, k, v)),
+        "dkv": (lambda q, k, v, do, rows: pallas._backward_dkv(q, k, v, do, rows, config, True,
+                                                               0.1), (q, k, v, q, rows)),
+        "dq": (lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, config, True,
+                                                             0.1), (q, k, v, q, cols)),
     }
-    args = {"fwd": (q, k, v), "dq": (q, k, v, q, cols)}
-    for name, call in calls.items():
-        export = jax.export.export(jax.jit(call), platforms=["tpu"])
-        if depth_ok:
-            export(*args[name])
-        else:
-            with pytest.raises(Exception, match="buffering"):
-                export(*args[name])
+    return {name: str(jax.make_jaxpr(call)(*args)) for name, (call, args) in calls.items()}
+
+
+@pytest.mark.parametrize("depth", range(1, MAX_PROBED_DEPTH + 1))
+def test_each_kernel_buffers_its_streamed_operands_with_its_own_depth(depth):
+    """Every streamed operand gets ``depth`` VMEM buffers of its block in its kernel's pipeline
+    (K, V in fwd and dq; Q, dO and the row statistics in dkv), and only its kernel's depth
+    field sets it."""
+    others = 1 if depth != 1 else 2
+    configs = {field: FlashConfig(block_q=256, block_kv=128, block_q_dkv=128, block_kv_dkv=256,
+                                  block_q_dq=128, block_kv_dq=256).replace(
+        **{**dict.fromkeys(DEPTH_FIELDS, others), field: depth}) for field in DEPTH_FIELDS}
+    d, rows = PROBLEM.head_dim, pallas.STATS + 1
+    buffers = {"fwd": [f"bf16[{depth},128,{d}]"] * 2,
+               "dkv": [f"bf16[{depth},128,{d}]"] * 2 + [f"f32[{depth},{rows},128]"],
+               "dq": [f"bf16[{depth},256,{d}]"] * 2}
+    for field, name in zip(DEPTH_FIELDS, ("fwd", "dkv", "dq"), strict=True):
+        traced = _traced_kernels(configs[field])
+        for kernel_name, text in traced.items():
+            found = set(re.findall(r"\w+\[\d+,\d+,\d+\]", text))
+            if kernel_name == name:
+                assert set(buffers[name]) <= found, (name, found)
+            else:  # the other kernels keep their own depth
+                assert not any(b.startswith(tuple(f"{t}[{depth}," for t in ("bf16", "f32")))
+                               for b in found), (field, kernel_name, found)

@@ -1,6 +1,8 @@
 """The Pallas kernels (TPU interpret mode on CPU) against jax.nn.dot_product_attention:
 forward output and all three gradients, over GQA/MQA, causal, q_len != kv_len, both dtypes
-and configs that exercise several q/kv blocks, compute sub-blocks and both pipeline depths."""
+and configs that exercise several q/kv blocks, compute sub-blocks and every pipeline depth
+(1 to 4) in each of the three kernels (ids: ``depths<fwd>/<dkv>/<dq>``), with f32 and bf16,
+causal or not, grouped-query."""
 
 from __future__ import annotations
 
@@ -16,41 +18,46 @@ from kernel import flash_attention, reference_attention
 CASES = [
     pytest.param((2, 2, 2, 256, 256, 64), "float32", False,
                  FlashConfig(block_q=128, block_kv=128, block_kv_compute=128,
-                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=128),
-                 0.3, id="mha-f32-full-2x2blocks-sm_scale"),
+                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=128,
+                             pipeline_depth=3, pipeline_depth_dkv=4, pipeline_depth_dq=1),
+                 0.3, id="mha-f32-full-2x2blocks-sm_scale-depths3/4/1"),
     pytest.param((1, 4, 2, 512, 512, 128), "float32", True,
                  FlashConfig(block_q=128, block_kv=256, block_kv_compute=128,
                              block_q_dkv=128, block_kv_dkv=256, block_q_dq=256, block_kv_dq=128,
-                             pipeline_depth=1),
-                 None, id="gqa-f32-causal-subblocks-depth1"),
+                             pipeline_depth=1, pipeline_depth_dkv=1, pipeline_depth_dq=1),
+                 None, id="gqa-f32-causal-subblocks-depths1/1/1"),
     pytest.param((1, 4, 1, 256, 512, 64), "float32", True,
                  FlashConfig(block_q=128, block_kv=128, block_kv_compute=128,
-                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=128, block_kv_dq=256),
-                 None, id="mqa-f32-causal-q<kv"),
+                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=128, block_kv_dq=256,
+                             pipeline_depth=4, pipeline_depth_dkv=3, pipeline_depth_dq=4),
+                 None, id="mqa-f32-causal-q<kv-depths4/3/4"),
     pytest.param((1, 4, 2, 512, 256, 64), "float32", True,
                  FlashConfig(block_q=256, block_kv=128, block_kv_compute=128,
-                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=256),
-                 None, id="gqa-f32-causal-q>kv"),
+                             block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=256,
+                             pipeline_depth=2, pipeline_depth_dkv=1, pipeline_depth_dq=3),
+                 None, id="gqa-f32-causal-q>kv-depths2/1/3"),
     pytest.param((1, 4, 1, 128, 384, 64), "float32", False,
                  FlashConfig(block_q=128, block_kv=384, block_kv_compute=128,
                              block_q_dkv=128, block_kv_dkv=128, block_q_dq=128, block_kv_dq=384,
-                             pipeline_depth=1),
-                 None, id="mqa-f32-full-q<kv-3subblocks"),
+                             pipeline_depth=1, pipeline_depth_dkv=2, pipeline_depth_dq=4),
+                 None, id="mqa-f32-full-q<kv-3subblocks-depths1/2/4"),
     pytest.param((1, 2, 2, 200, 200, 64), "float32", True, None, None,
                  id="f32-causal-unaligned-len-resolved-config"),
     pytest.param((1, 4, 2, 512, 512, 128), "bfloat16", True,
                  FlashConfig(block_q=256, block_kv=512, block_kv_compute=256,
-                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=128, block_kv_dq=128),
-                 None, id="gqa-bf16-causal-subblocks"),
+                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=128, block_kv_dq=128,
+                             pipeline_depth=3, pipeline_depth_dkv=4, pipeline_depth_dq=3),
+                 None, id="gqa-bf16-causal-subblocks-depths3/4/3"),
     pytest.param((1, 4, 1, 256, 512, 128), "bfloat16", True,
                  FlashConfig(block_q=128, block_kv=256, block_kv_compute=128,
                              block_q_dkv=128, block_kv_dkv=256, block_q_dq=128, block_kv_dq=128,
-                             pipeline_depth=1),
-                 None, id="mqa-bf16-causal-q<kv-depth1"),
+                             pipeline_depth=1, pipeline_depth_dkv=3, pipeline_depth_dq=2),
+                 None, id="mqa-bf16-causal-q<kv-depths1/3/2"),
     pytest.param((2, 4, 2, 512, 256, 64), "bfloat16", False,
                  FlashConfig(block_q=128, block_kv=128, block_kv_compute=128,
-                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=256, block_kv_dq=128),
-                 None, id="gqa-bf16-full-q>kv"),
+                             block_q_dkv=256, block_kv_dkv=128, block_q_dq=256, block_kv_dq=128,
+                             pipeline_depth=4, pipeline_depth_dkv=2, pipeline_depth_dq=4),
+                 None, id="gqa-bf16-full-q>kv-depths4/2/4"),
 ]
 
 

@@ -17,7 +17,7 @@ from autotune.failures import Status, classify_compile_error
 from autotune.precheck import Agreement, PrecheckResult, candidates, precheck, vmem_limited
 from kernel import FlashConfig, Problem, get_kernel, get_target
 from kernel.aot import compile_for_target
-from kernel.backends.flash.config import BACKWARD_FIELDS
+from kernel.backends.flash.config import DKV_FIELDS, DQ_FIELDS
 from kernel.backends.flash.rules import vmem_estimate, vmem_violations
 
 FLASH = get_kernel("flash").discover()
@@ -72,7 +72,7 @@ def test_fwd_bwd_forward_variants_compile_the_forward_kernel_alone():
     todo = candidates(problem, get_target("v5e"), FLASH, include_rejected=True)
     for candidate in todo:  # backward variants and the default compile the whole gradient
         backward_at_default = all(getattr(candidate.config, f) == getattr(base, f)
-                                  for f in BACKWARD_FIELDS)
+                                  for f in DKV_FIELDS + DQ_FIELDS)
         assert candidate.forward_only == (backward_at_default and candidate.config != base)
     forward_variant = next(c.config for c in todo if c.forward_only)
     assert compile_for_target(FLASH, problem, forward_variant, "v5e", forward_only=True) > 0
@@ -145,12 +145,13 @@ def test_cli_refuses_a_target_that_is_not_a_tpu_generation(target):
 
 
 def test_compile_over_the_timeout_is_classified_timeout_and_the_sweep_finishes():
+    """Also: ``sample_every`` compiles every n-th candidate (here the 1st and 3rd of 4)."""
     problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=128)
-    todo = candidates(problem, get_target("v5e"), FLASH)
+    todo = candidates(problem, get_target("v5e"), FLASH)[::2]
     assert len(todo) >= 2  # one worker is killed and replaced for the second candidate
     seen: list[PrecheckResult] = []
     results = precheck(problem, get_target("v5e"), FLASH, jobs=1, timeout_s=0.001,
-                       on_result=seen.append)
+                       on_result=seen.append, sample_every=2)
     assert [r.config for r in results] == [c.config for c in todo]
     assert seen and len(seen) == len(results)
     for result in results:

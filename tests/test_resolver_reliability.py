@@ -140,9 +140,12 @@ def _table(tmp_path, config: FlashConfig, **provenance) -> str:
 
 
 def test_an_illegal_table_config_falls_back_once_and_the_source_says_default(tmp_path,
-                                                                            caplog):
+                                                                            caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="kernel.resolve")
-    path = _table(tmp_path, FlashConfig(block_q=128, pipeline_depth=3))  # not lowered here
+    # A JAX whose in-kernel pipelines lower only depths 1 and 2: the table's depth 3 is storable
+    # (some JAX lowers it) but illegal here.
+    monkeypatch.setattr("kernel.backends.flash.depths.supported_pipeline_depths", lambda: (1, 2))
+    path = _table(tmp_path, FlashConfig(block_q=128, pipeline_depth=3))
     resolver = reset_resolver(ResolverSettings(table_paths=(path,)))
     try:
         q = jnp.ones((1, 2, 256, 64), jnp.float32)

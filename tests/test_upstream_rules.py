@@ -88,6 +88,18 @@ def test_pallas_gpu_configs_lower_for_cuda_and_rejections_fail_upstream():
         assert not _lowers(_UncheckedGpu(), problem, config, "cuda"), changes
 
 
+
+def test_pallas_gpu_refuses_lengths_its_fused_backward_cannot_split_alike():
+    """q_len 112 against kv_len 512: no power-of-two blocks give both equally many blocks, so
+    upstream's fused backward refuses every config; the forward alone runs."""
+    kernel = get_kernel("pallas_gpu")
+    problem = _problem("fwd_bwd", q_len=112, kv_len=512)
+    assert [v.rule for v in kernel.problem_violations(problem)] == ["fused_backward"]
+    assert not _lowers(_UncheckedGpu(), problem, kernel.default_config(problem), "cuda")
+    forward = dataclasses.replace(problem, mode="fwd")
+    assert not kernel.problem_violations(forward)
+    assert _lowers(kernel, forward, kernel.default_config(forward), "cuda")
+
 def test_jax_tpu_flash_default_compiles_for_v5e_without_a_tpu():
     kernel = get_kernel("jax_tpu_flash")
     problem = _problem("fwd_bwd", q_len=512, kv_len=512, head_dim=128, dtype="bfloat16")

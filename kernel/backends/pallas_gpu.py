@@ -93,6 +93,13 @@ def _block_violations(field: str, block: int, dim: int, dim_name: str) -> list[V
     return out
 
 
+def _fused_block_pairs(q_len: int, kv_len: int) -> list[tuple[int, int]]:
+    """(block_q_dq, block_kv_dkv) pairs of legal blocks that split q_len and kv_len into
+    equally many blocks, as the fused backward needs."""
+    return [(b, kv_len * b // q_len) for b in pow2_blocks(q_len, q_len)
+            if kv_len * b % q_len == 0 and kv_len * b // q_len in pow2_blocks(kv_len, kv_len)]
+
+
 @dataclass(frozen=True)
 class PallasGpuKernel(TunableKernel):
     name: ClassVar[str] = "pallas_gpu"
@@ -115,6 +122,12 @@ class PallasGpuKernel(TunableKernel):
         if problem.head_dim <= MIN_BLOCK // 2:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} is padded to a power "
                                  f"of two that must be at least {MIN_BLOCK} (tl.dot tiles)"))
+        if (problem.mode == "fwd_bwd" and not out
+                and not _fused_block_pairs(problem.q_len, problem.kv_len)):
+            out.append(Violation("fused_backward", f"q_len={problem.q_len} and kv_len="
+                                 f"{problem.kv_len} have no power-of-two blocks that split them "
+                                 "into equally many blocks (the fused backward walks both on "
+                                 "one grid axis); pad them to a power-of-two ratio"))
         return out
 
     def space_params(self, problem: Problem) -> Params:
@@ -162,10 +175,9 @@ class PallasGpuKernel(TunableKernel):
             fitting = [b for b in pow2_blocks(dim, dim) if b <= cap]
             return max(fitting) if fitting else MIN_BLOCK
 
-        # (block_q_dq, block_kv_dkv) pairs with equal block counts; the one nearest 32 rows.
-        pairs = [(b, kv_len * b // q_len) for b in pow2_blocks(q_len, q_len)
-                 if kv_len * b % q_len == 0 and kv_len * b // q_len in pow2_blocks(kv_len, kv_len)]
-        block_q_dq, block_kv_dkv = min(pairs, key=lambda p: abs(math.log2(p[0] / 32)),
+        # the (block_q_dq, block_kv_dkv) pair with equal block counts nearest 32 rows
+        block_q_dq, block_kv_dkv = min(_fused_block_pairs(q_len, kv_len),
+                                       key=lambda p: abs(math.log2(p[0] / 32)),
                                        default=(pick(q_len, 32), pick(kv_len, 32)))
         return PallasGpuConfig(
             block_q=pick(q_len, 128), block_k=pick(kv_len, 128),

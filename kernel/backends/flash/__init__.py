@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kernel.backends.flash import rules
-from kernel.backends.flash.config import BACKWARD_FIELDS, FORWARD_FIELDS, FlashConfig
+from kernel.backends.flash.config import DKV_FIELDS, DQ_FIELDS, FORWARD_FIELDS, FlashConfig
 from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
 from kernel.problem import Problem
 from kernel.rules import Violation
@@ -21,22 +21,22 @@ from kernel.targets import TPU_TARGETS, Target
 
 @dataclass(frozen=True)
 class FlashKernel(TunableKernel):
-    """Our kernel. ``depths`` are the pipeline depths the rules admit:
-    :data:`rules.DEFAULT_DEPTHS` (what every supported JAX lowers) until :meth:`discover`
-    probes the installed JAX."""
+    """Our kernel. ``depths`` are the pipeline depths the rules admit (for each of the three
+    kernels): :data:`rules.DEFAULT_DEPTHS` (what every supported JAX lowers) until
+    :meth:`discover` probes the installed JAX."""
 
     depths: tuple[int, ...] = rules.DEFAULT_DEPTHS
 
     name: ClassVar[str] = "flash"
     version: ClassVar[str] = "1"
     description: ClassVar[str] = ("Our Pallas flash attention for TPU: grouped-query, causal, "
-                                  "tiled forward, dK/dV and dQ kernels with K/V pipelining")
+                                  "tiled forward, dK/dV and dQ kernels, each streaming its operands "
+                                  "through a 1-4 deep in-kernel pipeline")
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[FlashConfig]] = FlashConfig
     landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv", "pipeline_depth")
-    compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = (
-        FORWARD_FIELDS, BACKWARD_FIELDS[:2], BACKWARD_FIELDS[2:])
+    compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = (FORWARD_FIELDS, DKV_FIELDS, DQ_FIELDS)
     profile_names: ClassVar[tuple[str, ...]] = ("flash_fwd", "flash_bwd_dkv", "flash_bwd_dq")
 
     def problem_violations(self, problem: Problem) -> list[Violation]:

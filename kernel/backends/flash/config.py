@@ -1,4 +1,4 @@
-"""The flash kernel's config: block sizes of its three kernels and the K/V pipeline depth."""
+"""The flash kernel's config: block sizes and pipeline depths of its three kernels."""
 
 from __future__ import annotations
 
@@ -10,13 +10,21 @@ from kernel.errors import ConfigError
 
 @dataclass(frozen=True)
 class FlashConfig(IntConfig):
-    """Tiles of the forward and backward kernels and the K/V pipeline depth.
+    """Tiles and pipeline depths of the forward and backward kernels.
 
     Forward: the grid walks ``block_q`` query rows against ``block_kv`` keys per step; inside a
     step the logits are computed ``block_kv_compute`` keys at a time (bounding the f32 temporaries
     in VMEM). Backward: the dK/dV kernel walks ``block_kv_dkv`` keys against ``block_q_dkv``
     queries; the dQ kernel walks ``block_q_dq`` queries against ``block_kv_dq`` keys.
-    ``pipeline_depth`` is the buffer count of the streamed K/V inputs (forward and dQ).
+    Each kernel streams the operands of its inner loop from HBM through a pipeline of
+    ``pipeline_depth*`` VMEM buffers per operand (1 to 4: synchronous, double buffered, or
+    up to three blocks in flight ahead of the compute): ``pipeline_depth`` K and V in the
+    forward, ``pipeline_depth_dkv`` Q, dO and the row statistics in dK/dV,
+    ``pipeline_depth_dq`` K and V in dQ. One depth per kernel, not one for all: the kernels
+    stream different operands against different compute per block, so their best depths
+    differ, and each kernel then compiles from its own fields alone (precheck's additive
+    coverage of the gradient program). A config stored before the backward depths existed
+    loads with them at the default.
     """
 
     block_q: int = 128
@@ -27,6 +35,8 @@ class FlashConfig(IntConfig):
     block_q_dq: int = 128
     block_kv_dq: int = 128
     pipeline_depth: int = 2
+    pipeline_depth_dkv: int = 2
+    pipeline_depth_dq: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,10 +49,13 @@ class FlashConfig(IntConfig):
     def label(self) -> str:
         return (
             f"q{self.block_q} kv{self.block_kv}/{self.block_kv_compute} "
-            f"dkv{self.block_q_dkv}x{self.block_kv_dkv} dq{self.block_q_dq}x{self.block_kv_dq} "
-            f"depth{self.pipeline_depth}"
+            f"depth{self.pipeline_depth} dkv{self.block_q_dkv}x{self.block_kv_dkv}"
+            f"/depth{self.pipeline_depth_dkv} dq{self.block_q_dq}x{self.block_kv_dq}"
+            f"/depth{self.pipeline_depth_dq}"
         )
 
 
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "pipeline_depth")
-BACKWARD_FIELDS = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "pipeline_depth_dkv")
+DQ_FIELDS = ("block_q_dq", "block_kv_dq", "pipeline_depth_dq")
+DEPTH_FIELDS = ("pipeline_depth", "pipeline_depth_dkv", "pipeline_depth_dq")

@@ -1,7 +1,10 @@
-"""Which K/V pipeline depths (``pl.Buffered`` buffer counts) the installed JAX lowers for TPU.
+"""Which pipeline depths (``pl.Buffered`` buffer counts) the installed JAX lowers for TPU.
 
-Interpret mode ignores ``pipeline_mode``, so a depth is only known to work once a kernel using
-it has been lowered for TPU; this runs on any host (no TPU needed).
+The kernels stream their operands through ``pltpu.emit_pipeline`` inside the kernel (a
+``pallas_call`` BlockSpec lowers only depths 1 and 2); the probe lowers that same mechanism
+(``kernel.backends.flash.pallas.stream``) at each depth. Interpret mode ignores
+``pipeline_mode``, so a depth is only known to work once a kernel using it has been lowered
+for TPU; this runs on any host (no TPU needed).
 """
 
 from __future__ import annotations
@@ -13,27 +16,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel.backends.flash.pallas import stream
 from kernel.backends.flash.rules import MAX_PROBED_DEPTH
+
 _PROBE_SHAPE = (4 * 8, 128)  # four (8, 128) tiles: a grid long enough to pipeline
 
 
 def pipeline_depth_lowers(depth: int) -> bool:
-    """Whether a tiny ``pallas_call`` whose input uses ``pl.Buffered(depth)`` lowers for TPU."""
-
-    def copy_kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
+    """Whether a tiny kernel streaming an HBM input through ``stream`` at ``depth`` lowers for
+    TPU."""
     block = (8, 128)
+
+    def copy_kernel(x_hbm, o_ref):
+        def body(x_ref):
+            i = pl.program_id(0)
+            o_ref[pl.ds(pl.multiple_of(i * block[0], block[0]), block[0]), :] = x_ref[...]
+
+        stream(body, (_PROBE_SHAPE[0] // block[0],), [x_hbm], [block], [lambda i: (i, 0)],
+               depth)
+
     try:
         # Lower for real even inside a caller's force_tpu_interpret_mode context (pallas_call
         # reads that context when it is built).
         with pltpu.force_tpu_interpret_mode(None):
             call = pl.pallas_call(
                 copy_kernel,
-                grid=(_PROBE_SHAPE[0] // block[0],),
-                in_specs=[pl.BlockSpec(block, lambda i: (i, 0),
-                                       pipeline_mode=pl.Buffered(depth))],
-                out_specs=pl.BlockSpec(block, lambda i: (i, 0)),
+                in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
                 out_shape=jax.ShapeDtypeStruct(_PROBE_SHAPE, jnp.float32),
             )
             jax.export.export(jax.jit(call), platforms=["tpu"])(

@@ -8,6 +8,7 @@ interpret mode on a CPU (a correctness oracle, not a speed proxy).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -113,6 +114,41 @@ def _last_kv_block(q_block, block_q: int, block_kv: int):
     return _div((q_block + 1) * block_q - 1, block_kv)
 
 
+# A TPU to trace the in-kernel pipelines for when none is attached (see _pipeline_target).
+_NO_TPU_MESH = jax.sharding.AbstractMesh((), (), (), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+
+
+def _pipeline_target():
+    """The context in which to trace an in-kernel pipeline. ``emit_pipeline`` asks the TPU
+    generation (of the default device, or of an abstract mesh's device) to pick its buffers'
+    tiling; with no TPU attached (interpret mode on a CPU, a deviceless compile) that fails
+    (``Unsupported TPU device kind: cpu``), so it then traces under a device-less mesh naming
+    a v5e: the tiling is the same for every generation from v4 on (all our targets)."""
+    try:
+        pltpu.get_tpu_info()
+    except ValueError:
+        return jax.sharding.use_abstract_mesh(_NO_TPU_MESH)
+    return contextlib.nullcontext()
+
+
+def stream(body, grid: tuple, operands: list, blocks: list[tuple], index_maps: list,
+           depth: int) -> None:
+    """Runs ``body(*tiles)`` once per step of ``grid`` (static or traced sizes; the body reads
+    its step with ``pl.program_id``), each operand (a ref left in HBM by ``memory_space=
+    pl.ANY``) streamed to VMEM in ``blocks`` picked by ``index_maps``, through ``depth``
+    buffers (``pl.Buffered(depth)``: up to ``depth - 1`` blocks in flight ahead of the
+    compute). A ``pallas_call`` BlockSpec lowers only depths 1 and 2; this pipeline, built
+    inside the kernel, takes deeper ones."""
+    specs = [pl.BlockSpec(block, index_map, pipeline_mode=pl.Buffered(depth))
+             for block, index_map in zip(blocks, index_maps, strict=True)]
+    with _pipeline_target():
+        pltpu.emit_pipeline(body, grid=grid, in_specs=specs)(*operands)
+
+
+_IN_HBM = pl.BlockSpec(memory_space=pl.ANY)  # an operand the kernel streams itself
+
+
 def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
     """``pl.pallas_call`` that picks, when lowered, Mosaic for TPU or interpret mode for CPU
     (the fast HLO interpreter; ``pltpu.force_tpu_interpret_mode`` still overrides it)."""
@@ -125,109 +161,109 @@ def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
         *args, tpu=functools.partial(call, False), cpu=functools.partial(call, True))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal: bool, sm_scale: float,
-                    block_kv_compute: int, save_stats: bool):
+def _stream_kv(body, k_hbm, v_hbm, q_block, *, group: int, block_q: int, block_kv: int,
+               causal: bool, depth: int) -> None:
+    """Streams the K/V blocks a query block attends to (causal: up to the diagonal, no more)
+    through ``body(k_ref, v_ref)``; the grid of the calling kernel is (batch, q_head,
+    q_block)."""
+    head_dim, num_kv_blocks = k_hbm.shape[3], k_hbm.shape[2] // block_kv
+    if causal:
+        num_kv_blocks = jnp.minimum(_last_kv_block(q_block, block_q, block_kv) + 1,
+                                    num_kv_blocks)
+    kv_head = _div(pl.program_id(1), group)
+    stream(body, (num_kv_blocks,), [k_hbm.at[pl.program_id(0), kv_head],
+                                    v_hbm.at[pl.program_id(0), kv_head]],
+           [(block_kv, head_dim)] * 2, [lambda j: (j, 0)] * 2, depth)
+
+
+def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, causal: bool, sm_scale: float, group: int,
+                    block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
     *outs, m_ref, l_ref, acc_ref = refs
     o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
-    block_kv = k_ref.shape[0]
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+    q_block = pl.program_id(2)
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(kv_block == 0)
-    def _init():
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    def step(k_ref, v_ref):
+        kv_block = pl.program_id(0)  # of the K/V pipeline
 
-    def compute(sub):
-        start = pl.multiple_of(sub * block_kv_compute, block_kv_compute)
-        k = k_ref[pl.ds(start, block_kv_compute), :]
-        v = v_ref[pl.ds(start, block_kv_compute), :]
-        # Logits in f32 on the MXU; the scale is applied in f32, not to bf16 q.
-        s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * sm_scale
-        if causal:
-            mask = _causal_mask(s.shape, q_block * block_q, kv_block * block_kv + start)
-            s = jnp.where(mask, s, MASK_VALUE)
-        m_prev = m_ref[...]  # (block_q, 128): stats stay lane-replicated, whole vregs
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - _lanes(m_next, block_kv_compute))
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * _lanes(alpha, head_dim) + pv
+        def compute(sub):
+            start = pl.multiple_of(sub * block_kv_compute, block_kv_compute)
+            k = k_ref[pl.ds(start, block_kv_compute), :]
+            v = v_ref[pl.ds(start, block_kv_compute), :]
+            # Logits in f32 on the MXU; the scale is applied in f32, not to bf16 q.
+            s = lax.dot_general(q_ref[...], k, _NT,
+                                preferred_element_type=jnp.float32) * sm_scale
+            if causal:
+                mask = _causal_mask(s.shape, q_block * block_q, kv_block * block_kv + start)
+                s = jnp.where(mask, s, MASK_VALUE)
+            m_prev = m_ref[...]  # (block_q, 128): stats stay lane-replicated, whole vregs
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - _lanes(m_next, block_kv_compute))
+            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[...] = m_next
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            acc_ref[...] = acc_ref[...] * _lanes(alpha, head_dim) + pv
 
-    def sub_block(sub, carry):
-        if causal:  # skip compute sub-blocks wholly above the diagonal
-            first_key = kv_block * block_kv + sub * block_kv_compute
-            pl.when(first_key <= (q_block + 1) * block_q - 1)(lambda: compute(sub))
-        else:
-            compute(sub)
-        return carry
+        def sub_block(sub, carry):
+            if causal:  # skip compute sub-blocks wholly above the diagonal
+                first_key = kv_block * block_kv + sub * block_kv_compute
+                pl.when(first_key <= (q_block + 1) * block_q - 1)(lambda: compute(sub))
+            else:
+                compute(sub)
+            return carry
 
-    def run():
         # Bounds the live f32 logits to (block_q, block_kv_compute) per iteration.
         lax.fori_loop(0, block_kv // block_kv_compute, sub_block, 0)
 
-    if causal:  # kv blocks wholly above the diagonal do no work (and fetch nothing new)
-        pl.when(kv_block <= _last_kv_block(q_block, block_q, block_kv))(run)
-    else:
-        run()
-
-    @pl.when(kv_block == pl.num_programs(3) - 1)
-    def _finish():
-        inv_l = 1.0 / l_ref[...]  # every row sees key 0, so l > 0
-        out = acc_ref[...] * _lanes(inv_l, head_dim)
-        o_ref[...] = out.astype(o_ref.dtype)
-        if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
-            low_ref[...] = (out - o_ref[...].astype(jnp.float32)).astype(low_ref.dtype)
-        if save_stats:  # m in lane 0, l in lane 1: one whole-vreg store
-            lane = lax.broadcasted_iota(jnp.int32, stats_ref.shape, 1)
-            stats_ref[...] = jnp.where(lane == 0, m_ref[...], l_ref[...])
+    _stream_kv(step, k_hbm, v_hbm, q_block, group=group, block_q=block_q, block_kv=block_kv,
+               causal=causal, depth=depth)
+    inv_l = 1.0 / l_ref[...]  # every row sees key 0, so l > 0
+    out = acc_ref[...] * _lanes(inv_l, head_dim)
+    o_ref[...] = out.astype(o_ref.dtype)
+    if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
+        low_ref[...] = (out - o_ref[...].astype(jnp.float32)).astype(low_ref.dtype)
+    if save_stats:  # m in lane 0, l in lane 1: one whole-vreg store
+        lane = lax.broadcasted_iota(jnp.int32, stats_ref.shape, 1)
+        stats_ref[...] = jnp.where(lane == 0, m_ref[...], l_ref[...])
 
 
-def _kv_index_map(group: int, block_q: int, block_kv: int, causal: bool):
-    """(batch, q_head, q_block, kv_block) -> K/V block; causal clamps to the last needed
-    block, so skipped steps revisit the resident block instead of fetching a new one."""
-
-    def index_map(b, h, i, j):
-        if causal:
-            j = jnp.minimum(j, _last_kv_block(i, block_q, block_kv))
-        return b, _div(h, group), j, 0
-
-    return index_map
+def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
+    """A (block_q, head_dim) window of q (or dO, or the output) on a (batch, q_head, q_block)
+    grid."""
+    return pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
 
 
 def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_stats: bool):
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    bq, bkv = config.block_q, config.block_kv
-    q_spec = pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bkv, head_dim),
-                           _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
-                           pipeline_mode=pl.Buffered(config.pipeline_depth))
-    stats_spec = pl.BlockSpec((None, None, bq, LANES), lambda b, h, i, j: (b, h, i, 0))
+    bq = config.block_q
+    q_spec = _q_block_spec(bq, head_dim)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
     if save_stats:
         # (…, 128) so the kernel stores whole vregs; callers keep lanes 0 (m) and 1 (l).
         out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, q_len, LANES), jnp.float32))
-        out_specs.append(stats_spec)
+        out_specs.append(_q_block_spec(bq, LANES))
         if q.dtype != jnp.float32:
             out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
             out_specs.append(q_spec)
-    kernel = functools.partial(_forward_kernel, causal=causal, sm_scale=sm_scale,
-                               block_kv_compute=config.block_kv_compute, save_stats=save_stats)
+    kernel = functools.partial(
+        _forward_kernel, causal=causal, sm_scale=sm_scale, group=q_heads // k.shape[1],
+        block_kv=config.block_kv, block_kv_compute=config.block_kv_compute,
+        depth=config.pipeline_depth, save_stats=save_stats)
     outs = _pallas_call(
         kernel,
-        grid=(batch, q_heads, q_len // bq, kv_len // bkv),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        grid=(batch, q_heads, q_len // bq),
+        in_specs=[q_spec, _IN_HBM, _IN_HBM],
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
                         pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
-        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        semantics=("parallel", "parallel", "parallel"),
         name="flash_fwd",
     )(q, k, v)
     if not save_stats:
@@ -235,90 +271,81 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_s
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_ref, do_ref, rows_ref, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
-                causal: bool, sm_scale: float):
-    block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
-    kv_block, head_in_group, q_block = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+def _dkv_kernel(q_hbm, do_hbm, rows_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
+                causal: bool, sm_scale: float, group: int, block_q: int, depth: int):
+    block_kv, head_dim = k_ref.shape
+    kv_block = pl.program_id(2)
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    num_q_blocks = q_hbm.shape[2] // block_q
+    first = 0
+    if causal:  # query blocks wholly above the diagonal contribute nothing: start after them
+        first = jnp.minimum(_div(kv_block * block_kv, block_q), num_q_blocks - 1)
 
-    @pl.when((head_in_group == 0) & (q_block == 0))
-    def _init():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    def step(q_ref, do_ref, rows_ref):
+        q_block = pl.program_id(1) + first  # of the Q/dO pipeline
 
-    def run():
-        # Transposed logits (keys x queries): m, 1/l and delta arrive as (1, block_q) rows and
-        # broadcast over sublanes, and every matmul below is a plain or a@b.T MXU product.
-        q, do, rows = q_ref[...], do_ref[...], rows_ref[...]
-        s_t = lax.dot_general(k_ref[...], q, _NT, preferred_element_type=jnp.float32) * sm_scale
-        p_t = jnp.exp(s_t - rows[0:1]) * rows[1:2]
-        if causal:
-            mask = _causal_mask(p_t.shape, kv_block * block_kv, q_block * block_q,
-                                transposed=True)
-            p_t = jnp.where(mask, p_t, 0.0)
-        dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dp_t = lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
-        ds_t = p_t * (dp_t - rows[2:3])
-        dk_acc[...] += _dot_f32(ds_t, q)
+        def run():
+            # Transposed logits (keys x queries): m, 1/l and delta arrive as (1, block_q) rows
+            # and broadcast over sublanes, and every matmul below is a plain or a@b.T product.
+            q, do, rows = q_ref[...], do_ref[...], rows_ref[...]
+            s_t = lax.dot_general(k_ref[...], q, _NT,
+                                  preferred_element_type=jnp.float32) * sm_scale
+            p_t = jnp.exp(s_t - rows[0:1]) * rows[1:2]
+            if causal:
+                mask = _causal_mask(p_t.shape, kv_block * block_kv, q_block * block_q,
+                                    transposed=True)
+                p_t = jnp.where(mask, p_t, 0.0)
+            dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            dp_t = lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
+            ds_t = p_t * (dp_t - rows[2:3])
+            dk_acc[...] += _dot_f32(ds_t, q)
 
-    if causal:  # query blocks wholly above the diagonal contribute nothing
-        pl.when((q_block + 1) * block_q - 1 >= kv_block * block_kv)(run)
-    else:
-        run()
+        if causal:  # a kv block past the last query (kv_len > q_len) still gets one step
+            pl.when((q_block + 1) * block_q - 1 >= kv_block * block_kv)(run)
+        else:
+            run()
 
-    @pl.when((head_in_group == pl.num_programs(3) - 1) & (q_block == pl.num_programs(4) - 1))
-    def _finish():
-        dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+    head0 = pl.program_id(1) * group
+    stream(step, (group, num_q_blocks - first),
+           [ref.at[pl.program_id(0)] for ref in (q_hbm, do_hbm, rows_hbm)],
+           [(None, block_q, head_dim)] * 2 + [(None, STATS + 1, block_q)],
+           [lambda g, i: (head0 + g, i + first, 0)] * 2 + [lambda g, i: (head0 + g, 0, i + first)],
+           depth)
+    dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 def _backward_dkv(q, k, v, d_out, rows, config: FlashConfig, causal: bool, sm_scale: float):
-    """dK, dV: one grid row per kv block, summed over the query heads of its group and over
-    the query blocks in the two innermost ("arbitrary") grid axes, in a VMEM accumulator."""
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads
-    bq, bkv = config.block_q_dkv, config.block_kv_dkv
-    num_q_blocks = q_len // bq
-
-    def q_index(b, hk, j, g, i):
-        if causal:  # clamp skipped leading query blocks onto the first one needed
-            first = jnp.minimum(_div(j * bkv, bq), num_q_blocks - 1)
-            i = jnp.maximum(i, first)
-        return b, hk * group + g, i, 0
-
-    def kv_index(b, hk, j, g, i):
-        return b, hk, j, 0
-
-    def row_index(b, hk, j, g, i):
-        b, h, i, _ = q_index(b, hk, j, g, i)
-        return b, h, 0, i
-
-    q_spec = pl.BlockSpec((None, None, bq, head_dim), q_index)
-    row_spec = pl.BlockSpec((None, None, STATS + 1, bq), row_index)
-    kv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_index)
+    """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
+    its group and over the query blocks, in a VMEM accumulator."""
+    batch, kv_heads, kv_len, head_dim = k.shape
+    bkv = config.block_kv_dkv
+    kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
+    kernel = functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale,
+                               group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
+                               depth=config.pipeline_depth_dkv)
     return _pallas_call(
-        functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale),
-        grid=(batch, kv_heads, kv_len // bkv, group, num_q_blocks),
-        in_specs=[q_spec, q_spec, row_spec, kv_spec, kv_spec],
+        kernel,
+        grid=(batch, kv_heads, kv_len // bkv),
+        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
-        semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dkv",
     )(q, d_out, rows, k, v)
 
 
-def _dq_kernel(q_ref, do_ref, cols_ref, k_ref, v_ref, dq_ref, dq_acc, *, causal: bool,
-               sm_scale: float):
-    block_q, block_kv = q_ref.shape[0], k_ref.shape[0]
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, dq_ref, dq_acc, *, causal: bool,
+               sm_scale: float, group: int, block_kv: int, depth: int):
+    block_q = q_ref.shape[0]
+    q_block = pl.program_id(2)
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    @pl.when(kv_block == 0)
-    def _init():
-        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    def run():
+    def step(k_ref, v_ref):
+        kv_block = pl.program_id(0)  # of the K/V pipeline
         k, cols = k_ref[...], cols_ref[...]  # m, 1/l, delta: (block_q, 1) columns
         s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * sm_scale
         p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
@@ -328,33 +355,26 @@ def _dq_kernel(q_ref, do_ref, cols_ref, k_ref, v_ref, dq_ref, dq_acc, *, causal:
         ds = p * (dp - cols[:, 2:3])
         dq_acc[...] += _dot_f32(ds, k)
 
-    if causal:
-        pl.when(kv_block <= _last_kv_block(q_block, block_q, block_kv))(run)
-    else:
-        run()
-
-    @pl.when(kv_block == pl.num_programs(3) - 1)
-    def _finish():
-        dq_ref[...] = (dq_acc[...] * sm_scale).astype(dq_ref.dtype)
+    _stream_kv(step, k_hbm, v_hbm, q_block, group=group, block_q=block_q, block_kv=block_kv,
+               causal=causal, depth=depth)
+    dq_ref[...] = (dq_acc[...] * sm_scale).astype(dq_ref.dtype)
 
 
 def _backward_dq(q, k, v, d_out, cols, config: FlashConfig, causal: bool, sm_scale: float):
-    """dQ: the forward's grid and K/V pipelining, with its own block sizes."""
+    """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    bq, bkv = config.block_q_dq, config.block_kv_dq
-    q_spec = pl.BlockSpec((None, None, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
-    col_spec = pl.BlockSpec((None, None, bq, STATS + 1), lambda b, h, i, j: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bkv, head_dim),
-                           _kv_index_map(q_heads // kv_heads, bq, bkv, causal),
-                           pipeline_mode=pl.Buffered(config.pipeline_depth))
+    bq = config.block_q_dq
+    q_spec = _q_block_spec(bq, head_dim)
+    kernel = functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale,
+                               group=q_heads // k.shape[1], block_kv=config.block_kv_dq,
+                               depth=config.pipeline_depth_dq)
     return _pallas_call(
-        functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale),
-        grid=(batch, q_heads, q_len // bq, kv_len // bkv),
-        in_specs=[q_spec, q_spec, col_spec, kv_spec, kv_spec],
+        kernel,
+        grid=(batch, q_heads, q_len // bq),
+        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
-        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dq",
     )(q, d_out, cols, k, v)

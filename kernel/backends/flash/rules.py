@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kernel.backends.flash.config import FlashConfig
+from kernel.backends.flash.config import DEPTH_FIELDS, FlashConfig
 from kernel.errors import ConfigError
 from kernel.problem import Problem
 from kernel.rules import (
@@ -24,10 +24,11 @@ from kernel.rules import (
 )
 from kernel.targets import MiB, Target
 
-# The K/V pipeline depths (``pl.Buffered`` buffer counts) every supported JAX lowers for TPU;
-# ``kernel.backends.flash.depths`` probes the installed one, up to MAX_PROBED_DEPTH.
-DEFAULT_DEPTHS: tuple[int, ...] = (1, 2)
+# The pipeline depths (``pl.Buffered`` buffer counts of the operands a kernel streams through
+# ``pltpu.emit_pipeline``) every supported JAX lowers for TPU (probed with jax 0.10.2 and
+# 0.12); ``kernel.backends.flash.depths`` probes the installed one, up to MAX_PROBED_DEPTH.
 MAX_PROBED_DEPTH = 4
+DEFAULT_DEPTHS: tuple[int, ...] = tuple(range(1, MAX_PROBED_DEPTH + 1))
 
 
 def problem_violations(problem: Problem) -> list[Violation]:
@@ -56,9 +57,13 @@ def static_violations(
         out.append(Violation("compute_max", f"block_kv_compute={config.block_kv_compute} "
                              f"exceeds {MAX_COMPUTE_BLOCK}; split the kv block further"))
     depths = tuple(depths)
-    if config.pipeline_depth not in depths:
-        out.append(Violation("pipeline_depth", f"pipeline_depth={config.pipeline_depth} is not "
-                             f"supported by the installed JAX; use one of {list(depths)}"))
+    depth_fields = DEPTH_FIELDS if problem.mode == "fwd_bwd" else DEPTH_FIELDS[:1]
+    for field in depth_fields:
+        depth = getattr(config, field)
+        if depth not in depths:
+            out.append(Violation("pipeline_depth", f"{field}={depth} is not supported by the "
+                                 f"installed JAX (pl.Buffered({depth}) in an in-kernel "
+                                 f"pipeline does not lower for TPU); use one of {list(depths)}"))
     return out
 
 
@@ -87,10 +92,11 @@ def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES) -> int:
 def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     """Estimated peak VMEM bytes of each kernel the problem runs (``fwd``, ``dkv``, ``dq``).
 
-    Each kernel holds its pipelined input/output windows (two buffers each, ``pipeline_depth``
-    for the streamed K/V), its declared scratch accumulators and Mosaic's internal scratch
-    (``_spill_bytes``). Checked against the Mosaic compiler by ``bench/precheck.py``; meant as
-    an upper bound (a config it admits compiles). In a gradient program XLA may keep operands
+    Each kernel holds the windows of its outer grid (two buffers each), the buffers of the
+    operands it streams through its inner pipeline (its pipeline depth times their tile bytes),
+    its declared scratch accumulators and Mosaic's internal scratch (``_spill_bytes``).
+    Checked against the Mosaic compiler by ``bench/precheck.py``; meant as an upper bound (a
+    config it admits compiles). In a gradient program XLA may keep operands
     in VMEM outside the scoped limit, so there a kernel can need less than its windows suggest
     (most of the rejected configs that compile anyway are such).
     """
@@ -100,7 +106,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     spill_tiles = NARROW_SPILL_TILES if bkc <= NARROW_LANES else SPILL_TILES
     fwd = (
         2 * tile_bytes(bq, d, isz)  # q window, double buffered
-        + 2 * depth * tile_bytes(bkv, d, isz)  # k and v windows
+        + 2 * depth * tile_bytes(bkv, d, isz)  # streamed k and v buffers
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
         + _spill_bytes(bq, bkc, spill_tiles)  # one compute sub-block's logits
@@ -112,10 +118,10 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES
-        qk, kk = config.block_q_dkv, config.block_kv_dkv
+        qk, kk, depth_dkv = config.block_q_dkv, config.block_kv_dkv, config.pipeline_depth_dkv
         estimate["dkv"] = (
-            2 * 2 * tile_bytes(qk, d, isz)  # q, do windows
-            + 2 * tile_bytes(3, qk, 4)  # (m, 1/l, delta) rows window
+            2 * depth_dkv * tile_bytes(qk, d, isz)  # streamed q, do buffers
+            + depth_dkv * tile_bytes(3, qk, 4)  # streamed (m, 1/l, delta) rows buffers
             + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
@@ -125,7 +131,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         estimate["dq"] = (
             2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
             + 2 * tile_bytes(qq, 3, 4)  # (m, 1/l, delta) columns window (lane padded)
-            + 2 * depth * tile_bytes(kq, d, isz)  # k, v windows
+            + 2 * config.pipeline_depth_dq * tile_bytes(kq, d, isz)  # streamed k, v
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq accumulator
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
@@ -174,8 +180,9 @@ def space_params(
         "pipeline_depth": sorted(set(depths)),
     }
     if problem.mode == "fwd_bwd":
-        params.update(block_q_dkv=q_values, block_kv_dkv=kv_values, block_q_dq=q_values,
-                      block_kv_dq=kv_values)
+        params.update(block_q_dkv=q_values, block_kv_dkv=kv_values,
+                      pipeline_depth_dkv=params["pipeline_depth"], block_q_dq=q_values,
+                      block_kv_dq=kv_values, pipeline_depth_dq=params["pipeline_depth"])
     return params
 
 
@@ -205,7 +212,7 @@ def default_config(
             block_kv_dkv=largest_at_most(kv_values, min(kv_cap, 512)),
             block_q_dq=largest_at_most(q_values, min(q_cap, 512)),
             block_kv_dq=largest_at_most(kv_values, min(kv_cap, 256)),
-            pipeline_depth=2 if 2 in depths else max(depths),
+            **dict.fromkeys(DEPTH_FIELDS, 2 if 2 in depths else max(depths)),
         )
         fits = not vmem_violations(problem, config, target)
         if fits or (q_cap <= LANES and kv_cap <= LANES):
