@@ -142,7 +142,10 @@ def stream(body, grid: tuple, operands: list, blocks: list[tuple], index_maps: l
     inside the kernel, takes deeper ones."""
     specs = [pl.BlockSpec(block, index_map, pipeline_mode=pl.Buffered(depth))
              for block, index_map in zip(blocks, index_maps, strict=True)]
-    with _pipeline_target():
+    # emit_pipeline compares its step counters with Python ints, which jax_enable_x64 makes
+    # int64 against int32 grid indices (Mosaic rejects the mixed comparison): trace it in 32
+    # bits, as the kernel's own index arithmetic is.
+    with _pipeline_target(), jax.enable_x64(False):
         pltpu.emit_pipeline(body, grid=grid, in_specs=specs)(*operands)
 
 
