@@ -1,9 +1,10 @@
-"""Request dependencies: the store, the metrics and the write guard."""
+"""Request dependencies: the store, the metrics and the write guard; batch keys."""
 
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from collections.abc import Callable, Iterable
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -11,7 +12,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from api.cache import LookupCache
 from api.metrics import Metrics
 from api.settings import ApiSettings
+from kernel import AutotuneError
 from storage import Store
+
+_Request = TypeVar("_Request")
 
 _bearer = HTTPBearer(auto_error=False, description="AUTOTUNE_API_TOKEN of the server")
 
@@ -65,3 +69,17 @@ StoreDep = Annotated[Store, Depends(get_store)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 CacheDep = Annotated[LookupCache, Depends(get_cache)]
 Writer = Depends(require_writer)
+
+
+def batch_requests(keys: Iterable[object], to_request: Callable[[object], _Request]
+                   ) -> list[_Request]:
+    """A batch's keys as storage requests; a key that breaks a cross-field rule (grouped-query
+    heads, ...) is a 422 naming its index, before anything is looked up."""
+    requests = []
+    for index, key in enumerate(keys):
+        try:
+            requests.append(to_request(key))
+        except AutotuneError as error:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"keys[{index}]: {error}") from None
+    return requests

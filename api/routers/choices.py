@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Query, status
 from fastapi.responses import JSONResponse
 
-from api.deps import StoreDep
+from api.deps import StoreDep, batch_requests
 from api.schemas import (
     BatchChoiceRequest,
     BatchChoiceResponse,
@@ -57,13 +57,7 @@ def lookup(key: Annotated[ChoiceKey, Query()], store: StoreDep) -> Any:
              responses={422: {"model": ErrorResponse}})
 def lookup_batch(body: BatchChoiceRequest, store: StoreDep) -> dict[str, Any]:
     """Many choice lookups in one request; one result per key, in order, misses included."""
-    requests = []
-    for index, key in enumerate(body.keys):
-        try:
-            requests.append(key.to_choice_request())
-        except ValueError as error:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"keys[{index}]: {error}") from None
+    requests = batch_requests(body.keys, lambda key: key.to_choice_request())
     return {"results": [
         {"found": True, **_answer(*found)} if found else
         {"found": False, "detail": _miss_detail(*request)}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import JSONResponse
 
-from api.deps import CacheDep, MetricsDep, StoreDep, Writer
+from api.deps import CacheDep, MetricsDep, StoreDep, Writer, batch_requests
 from api.schemas import (
     BatchLookupRequest,
     BatchLookupResponse,
@@ -21,7 +21,6 @@ from api.schemas import (
     lookup_body,
 )
 from api.strict_json import StrictJsonRoute
-from kernel import AutotuneError
 from storage import LookupRequest
 
 router = APIRouter(prefix="/v1/configs", tags=["configs"],
@@ -62,13 +61,7 @@ def lookup(key: Annotated[LookupKey, Query()], request: Request, store: StoreDep
 def lookup_batch(body: BatchLookupRequest, store: StoreDep,
                  metrics: MetricsDep) -> dict[str, Any]:
     """Many lookups in one request; one result per key, in order, misses included."""
-    requests = []
-    for index, key in enumerate(body.keys):
-        try:
-            requests.append(key.to_request())
-        except AutotuneError as error:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"keys[{index}]: {error}") from None
+    requests = batch_requests(body.keys, lambda key: key.to_request())
     results = []
     for request, found in zip(requests, store.lookup_many(requests), strict=True):
         metrics.lookups.labels(found[1] if found else "miss").inc()
