@@ -142,6 +142,9 @@ def stream(body, grid: tuple, operands: list, blocks: list[tuple], index_maps: l
     inside the kernel, takes deeper ones."""
     specs = [pl.BlockSpec(block, index_map, pipeline_mode=pl.Buffered(depth))
              for block, index_map in zip(blocks, index_maps, strict=True)]
+    # emit_pipeline starts its step indices from Python 0s (int64 under jax_enable_x64) and
+    # lax.select does not promote: a traced size takes that dtype.
+    grid = tuple(g if isinstance(g, int) else g.astype(jnp.asarray(0).dtype) for g in grid)
     with _pipeline_target():
         pltpu.emit_pipeline(body, grid=grid, in_specs=specs)(*operands)
 
