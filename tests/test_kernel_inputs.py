@@ -111,10 +111,12 @@ def _gradients(**kwargs):
 
 
 def _grids(config: FlashConfig, with_backward: bool) -> dict[str, tuple[int, ...]]:
-    grids = {"flash_fwd": (1, 4, 512 // config.block_q, 256 // config.block_kv)}
+    """The outer grids the config gives (the streamed operands' blocks are pipelined inside
+    each step): forward and dQ over query blocks, dK/dV over key blocks."""
+    grids = {"flash_fwd": (1, 4, 512 // config.block_q)}
     if with_backward:
-        grids["flash_bwd_dkv"] = (1, 2, 256 // config.block_kv_dkv, 2, 512 // config.block_q_dkv)
-        grids["flash_bwd_dq"] = (1, 4, 512 // config.block_q_dq, 256 // config.block_kv_dq)
+        grids["flash_bwd_dkv"] = (1, 2, 256 // config.block_kv_dkv)
+        grids["flash_bwd_dq"] = (1, 4, 512 // config.block_q_dq)
     return grids
 
 
