@@ -51,6 +51,9 @@ def main() -> None:
     keys = jax.random.split(jax.random.key(0), 3)
     for name in args.kernels:
         kernel = get_kernel(name)
+        if "cpu" not in kernel.targets:  # nothing to interpret it with here
+            print(f"| {name} | skipped: runs only on {', '.join(kernel.targets)} |")
+            continue
         for dtype in args.dtypes:
             for causal in (False, True):
                 problem = Problem(**SHAPE, dtype=dtype, causal=causal)

@@ -100,6 +100,17 @@ def test_pallas_gpu_refuses_lengths_its_fused_backward_cannot_split_alike():
     assert not kernel.problem_violations(forward)
     assert _lowers(kernel, forward, kernel.default_config(forward), "cuda")
 
+
+def test_pallas_gpu_refuses_causal_with_more_queries_than_keys():
+    """Upstream's causal loop bound ignores kv_len: with q_len > kv_len it reads past the last
+    key block (NaN in interpret mode), so such problems are refused; q_len <= kv_len runs."""
+    kernel = get_kernel("pallas_gpu")
+    for mode in ("fwd", "fwd_bwd"):
+        assert [v.rule for v in kernel.problem_violations(
+            _problem(mode, q_len=512, kv_len=256))] == ["causal"]
+        assert not kernel.problem_violations(_problem(mode, q_len=256, kv_len=512))
+        assert not kernel.problem_violations(_problem(mode, q_len=512, kv_len=256, causal=False))
+
 def test_jax_tpu_flash_default_compiles_for_v5e_without_a_tpu():
     kernel = get_kernel("jax_tpu_flash")
     problem = _problem("fwd_bwd", q_len=512, kv_len=512, head_dim=128, dtype="bfloat16")

@@ -122,6 +122,10 @@ class PallasGpuKernel(TunableKernel):
         if problem.head_dim <= MIN_BLOCK // 2:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} is padded to a power "
                                  f"of two that must be at least {MIN_BLOCK} (tl.dot tiles)"))
+        if problem.causal and problem.q_len > problem.kv_len:
+            out.append(Violation("causal", f"causal with q_len={problem.q_len} > kv_len="
+                                 f"{problem.kv_len}: upstream's causal loops run past the last "
+                                 "key block (out-of-bounds reads); use the xla kernel"))
         if (problem.mode == "fwd_bwd" and not out
                 and not _fused_block_pairs(problem.q_len, problem.kv_len)):
             out.append(Violation("fused_backward", f"q_len={problem.q_len} and kv_len="
