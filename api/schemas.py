@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
 from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MODES
+from kernel.resolve import VERSIONED_PACKAGES
 from storage import (
     MAX_STORED_INT,
     METHODS,
@@ -27,7 +28,7 @@ from storage.results import KEY_TEXT_FIELDS, TEXT_LIMITS
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
 # The versions a result was tuned under: the resolver marks an entry stale when they moved.
-VERSION_FIELDS = ("jax_version", "jaxlib_version", "libtpu_version")
+VERSION_FIELDS = tuple(f"{package}_version" for package in VERSIONED_PACKAGES)
 
 Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
