@@ -143,12 +143,11 @@ def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
 def _traced_kernels(config: FlashConfig) -> dict[str, str]:
     """The jaxpr (text) of each kernel traced with ``config`` for PROBLEM."""
     q, k, v = _specs(PROBLEM)
-    rows = jax.ShapeDtypeStruct((*q.shape[:2], pallas.STATS + 1, q.shape[2]), jnp.float32)
     cols = jax.ShapeDtypeStruct((*q.shape[:3], pallas.STATS + 1), jnp.float32)
     calls = {
         "fwd": (lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, False)[0], (q, k, v)),
-        "dkv": (lambda q, k, v, do, rows: pallas._backward_dkv(q, k, v, do, rows, config, True,
-                                                               0.1), (q, k, v, q, rows)),
+        "dkv": (lambda q, k, v, do, cols: pallas._backward_dkv(q, k, v, do, cols, config, True,
+                                                               0.1), (q, k, v, q, cols)),
         "dq": (lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, config, True,
                                                              0.1), (q, k, v, q, cols)),
     }
@@ -158,15 +157,15 @@ def _traced_kernels(config: FlashConfig) -> dict[str, str]:
 @pytest.mark.parametrize("depth", range(1, MAX_PROBED_DEPTH + 1))
 def test_each_kernel_buffers_its_streamed_operands_with_its_own_depth(depth):
     """Every streamed operand gets ``depth`` VMEM buffers of its block in its kernel's pipeline
-    (K, V in fwd and dq; Q, dO and the row statistics in dkv), and only its kernel's depth
+    (K, V in fwd and dq; Q, dO and the per-query statistics in dkv), and only its kernel's depth
     field sets it."""
     others = 1 if depth != 1 else 2
     configs = {field: FlashConfig(block_q=256, block_kv=128, block_q_dkv=128, block_kv_dkv=256,
                                   block_q_dq=128, block_kv_dq=256).replace(
         **{**dict.fromkeys(DEPTH_FIELDS, others), field: depth}) for field in DEPTH_FIELDS}
-    d, rows = PROBLEM.head_dim, pallas.STATS + 1
+    d, stats = PROBLEM.head_dim, pallas.STATS + 1
     buffers = {"fwd": [f"bf16[{depth},128,{d}]"] * 2,
-               "dkv": [f"bf16[{depth},128,{d}]"] * 2 + [f"f32[{depth},{rows},128]"],
+               "dkv": [f"bf16[{depth},128,{d}]"] * 2 + [f"f32[{depth},128,{stats}]"],
                "dq": [f"bf16[{depth},256,{d}]"] * 2}
     for field, name in zip(DEPTH_FIELDS, ("fwd", "dkv", "dq"), strict=True):
         traced = _traced_kernels(configs[field])

@@ -16,9 +16,8 @@ forward one, which bf16 rounding alone exceeds). A kernel that cannot run a prob
 (``problem_violations``) skips with its reason, one that runs only on another device (cuDNN)
 skips saying so. An upstream kernel less accurate than a peer's tolerance is a documented
 limitation of that backend (``KNOWN_LIMITS``: a strict xfail, raised only when exactly the
-named tensors miss, with the measured figure); so is one CPU-only case of ours, caused by the
-interpreter's f32 dot. Features outside the contract (segment ids, bias, soft-cap, sliding
-window, dropout) must fail with a clear error.
+named tensors miss, with the measured figure). Features outside the contract (segment ids,
+bias, soft-cap, sliding window, dropout) must fail with a clear error.
 
 Sampled for CI time (about 3 minutes on two loaded cores), deterministically: every case of
 the peers' single tests, and two in three of each product parameterization (``PRODUCTS``),
@@ -137,8 +136,7 @@ CASES = {
 }
 
 # (case, kernel) -> (the exception it raises, or None: the tensors missing the tolerance; why,
-# with the figure measured on CPU; those tensors). Upstream kernels, plus one CPU-only case of
-# ours whose cause is the interpreter's f32 dot, not the kernel (see its reason).
+# with the figure measured on CPU; those tensors). Upstream kernels only.
 _FUSED_BF16 = ("in bf16 dq {} and dk {} the tolerance where XLA and ours pass: its backward "
                "rounds the output (for delta) and dS to bf16")
 _FUSED_FIGURES = {
@@ -166,11 +164,6 @@ KNOWN_LIMITS: dict[tuple[str, str], tuple[type[Exception] | None, str, tuple[str
         ()),
     ("x64", "pallas_gpu"): (
         TypeError, "under jax_enable_x64 upstream's kernel mixes int32 and int64 in lax.div", ()),
-    ("tk-small-q256-kv8", "flash"): (
-        None, "dv is 2.7e-5 off float64 (XLA 1.0e-5), 1.31x tokamax's atol 2e-5: with 8 keys "
-        "the CPU's f32 dot sums our (keys x queries) logit tile in a less accurate order than "
-        "XLA's (queries x keys) one (logits 7.6e-6 against 3.7e-6 off); at 128 keys ours, "
-        "upstream's and XLA's dv errors are equal (3.2e-6, tk-small-q256-kv128)", ("dv",)),
 }
 # The peers' product parameterizations (one test over a grid of values): sampled for CI time.
 PRODUCTS = ("tk-tpu-kv", "jax-fused-", "jax-mgpu-fwd-", "jax-mgpu-bwd-")

@@ -26,6 +26,7 @@ from kernel.rules import LANES
 # count as masked), and no inf - inf NaN arises.
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
 STATS = 2  # softmax statistics the forward saves per query row: the max m and the sum l
 
 
@@ -62,9 +63,9 @@ def _flash_bwd(causal, sm_scale, config_for, residuals, d_out):
     # Per query row: m, 1/l and delta. P = exp(S - m) / l, as the forward normalised it; a single
     # saved logsumexp m + log l would be rounded to the ulp of m (large for large logits), an
     # error every recomputed probability shares.
-    rows = jnp.stack([stats[..., 0], 1.0 / stats[..., 1], delta], axis=-2)
-    dk, dv = _backward_dkv(q, k, v, d_out, rows, config, causal, sm_scale)
-    dq = _backward_dq(q, k, v, d_out, jnp.swapaxes(rows, -1, -2), config, causal, sm_scale)
+    cols = jnp.stack([stats[..., 0], 1.0 / stats[..., 1], delta], axis=-1)
+    dk, dv = _backward_dkv(q, k, v, d_out, cols, config, causal, sm_scale)
+    dq = _backward_dq(q, k, v, d_out, cols, config, causal, sm_scale)
     return dq, dk, dv
 
 
@@ -82,23 +83,38 @@ def _lanes(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
-def _dot_f32(x: jax.Array, y: jax.Array) -> jax.Array:
-    """``x @ y`` for an f32 ``x`` to f32 precision: with a bf16 ``y`` as two bf16 MXU passes,
-    ``x``'s bf16 rounding and its remainder (16 mantissa bits), not one pass of ``x`` rounded
-    to bf16 (8 bits: after delta, the largest error of the bf16 dq and dk)."""
+def _dot_f32(x: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
+    """``dot_general(x, y, dims)`` (default ``x @ y``) for an f32 ``x`` to f32 precision: with
+    a bf16 ``y`` as two bf16 MXU passes, ``x``'s bf16 rounding and its remainder (16 mantissa
+    bits), not one pass of ``x`` rounded to bf16 (8 bits: after delta, the largest error of
+    the bf16 dq and dk)."""
+    def dot(a):
+        return lax.dot_general(a, y, dims, preferred_element_type=jnp.float32)
+
     if y.dtype == jnp.float32:
-        return jnp.dot(x, y, preferred_element_type=jnp.float32)
+        return dot(x)
     high = x.astype(y.dtype)
-    low = (x - high.astype(jnp.float32)).astype(y.dtype)
-    return (jnp.dot(high, y, preferred_element_type=jnp.float32)
-            + jnp.dot(low, y, preferred_element_type=jnp.float32))
+    return dot(high) + dot((x - high.astype(jnp.float32)).astype(y.dtype))
 
 
-def _causal_mask(shape: tuple[int, int], row0, col0, transposed: bool = False) -> jax.Array:
-    """True where key position <= query position; rows are queries (keys if ``transposed``)."""
+def _causal_mask(shape: tuple[int, int], row0, col0) -> jax.Array:
+    """True where key position (column) <= query position (row)."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
-    return rows <= cols if transposed else cols <= rows
+    return cols <= rows
+
+
+def _probs_and_ds(q, k, v, do, cols, *, sm_scale: float, causal: bool, q0, k0):
+    """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
+    whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
+    computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
+    exp(S - m) / l from the (block_q, 3) ``cols`` (m, 1/l, delta), dS = P (dO V^T - delta)."""
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+    p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
+    if causal:
+        p = jnp.where(_causal_mask(p.shape, q0, k0), p, 0.0)
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    return p, p * (dp - cols[:, 2:3])
 
 
 def _div(index, divisor: int):
@@ -274,7 +290,7 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_s
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_hbm, do_hbm, rows_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
+def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
                 causal: bool, sm_scale: float, group: int, block_q: int, depth: int):
     block_kv, head_dim = k_ref.shape
     kv_block = pl.program_id(2)
@@ -285,24 +301,23 @@ def _dkv_kernel(q_hbm, do_hbm, rows_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, d
     if causal:  # query blocks wholly above the diagonal contribute nothing: start after them
         first = jnp.minimum(_div(kv_block * block_kv, block_q), num_q_blocks - 1)
 
-    def step(q_ref, do_ref, rows_ref):
+    def step(q_ref, do_ref, cols_ref):
         q_block = pl.program_id(1) + first  # of the Q/dO pipeline
 
         def run():
-            # Transposed logits (keys x queries): m, 1/l and delta arrive as (1, block_q) rows
-            # and broadcast over sublanes, and every matmul below is a plain or a@b.T product.
-            q, do, rows = q_ref[...], do_ref[...], rows_ref[...]
-            s_t = lax.dot_general(k_ref[...], q, _NT,
-                                  preferred_element_type=jnp.float32) * sm_scale
-            p_t = jnp.exp(s_t - rows[0:1]) * rows[1:2]
-            if causal:
-                mask = _causal_mask(p_t.shape, kv_block * block_kv, q_block * block_q,
-                                    transposed=True)
-                p_t = jnp.where(mask, p_t, 0.0)
-            dv_acc[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
-            dp_t = lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
-            ds_t = p_t * (dp_t - rows[2:3])
-            dk_acc[...] += _dot_f32(ds_t, q)
+            # P and dS as the forward and the dQ kernel compute them (queries x keys), then
+            # dV += P^T dO and dK += dS^T Q as transposed-lhs products (TN: contract the query
+            # axis, 0, of both), as upstream's kernel does: Mosaic transposes the lhs on the
+            # XLU before the MXU pass. Transposed logits (k @ q.T) would avoid that transpose
+            # but round differently from the forward's, so P no longer matches the saved m and
+            # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
+            q, do = q_ref[...], do_ref[...]
+            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...],
+                                  sm_scale=sm_scale, causal=causal, q0=q_block * block_q,
+                                  k0=kv_block * block_kv)
+            dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
+                                           preferred_element_type=jnp.float32)
+            dk_acc[...] += _dot_f32(ds, q, _TN)
 
         if causal:  # a kv block past the last query (kv_len > q_len) still gets one step
             pl.when((q_block + 1) * block_q - 1 >= kv_block * block_kv)(run)
@@ -311,15 +326,14 @@ def _dkv_kernel(q_hbm, do_hbm, rows_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, d
 
     head0 = pl.program_id(1) * group
     stream(step, (group, num_q_blocks - first),
-           [ref.at[pl.program_id(0)] for ref in (q_hbm, do_hbm, rows_hbm)],
-           [(None, block_q, head_dim)] * 2 + [(None, STATS + 1, block_q)],
-           [lambda g, i: (head0 + g, i + first, 0)] * 2 + [lambda g, i: (head0 + g, 0, i + first)],
-           depth)
+           [ref.at[pl.program_id(0)] for ref in (q_hbm, do_hbm, cols_hbm)],
+           [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1)],
+           [lambda g, i: (head0 + g, i + first, 0)] * 3, depth)
     dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, rows, config: FlashConfig, causal: bool, sm_scale: float):
+def _backward_dkv(q, k, v, d_out, cols, config: FlashConfig, causal: bool, sm_scale: float):
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
@@ -338,7 +352,7 @@ def _backward_dkv(q, k, v, d_out, rows, config: FlashConfig, causal: bool, sm_sc
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dkv",
-    )(q, d_out, rows, k, v)
+    )(q, d_out, cols, k, v)
 
 
 def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, dq_ref, dq_acc, *, causal: bool,
@@ -349,13 +363,10 @@ def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, dq_ref, dq_acc, *, causal:
 
     def step(k_ref, v_ref):
         kv_block = pl.program_id(0)  # of the K/V pipeline
-        k, cols = k_ref[...], cols_ref[...]  # m, 1/l, delta: (block_q, 1) columns
-        s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * sm_scale
-        p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
-        if causal:
-            p = jnp.where(_causal_mask(p.shape, q_block * block_q, kv_block * block_kv), p, 0.0)
-        dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-        ds = p * (dp - cols[:, 2:3])
+        k = k_ref[...]
+        _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...],
+                              sm_scale=sm_scale, causal=causal, q0=q_block * block_q,
+                              k0=kv_block * block_kv)
         dq_acc[...] += _dot_f32(ds, k)
 
     _stream_kv(step, k_hbm, v_hbm, q_block, group=group, block_q=block_q, block_kv=block_kv,

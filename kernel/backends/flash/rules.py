@@ -121,11 +121,12 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         qk, kk, depth_dkv = config.block_q_dkv, config.block_kv_dkv, config.pipeline_depth_dkv
         estimate["dkv"] = (
             2 * depth_dkv * tile_bytes(qk, d, isz)  # streamed q, do buffers
-            + depth_dkv * tile_bytes(3, qk, 4)  # streamed (m, 1/l, delta) rows buffers
+            # streamed (m, 1/l, delta) columns buffers (lane padded), and the loaded block
+            + (depth_dkv + 1) * tile_bytes(qk, 3, 4)
             + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
-            + _spill_bytes(kk, qk, bwd_tiles)  # transposed logits and their gradients
+            + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
         )
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
