@@ -5,7 +5,10 @@ Pure Python (no jax): the service checks a stored config with the same rules the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from kernel.targets import MiB, Target
 
 LANES = 128  # TPU vector registers are (8 sublanes x 128 lanes); VMEM tiles pad to them.
 SUBLANES = 8
@@ -78,3 +81,15 @@ def largest_at_most(values: list[int], cap: int) -> int:
     """The largest of ``values`` not above ``cap``, else the smallest."""
     fitting = [v for v in values if v <= cap]
     return max(fitting) if fitting else min(values)
+
+
+def vmem_limit_violations(kernel_needs: Mapping[str, int], target: Target) -> list[Violation]:
+    """``vmem``: each kernel (name -> estimated VMEM bytes) over the target's scoped VMEM limit
+    (none without one)."""
+    limit = target.scoped_vmem_bytes
+    if limit is None:
+        return []
+    return [Violation("vmem", f"the {name} kernel needs about {need / MiB:.1f} MiB of VMEM, over "
+                      f"the {limit / MiB:.0f} MiB scoped limit of {target.name}; use smaller "
+                      "blocks") for name, need in kernel_needs.items() if need > limit]
+

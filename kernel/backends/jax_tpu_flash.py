@@ -37,8 +37,9 @@ from kernel.rules import (
     largest_at_most,
     sequence_violations,
     tile_bytes,
+    vmem_limit_violations,
 )
-from kernel.targets import TPU_TARGETS, MiB, Target
+from kernel.targets import TPU_TARGETS, Target
 
 MIN_BLOCK_SIZE = 128  # upstream: in-kernel key blocks tile the lane-replicated row statistics
 UPSTREAM_DEFAULT = 128  # BlockSizes.get_default(): 128 everywhere, block_b=1
@@ -203,14 +204,7 @@ class JaxTpuFlashKernel(TunableKernel):
             out.append(Violation("block_b", f"block_b={config.block_b} must divide "
                                  f"batch={problem.batch} and be at most {MAX_BLOCK_B}; pick one "
                                  f"of {batch_blocks(problem.batch)}"))
-        if target.scoped_vmem_bytes is not None:
-            for kernel_name, need in vmem_estimate(problem, config).items():
-                if need > target.scoped_vmem_bytes:
-                    out.append(Violation("vmem", f"the {kernel_name} kernel needs about "
-                                         f"{need / MiB:.1f} MiB of VMEM, over the "
-                                         f"{target.scoped_vmem_bytes / MiB:.0f} MiB scoped "
-                                         f"limit of {target.name}; use smaller blocks"))
-        return out
+        return out + vmem_limit_violations(vmem_estimate(problem, config), target)
 
     def default_config(self, problem: Problem,
                        target: Target | str = "cpu") -> JaxTpuFlashConfig:

@@ -21,8 +21,9 @@ from kernel.rules import (
     largest_at_most,
     sequence_violations,
     tile_bytes,
+    vmem_limit_violations,
 )
-from kernel.targets import MiB, Target
+from kernel.targets import Target
 
 # The pipeline depths (``pl.Buffered`` buffer counts of the operands a kernel streams through
 # ``pltpu.emit_pipeline``) every supported JAX lowers for TPU (probed with jax 0.10.2 and
@@ -142,16 +143,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
 
 def vmem_violations(problem: Problem, config: FlashConfig, target: Target) -> list[Violation]:
     """The VMEM rule: every kernel's estimate must fit the target's scoped VMEM limit."""
-    limit = target.scoped_vmem_bytes
-    if limit is None:
-        return []
-    out = []
-    for kernel_name, need in vmem_estimate(problem, config).items():
-        if need > limit:
-            out.append(Violation("vmem", f"the {kernel_name} kernel needs about "
-                                 f"{need / MiB:.1f} MiB of VMEM, over the {limit / MiB:.0f} MiB "
-                                 f"scoped limit of {target.name}; use smaller blocks"))
-    return out
+    return vmem_limit_violations(vmem_estimate(problem, config), target)
 
 
 def violations(
