@@ -36,6 +36,7 @@ from kernel.contract import TunableKernel
 from kernel.errors import ConfigError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
+from kernel.rules import x64_enabled
 from kernel.table import KernelChoice, LookupTable
 from kernel.targets import GPU_PLATFORMS, Target
 
@@ -154,7 +155,7 @@ class Resolver:
         self.settings = settings or ResolverSettings.from_env()
         self._lock = threading.Lock()
         self._cache: dict[Key, Resolution] = {}
-        self._picks: dict[tuple[str, str, Problem], KernelPick] = {}
+        self._picks: dict[tuple[str, str, Problem, bool], KernelPick] = {}
         self._choice_configs: dict[Key, Resolution] = {}
         self._tables: list[LookupTable] = []
         self._kernels: dict[str, TunableKernel] = {}
@@ -199,7 +200,8 @@ class Resolver:
              target: Target) -> KernelPick:
         """The backend that runs ``problem`` (as called) on this device, when no explicit
         config pins it to the platform's: the module docstring gives the order."""
-        key = (platform, device_kind, problem)
+        # x64 too: a kernel that refuses it (x64_violations) must not stay picked for such calls
+        key = (platform, device_kind, problem, x64_enabled())
         cached = self._picks.get(key)
         if cached is not None:
             return cached

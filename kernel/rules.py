@@ -5,6 +5,7 @@ Pure Python (no jax): the service checks a stored config with the same rules the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -93,3 +94,19 @@ def vmem_limit_violations(kernel_needs: Mapping[str, int], target: Target) -> li
                       f"the {limit / MiB:.0f} MiB scoped limit of {target.name}; use smaller "
                       "blocks") for name, need in kernel_needs.items() if need > limit]
 
+
+def x64_enabled() -> bool:
+    """Whether ``jax_enable_x64`` is on for the current call: the global flag or a
+    ``jax.enable_x64`` context. False while jax is not loaded (nothing can trace then)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and bool(jax.config.jax_enable_x64)
+
+
+def x64_violations() -> list[Violation]:
+    """``x64``, while ``jax_enable_x64`` is on (:func:`x64_enabled`): for an upstream kernel
+    whose index arithmetic mixes int32 and int64 then (a ``TypeError`` from inside it)."""
+    if not x64_enabled():
+        return []
+    return [Violation("x64", "upstream's kernel does not trace under jax_enable_x64 (its index "
+                      "arithmetic mixes int32 and int64); use the flash kernel, or disable x64 "
+                      "for this call (with jax.enable_x64(False): ...)")]

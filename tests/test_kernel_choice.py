@@ -142,24 +142,28 @@ def _choice_table(tmp_path: Path, problem: Problem, kernel_name: str,
     return path
 
 
-@pytest.mark.parametrize(("chosen", "problem", "runs", "why"), [
+@pytest.mark.parametrize(("chosen", "problem", "runs", "why", "x64"), [
     # a kernel from a newer build: the next best candidate this build knows
-    ("kernel_of_the_future", SMALL, "flash", "'kernel_of_the_future' is not in this build"),
+    ("kernel_of_the_future", SMALL, "flash", "'kernel_of_the_future' is not in this build",
+     False),
     # illegal for the traced shape (keys not a multiple of 128): the next best, which can
-    ("jax_tpu_flash", Problem(1, 2, 2, 128, 200, 64, "float32"), "flash", "kv_len=200"),
+    ("jax_tpu_flash", Problem(1, 2, 2, 128, 200, 64, "float32"), "flash", "kv_len=200", False),
     # refused on this platform (cuDNN has no CPU target), the next best likewise: xla
-    ("cudnn", SMALL, "xla", "has no target 'cpu'"),
+    ("cudnn", SMALL, "xla", "has no target 'cpu'", False),
+    # refused under jax_enable_x64 (upstream's kernel would raise a TypeError inside)
+    ("pallas_gpu", SMALL, "flash", "[x64] upstream's kernel does not trace", True),
 ])
 def test_a_chosen_kernel_that_cannot_run_here_falls_back_with_one_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, chosen: str, problem: Problem,
-        runs: str, why: str) -> None:
+        runs: str, why: str, x64: bool) -> None:
     candidates = {chosen: 1.0, "xla": 3.0} if chosen == "cudnn" else {
         chosen: 1.0, "flash": 2.0, "xla": 3.0}
     reset_resolver(ResolverSettings(table_paths=(str(_choice_table(
         tmp_path, problem, chosen, candidates)),)))
     caplog.set_level(logging.WARNING, logger="kernel.resolve")
-    sources, error = _traced(problem)
-    _traced(problem)  # cached: no second warning
+    with jax.enable_x64(x64):
+        sources, error = _traced(problem)
+        _traced(problem)  # cached: no second warning
     assert error < 1e-4
     [(key, source)] = sources.items()
     assert key[0] == runs and source.startswith(

@@ -34,6 +34,7 @@ import dataclasses
 import math
 import os
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel import Problem, ProblemError, flash_attention, get_kernel, kernel_names
+from kernel import ConfigError, Problem, ProblemError, flash_attention, get_kernel, kernel_names
+from kernel.aot import input_specs
 from kernel.registry import DEFAULT_KERNEL
 from kernel.tolerance import MAX_RELATIVE_ERROR, float64_attention, relative_error
 
@@ -135,8 +137,8 @@ CASES = {
     "jax-mgpu-bwd-mha-d256": Case((1, 4, 4, 256, 256, 256), **MGPU_BWD),
 }
 
-# (case, kernel) -> (the exception it raises, or None: the tensors missing the tolerance; why,
-# with the figure measured on CPU; those tensors). Upstream kernels only.
+# (case, kernel) -> (why the tensors miss the tolerance, with the figure measured on CPU; those
+# tensors). Upstream kernels only.
 _FUSED_BF16 = ("in bf16 dq {} and dk {} the tolerance where XLA and ours pass: its backward "
                "rounds the output (for delta) and dS to bf16")
 _FUSED_FIGURES = {
@@ -151,20 +153,17 @@ _FUSED_FIGURES = {
                                             "pallas_gpu": (2.42, 2.51)},
     "jax-fused-bwd-b2-s128-h2-d32": {"jax_tpu_flash": (2.09, 1.74), "pallas_gpu": (2.55, 1.82)},
 }
-KNOWN_LIMITS: dict[tuple[str, str], tuple[type[Exception] | None, str, tuple[str, ...]]] = {
-    **{(case_id, name): (None, _FUSED_BF16.format(*(f"{x:.2f}x" for x in figures)),
-                         ("dq", "dk"))
+KNOWN_LIMITS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    **{(case_id, name): (_FUSED_BF16.format(*(f"{x:.2f}x" for x in figures)), ("dq", "dk"))
        for case_id, kernels in _FUSED_FIGURES.items() for name, figures in kernels.items()},
     ("large-logits-full", "pallas_gpu"): (
-        None, "at q x 1e4 its dv is 2.1e-3 off float64 against XLA's 4.9e-5", ("dv",)),
+        "at q x 1e4 its dv is 2.1e-3 off float64 against XLA's 4.9e-5", ("dv",)),
     ("large-logits-causal", "pallas_gpu"): (
-        None, "at q x 1e4 its dv is 1.4e-3 off float64 against XLA's 2.1e-5", ("dv",)),
-    ("x64", "jax_tpu_flash"): (
-        TypeError, "under jax_enable_x64 upstream's kernel mixes int64 and int32 in lax.select",
-        ()),
-    ("x64", "pallas_gpu"): (
-        TypeError, "under jax_enable_x64 upstream's kernel mixes int32 and int64 in lax.div", ()),
+        "at q x 1e4 its dv is 1.4e-3 off float64 against XLA's 2.1e-5", ("dv",)),
 }
+# Upstream's index arithmetic mixes int32 and int64 under jax_enable_x64 (a TypeError from
+# inside it, lax.select and lax.div): these refuse x64 problems instead (rule "x64").
+X64_REFUSED = ("jax_tpu_flash", "pallas_gpu")
 # The peers' product parameterizations (one test over a grid of values): sampled for CI time.
 PRODUCTS = ("tk-tpu-kv", "jax-fused-", "jax-mgpu-fwd-", "jax-mgpu-bwd-")
 ALL = os.environ.get("AUTOTUNE_PEERS") == "all"
@@ -228,15 +227,15 @@ def _param(key: str, kernel_name: str, *values):
         marks = pytest.mark.skip(
             reason=f"{kernel_name} runs only on {', '.join(kernel.targets)}, not on a CPU")
     elif limit := KNOWN_LIMITS.get((key, kernel_name)):
-        marks = pytest.mark.xfail(strict=True, raises=limit[0] or KnownLimitation,
-                                  reason=f"{kernel_name}: {limit[1]}")
+        marks = pytest.mark.xfail(strict=True, raises=KnownLimitation,
+                                  reason=f"{kernel_name}: {limit[0]}")
     return pytest.param(*values, kernel_name, marks=marks, id=f"{key}-{kernel_name}")
 
 
 def _verdict(key: str, kernel_name: str, missed: dict[str, str]) -> None:
     """Fails on any miss but the documented ones; raises ``KnownLimitation`` (the strict
     xfail) when exactly those missed, and fails when one of them no longer does."""
-    expected = KNOWN_LIMITS.get((key, kernel_name), (None, "", ()))[2]
+    expected = KNOWN_LIMITS.get((key, kernel_name), ("", ()))[1]
     unexpected = [message for name, message in missed.items() if name not in expected]
     assert not unexpected, "; ".join(unexpected)
     if expected:
@@ -365,17 +364,42 @@ def test_logits_below_any_fixed_mask_value_stay_exact(causal):
     np.testing.assert_allclose(out[0, 0], want, rtol=1e-5, atol=1e-6)
 
 
+X64_PROBLEM = Problem(1, 2, 1, 128, 128, 64, "float32", True, "fwd_bwd")
+
+
 @pytest.mark.parametrize("kernel_name", _kernels("x64"))
 def test_runs_with_jax_enable_x64(kernel_name):
     kernel = get_kernel(kernel_name)
-    problem = Problem(1, 2, 1, 128, 128, 64, "float32", True, "fwd_bwd")
+    problem = X64_PROBLEM
     q = jax.random.normal(jax.random.key(0), (1, 2, 128, 64), jnp.float32)
     k = q[:, :1]
     with jax.enable_x64(True):
+        if broken := kernel.problem_violations(problem):  # upstream: the test below
+            pytest.skip(str(broken[0]))
         grads = jax.jit(kernel.build(problem, kernel.default_config(problem)))(q, k, k)
     truth = float64_attention(q, k, k, np.ones(q.shape), causal=True, sm_scale=0.125)
     for got, want in zip(grads, truth[1:]):
         assert relative_error(got, want) <= MAX_RELATIVE_ERROR["float32"]
+
+
+@pytest.mark.parametrize("kernel_name", X64_REFUSED)
+def test_upstream_refuses_x64_naming_the_fix(kernel_name):
+    """Under jax_enable_x64 (read per call) the problem is refused with the fix, so the resolver
+    picks another kernel and an explicit build fails clearly; while upstream itself still
+    raises its TypeError (else the refusal is stale)."""
+    kernel = get_kernel(kernel_name)
+    problem, specs = X64_PROBLEM, input_specs(X64_PROBLEM)
+    config = kernel.default_config(problem)
+    assert not kernel.problem_violations(problem)
+    fix = "does not trace under jax_enable_x64.*use the flash kernel, or disable x64"
+    with jax.enable_x64(True):
+        [broken] = kernel.problem_violations(problem)
+        assert broken.rule == "x64" and re.search(fix, broken.message), broken
+        with pytest.raises(ConfigError, match=fix):
+            kernel.build(problem, config)
+        with pytest.raises(TypeError, match="requires arguments to have the same dtypes"):
+            jax.eval_shape(kernel.attention(problem, lambda mode: config, 0.125), *specs)
+    assert not kernel.problem_violations(problem)
 
 
 @pytest.mark.parametrize("feature", ["segment_ids", "bias", "logits_soft_cap",

@@ -38,6 +38,7 @@ from kernel.rules import (
     sequence_violations,
     tile_bytes,
     vmem_limit_violations,
+    x64_violations,
 )
 from kernel.targets import TPU_TARGETS, Target
 
@@ -174,7 +175,7 @@ class JaxTpuFlashKernel(TunableKernel):
         if problem.head_dim > LANES and problem.head_dim % LANES:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be at most "
                                  f"{LANES} or a multiple of {LANES} for this kernel"))
-        return out
+        return out + x64_violations()
 
     def space_params(self, problem: Problem) -> Params:
         q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)

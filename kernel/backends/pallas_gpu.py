@@ -28,7 +28,7 @@ from typing import ClassVar
 from kernel.config import IntConfig
 from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, repeat_kv_heads
 from kernel.problem import Problem
-from kernel.rules import Violation
+from kernel.rules import Violation, x64_violations
 from kernel.targets import GPU_TARGET, Target
 
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
@@ -132,7 +132,7 @@ class PallasGpuKernel(TunableKernel):
                                  f"{problem.kv_len} have no power-of-two blocks that split them "
                                  "into equally many blocks (the fused backward walks both on "
                                  "one grid axis); pad them to a power-of-two ratio"))
-        return out
+        return out + x64_violations()
 
     def space_params(self, problem: Problem) -> Params:
         params: Params = {
