@@ -40,6 +40,7 @@ from autotune.trials import (
     FINISHED,
     LIVE,
     OK,
+    SEED_ATTR,
     Measure,
     Measurement,
     OnTrial,
@@ -157,7 +158,7 @@ def _enqueue_seeds(study: optuna.Study, space: Space, seeds: Iterable[Mapping[st
         if key in queued or not space.is_legal(config):
             continue
         queued.add(key)
-        study.enqueue_trial(config, user_attrs={"seed": True})
+        study.enqueue_trial(config, user_attrs={SEED_ATTR: True})
 
 
 def search(

@@ -19,12 +19,13 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.searchspace import Config, Space
 from storage.studies import FINISHED, NOT_MEASURED, OK, is_measurement, trial_status
 
-__all__ = ["FAILURES", "FINISHED", "LIVE", "NOT_MEASURED", "OK", "Measure", "Measurement",
-           "OnTrial", "TrialResult", "is_measurement", "trial_result", "trial_status"]
+__all__ = ["FAILURES", "FINISHED", "LIVE", "NOT_MEASURED", "OK", "SEED_ATTR", "Measure",
+           "Measurement", "OnTrial", "TrialResult", "is_measurement", "trial_result", "trial_status"]
 
 # Failure classes a measure function reports; any other non-"ok" string is accepted too.
 FAILURES = ("compile_error", "vmem_oom", "runtime_error", "wrong_result", "timeout")
 LIVE = (*FINISHED, TrialState.RUNNING)  # trials that hold their config
+SEED_ATTR = "seed"  # user attr (True) of a trial that measures a warm-start seed
 
 
 @dataclass(frozen=True)

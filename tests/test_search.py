@@ -1,5 +1,5 @@
 """The search engine on small synthetic landscapes: legality, no repeats, failures, budget,
-resume, cooperating processes on one SQLite study, patience, seeds."""
+resume, cooperating processes on one SQLite study, patience, seeds, restarts."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import optuna
 import pytest
 
 from autotune.landscape import load_landscape
+from autotune.samplers.engine import RESTART_AFTER, EngineSampler
 from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import Measurement
@@ -255,3 +256,31 @@ def test_sqlite_study_is_kept_in_wal_mode_and_an_in_memory_url_still_works(tmp_p
     memory = search(space, lambda c: Measurement(float(c["a"])), storage="sqlite://",
                     trials=3, seed=0)
     assert memory.measured == 3 and memory.best.value == 1.0
+
+
+def test_warm_seeds_are_a_hedge_the_search_after_them_is_the_cold_search(land):
+    """Seeds are measured first, but neither model learns from them: what follows is exactly
+    the cold search (same seed), so a misleading seed costs its own trials and no more."""
+    cold = Recorder(land)
+    search(land.space, cold, trials=len(land.records), seed=3)
+    seeds = [dict(zip(land.params, key, strict=True)) for key in cold.calls[-2:]]
+    warm = Recorder(land)
+    search(land.space, warm, trials=17, seeds=seeds, seed=3)
+    assert warm.calls[:2] == cold.calls[-2:]
+    assert warm.calls[2:] == cold.calls[:15]
+
+
+def test_tpe_restarts_after_restart_after_measurements_without_a_new_best():
+    space = Space({"x": list(range(200))})
+    sampler = EngineSampler(space, "tpe", seed=0)
+    study = optuna.create_study(sampler=sampler)
+    study.optimize(lambda t: 1.0 + 0 * t.suggest_categorical("x", space.params["x"]),
+                   n_trials=3 * RESTART_AFTER + 2)
+    # The first config is the best (all tie): the view restarts after configs 1 + 30, 61, 91.
+    assert sampler.restarts == 3
+    improving = EngineSampler(space, "tpe", seed=0)
+    optuna.create_study(sampler=improving).optimize(
+        lambda t: 1000.0 - t.number + 0 * t.suggest_categorical("x", space.params["x"]),
+        n_trials=RESTART_AFTER + 10)
+    assert improving.restarts == 0
+    assert len({t.params["x"] for t in study.trials}) == len(study.trials)  # no repeats

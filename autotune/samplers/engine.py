@@ -11,10 +11,11 @@ from optuna.trial import FrozenTrial
 from autotune.samplers.forest import ForestSurrogate
 from autotune.samplers.plain_tpe import PlainTPEView
 from autotune.searchspace import Config, Key, Space
-from autotune.trials import LIVE, OK, is_measurement, trial_status
+from autotune.trials import LIVE, OK, SEED_ATTR, is_measurement, trial_status
 
 FOREST_PICKS, FOREST_CYCLE = 2, 5  # ``tpe``: two proposals in five are the forest's
 FOREST_AFTER = 5  # measured configs before the forest's first pick
+RESTART_AFTER = 30  # measured configs in a row without a new best before TPE starts afresh
 
 
 class EngineSampler(BaseSampler):
@@ -24,6 +25,23 @@ class EngineSampler(BaseSampler):
     ``FOREST_CYCLE`` are the forest surrogate's; the others are plain TPE's
     (:class:`PlainTPEView`). When TPE has no fresh proposal, a uniformly random legal one is
     taken. ``exhausted`` says that the last trial found no legal config left.
+
+    Two rules keep one unlucky start from deciding the whole search:
+
+    - **Restarts.** TPE's densities follow its best configs, so once it settles in a basin
+      its proposals stay there, and a basin that is not the optimum's holds it for the whole
+      budget (convolution-A100: 3 seeds in 20 kept 0.64-0.68 of the optimum for 200
+      configs). After ``RESTART_AFTER`` measured configs in a row without a new best (counted
+      from the later of the last new best and the last restart), TPE's view is rebuilt empty
+      with a new seed: it samples its own random start again and models only what it measures
+      from then on. The forest keeps the whole history, and nothing is measured twice.
+      ``restarts`` counts them.
+    - **Warm-start seeds are a hedge, not a prior.** Seeds (configs a neighbouring problem
+      found best) are measured first and can be the answer, but neither model learns from
+      them: both count only the search's own measurements, so the search after the seeds is
+      the cold search, shifted by their number. Letting the models learn from them anchored
+      TPE (and through the forest's picks, TPE again) in the seeds' basin; where that basin
+      was not the optimum's, warm searches ended far behind cold ones (bench/search.py).
     """
 
     def __init__(self, space: Space, mode: str, seed: int | None) -> None:
@@ -32,6 +50,9 @@ class EngineSampler(BaseSampler):
         self._grid = space.configs() if mode == "grid" else None
         self._tpe = PlainTPEView(space, seed) if mode == "tpe" else None
         self._forest = ForestSurrogate(space, seed) if mode == "tpe" else None
+        self._seed = seed
+        self._restarted_at = 0  # own measurements when TPE's view was last rebuilt
+        self.restarts = 0
         self.exhausted = False
 
     def infer_relative_search_space(self, study, trial):  # noqa: ANN001, ANN201
@@ -61,10 +82,28 @@ class EngineSampler(BaseSampler):
             return None
         if self._tpe is None or self._forest is None:
             return space.random_legal(self._rand, taken)
+        own = sorted((t for t in others if is_measurement(t) and not t.user_attrs.get(SEED_ATTR)),
+                     key=lambda t: t.number)
         outcomes = {space.key(t.params): t.value if trial_status(t) == OK else None
-                    for t in others if is_measurement(t)}
+                    for t in own}
+        self._restart_if_stalled(own, outcomes)
         config = None
         if len(outcomes) >= FOREST_AFTER and len(outcomes) % FOREST_CYCLE < FOREST_PICKS:
             config = self._forest.propose(outcomes, taken)
         return (config or self._tpe.propose(outcomes, taken)
                 or space.random_legal(self._rand, taken))
+
+    def _restart_if_stalled(self, own: list[FrozenTrial], outcomes: dict[Key, float | None]
+                            ) -> None:
+        """Rebuilds TPE's view (see class doc) when the search's own measurements ``own`` (in
+        order) brought no new best in the last ``RESTART_AFTER``."""
+        best, last_best = None, 0
+        for i, t in enumerate(own, 1):
+            if trial_status(t) == OK and (best is None or t.value < best):
+                best, last_best = t.value, i
+        if len(own) - max(last_best, self._restarted_at) < RESTART_AFTER:
+            return
+        self.restarts += 1
+        self._restarted_at = len(own)
+        seed = None if self._seed is None else self._seed + 1000 * self.restarts  # fresh stream
+        self._tpe = PlainTPEView(self._space, seed, known=outcomes.keys())

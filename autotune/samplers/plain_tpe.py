@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import optuna
 from optuna.samplers import TPESampler
@@ -21,11 +21,12 @@ class PlainTPEView:
     measured outcome, one being measured elsewhere is failed (TPE ignores failed trials), and
     TPE is asked again: all of that is free, no real trial and no measurement. The first fresh
     legal proposal is returned; its real outcome is told when the study has it. Measurements
-    that came from elsewhere (seeds, the forest, other workers, an earlier run of the study) are
-    added as finished trials, so the view is rebuilt from the study on resume.
+    that came from elsewhere (the forest, other workers, an earlier run of the study) are added
+    as finished trials, so the view is rebuilt from the study on resume; those in ``known`` (a
+    restarted view's past) are left out, except where TPE proposes them again.
     """
 
-    def __init__(self, space: Space, seed: int | None) -> None:
+    def __init__(self, space: Space, seed: int | None, known: Iterable[Key] = ()) -> None:
         self._space = space
         level = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study" line for a view
@@ -34,7 +35,7 @@ class PlainTPEView:
                                               sampler=TPESampler(seed=seed))
         finally:
             optuna.logging.set_verbosity(level)
-        self._told: set[Key] = set()
+        self._told: set[Key] = set(known)  # measured configs this view does not model
         self._asked: dict[Key, optuna.Trial] = {}
 
     def propose(self, outcomes: Mapping[Key, float | None], taken: set[Key]) -> Config | None:
