@@ -86,7 +86,8 @@ class _View:
         trials = study.get_trials(deepcopy=False)
         return cls(
             measured=[t for t in trials if is_measurement(t)],
-            running=[t for t in trials if t.state == TrialState.RUNNING],
+            running=[t for t in trials if t.state == TrialState.RUNNING
+                     and not _orphan(t, set(space.names))],
             waiting=sum(t.state == TrialState.WAITING for t in trials),
             keys={space.key(space.config(t.params)) for t in trials
                   if t.state != TrialState.FAIL and t.params.keys() >= set(space.names)},
@@ -240,7 +241,8 @@ def search(
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 fail_stale_trials(study)
             view = _View.read(study, space)
-            if beats and _fail_orphans(study, space, view.running, grace_s):
+            if beats and _fail_orphans(study, space, study.get_trials(
+                    deepcopy=False, states=(TrialState.RUNNING,)), grace_s):
                 view = _View.read(study, space)
             reason = _stop_reason(view, trials, patience, timeout, start, stalled)
             if reason:
@@ -357,11 +359,21 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
         time.sleep(0.01)
     count = 0
     for t in earlier:
+        if t.state == TrialState.RUNNING and _orphan(t, names):
+            continue
         if t.state == TrialState.RUNNING or is_measurement(t):
             count += 1
             if t.params.keys() >= names and space.key(t.params) == key:
                 return "duplicate"
     return "surplus" if count >= trials else ""
+
+
+def _orphan(trial: FrozenTrial, names: set[str]) -> bool:
+    """A RUNNING trial still without params ``_CLAIM_WAIT_S`` after it started: its worker died
+    inside ``ask``. It holds no config and no slot of the budget (``_fail_orphans`` fails it
+    after the heartbeat's grace period)."""
+    return not trial.params.keys() >= names and (
+        trial.datetime_start < datetime.now() - timedelta(seconds=_CLAIM_WAIT_S))
 
 
 def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, key: Key) -> None:

@@ -193,6 +193,29 @@ def test_an_orphan_claim_without_params_neither_delays_claims_nor_holds_the_budg
     assert orphan.state == TrialState.FAIL and orphan.user_attrs["status"] == "orphan"
 
 
+
+def test_an_orphan_claim_within_its_grace_period_holds_no_slot_of_the_budget(land, tmp_path):
+    """A worker killed inside ``ask`` minutes ago, but within the heartbeat's grace period: the
+    worker that takes the study over still measures the whole budget (it used to stop one
+    short, counting the orphan as a running claim)."""
+    import datetime
+
+    from optuna.trial import FrozenTrial, TrialState
+
+    from storage.studies import get_storage
+
+    storage = get_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1,
+                          grace_period=3600)
+    study = optuna.create_study(storage=storage, study_name="s")
+    storage.create_new_trial(study._study_id, template_trial=FrozenTrial(
+        number=0, state=TrialState.RUNNING, value=None,
+        datetime_start=datetime.datetime.now() - datetime.timedelta(seconds=30),
+        datetime_complete=None, params={}, distributions={}, user_attrs={}, system_attrs={},
+        intermediate_values={}, trial_id=0))
+    rec = Recorder(land)
+    result = search(land.space, rec, storage=storage, study_name="s", trials=6)
+    assert result.measured == 6 == len(set(rec.calls)) and result.stop_reason == "budget"
+
 WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna
