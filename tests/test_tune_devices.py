@@ -69,7 +69,9 @@ def test_two_workers_tune_a_shapes_file(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     summaries = [line for line in lines if line.get("summary")]
-    assert sorted(s["device_index"] for s in summaries) == [0, 1]
+    # Each problem is published once, by the last worker searching it: which one that is
+    # depends on timing (a worker done with its own problem joins the other's study).
+    assert len(summaries) == 2 and {s["device_index"] for s in summaries} <= {0, 1}
     assert {line["device"] for line in lines if "trial" in line} == {0, 1}
     workers = {t.user_attrs["worker"] for trials in studies(db).values() for t in trials
                if is_measurement(t)}
