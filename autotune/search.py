@@ -77,20 +77,23 @@ class _View:
     """The study as one worker sees it before asking for its next trial."""
 
     measured: list[FrozenTrial]  # finished measurements, by trial number
-    running: list[FrozenTrial]
+    running: list[FrozenTrial]  # claims that hold a slot of the budget
+    orphans: list[FrozenTrial]  # RUNNING trials whose worker died inside ``ask`` (_orphan)
     waiting: int
     keys: set[Key]  # configs measured, being measured or queued
 
     @classmethod
     def read(cls, study: optuna.Study, space: Space) -> _View:
         trials = study.get_trials(deepcopy=False)
+        names = set(space.names)
+        running = [t for t in trials if t.state == TrialState.RUNNING]
         return cls(
             measured=[t for t in trials if is_measurement(t)],
-            running=[t for t in trials if t.state == TrialState.RUNNING
-                     and not _orphan(t, set(space.names))],
+            running=[t for t in running if not _orphan(t, names)],
+            orphans=[t for t in running if _orphan(t, names)],
             waiting=sum(t.state == TrialState.WAITING for t in trials),
             keys={space.key(space.config(t.params)) for t in trials
-                  if t.state != TrialState.FAIL and t.params.keys() >= set(space.names)},
+                  if t.state != TrialState.FAIL and t.params.keys() >= names},
         )
 
     def best(self) -> FrozenTrial | None:
@@ -241,8 +244,7 @@ def search(
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 fail_stale_trials(study)
             view = _View.read(study, space)
-            if beats and _fail_orphans(study, space, study.get_trials(
-                    deepcopy=False, states=(TrialState.RUNNING,)), grace_s):
+            if beats and _fail_orphans(study, view.orphans, set(space.names), grace_s):
                 view = _View.read(study, space)
             reason = _stop_reason(view, trials, patience, timeout, start, stalled)
             if reason:
@@ -352,9 +354,8 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
         earlier = [t for t in study._get_trials(deepcopy=False, states=LIVE, use_cache=False)
                    if t.number != number and (t.state != TrialState.RUNNING or t.number < number)]
         # A trial still without params after the wait is an orphan: do not wait for it again.
-        young = datetime.now() - timedelta(seconds=_CLAIM_WAIT_S)
         if time.monotonic() > deadline or not any(
-                not t.params.keys() >= names and t.datetime_start > young for t in earlier):
+                not t.params.keys() >= names and not _orphan(t, names) for t in earlier):
             break
         time.sleep(0.01)
     count = 0
@@ -368,12 +369,12 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
     return "surplus" if count >= trials else ""
 
 
-def _orphan(trial: FrozenTrial, names: set[str]) -> bool:
-    """A RUNNING trial still without params ``_CLAIM_WAIT_S`` after it started: its worker died
-    inside ``ask``. It holds no config and no slot of the budget (``_fail_orphans`` fails it
-    after the heartbeat's grace period)."""
+def _orphan(trial: FrozenTrial, names: set[str], age_s: float = _CLAIM_WAIT_S) -> bool:
+    """A RUNNING trial still without params ``age_s`` after it started: its worker died inside
+    ``ask``. It holds no config and no slot of the budget (``_fail_orphans`` fails it after
+    the heartbeat's grace period)."""
     return not trial.params.keys() >= names and (
-        trial.datetime_start < datetime.now() - timedelta(seconds=_CLAIM_WAIT_S))
+        trial.datetime_start < datetime.now() - timedelta(seconds=age_s))
 
 
 def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, key: Key) -> None:
@@ -410,17 +411,15 @@ def release_claims(storage: BaseStorage, study_name: str, worker: str) -> int:
     return len(mine)
 
 
-def _fail_orphans(study: optuna.Study, space: Space, running: list[FrozenTrial],
+def _fail_orphans(study: optuna.Study, orphans: list[FrozenTrial], names: set[str],
                   grace_s: int) -> bool:
-    """Fails (status ``orphan``) the RUNNING trials still without params ``grace_s`` after they
-    started: their workers died while Optuna created them, before their first heartbeat, so
-    ``fail_stale_trials`` never sees them. True when there were any."""
-    names = set(space.names)
-    cutoff = datetime.now() - timedelta(seconds=grace_s)
-    orphans = [t for t in running if not t.params.keys() >= names and t.datetime_start < cutoff]
-    for orphan in orphans:
+    """Fails (status ``orphan``) those of ``orphans`` (see :func:`_orphan`) older than
+    ``grace_s``: their workers died while Optuna created them, before their first heartbeat,
+    so ``fail_stale_trials`` never sees them. True when there were any."""
+    expired = [t for t in orphans if _orphan(t, names, grace_s)]
+    for orphan in expired:
         _fail(study, orphan._trial_id, "orphan")
-    return bool(orphans)
+    return bool(expired)
 
 
 def _release(study: optuna.Study, numbers: set[int]) -> None:
