@@ -87,6 +87,21 @@ class Space:
         for values in itertools.product(*self._values.values()):
             yield dict(zip(names, values, strict=True))
 
+    def neighbours(self, config: Mapping[str, Any]) -> Iterator[Config]:
+        """The legal configs one step from ``config``: one parameter changed, a numeric one to a
+        value declared next to its own (tile sizes are declared in order), any other one to
+        each of its other values."""
+        for name, values in self._values.items():
+            i = values.index(config[name])
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+                others = [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
+            else:
+                others = [v for v in values if v != config[name]]
+            for value in others:
+                neighbour = {**config, name: value}
+                if self.is_legal(neighbour):
+                    yield neighbour
+
     def random_legal(self, rng: random.Random, taken: set[Key]) -> Config | None:
         """A uniformly random legal config whose key is not in ``taken`` (None when none is
         left). Rejection sampling first; small legal fractions fall back to enumeration."""

@@ -298,8 +298,10 @@ def test_tpe_restarts_after_restart_after_measurements_without_a_new_best():
     sampler = EngineSampler(space, "tpe", seed=0)
     study = optuna.create_study(sampler=sampler)
     study.optimize(lambda t: 1.0 + 0 * t.suggest_categorical("x", space.params["x"]),
-                   n_trials=3 * RESTART_AFTER + 2)
-    # The first config is the best (all tie): the view restarts after configs 1 + 30, 61, 91.
+                   n_trials=3 * RESTART_AFTER + 4)
+    # All tie, so the first config stays the best. Its (at most two) untaken neighbours are
+    # polished after configs 1 + 30; the view restarts then, and again 30 and 60 later (the
+    # neighbourhood is already measured).
     assert sampler.restarts == 3
     improving = EngineSampler(space, "tpe", seed=0)
     optuna.create_study(sampler=improving).optimize(
@@ -307,3 +309,39 @@ def test_tpe_restarts_after_restart_after_measurements_without_a_new_best():
         n_trials=RESTART_AFTER + 10)
     assert improving.restarts == 0
     assert len({t.params["x"] for t in study.trials}) == len(study.trials)  # no repeats
+
+
+def test_a_stalled_search_polishes_the_best_config_to_a_local_optimum_before_restarting():
+    space = Space({"x": list(range(100)), "mode": ["a", "b", "c"]})
+    sampler = EngineSampler(space, "tpe", seed=0)
+    study = optuna.create_study(sampler=sampler)
+    # A stalled history: the first config is the best, and RESTART_AFTER configs (none of its
+    # neighbours) brought nothing better.
+    history = [(50, "a", 1.0)] + [(x, "b", 2.0) for x in range(RESTART_AFTER)]
+    for x, mode, value in history:
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": x, "mode": mode}, distributions=space.distributions, value=value))
+    asked, restarts = [], []
+
+    def objective(trial: optuna.Trial) -> float:
+        x, mode = trial.suggest_categorical("x", list(range(100))), trial.suggest_categorical(
+            "mode", ["a", "b", "c"])
+        asked.append((x, mode))
+        restarts.append(sampler.restarts)
+        return 0.9 if (x, mode) == (51, "a") else 3.0  # one neighbour is faster
+
+    study.optimize(objective, n_trials=7)
+    # Neighbours of 50/a until 51/a wins, then those of 51/a (50/a is taken); then the view
+    # restarts, and only then.
+    assert asked[:5] == [(49, "a"), (51, "a"), (52, "a"), (51, "b"), (51, "c")]
+    assert restarts == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_neighbours_move_one_parameter_one_step():
+    space = Space({"tile": [128, 256, 512], "mode": ["a", "b", "c"], "flag": [False, True]},
+                  is_legal=lambda c: (c["tile"], c["mode"]) != (512, "a"))
+    moves = [{k: v for k, v in c.items() if c[k] != {"tile": 256, "mode": "a", "flag": False}[k]}
+             for c in space.neighbours({"tile": 256, "mode": "a", "flag": False})]
+    # Numbers move to the adjacent declared value (the illegal 512/a is left out), choices
+    # and flags to each other value.
+    assert moves == [{"tile": 128}, {"mode": "b"}, {"mode": "c"}, {"flag": True}]

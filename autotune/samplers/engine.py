@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial
@@ -32,10 +33,13 @@ class EngineSampler(BaseSampler):
       its proposals stay there, and a basin that is not the optimum's holds it for the whole
       budget (convolution-A100: 3 seeds in 20 kept 0.64-0.68 of the optimum for 200
       configs). After ``RESTART_AFTER`` measured configs in a row without a new best (counted
-      from the later of the last new best and the last restart), TPE's view is rebuilt empty
-      with a new seed: it samples its own random start again and models only what it measures
-      from then on. The forest keeps the whole history, and nothing is measured twice.
-      ``restarts`` counts them.
+      from the later of the last new best and the last restart), the search first polishes
+      the best config: it measures its untaken neighbours (:meth:`Space.neighbours`),
+      following any new best, until the best is a local optimum, so the basin it leaves is
+      left at its best (pnpoly: the optimum is one flag away from configs within 1% of it).
+      Then TPE's view is rebuilt empty with a new seed: it samples its own random start again
+      and models only what it measures from then on. The forest keeps the whole history, and
+      nothing is measured twice. ``restarts`` counts them.
     - **Warm-start seeds are a hedge, not a prior.** Seeds (configs a neighbouring problem
       found best) are measured first and can be the answer, but neither model learns from
       them: both count only the search's own measurements, so the search after the seeds is
@@ -52,6 +56,7 @@ class EngineSampler(BaseSampler):
         self._forest = ForestSurrogate(space, seed) if mode == "tpe" else None
         self._seed = seed
         self._restarted_at = 0  # own measurements when TPE's view was last rebuilt
+        self._polishing = False  # stalled: measuring the best config's neighbours
         self.restarts = 0
         self.exhausted = False
 
@@ -86,24 +91,41 @@ class EngineSampler(BaseSampler):
                      key=lambda t: t.number)
         outcomes = {space.key(t.params): t.value if trial_status(t) == OK else None
                     for t in own}
-        self._restart_if_stalled(own, outcomes)
+        if self._stalled(own):
+            config = self._polish(outcomes, taken)
+            self._polishing = config is not None
+            if config is not None:
+                return config
+            self._restart(len(own), outcomes.keys())
         config = None
         if len(outcomes) >= FOREST_AFTER and len(outcomes) % FOREST_CYCLE < FOREST_PICKS:
             config = self._forest.propose(outcomes, taken)
         return (config or self._tpe.propose(outcomes, taken)
                 or space.random_legal(self._rand, taken))
 
-    def _restart_if_stalled(self, own: list[FrozenTrial], outcomes: dict[Key, float | None]
-                            ) -> None:
-        """Rebuilds TPE's view (see class doc) when the search's own measurements ``own`` (in
-        order) brought no new best in the last ``RESTART_AFTER``."""
+    def _stalled(self, own: list[FrozenTrial]) -> bool:
+        """Polishing, or no new best in the last ``RESTART_AFTER`` of the search's own
+        measurements ``own`` (in order) since the last restart."""
         best, last_best = None, 0
         for i, t in enumerate(own, 1):
             if trial_status(t) == OK and (best is None or t.value < best):
                 best, last_best = t.value, i
-        if len(own) - max(last_best, self._restarted_at) < RESTART_AFTER:
-            return
+        return self._polishing or len(own) - max(last_best, self._restarted_at) >= RESTART_AFTER
+
+    def _polish(self, outcomes: dict[Key, float | None], taken: set[Key]) -> Config | None:
+        """An untaken neighbour of the fastest config in ``outcomes``, or None when there is
+        none (the best is a local optimum)."""
+        times = [(t, key) for key, t in outcomes.items() if t is not None]
+        if not times:
+            return None
+        best = dict(zip(self._space.names, min(times, key=lambda p: p[0])[1], strict=True))
+        return next((c for c in self._space.neighbours(best)
+                     if self._space.key(c) not in taken), None)
+
+    def _restart(self, measured: int, known: Iterable[Key]) -> None:
+        """Rebuilds TPE's view empty, with a fresh seed (see class doc), after ``measured`` own
+        measurements of the configs ``known``."""
         self.restarts += 1
-        self._restarted_at = len(own)
+        self._restarted_at = measured
         seed = None if self._seed is None else self._seed + 1000 * self.restarts  # fresh stream
-        self._tpe = PlainTPEView(self._space, seed, known=outcomes.keys())
+        self._tpe = PlainTPEView(self._space, seed, known=known)
