@@ -86,11 +86,15 @@ class _View:
     def read(cls, study: optuna.Study, space: Space) -> _View:
         trials = study.get_trials(deepcopy=False)
         names = set(space.names)
-        running = [t for t in trials if t.state == TrialState.RUNNING]
+        running: list[FrozenTrial] = []
+        orphans: list[FrozenTrial] = []
+        for t in trials:  # one _orphan test per trial: its age must not change between lists
+            if t.state == TrialState.RUNNING:
+                (orphans if _orphan(t, names) else running).append(t)
         return cls(
             measured=[t for t in trials if is_measurement(t)],
-            running=[t for t in running if not _orphan(t, names)],
-            orphans=[t for t in running if _orphan(t, names)],
+            running=running,
+            orphans=orphans,
             waiting=sum(t.state == TrialState.WAITING for t in trials),
             keys={space.key(space.config(t.params)) for t in trials
                   if t.state != TrialState.FAIL and t.params.keys() >= names},
