@@ -42,6 +42,14 @@ class ForestSurrogate:
     def __init__(self, space: Space, seed: int | None = None) -> None:
         self._space = space
         self._rng = random.Random(seed)
+        # Imported here, not at module level: the service's pages import autotune.search (trial
+        # statuses) and its install (the `serve` extra) has no scikit-learn. Not at the first
+        # pick either: that import takes seconds on a loaded machine, inside a claim whose
+        # params are not yet written, long enough for other workers to take it for an orphan
+        # and measure the same config (autotune.search._conflict).
+        from sklearn.ensemble import RandomForestRegressor
+
+        self._regressor = RandomForestRegressor
 
     @cached_property
     def _candidates(self) -> tuple[list[Config], list[Key], np.ndarray]:
@@ -91,14 +99,10 @@ class ForestSurrogate:
         free = [i for i, key in enumerate(keys) if key not in taken]
         if not times or not free:
             return None
-        # Imported here: the service's pages import autotune.search (trial statuses) and its
-        # install (the `serve` extra) has no scikit-learn.
-        from sklearn.ensemble import RandomForestRegressor
-
         worst = math.log(max(times))
         x = self.encode([c for c, _ in pairs])
         y = np.asarray([worst if t is None else math.log(t) for _, t in pairs])
-        forest = RandomForestRegressor(n_estimators=_TREES, max_features=0.8,
+        forest = self._regressor(n_estimators=_TREES, max_features=0.8,
                                        random_state=self._rng.randrange(2**31))
         forest.fit(x, y)
         # Each tree's own predict validates its input again, which costs as much as the
