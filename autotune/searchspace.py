@@ -89,12 +89,18 @@ class Space:
 
     def neighbours(self, config: Mapping[str, Any]) -> Iterator[Config]:
         """The legal configs one step from ``config``: one parameter changed, a numeric one to a
-        value declared next to its own (tile sizes are declared in order), any other one to
-        each of its other values."""
+        value declared next to its own (tile sizes are declared in order) or to twice or half
+        its value, any other one to each of its other values. Doubling and halving are steps
+        because hardware resources divide by sizes: halving a block doubles the blocks that
+        fit, so a size and its double often perform alike where the values between do not
+        (pnpoly: the optimum's block 448 is half of a local optimum's 896)."""
         for name, values in self._values.items():
             i = values.index(config[name])
             if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
                 others = [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
+                value = config[name]
+                others += [v for v in values  # 0 is its own double: not a step
+                           if v in (value * 2, value / 2) and v != value and v not in others]
             else:
                 others = [v for v in values if v != config[name]]
             for value in others:

@@ -345,3 +345,9 @@ def test_neighbours_move_one_parameter_one_step():
     # Numbers move to the adjacent declared value (the illegal 512/a is left out), choices
     # and flags to each other value.
     assert moves == [{"tile": 128}, {"mode": "b"}, {"mode": "c"}, {"flag": True}]
+    # A number also moves to its double and its half where they are declared, as declared.
+    sizes = Space({"block": [16, 32, 48, 64, 96, 128]})
+    assert [c["block"] for c in sizes.neighbours({"block": 64})] == [48, 96, 32, 128]
+    assert [c["block"] for c in sizes.neighbours({"block": 48})] == [32, 64, 96]
+    assert all(type(c["block"]) is int for c in sizes.neighbours({"block": 64}))
+    assert [c["stages"] for c in Space({"stages": [0, 1, 2]}).neighbours({"stages": 0})] == [1]

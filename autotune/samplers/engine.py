@@ -36,9 +36,10 @@ class EngineSampler(BaseSampler):
       from the later of the last new best and the last restart), the search first polishes
       the best config: it measures its untaken neighbours (:meth:`Space.neighbours`),
       following any new best, until the best is a local optimum, so the basin it leaves is
-      left at its best (pnpoly: the optimum is one flag away from configs within 1% of it).
-      Then TPE's view is rebuilt empty with a new seed: it samples its own random start again
-      and models only what it measures from then on. The forest keeps the whole history, and
+      left at its best (pnpoly: the optimum is one flag away from configs within 1% of it,
+      and half the block of a local optimum). Then TPE's view is rebuilt empty with a new
+      seed: it samples its own random start again and models only what it measures from then
+      on. The forest keeps the whole history, and
       nothing is measured twice. ``restarts`` counts them.
     - **Warm-start seeds are a hedge, not a prior.** Seeds (configs a neighbouring problem
       found best) are measured first and can be the answer, but neither model learns from
