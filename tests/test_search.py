@@ -298,10 +298,10 @@ def test_tpe_restarts_after_restart_after_measurements_without_a_new_best():
     sampler = EngineSampler(space, "tpe", seed=0)
     study = optuna.create_study(sampler=sampler)
     study.optimize(lambda t: 1.0 + 0 * t.suggest_categorical("x", space.params["x"]),
-                   n_trials=3 * RESTART_AFTER + 4)
-    # All tie, so the first config stays the best. Its (at most two) untaken neighbours are
-    # polished after configs 1 + 30; the view restarts then, and again 30 and 60 later (the
-    # neighbourhood is already measured).
+                   n_trials=3 * (RESTART_AFTER + 5) + 1)
+    # All tie, so the first config of each restart stays its best. After it, 30 configs, then
+    # its (at most four: x +- 1, 2x, x/2) untaken neighbours are polished, then the view
+    # restarts: three times within 3 * (1 + 30 + 4) trials, a fourth not before 4 * 31.
     assert sampler.restarts == 3
     improving = EngineSampler(space, "tpe", seed=0)
     optuna.create_study(sampler=improving).optimize(
@@ -335,6 +335,39 @@ def test_a_stalled_search_polishes_the_best_config_to_a_local_optimum_before_res
     # restarts, and only then.
     assert asked[:5] == [(49, "a"), (51, "a"), (52, "a"), (51, "b"), (51, "c")]
     assert restarts == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_after_a_restart_the_search_polishes_the_best_config_of_the_new_basin():
+    space = Space({"x": list(range(100)), "mode": ["a", "b", "c"]})
+    sampler = EngineSampler(space, "tpe", seed=0)
+    study = optuna.create_study(sampler=sampler)
+    # A stalled history whose best, 50/a, is already a local optimum (every neighbour measured):
+    # the first ask restarts at once, and what follows is the new basin's search.
+    best_neighbours = [(49, "a"), (51, "a"), (25, "a"), (50, "b"), (50, "c")]
+    history = [(50, "a", 1.0)] + [(x, m, 2.5) for x, m in best_neighbours] + [
+        (x, "b", 2.5) for x in range(RESTART_AFTER)]
+    for x, mode, value in history:
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": x, "mode": mode}, distributions=space.distributions, value=value))
+    asked, restarts, values = [], [], {}
+
+    def objective(trial: optuna.Trial) -> float:
+        x, mode = trial.suggest_categorical("x", list(range(100))), trial.suggest_categorical(
+            "mode", ["a", "b", "c"])
+        asked.append((x, mode))
+        restarts.append(sampler.restarts)
+        # No gradient for the search to follow, and never better than 50/a.
+        values[x, mode] = 2.0 + (x * 37 + ord(mode)) % 101 / 1000
+        return values[x, mode]
+
+    study.optimize(objective, n_trials=RESTART_AFTER + 1)
+    assert restarts[:RESTART_AFTER] == [1] * RESTART_AFTER
+    # The new basin stalled too: its own best is polished (50/a has no untaken neighbour
+    # left), before the next restart.
+    x, mode = min(asked[:RESTART_AFTER], key=values.__getitem__)
+    neighbours = {(c["x"], c["mode"]) for c in space.neighbours({"x": x, "mode": mode})}
+    assert asked[RESTART_AFTER] in neighbours
+    assert restarts[RESTART_AFTER] == 1
 
 
 def test_neighbours_move_one_parameter_one_step():

@@ -34,13 +34,14 @@ class EngineSampler(BaseSampler):
       budget (convolution-A100: 3 seeds in 20 kept 0.64-0.68 of the optimum for 200
       configs). After ``RESTART_AFTER`` measured configs in a row without a new best (counted
       from the later of the last new best and the last restart), the search first polishes
-      the best config: it measures its untaken neighbours (:meth:`Space.neighbours`),
-      following any new best, until the best is a local optimum, so the basin it leaves is
-      left at its best (pnpoly: the optimum is one flag away from configs within 1% of it,
-      and half the block of a local optimum). Then TPE's view is rebuilt empty with a new
-      seed: it samples its own random start again and models only what it measures from then
-      on. The forest keeps the whole history, and
-      nothing is measured twice. ``restarts`` counts them.
+      the best config measured since the last restart: it measures its untaken neighbours
+      (:meth:`Space.neighbours`), following any new best, until that config is a local
+      optimum, so each basin the search leaves is left at its best (pnpoly: the optimum is one
+      flag away from configs within 1% of it, and half the block of a local optimum;
+      convolution-A100: the basin a restart finds is often not the first one's). Then TPE's
+      view is rebuilt empty with a new seed: it samples its own random start again and models
+      only what it measures from then on. The forest keeps the whole history, and nothing is
+      measured twice. ``restarts`` counts them.
     - **Warm-start seeds are a hedge, not a prior.** Seeds (configs a neighbouring problem
       found best) are measured first and can be the answer, but neither model learns from
       them: both count only the search's own measurements, so the search after the seeds is
@@ -93,7 +94,8 @@ class EngineSampler(BaseSampler):
         outcomes = {space.key(t.params): t.value if trial_status(t) == OK else None
                     for t in own}
         if self._stalled(own):
-            config = self._polish(outcomes, taken)
+            epoch = (space.key(t.params) for t in own[self._restarted_at:])  # since the restart
+            config = self._polish({key: outcomes[key] for key in epoch}, taken)
             self._polishing = config is not None
             if config is not None:
                 return config
