@@ -12,10 +12,10 @@
   forest-only and half-forest searches stall in the deceptive plateaus of the convolution
   landscapes (a flag whose typical configs are slow but whose best config is the optimum), a
   third of forest picks is too few to help on gemm; two in five did best overall. When
-  ``RESTART_AFTER`` measured configs in a row bring no new best, the best config is polished
-  to a local optimum (its one-step neighbours measured, sizes also doubled and halved) and
-  TPE's view starts afresh (its densities had settled in one basin), and warm-start seeds are
-  measured first but modelled by neither TPE nor the forest
+  ``RESTART_AFTER`` measured configs in a row bring no new best, the best config since the
+  last restart is polished to a local optimum (its one-step neighbours measured, sizes also
+  doubled and halved) and TPE's view starts afresh (its densities had settled in one basin),
+  and warm-start seeds are measured first but modelled by neither TPE nor the forest
   (:class:`autotune.samplers.engine.EngineSampler`).
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.

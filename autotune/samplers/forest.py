@@ -103,7 +103,7 @@ class ForestSurrogate:
         x = self.encode([c for c, _ in pairs])
         y = np.asarray([worst if t is None else math.log(t) for _, t in pairs])
         forest = self._regressor(n_estimators=_TREES, max_features=0.8,
-                                       random_state=self._rng.randrange(2**31))
+                                 random_state=self._rng.randrange(2**31))
         forest.fit(x, y)
         # Each tree's own predict validates its input again, which costs as much as the
         # prediction on a large candidate set: the trees' arrays are asked directly, with the
