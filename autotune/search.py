@@ -351,11 +351,19 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
     beyond the study-wide budget is surplus. An earlier trial whose params are still being
     written is waited for (briefly: its worker may have died), so of two racing claims the
     later-numbered one always sees the earlier one and no config is measured twice.
+
+    A claim whose params took longer than half that wait to be written (a slow sampler on a
+    loaded machine) may have been taken for an orphan by a later claim that went on: it also
+    yields to later claims of its config. Half, so that clocks of two machines up to
+    ``_CLAIM_WAIT_S / 2`` apart still agree on which of the two yields (at worst both do, and
+    the config stays free).
     """
     names = set(space.names)
+    written = datetime.now()
     deadline = time.monotonic() + _CLAIM_WAIT_S
     while True:
-        earlier = [t for t in study._get_trials(deepcopy=False, states=LIVE, use_cache=False)
+        live = study._get_trials(deepcopy=False, states=LIVE, use_cache=False)
+        earlier = [t for t in live
                    if t.number != number and (t.state != TrialState.RUNNING or t.number < number)]
         # A trial still without params after the wait is an orphan: do not wait for it again.
         if time.monotonic() > deadline or not any(
@@ -370,6 +378,11 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
             count += 1
             if t.params.keys() >= names and space.key(t.params) == key:
                 return "duplicate"
+    [own] = [t for t in live if t.number == number]
+    if own.datetime_start < written - timedelta(seconds=_CLAIM_WAIT_S / 2) and any(
+            t.number > number and t.params.keys() >= names and space.key(t.params) == key
+            for t in live):
+        return "duplicate"
     return "surplus" if count >= trials else ""
 
 

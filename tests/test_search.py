@@ -216,6 +216,33 @@ def test_an_orphan_claim_within_its_grace_period_holds_no_slot_of_the_budget(lan
     result = search(land.space, rec, storage=storage, study_name="s", trials=6)
     assert result.measured == 6 == len(set(rec.calls)) and result.stop_reason == "budget"
 
+@pytest.mark.parametrize("params_after_s, yields", [(0.0, False), (3.0, True)])
+def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land, params_after_s,
+                                                                           yields):
+    """Claim 0's sampler took seconds (a loaded machine) before its params were written, so
+    claim 1, of another worker, took it for an orphan and claimed the same config: claim 0
+    yields, and the config is measured once. A claim written at once keeps its config (the
+    lower number wins, and claim 1 yields to it)."""
+    import datetime
+
+    from optuna.trial import FrozenTrial, TrialState
+
+    from autotune import search as search_module
+
+    space = land.space
+    config = dict(zip(land.params, next(iter(land.records)), strict=True))
+    study = optuna.create_study()
+    now = datetime.datetime.now()
+    for number, started in enumerate((now - datetime.timedelta(seconds=params_after_s), now)):
+        study.add_trial(FrozenTrial(
+            number=number, state=TrialState.RUNNING, value=None, datetime_start=started,
+            datetime_complete=None, params=config, distributions=space.distributions,
+            user_attrs={}, system_attrs={}, intermediate_values={}, trial_id=number))
+    conflict = search_module._conflict(study, space, 0, space.key(config), trials=10)
+    assert conflict == ("duplicate" if yields else "")
+    assert search_module._conflict(study, space, 1, space.key(config), trials=10) == "duplicate"
+
+
 WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna
