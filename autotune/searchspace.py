@@ -95,14 +95,15 @@ class Space:
         fit, so a size and its double often perform alike where the values between do not
         (pnpoly: the optimum's block 448 is half of a local optimum's 896)."""
         for name, values in self._values.items():
-            i = values.index(config[name])
+            current = config[name]
+            i = values.index(current)
             if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
                 others = [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
-                value = config[name]
                 others += [v for v in values  # 0 is its own double: not a step
-                           if v in (value * 2, value / 2) and v != value and v not in others]
+                           if v in (current * 2, current / 2) and v != current
+                           and v not in others]
             else:
-                others = [v for v in values if v != config[name]]
+                others = [v for v in values if v != current]
             for value in others:
                 neighbour = {**config, name: value}
                 if self.is_legal(neighbour):
