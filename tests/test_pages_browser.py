@@ -100,15 +100,30 @@ def _screenshot(browser: object, name: str) -> Path:
 
 
 def _filter(browser: object, **values: str) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     for name, value in values.items():
         Select(browser.find_element(By.ID, f"filter-{name}")).select_by_value(value)
     old = browser.find_element(By.TAG_NAME, "html")
     browser.find_element(By.ID, "filter-submit").click()
-    WebDriverWait(browser, 30).until(staleness_of(old))
+
+    def replaced(_: object) -> bool:
+        """The submitted form's page has replaced the old one. Mid-navigation chromedriver
+        may answer for the old node "does not belong to the document" instead of the stale
+        element error that selenium's ``staleness_of`` expects: that is the same fact."""
+        try:
+            old.is_enabled()
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as exc:
+            if "does not belong to the document" not in str(exc):
+                raise
+            return True
+        return False
+
+    WebDriverWait(browser, 30).until(replaced)
 
 
 def test_list_page_filters_by_device_and_dtype(pages_server: Server, browser: object) -> None:
