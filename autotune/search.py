@@ -370,18 +370,21 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
                 not t.params.keys() >= names and not _orphan(t, names) for t in earlier):
             break
         time.sleep(0.01)
+
+    def holds_key(t: FrozenTrial) -> bool:
+        return t.params.keys() >= names and space.key(t.params) == key
+
     count = 0
     for t in earlier:
         if t.state == TrialState.RUNNING and _orphan(t, names):
             continue
         if t.state == TrialState.RUNNING or is_measurement(t):
             count += 1
-            if t.params.keys() >= names and space.key(t.params) == key:
+            if holds_key(t):
                 return "duplicate"
     [own] = [t for t in live if t.number == number]
     if own.datetime_start < written - timedelta(seconds=_CLAIM_WAIT_S / 2) and any(
-            t.number > number and t.params.keys() >= names and space.key(t.params) == key
-            for t in live):
+            t.number > number and holds_key(t) for t in live):
         return "duplicate"
     return "surplus" if count >= trials else ""
 

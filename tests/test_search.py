@@ -216,6 +216,7 @@ def test_an_orphan_claim_within_its_grace_period_holds_no_slot_of_the_budget(lan
     result = search(land.space, rec, storage=storage, study_name="s", trials=6)
     assert result.measured == 6 == len(set(rec.calls)) and result.stop_reason == "budget"
 
+
 @pytest.mark.parametrize("params_after_s, yields", [(0.0, False), (3.0, True)])
 def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land, params_after_s,
                                                                            yields):
