@@ -96,7 +96,7 @@ class _View:
             running=running,
             orphans=orphans,
             waiting=sum(t.state == TrialState.WAITING for t in trials),
-            keys={space.key(space.config(t.params)) for t in trials
+            keys={space.key(t.params) for t in trials
                   if t.state != TrialState.FAIL and t.params.keys() >= names},
         )
 
@@ -400,8 +400,8 @@ def _orphan(trial: FrozenTrial, names: set[str], age_s: float = _CLAIM_WAIT_S) -
 def _answer_from_study(study: optuna.Study, space: Space, trial: optuna.Trial, key: Key) -> None:
     """Plain TPE: tells a repeated config the value it already has, without measuring."""
     for t in study.get_trials(deepcopy=False, states=FINISHED):
-        if is_measurement(t) and t.params.keys() >= set(space.names) and space.key(
-                space.config(t.params)) == key:
+        if (is_measurement(t) and t.params.keys() >= set(space.names)
+                and space.key(t.params) == key):
             trial.set_user_attr("status", "repeat")
             if t.state == TrialState.COMPLETE:
                 study.tell(trial, t.value)
