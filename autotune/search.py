@@ -240,8 +240,18 @@ def search(
         return trial
 
     def claim() -> tuple[optuna.Trial, Config] | str:
-        """The next config this worker may measure, claimed in the study, or a stop reason.
-        A trial claimed but not yet measured counts as running, so within the budget."""
+        """The next config this worker may measure, claimed in the study and prepared, or a
+        stop reason. A trial claimed but not yet measured counts as running, so within the
+        budget. A Ctrl-C waits for the study's reads and writes: one that stopped a read half
+        way once left the SQLite file locked for the release that followed; it can still land
+        in ``prepare`` (a compile), as in a measurement."""
+        with _interrupt_deferred():
+            claimed = claim_in_study()
+        if prepare is not None and not isinstance(claimed, str):
+            prepare(claimed[1])
+        return claimed
+
+    def claim_in_study() -> tuple[optuna.Trial, Config] | str:
         nonlocal view, stalled
         while True:
             with warnings.catch_warnings():
@@ -273,8 +283,6 @@ def search(
                 _drop(study, trial, conflict)
                 continue
             stalled = 0
-            if prepare is not None:
-                prepare(config)
             return trial, config
 
     pending: tuple[optuna.Trial, Config] | None = None  # claimed ahead, to be measured next
@@ -287,11 +295,13 @@ def search(
                     break
             else:
                 claimed, pending = pending, None
-                view = _View.read(study, space)
-                # The trial claimed ahead is already counted as running, within the budget.
-                reason = _stop_reason(view, trials + 1, patience, timeout, start, stalled)
+                with _interrupt_deferred():  # as in claim()
+                    view = _View.read(study, space)
+                    # The trial claimed ahead is already counted as running, within the budget.
+                    reason = _stop_reason(view, trials + 1, patience, timeout, start, stalled)
+                    if reason:
+                        _drop(study, claimed[0], "surplus")
                 if reason:
-                    _drop(study, claimed[0], "surplus")
                     break
             trial, config = claimed
             if prepare is not None:
@@ -304,7 +314,8 @@ def search(
                 measurement = _measure(measure, config)
             measure_s = time.perf_counter() - t0
             measure_total += measure_s
-            _record(study, trial, measurement, measure_s, worker)
+            with _interrupt_deferred():  # as in claim()
+                _record(study, trial, measurement, measure_s, worker)
             result = TrialResult(trial.number, config, measurement, measure_s)
             own.append(result)
             if on_trial is not None:

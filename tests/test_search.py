@@ -244,6 +244,38 @@ def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land,
     assert search_module._conflict(study, space, 1, space.key(config), trials=10) == "duplicate"
 
 
+def test_a_ctrl_c_during_a_claim_waits_for_its_storage_calls_then_releases_the_claims(
+        land, tmp_path, monkeypatch):
+    """A Ctrl-C that arrives while a claim reads the study (CI once saw one stop a read half
+    way, and the release that followed found the SQLite file locked) is raised when the
+    claim's storage calls are done; the search then gives its claims back."""
+    import os
+    import signal
+
+    from autotune import search as search_module
+
+    conflict, finished = search_module._conflict, []
+
+    def interrupted_conflict(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if len(finished) == 3:  # the fourth claim
+            os.kill(os.getpid(), signal.SIGINT)
+        result = conflict(*args, **kwargs)
+        finished.append(result)
+        return result
+
+    monkeypatch.setattr(search_module, "_conflict", interrupted_conflict)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    rec = Recorder(land)
+    with pytest.raises(KeyboardInterrupt):
+        search(land.space, rec, storage=url, study_name="s", trials=10, seed=0,
+               prepare=lambda config: None)
+    assert len(finished) == 4  # the interrupted claim's read ran to its end
+    trials = optuna.load_study(study_name="s", storage=url).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    released = [t for t in trials if t.user_attrs.get("status") == "interrupted"]
+    assert len(released) == 2 and len(rec.calls) == 2  # 0 and 1 measured; 2 and 3 given back
+
+
 WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna
