@@ -228,8 +228,9 @@ def search(
 
     def ask() -> optuna.Trial:
         """A new trial, recorded as this call's claim, with a first heartbeat (so that it is
-        failed as stale if this worker dies before measuring it)."""
-        with _interrupt_deferred(), warnings.catch_warnings():
+        failed as stale if this worker dies before measuring it). Called within claim()'s
+        held-back Ctrl-C, so no interrupt falls between creating the trial and recording it."""
+        with warnings.catch_warnings():
             # heartbeats are sent by _heartbeat, not optimize()
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask(distributions)
