@@ -32,31 +32,26 @@ from autotune.searchspace import Key
 NEAR_OPTIMUM = 0.99  # a descent that ends at this score or more found the optimum
 
 
-def _step(land: Landscape, times: dict[Key, float | None], key: Key) -> Key | None:
-    """The first neighbour of ``key`` that is faster, or None (``key`` is a local optimum)."""
+def _step(land: Landscape, times: dict[Key, float | None], key: Key, seen: set[Key]) -> Key | None:
+    """The first neighbour of ``key`` that is faster, or None (``key`` is a local optimum).
+    The neighbours looked at are added to ``seen``; those already in it are skipped: one that
+    was not faster than an earlier step of the descent is not faster than this one."""
     space = land.space
     for neighbour in space.neighbours(dict(zip(space.names, key, strict=True))):
         other = space.key(neighbour)
+        if other in seen:
+            continue
+        seen.add(other)
         if times[other] is not None and times[other] < times[key]:
             return other
     return None
 
 
 def _cost(land: Landscape, times: dict[Key, float | None], start: Key) -> int:
-    """The configs a descent from ``start`` measures (a neighbour is measured once: one that
-    was slower than an earlier step is slower than every later one)."""
-    space = land.space
+    """The configs a descent from ``start`` measures."""
     current, seen = start, {start}
     while current is not None:
-        nxt = None
-        for neighbour in space.neighbours(dict(zip(space.names, current, strict=True))):
-            key = space.key(neighbour)
-            if key not in seen:
-                seen.add(key)
-                if times[key] is not None and times[key] < times[current]:
-                    nxt = key
-                    break
-        current = nxt
+        current = _step(land, times, current, seen)
     return len(seen)
 
 
@@ -77,10 +72,10 @@ def main() -> None:
         measured = [key for key, t in times.items() if t is not None]
         ends: dict[Key, Key] = {}  # where the descent from a config ends
         for key in measured:
-            path_keys = []
+            path_keys, seen = [], {key}
             while key not in ends:
                 path_keys.append(key)
-                nxt = _step(land, times, key)
+                nxt = _step(land, times, key, seen)
                 if nxt is None:
                     ends[key] = key
                 else:
