@@ -365,10 +365,10 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
     later-numbered one always sees the earlier one and no config is measured twice.
 
     A claim whose params took longer than half that wait to be written (a slow sampler on a
-    loaded machine) may have been taken for an orphan by a later claim that went on: it also
-    yields to later claims of its config. Half, so that clocks of two machines up to
-    ``_CLAIM_WAIT_S / 2`` apart still agree on which of the two yields (at worst both do, and
-    the config stays free).
+    loaded machine) may have been taken for an orphan by later claims that went on: it also
+    yields to a later claim of its config, and counts the later claims against the budget.
+    Half, so that clocks of two machines up to ``_CLAIM_WAIT_S / 2`` apart still agree on which
+    yields (at worst both do, and the config or the slot stays free).
     """
     names = set(space.names)
     written = datetime.now()
@@ -395,9 +395,12 @@ def _conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: 
             if holds_key(t):
                 return "duplicate"
     [own] = [t for t in live if t.number == number]
-    if own.datetime_start < written - timedelta(seconds=_CLAIM_WAIT_S / 2) and any(
-            t.number > number and holds_key(t) for t in live):
-        return "duplicate"
+    if own.datetime_start < written - timedelta(seconds=_CLAIM_WAIT_S / 2):
+        later = [t for t in live if t.number > number and t.state == TrialState.RUNNING
+                 and t.params.keys() >= names]
+        if any(holds_key(t) for t in later):
+            return "duplicate"
+        count += len(later)
     return "surplus" if count >= trials else ""
 
 

@@ -244,6 +244,32 @@ def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land,
     assert search_module._conflict(study, space, 1, space.key(config), trials=10) == "duplicate"
 
 
+@pytest.mark.parametrize("params_after_s, conflict", [(0.0, ""), (3.0, "surplus")])
+def test_a_claim_whose_params_came_late_counts_later_claims_against_the_budget(
+        land, params_after_s, conflict):
+    """The last slot of the budget: claim 1, of another worker, took the slow claim 0 for an
+    orphan and claimed another config. Claim 0 yields the slot, so the study measures no more
+    than its budget; a claim written at once keeps the slot (claim 1 sees it, and yields)."""
+    import datetime
+
+    from optuna.trial import FrozenTrial, TrialState
+
+    from autotune import search as search_module
+
+    space = land.space
+    configs = [dict(zip(land.params, values, strict=True)) for values in list(land.records)[:2]]
+    study = optuna.create_study()
+    now = datetime.datetime.now()
+    for number, (config, started) in enumerate(
+            zip(configs, (now - datetime.timedelta(seconds=params_after_s), now), strict=True)):
+        study.add_trial(FrozenTrial(
+            number=number, state=TrialState.RUNNING, value=None, datetime_start=started,
+            datetime_complete=None, params=config, distributions=space.distributions,
+            user_attrs={}, system_attrs={}, intermediate_values={}, trial_id=number))
+    assert search_module._conflict(study, space, 0, space.key(configs[0]), trials=1) == conflict
+    assert search_module._conflict(study, space, 1, space.key(configs[1]), trials=1) == "surplus"
+
+
 def test_a_ctrl_c_during_a_claim_waits_for_its_storage_calls_then_releases_the_claims(
         land, tmp_path, monkeypatch):
     """A Ctrl-C that arrives while a claim reads the study (CI once saw one stop a read half
