@@ -2,7 +2,7 @@
 
 Run by ``bench/search.py`` with an interpreter that has ``kernel_tuner`` installed (it is not a
 project dependency; see that script's ``--kernel-tuner-python``). Needs only the standard
-library, numpy and kernel_tuner, so it imports nothing from the project.
+library and kernel_tuner (with its numpy and scipy), so it imports nothing from the project.
 
 The landscape (format in bench/landscapes/README.md) becomes a Kernel Tuner cache file:
 ``tune_params`` (the declared values), ``tune_params_keys``, ``kernel_name``, ``problem_size``,
@@ -98,6 +98,23 @@ def run(cache_path: Path, doc: dict, strategy: str, seed: int, budget: int) -> l
     return curve[:budget]
 
 
+def _seed_latin_hypercube() -> None:
+    """Makes Kernel Tuner's Latin hypercube samples (the first population of ``diff_evo``,
+    ``bayes_opt``'s initial sample) follow the run's seed: Kernel Tuner builds scipy's
+    ``LatinHypercube`` without one, so those strategies gave other curves on every run."""
+    import numpy as np
+    import scipy.stats.qmc
+    from kernel_tuner.strategies import bayes_opt
+
+    unseeded = scipy.stats.qmc.LatinHypercube
+
+    def seeded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        kwargs.setdefault("rng", np.random.randint(2**31))  # from the generator run() seeds
+        return unseeded(*args, **kwargs)
+
+    scipy.stats.qmc.LatinHypercube = bayes_opt.LatinHypercube = seeded
+
+
 def _seeds(text: str) -> list[int]:
     if "-" in text:
         low, high = text.split("-")
@@ -114,6 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     with gzip.open(args.landscape, "rt") as f:
         doc = json.load(f)
+    _seed_latin_hypercube()
     with tempfile.TemporaryDirectory() as tmp:
         cache_path = Path(tmp) / "cache.json"
         write_cache(doc, cache_path)
