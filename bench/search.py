@@ -16,9 +16,10 @@ Kernel Tuner (not a project dependency) runs in its simulation mode through
 left out. Its row per landscape and budget is the best of its strategies for each statistic.
 
 Warm start: for each ordered pair of landscapes of one kernel (same parameters), our searcher
-seeded with the other's best configs (``autotune replay --warm-from``) against cold, at
-score@10, @20 and @50. Then the tuner's own overhead per trial (everything but ``measure``) with
-in-memory and SQLite storage, against plain TPE's in the same run.
+seeded with the other's best configs, none one step from another (``autotune replay
+--warm-from``), against cold, at score@10, @20 and @50. Then the tuner's own overhead per
+trial (everything but ``measure``) with in-memory and SQLite storage, against plain TPE's in
+the same run.
 
     python bench/search.py [LANDSCAPE_DIR] [--seeds 20] [--budgets 50,100,200]
         [--kernel-tuner-python /tmp/kt/bin/python] [--json]
@@ -253,8 +254,9 @@ def _print(args, budgets, scores, warm, overhead, overhead_name, wall) -> None: 
                 goal = "" if short is None else _verdict(short)
                 print(f"| {name} | {b} | {label} | {_cells(stats)} | {goal} |")
     if warm:
-        print(f"\nwarm start: ours seeded with the other landscape's {MAX_WARM_SEEDS} best configs "
-              "(autotune replay --warm-from) against cold, same seeds\n")
+        print(f"\nwarm start: ours seeded with the other landscape's {MAX_WARM_SEEDS} best configs, "
+              "none one step from another (autotune replay --warm-from), against cold, same "
+              "seeds\n")
         print("| from -> to | B | warm median | mean | p10 | cold median | mean | p10 |")
         print("|---|---|---|---|---|---|---|---|")
         for pair, by_budget in warm.items():

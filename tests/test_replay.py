@@ -68,13 +68,22 @@ def _other_device(tmp_path: Path, name: str = "other") -> Path:
 
 
 def test_replay_warm_from_measures_the_other_landscapes_best_legal_configs_first(tmp_path):
+    """The seeds are other's fastest configs legal here, skipping those one step from a seed
+    already taken (near-duplicates), and they are measured first."""
     path = write_landscape(tmp_path / "synthetic.json.gz")
     land, other = load_landscape(path), load_landscape(_other_device(tmp_path))
     out = _replay(str(path), "--budget", "6", "--warm-from", str(tmp_path / "other.json.gz"),
                   "--warm-top", "2")
-    # other's fastest config is illegal here: the two seeds are its next two, legal here.
-    assert [land.key(c) for c in out["warm_seeds"]] == [other.key(c) for c in
-                                                        other.best_configs(3)[1:]]
+    seeds = [land.key(c) for c in out["warm_seeds"]]
+    fastest = [other.key(c) for c in other.best_configs(len(other.records))]
+    # other's fastest config is illegal here; its next one is the first seed.
+    assert fastest[0] not in land.records and seeds[0] == fastest[1]
+    near_first = {land.key(c) for c in land.space.neighbours(out["warm_seeds"][0])}
+    # The second seed is the fastest legal config left that is not one step from the first,
+    # and other's second-fastest legal config is one step from it: it was skipped.
+    assert fastest[2] in near_first and seeds[1] not in near_first
+    assert all(k in near_first or k not in land.records
+               for k in fastest[2:fastest.index(seeds[1])])
     first = [land.measure(c).value for c in out["warm_seeds"]]
     assert out["curve"][:2] == [first[0], min(first)]
     cold = _replay(str(path), "--budget", "6")

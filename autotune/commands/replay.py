@@ -22,7 +22,8 @@ def replay(
     warm_from: Annotated[Path | None, typer.Option(
         help="Warm start: seed the search with the best configs of this other landscape of the "
              "same kernel (a neighbouring problem already tuned), as tune seeds with the "
-             "winners of the nearest tuned problems.")] = None,
+             "winners of the nearest tuned problems; a config one step from a seed already "
+             "taken is skipped (near-duplicates transfer together or not at all).")] = None,
     warm_top: Annotated[int | None, typer.Option(
         min=1, help="How many of --warm-from's best configs to seed with (default: as many as "
                     "tune takes).")] = None,
