@@ -1,13 +1,14 @@
 """Search quality and overhead on measured landscapes: our searcher against plain Optuna TPE,
 random search and Kernel Tuner's strategies, on the same seeds in one run; warm start measured.
 
-For every ``*.json.gz`` landscape in the directory (default ``bench/landscapes``) it replays each searcher with ``--seeds`` seeds (0, 1, ...) for
-``max(budgets)`` measured configs and prints, per landscape and budget, score@B = optimum / best
-found after B measured configs as the median, mean and 10th percentile over the seeds, and
-whether ours holds the goals (each of the three at least plain TPE's, and at least the best
-Kernel Tuner strategy's). A statistic short of a goal comes with how sure the shortfall is: the
-share of bootstrap resamples (each side's seeds drawn again with replacement) in which ours is
-ahead after all. Near half, the shortfall is within the noise of the seeds; near zero, it is not.
+For every ``*.json.gz`` landscape in the directory (default ``bench/landscapes``) it replays
+each searcher with ``--seeds`` seeds (0, 1, ...) for ``max(budgets)`` measured configs and
+prints, per landscape and budget, score@B = optimum / best found after B measured configs as
+the median, mean and 10th percentile over the seeds, and whether ours holds the goals (each of
+the three at least plain TPE's, and at least the best Kernel Tuner strategy's). A statistic
+short of a goal comes with how sure the shortfall is: the share of bootstrap resamples (each
+side's seeds drawn again with replacement) in which ours is ahead after all. Near half, the
+shortfall is within the noise of the seeds; near zero, it is not.
 
 Kernel Tuner (not a project dependency) runs in its simulation mode through
 ``bench/kernel_tuner_replay.py``, started with ``--kernel-tuner-python`` (an interpreter that has
@@ -17,7 +18,8 @@ left out. Its row per landscape and budget is the best of its strategies for eac
 
 Warm start: for each ordered pair of landscapes of one kernel (same parameters), our searcher
 seeded with the other's best configs, none one step from another (``autotune replay
---warm-from``), against cold, at score@10, @20 and @50. Then the tuner's own overhead per
+--warm-from``), against cold, at score@10, @20 and @50, with each seed's own score on the
+target (why a pair gains or loses). Then the tuner's own overhead per
 trial (everything but ``measure``) with in-memory and SQLite storage, against plain TPE's in
 the same run.
 
@@ -75,7 +77,8 @@ def _run(job: tuple) -> tuple[tuple, list[Curve]]:
                  "--seeds", ",".join(map(str, range(seeds)))],
                 capture_output=True, text=True, check=True, timeout=KT_TIMEOUT_S)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-            tail = (exc.stderr or "").strip().splitlines()[-1:] if isinstance(exc.stderr, str) else []
+            stderr = exc.stderr if isinstance(exc.stderr, str) else ""
+            tail = stderr.strip().splitlines()[-1:]
             print(f"kernel tuner {strategy} on {Path(path).name} failed: {exc} {tail}",
                   file=sys.stderr)
             return job, []
@@ -209,9 +212,11 @@ def main() -> None:
                 row["ours short of"]["kernel tuner best"] = short
             table[b] = row
     warm = {f"{lands[q].name} -> {lands[p].name}": {
-        b: {"warm": _stats(_scores(lands[p], curves[("ours", p, q)], b)),
-            "cold": _stats(_scores(lands[p], curves[("ours", p, None)], b))}
-        for b in WARM_BUDGETS}
+        "seed scores": [lands[p].score(lands[p].measure(seed).value)
+                        for seed in lands[p].warm_seeds(lands[q], MAX_WARM_SEEDS)],
+        "budgets": {b: {"warm": _stats(_scores(lands[p], curves[("ours", p, q)], b)),
+                        "cold": _stats(_scores(lands[p], curves[("ours", p, None)], b))}
+                    for b in WARM_BUDGETS}}
         for p, q in pairs}
     overhead_path = next((p for p in paths if lands[p].name == args.overhead_landscape), paths[-1])
     overhead = _overhead(overhead_path, args.overhead_trials)
@@ -254,15 +259,18 @@ def _print(args, budgets, scores, warm, overhead, overhead_name, wall) -> None: 
                 goal = "" if short is None else _verdict(short)
                 print(f"| {name} | {b} | {label} | {_cells(stats)} | {goal} |")
     if warm:
-        print(f"\nwarm start: ours seeded with the other landscape's {MAX_WARM_SEEDS} best configs, "
-              "none one step from another (autotune replay --warm-from), against cold, same "
-              "seeds\n")
-        print("| from -> to | B | warm median | mean | p10 | cold median | mean | p10 |")
-        print("|---|---|---|---|---|---|---|---|")
-        for pair, by_budget in warm.items():
-            for b in WARM_BUDGETS:
-                print(f"| {pair} | {b} | {_cells(by_budget[b]['warm'])} | "
-                      f"{_cells(by_budget[b]['cold'])} |")
+        print(f"\nwarm start: ours seeded with the other landscape's {MAX_WARM_SEEDS} best "
+              "configs, none one step from another (autotune replay --warm-from), against cold, "
+              "same seeds; each seed's own score on the target (a seed that scores low there is a "
+              "bet that did not pay: it delays the cold search by one trial)\n")
+        print("| from -> to | seeds score | B | warm median | mean | p10 | cold median | mean "
+              "| p10 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for pair, row in warm.items():
+            seeds = ", ".join(f"{score:.3f}" for score in row["seed scores"])
+            for b, stats in row["budgets"].items():
+                print(f"| {pair} | {seeds if b == WARM_BUDGETS[0] else ''} | {b} | "
+                      f"{_cells(stats['warm'])} | {_cells(stats['cold'])} |")
     print(f"\ntuner overhead per trial ({args.overhead_trials} trials on {overhead_name}), ms, "
           "ours (plain TPE in the same run): " + ", ".join(
               f"{k} {overhead['ours'][k]:.1f} ({overhead['plain TPE'][k]:.1f})"
