@@ -19,9 +19,8 @@ left out. Its row per landscape and budget is the best of its strategies for eac
 Warm start: for each ordered pair of landscapes of one kernel (same parameters), our searcher
 seeded with the other's best configs, none one step from another (``autotune replay
 --warm-from``), against cold, at score@10, @20 and @50, with each seed's own score on the
-target (why a pair gains or loses). Then the tuner's own overhead per
-trial (everything but ``measure``) with in-memory and SQLite storage, against plain TPE's in
-the same run.
+target (why a pair gains or loses). Then the tuner's own overhead per trial (everything but
+``measure``) with in-memory and SQLite storage, against plain TPE's in the same run.
 
     python bench/search.py [LANDSCAPE_DIR] [--seeds 20] [--budgets 50,100,200]
         [--kernel-tuner-python /tmp/kt/bin/python] [--json]
