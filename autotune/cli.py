@@ -46,6 +46,9 @@ app.command()(report.report)
 from autotune.commands import replay  # noqa: E402
 
 app.command()(replay.replay)
+from autotune.commands import landscape  # noqa: E402
+
+app.command()(landscape.landscape)
 from autotune.commands import stale  # noqa: E402
 
 app.command()(stale.stale)

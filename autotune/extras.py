@@ -26,6 +26,7 @@ COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "precheck": ("tune,tpu",),
     "report": ("tune",),
     "replay": ("tune",),
+    "landscape": ("tune",),
     "stale": ("tune", "serve"),
     "export": ("tune", "serve"),
     "import": ("tune", "serve"),

@@ -4,19 +4,28 @@ A landscape answers "what would this config have measured" instantly, so a searc
 be tested and benchmarked without an accelerator: its space is the declared ``params`` with
 "has a record" as the legality rule, and its measure function returns the recorded time or
 failure status (with the recorded ``compile_s`` / ``benchmark_s`` as attrs).
+
+:func:`study_document` turns a tuning study that measured its whole legal space (``autotune
+tune --sampler grid`` run until the space is exhausted) into a landscape, so our own kernels on
+a real TPU or GPU can be replayed like the published ones (``autotune landscape``).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.searchspace import Config, Key, Space
-from autotune.trials import OK, Measurement
+from autotune.trials import OK, Measurement, is_measurement, trial_status
 from kernel import AutotuneError
+
+if TYPE_CHECKING:
+    import optuna
 
 
 class LandscapeError(AutotuneError):
@@ -119,3 +128,59 @@ def load_landscape(path: str | Path) -> Landscape:
     if not any(r["status"] == OK for r in records.values()):
         raise LandscapeError(f"{path}: no record has status 'ok'")
     return Landscape(str(doc.get("name") or path.name.removesuffix(".json.gz")), params, records)
+
+
+def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, Any]:
+    """The measured configs of a tuning ``study`` as a landscape document (the format of
+    bench/landscapes/README.md, plus the study's kernel, device and problem): its declared
+    values as ``params``, one record per measured config with its ``iqr_ms`` and ``measure_s``
+    (seconds the search spent measuring it; the compile ran ahead, in ``compile_s``).
+
+    A landscape's legality rule is "has a record", so a study that did not measure every legal
+    config would replay its unmeasured ones as illegal; unless ``partial``, such a study (one
+    whose search did not end on an exhausted space) is refused with the fix."""
+    attrs = study.user_attrs
+    params = attrs.get("params")
+    if not isinstance(params, dict) or not params:
+        raise LandscapeError(f"study {study.study_name!r} has no declared search space (the "
+                             "'params' attr that autotune's search writes); it was not made by "
+                             "`autotune tune` or `autotune replay`")
+    trials = study.get_trials(deepcopy=False)
+    measured = sorted((t for t in trials if is_measurement(t)), key=lambda t: t.number)
+    if not measured:
+        raise LandscapeError(f"study {study.study_name!r} has no measured config yet")
+    # The search drops one trial as "exhausted" when it finds no legal config left.
+    complete = any(trial_status(t) == "exhausted" for t in trials)
+    if not partial and not complete:
+        raise LandscapeError(
+            f"study {study.study_name!r} measured {len(measured)} configs but did not measure its "
+            "whole legal space, so the configs it never measured would replay as illegal; run "
+            "the same `autotune tune` command with `--sampler grid` and a --trials larger than "
+            "the space until it stops with 'exhausted' (it resumes the study), or pass "
+            "--partial to write the measured part only")
+    records: dict[Key, dict[str, Any]] = {}
+    for t in measured:
+        key = tuple(t.params[name] for name in params)
+        records.setdefault(key, {
+            "config": dict(zip(params, key, strict=True)), "status": trial_status(t),
+            "time_ms": t.value if trial_status(t) == OK else None,
+            **{k: t.user_attrs.get(k) for k in ("iqr_ms", "compile_s", "measure_s")}})
+    return {"name": study.study_name, "source": f"autotune study {study.study_name!r}",
+            "kernel": attrs.get("kernel"), "device": attrs.get("device_kind"),
+            "problem": attrs.get("problem"), "objective": "time_ms, lower is better",
+            "complete": complete,
+            "params": params, "records": list(records.values())}
+
+
+def save_landscape(document: dict[str, Any], path: str | Path) -> None:
+    """Writes ``document`` as gzip JSON to ``path``, whole or not at all (a temporary file in
+    the same directory, renamed over ``path``)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wt", encoding="utf-8") as f:
+            json.dump(document, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
