@@ -146,7 +146,10 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
                              "'params' attr that autotune's search writes); it was not made by "
                              "`autotune tune` or `autotune replay`")
     trials = study.get_trials(deepcopy=False)
-    measured = sorted((t for t in trials if is_measurement(t)), key=lambda t: t.number)
+    # A trial from before the declared space last changed may hold a value no longer in it.
+    measured = sorted((t for t in trials if is_measurement(t) and all(
+        t.params.get(name, ...) in values for name, values in params.items())),
+        key=lambda t: t.number)
     if not measured:
         raise LandscapeError(f"study {study.study_name!r} has no measured config yet")
     # The search drops one trial as "exhausted" when it finds no legal config left.

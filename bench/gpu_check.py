@@ -27,6 +27,13 @@ the times say nothing about a GPU)::
 
     python bench/gpu_check.py --interpret --shape 1,2,256,64 --trials 4
 
+``--landscape DIR`` measures every legal config instead (``--sampler grid``) and writes each
+mode's space as a landscape file, ``DIR/pallas_gpu-<device>-<mode>.json.gz``, that
+``bench/search.py DIR`` and ``autotune replay`` replay: the searcher judged on our own kernel
+family on a real chip. The forward space of the default shape is 200 configs, a few minutes::
+
+    PYTHONPATH=. python bench/gpu_check.py --modes fwd --landscape "$OUT" --choice none
+
 Then it runs ``bench/choice.py`` (``--choice grid|full|none``): every candidate kernel's
 confirmed time and the chosen kernel over a grid of shapes (this part needs the project's
 dependencies too: it tunes and stores through ``autotune`` and ``storage``).
@@ -44,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+STUDY = "gpu_check"
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=2, help="best configs re-measured")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--landscape", type=Path, default=None,
+                        help="measure every legal config and write each mode's landscape file "
+                             "to this folder (see above)")
     parser.add_argument("--choice", default=None, choices=["grid", "full", "none"],
                         help="then bench/choice.py (which kernel wins each shape): its default "
                              "grid, its full grid, or not (default: grid on the device, none "
@@ -94,6 +105,7 @@ def cudnn_fn(problem: Any) -> Any:
 
 def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
     import jax
+    import optuna
 
     from autotune.measure import Measurer, relative_error
     from autotune.search import search
@@ -107,11 +119,18 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
     params = kernel.space_params(problem)
     space = Space(params, lambda p: kernel.is_legal(problem, default.replace(**p), target))
     measurer = Measurer(problem, default, kernel)
+    storage = optuna.storages.InMemoryStorage()
+    grid = args.landscape is not None  # one more trial than legal configs: ends "exhausted"
     start = time.perf_counter()
     try:
-        result = search(space, measurer, trials=args.trials, seed=args.seed,
-                        seeds=[{name: getattr(default, name) for name in space.names}])
+        result = search(space, measurer, trials=space.size + 1 if grid else args.trials,
+                        sampler="grid" if grid else "tpe", seed=args.seed, storage=storage,
+                        study_name=STUDY, seeds=[{name: getattr(default, name)
+                                                  for name in space.names}])
         search_s = time.perf_counter() - start
+        if grid:
+            write_landscape(args.landscape, optuna.load_study(study_name=STUDY,
+                                                              storage=storage), problem)
         ok = sorted((t for t in result.trials if t.measurement.ok), key=lambda t: t.value)
         best = list(dict.fromkeys(default.replace(**t.config) for t in ok))[:args.top]
         contenders = {"default": default}
@@ -145,6 +164,24 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
         "default_over_tuned": median["default"] / median[tuned],
         "cudnn_over_tuned": median["cudnn"] / median[tuned] if "cudnn" in median else None,
     }
+
+
+def write_landscape(folder: Path, study: Any, problem: Any) -> None:
+    """The grid ``study`` of ``problem`` as ``folder/pallas_gpu-<device>-<mode>.json.gz``."""
+    import jax
+
+    from autotune.landscape import save_landscape, study_document
+
+    device = jax.devices()[0].device_kind
+    for name, value in (("kernel", "pallas_gpu"), ("device_kind", device),
+                        ("problem", problem.to_dict())):
+        study.set_user_attr(name, value)
+    document = study_document(study)
+    document["name"] = "-".join(["pallas_gpu", *device.split(), problem.mode])
+    folder.mkdir(parents=True, exist_ok=True)
+    save_landscape(document, folder / f"{document['name']}.json.gz")
+    print(f"  landscape: {len(document['records'])} configs -> "
+          f"{folder / document['name']}.json.gz")
 
 
 def main() -> None:

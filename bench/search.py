@@ -22,8 +22,12 @@ seeded with the other's best configs, none one step from another (``autotune rep
 target (why a pair gains or loses). Then the tuner's own overhead per trial (everything but
 ``measure``) with in-memory and SQLite storage, against plain TPE's in the same run.
 
+``--plot FILE.png`` also draws score@B against B for every budget up to the largest, one panel
+per landscape: the median of each searcher over the seeds, ours and plain TPE with their
+10th-90th percentile band, Kernel Tuner as its best strategy's median at each B.
+
     python bench/search.py [LANDSCAPE_DIR] [--seeds 20] [--budgets 50,100,200]
-        [--kernel-tuner-python /tmp/kt/bin/python] [--json]
+        [--kernel-tuner-python /tmp/kt/bin/python] [--json] [--plot convergence.png]
 """
 
 from __future__ import annotations
@@ -165,6 +169,7 @@ def main() -> None:
     parser.add_argument("--overhead-trials", type=int, default=200)
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, help="also draw the scores against B to this PNG")
     args = parser.parse_args()
     budgets = sorted(int(b) for b in args.budgets.split(","))
     paths = sorted(str(p) for p in Path(args.landscapes).glob("*.json.gz"))
@@ -217,6 +222,8 @@ def main() -> None:
                         "cold": _stats(_scores(lands[p], curves[("ours", p, None)], b))}
                     for b in WARM_BUDGETS}}
         for p, q in pairs}
+    if args.plot:
+        _plot(args.plot, lands, curves, budgets[-1], args.seeds)
     overhead_path = next((p for p in paths if lands[p].name == args.overhead_landscape), paths[-1])
     overhead = _overhead(overhead_path, args.overhead_trials)
     if args.json:
@@ -224,6 +231,45 @@ def main() -> None:
                           "warm_start": warm, "overhead_ms_per_trial": overhead, "wall_s": wall}))
         return
     _print(args, budgets, scores, warm, overhead, lands[overhead_path].name, wall)
+
+
+def _plot(path: Path, lands: dict[str, Landscape], curves: dict[tuple, list[Curve]],
+          budget: int, seeds: int) -> None:
+    """score@B against B = 1 .. ``budget`` per landscape (see module doc), written to ``path``."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    columns = min(3, len(lands))
+    rows = -(-len(lands) // columns)
+    figure = Figure(figsize=(4.6 * columns, 3.4 * rows), dpi=100, layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    x = np.arange(1, budget + 1)
+    styles = {"ours": "#1f77b4", "plain TPE": "#ff7f0e", "random": "#7f7f7f"}
+    for ax, (p, land) in zip(axes, lands.items()):
+        def scores(got: list[Curve], land: Landscape = land) -> np.ndarray:  # seeds x budgets
+            return np.array([[_score_at(land, c, b) for b in x] for c in got])
+
+        for label, colour in styles.items():
+            got = scores(curves[(label, p, None)])
+            ax.plot(x, np.median(got, axis=0), color=colour, label=label,
+                    linewidth=2 if label == "ours" else 1.2)
+            if label != "random":
+                ax.fill_between(x, *np.percentile(got, [10, 90], axis=0), color=colour,
+                                alpha=0.15, linewidth=0)
+        tuner = [scores(c) for key, c in curves.items()
+                 if key[0] == "kernel tuner" and key[1] == p and c]
+        if tuner:
+            ax.plot(x, np.max([np.median(t, axis=0) for t in tuner], axis=0), color="#2ca02c",
+                    linestyle=":", linewidth=1.5, label="kernel tuner (best median)")
+        ax.set_title(land.name, fontsize=10)
+        ax.set_xlabel("measured configs")
+        ax.set_ylabel("score (optimum / best)")
+        ax.grid(alpha=0.3)
+    for ax in axes[len(lands):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=8, loc="lower right")
+    figure.suptitle(f"median over {seeds} seeds; bands: 10th-90th percentile", fontsize=10)
+    figure.savefig(path)
 
 
 def _cells(stats: dict[str, float]) -> str:
