@@ -119,3 +119,20 @@ def test_a_study_not_made_by_the_search_is_refused():
     study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
     with pytest.raises(LandscapeError, match="no declared search space"):
         study_document(study)
+
+
+def test_a_trial_outside_the_declared_space_is_left_out():
+    """A study resumed after its space changed may hold values the declared space lacks; the
+    landscape keeps what load_landscape accepts."""
+    study = optuna.create_study()
+    study.set_user_attr("params", {"block": [128, 256]})
+    wide = optuna.distributions.CategoricalDistribution([128, 256, 512])
+    for block, status in ((128, "ok"), (512, "ok"), (256, "exhausted")):
+        study.add_trial(optuna.trial.create_trial(
+            params={"block": block}, distributions={"block": wide},
+            value=float(block) if status == "ok" else None,
+            user_attrs={"status": status},
+            state=optuna.trial.TrialState.COMPLETE if status == "ok"
+            else optuna.trial.TrialState.FAIL))
+    document = study_document(study)
+    assert document["complete"] and [r["config"] for r in document["records"]] == [{"block": 128}]
