@@ -178,10 +178,10 @@ def write_landscape(folder: Path, study: Any, problem: Any) -> None:
         study.set_user_attr(name, value)
     document = study_document(study)
     document["name"] = "-".join(["pallas_gpu", *device.split(), problem.mode])
+    path = folder / f"{document['name']}.json.gz"
     folder.mkdir(parents=True, exist_ok=True)
-    save_landscape(document, folder / f"{document['name']}.json.gz")
-    print(f"  landscape: {len(document['records'])} configs -> "
-          f"{folder / document['name']}.json.gz")
+    save_landscape(document, path)
+    print(f"  landscape: {len(document['records'])} configs -> {path}")
 
 
 def main() -> None:

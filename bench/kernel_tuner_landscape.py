@@ -9,7 +9,8 @@ cost a measurement); ``InvalidConfig`` (the kernel's restrictions or launch limi
 gets no record, so it is illegal. ``compile_time`` and ``benchmark_time`` (ms) become
 ``compile_s`` and ``benchmark_s``.
 
-    python bench/kernel_tuner_landscape.py CACHE.json[.gz] -o NAME.json.gz [--name NAME] [--device D]
+    python bench/kernel_tuner_landscape.py CACHE.json[.gz] -o NAME.json.gz [--name NAME] \
+        [--device D]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.landscape import load_landscape
+from autotune.landscape import load_landscape, save_landscape
 
 FAILURES = {"RuntimeFailedConfig": "runtime_error", "CompilationFailedConfig": "compile_error"}
 SOURCE = "AutoTuningAssociation/benchmark_hub (Kernel Tuner brute-force cache), converted"
@@ -70,7 +71,7 @@ def main() -> None:
     name = args.name or args.output.name.removesuffix(".json.gz")
     raw = args.cache.read_bytes()
     cache = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    args.output.write_bytes(gzip.compress(json.dumps(landscape_document(cache, name, args.device)).encode()))
+    save_landscape(landscape_document(cache, name, args.device), args.output)
     land = load_landscape(args.output)  # the file must replay
     print(f"{args.output}: {len(land.records)} legal configs, optimum {land.optimum_ms:.4g} ms")
 
