@@ -24,6 +24,7 @@ from typing import Any
 
 from autotune.landscape import load_landscape, save_landscape
 
+CACHE_KEYS = ("tune_params", "cache", "kernel_name", "device_name", "problem_size")
 FAILURES = {"RuntimeFailedConfig": "runtime_error", "CompilationFailedConfig": "compile_error"}
 SOURCE = "AutoTuningAssociation/benchmark_hub (Kernel Tuner brute-force cache), converted"
 
@@ -31,11 +32,17 @@ SOURCE = "AutoTuningAssociation/benchmark_hub (Kernel Tuner brute-force cache), 
 def landscape_document(cache: dict[str, Any], name: str, device: str | None = None
                        ) -> dict[str, Any]:
     """The landscape of a Kernel Tuner cache document (``tune_params``, ``cache``, ...);
-    ``device`` names the device where the cache's ``device_name`` is empty."""
+    ``device`` names the device where the cache's ``device_name`` is empty. A document that is
+    not such a cache is a ValueError that says what it lacks."""
+    missing = [k for k in CACHE_KEYS if k not in cache] if isinstance(cache, dict) else CACHE_KEYS
+    if missing:
+        raise ValueError(f"{name}: not a Kernel Tuner cache file: it lacks {', '.join(missing)}")
     names = list(cache["tune_params"])
     records = []
     for entry in cache["cache"].values():
-        time = entry["time"]
+        time = entry.get("time")
+        if time is None or any(n not in entry for n in names):
+            raise ValueError(f"{name}: a cache entry lacks its time or a parameter: {entry}")
         if time == "InvalidConfig":
             continue
         if isinstance(time, str) and time not in FAILURES:
@@ -69,9 +76,16 @@ def main() -> None:
     if not args.output.name.endswith(".json.gz"):
         sys.exit(f"error: the output {args.output} must end in .json.gz")
     name = args.name or args.output.name.removesuffix(".json.gz")
-    raw = args.cache.read_bytes()
-    cache = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    save_landscape(landscape_document(cache, name, args.device), args.output)
+    try:
+        raw = args.cache.read_bytes()
+        try:
+            cache = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON file ({exc})") from exc
+        document = landscape_document(cache, name, args.device)
+    except (OSError, ValueError) as exc:  # unreadable, not JSON, not a cache: nothing written
+        sys.exit(f"error: {args.cache}: {exc}")
+    save_landscape(document, args.output)
     land = load_landscape(args.output)  # the file must replay
     print(f"{args.output}: {len(land.records)} legal configs, optimum {land.optimum_ms:.4g} ms")
 
