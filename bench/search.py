@@ -27,7 +27,7 @@ per landscape: the median of each searcher over the seeds, ours and plain TPE wi
 10th-90th percentile band, Kernel Tuner as its best strategy's median at each B.
 
     python bench/search.py [LANDSCAPE_DIR] [--seeds 20] [--budgets 50,100,200]
-        [--kernel-tuner-python /tmp/kt/bin/python] [--json] [--plot convergence.png] [--no-warm]
+        [--kernel-tuner-python VENV/bin/python] [--json] [--plot convergence.png] [--no-warm]
 
 ``bench/landscapes/heldout`` holds nineteen landscapes the searcher was not developed on (see
 its README); ``--no-warm`` leaves out the warm-start table, whose pairs grow as the square of a
