@@ -76,14 +76,13 @@ def main() -> None:
     if not args.output.name.endswith(".json.gz"):
         sys.exit(f"error: the output {args.output} must end in .json.gz")
     name = args.name or args.output.name.removesuffix(".json.gz")
-    try:
+    try:  # nothing is written unless the whole cache converts
         raw = args.cache.read_bytes()
-        try:
-            cache = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not a JSON file ({exc})") from exc
+        cache = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
         document = landscape_document(cache, name, args.device)
-    except (OSError, ValueError) as exc:  # unreadable, not JSON, not a cache: nothing written
+    except json.JSONDecodeError as exc:
+        sys.exit(f"error: {args.cache}: not a JSON file ({exc})")
+    except (OSError, EOFError, ValueError) as exc:  # unreadable or truncated; not a cache
         sys.exit(f"error: {args.cache}: {exc}")
     save_landscape(document, args.output)
     land = load_landscape(args.output)  # the file must replay

@@ -28,10 +28,13 @@ def _cache() -> dict[str, Any]:
             "problem_size": [1024], "cache": entries}
 
 
+def _python(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def _convert(cache_file: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), str(cache_file), "-o", str(out), *extra],
-                          check=False, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return _python(str(SCRIPT), str(cache_file), "-o", str(out), *extra, timeout=120)
 
 
 def test_a_cache_becomes_a_landscape_that_replays(tmp_path: Path) -> None:
@@ -53,10 +56,7 @@ def test_a_cache_becomes_a_landscape_that_replays(tmp_path: Path) -> None:
     document = json.loads(gzip.decompress(out.read_bytes()))
     assert document["device"] == "X1" and document["kernel"] == "toy"
 
-    replay = subprocess.run(
-        [sys.executable, "-m", "autotune", "replay", str(out), "--budget", "5", "--json"],
-        check=False, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    replay = _python("-m", "autotune", "replay", str(out), "--budget", "5", "--json", timeout=300)
     assert replay.returncode == 0, replay.stderr[-2000:]
     result = json.loads(replay.stdout)
     # Five configs measure the whole legal space, and the replay knows it.
@@ -69,8 +69,10 @@ def test_a_file_that_is_not_a_cache_is_refused_in_one_line(tmp_path: Path) -> No
     unknown["cache"]["16,1"]["time"] = "TimeoutConfig"
     lacking = _cache()
     del lacking["cache"]["32,1"]["tile"]
+    whole = gzip.compress(json.dumps(_cache()).encode())
     cases = {
         "missing.json": (None, "No such file"),
+        "truncated.json.gz": (whole[:len(whole) // 2], "Compressed file ended"),
         "text.json": (b"not json", "not a JSON file"),
         "other.json": (json.dumps({"a": 1}).encode(), "not a Kernel Tuner cache file: it lacks"),
         "unknown.json": (json.dumps(unknown).encode(), "unknown cache time 'TimeoutConfig'"),
