@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from kernel.errors import ConfigError
+from kernel.problem import MAX_SEQ_LEN
 
 
 @dataclass(frozen=True)
 class IntConfig:
-    """Base of the kernels' configs: frozen dataclasses of positive integers.
+    """Base of the kernels' configs: frozen dataclasses of positive integers, none larger than
+    the longest sequence (``MAX_SEQ_LEN``): no block, depth or warp count is.
 
     Subclasses declare fields with defaults and ``label``. Relations between fields (a minor
     block dividing its major block, ...) are legality rules of the kernel, not errors here, so
@@ -27,8 +29,9 @@ class IntConfig:
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{field.name} must be an integer, got {value!r}")
-            if value < 1:
-                raise ConfigError(f"{field.name} must be positive, got {value}")
+            if not 1 <= value <= MAX_SEQ_LEN:
+                shown = value if value.bit_length() <= 64 else "a larger number"  # printable
+                raise ConfigError(f"{field.name} must be from 1 to {MAX_SEQ_LEN}, got {shown}")
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

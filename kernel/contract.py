@@ -47,6 +47,27 @@ def measured_fn(problem: Problem, attend: AttentionFn, *,
     return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
 
+def per_mode(attend_with: Callable[[Any], AttentionFn], config_for: ConfigFor) -> AttentionFn:
+    """``attend_with(config)`` with ``config_for("fwd")``, and, when differentiated, with
+    ``config_for("fwd_bwd")`` both ways: for a kernel whose own custom VJP (upstream's)
+    differentiates with the one config it was called with, so that a training step runs the
+    ``fwd_bwd``-tuned config, checked against the ``fwd_bwd`` rules."""
+    import jax
+
+    @jax.custom_vjp
+    def attend(q, k, v):  # noqa: ANN001, ANN202
+        return attend_with(config_for("fwd"))(q, k, v)
+
+    def forward(q, k, v):  # noqa: ANN001, ANN202
+        return jax.vjp(attend_with(config_for("fwd_bwd")), q, k, v)  # the VJP is the residual
+
+    def backward(vjp, cotangent):  # noqa: ANN001, ANN202
+        return vjp(cotangent)
+
+    attend.defvjp(forward, backward)
+    return attend
+
+
 def repeat_kv_heads(problem: Problem, k: Any, v: Any) -> tuple[Any, Any]:
     """K and V with each head repeated ``group_size`` times, for backends without grouped-query
     attention (their gradients sum back over the group)."""
@@ -91,8 +112,9 @@ class TunableKernel(ABC):
         can run) and, on TPU targets, a VMEM estimate against ``target.scoped_vmem_bytes``.
       - ``default_config``: legal whenever the problem is; the baseline tuning must beat.
       - ``attention``: the differentiable forward function, taking its config per mode from
-        ``config_for`` at trace time (``"fwd"``; ``"fwd_bwd"`` in its backward rule, if it has
-        separately tuned backward tiles).
+        ``config_for`` at trace time (``"fwd"``; ``"fwd_bwd"`` when differentiated: in its own
+        backward rule, or through :func:`per_mode` for a kernel whose custom VJP takes one
+        config both ways).
       - Optionally ``profile_names``: the ``name=`` of each ``pallas_call`` it runs, so the
         tuner's profiler timing counts those kernels' device events only (empty: every device
         op of the measured program).
@@ -187,8 +209,10 @@ class TunableKernel(ABC):
 
     def stored_violations(self, problem: Problem, config: Any) -> list[Violation]:
         """The rules a stored config must pass whatever device tuned it: the ``cpu`` target's
-        (no VMEM limit). What storage, the service and lookup tables check, without jax."""
-        return self.violations(problem, config, "cpu")
+        (no VMEM limit), or for a backend that never runs on a CPU (``cudnn``) its first
+        target's. What storage, the service and lookup tables check, without jax."""
+        return self.violations(problem, config,
+                               "cpu" if "cpu" in self.targets else self.targets[0])
 
     def is_legal(self, problem: Problem, config: Any, target: Target | str = "cpu") -> bool:
         return not self.violations(problem, config, target)

@@ -37,13 +37,17 @@ from kernel.errors import ConfigError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
-from kernel.table import KernelChoice, LookupTable
+from kernel.table import KernelChoice, LookupTable, read_provenance
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("table", "service", "default")
 MAX_REPLY_BYTES = 64 * 1024  # a lookup answer is well under 1 KiB
+# The longest settings taken from the environment; longer is a typo (and a deadline past
+# threading.TIMEOUT_MAX would fail the trace).
+MAX_TIMEOUT_MS = 60_000  # a trace waits at most a minute for the service
+MAX_BREAKER_S = 86_400
 VERSIONED_PACKAGES = ("jax", "jaxlib", "libtpu")
 SAFE_KERNEL = "xla"  # runs every problem on every platform: the last fallback of a choice
 Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
@@ -80,20 +84,20 @@ class KernelPick:
     stale: str = ""
 
 
-def _env_number(name: str, default: float) -> float:
-    """A positive number from the environment; a bad value logs one error and keeps the
-    default, so a typo never fails a trace."""
+def _env_number(name: str, default: float, most: float) -> float:
+    """A number in (0, ``most``] from the environment; a bad value logs one error and keeps
+    the default, so a typo never fails a trace."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = float(raw)
-        if value > 0 and value != float("inf"):
+        if 0 < value <= most:
             return value
     except ValueError:
         pass
-    log.error("flash-autotune: %s=%r is not a positive number; using %g (set it to a number "
-              "such as %g, or unset it)", name, raw, default, default)
+    log.error("flash-autotune: %s=%r is not a number above 0 and at most %g; using %g (set it "
+              "to a number such as %g, or unset it)", name, raw, most, default, default)
     return default
 
 
@@ -121,8 +125,8 @@ class ResolverSettings:
         return cls(
             table_paths=tuple(p for p in tables.split(os.pathsep) if p),
             url=os.environ.get("AUTOTUNE_URL") or None,
-            timeout_s=_env_number("AUTOTUNE_TIMEOUT_MS", 250) / 1000,
-            breaker_s=_env_number("AUTOTUNE_BREAKER_S", 30),
+            timeout_s=_env_number("AUTOTUNE_TIMEOUT_MS", 250, MAX_TIMEOUT_MS) / 1000,
+            breaker_s=_env_number("AUTOTUNE_BREAKER_S", 30, MAX_BREAKER_S),
             tpu_kernel=tpu_kernel,
         )
 
@@ -358,7 +362,7 @@ class Resolver:
             dict(kernel=kernel.name, device_kind=device_kind, **_problem_params(problem)),
             "lookup service has no config for this key",
             lambda answer: (kernel.config_from_dict(answer["config"]),
-                            answer.get("provenance") or {}, answer.get("match")))
+                            read_provenance(answer), answer.get("match")))
         if answer is None:
             return None, {}, why
         config, provenance, match = answer
@@ -399,13 +403,13 @@ def _get(url: str, deadline_s: float) -> tuple[int | None, bytes, str | None]:
     """GETs ``url`` with one deadline for the whole request (connect, headers and body) and
     at most :data:`MAX_REPLY_BYTES` of body: ``(status, body, failure)``, ``failure`` None
     when a reply arrived. Never raises: whatever goes wrong is the failure's text."""
-    parts = urllib.parse.urlsplit(url)
-    connection_type = (http.client.HTTPSConnection if parts.scheme == "https"
-                       else http.client.HTTPConnection)
     result: dict[str, Any] = {}
     try:
+        parts = urllib.parse.urlsplit(url)
+        connection_type = (http.client.HTTPSConnection if parts.scheme == "https"
+                           else http.client.HTTPConnection)
         connection = connection_type(parts.hostname or "", parts.port, timeout=deadline_s)
-    except Exception as error:  # noqa: BLE001 - e.g. a port out of range in AUTOTUNE_URL
+    except Exception as error:  # noqa: BLE001 - a malformed AUTOTUNE_URL, a port out of range
         return None, b"", f"lookup service URL is unusable: {error}"
 
     def request() -> None:

@@ -45,12 +45,13 @@ def block_values(dim: int) -> list[int]:
     return sorted(values)
 
 
-def sequence_violations(length: int, name: str) -> list[Violation]:
-    """``seq_len``: a sequence axis no TPU block can tile, with the fix."""
-    if block_values(length):
+def sequence_violations(length: int, name: str, largest: int = MAX_BLOCK) -> list[Violation]:
+    """``seq_len``: a sequence axis no TPU block of at most ``largest`` can tile, with the
+    fix."""
+    if any(block <= largest for block in block_values(length)):
         return []
     return [Violation("seq_len", f"{name}={length} admits no legal block: a sequence longer "
-                      f"than {MAX_BLOCK} must be a multiple of {LANES}; pad it to "
+                      f"than {largest} must be a multiple of {LANES}; pad it to "
                       f"{-(-length // LANES) * LANES} and mask the padding")]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,18 +53,23 @@ class TableEntry:
         numbers = {}
         for name in ("time_ms", "default_time_ms", "speedup"):
             numbers[name] = _milliseconds(name, data.get(name))
-        return cls(problem=problem, config=config, provenance=_provenance(data), **numbers)
+        return cls(problem=problem, config=config, provenance=read_provenance(data), **numbers)
 
 
 def _milliseconds(name: str, value: Any) -> float | None:
     """``value`` if it is None or a finite non-negative number, else a ``TableError``."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or not math.isfinite(value) or value < 0):
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > sys.float_info.max:
+        raise TableError(f"{name} must be a non-negative number a float holds, got a larger one")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0):
         raise TableError(f"{name} must be a non-negative number, got {value!r}")
     return value
 
 
-def _provenance(data: Mapping[str, Any]) -> dict[str, Any]:
+def read_provenance(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``provenance`` object of an entry, a choice or a service answer ({} when absent)."""
     provenance = data.get("provenance") or {}
     if not isinstance(provenance, dict):
         raise TableError("provenance must be a JSON object")
@@ -155,7 +161,7 @@ class KernelChoice:
         elif not isinstance(config, dict):
             raise TableError(f"choice config must be a JSON object, got {config!r}")
         return cls(Problem.from_dict(data["problem"]), kernel, config, candidates,
-                   _provenance(data))
+                   read_provenance(data))
 
 
 # A choice's required fields: problem, kernel, config, candidates (named through the class: a
@@ -224,7 +230,7 @@ class LookupTable:
         except UnicodeDecodeError as error:
             raise TableError(f"table {path} is not UTF-8 text (byte {error.start}); export "
                              "it again with `autotune export`") from None
-        except json.JSONDecodeError as error:
+        except ValueError as error:  # JSONDecodeError, or an integer of over 4300 digits
             raise TableError(f"table {path} is not valid JSON: {error}") from None
         except RecursionError:
             raise TableError(f"table {path} is nested too deeply to be a lookup table") from None

@@ -9,6 +9,7 @@ interpret mode on the CPU, with the same resolution (pinned table, service, defa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -79,6 +80,28 @@ def test_gpu_branch_uses_the_pinned_pallas_gpu_config_and_matches_the_reference(
     cpu = get_target("cpu")
     assert resolver.resolve(PROBLEM, "cpu", "flash", cpu).config == FlashConfig()
     assert resolver.resolve(PROBLEM, "cpu", "pallas_gpu", cpu).config == GPU_CONFIG
+
+
+def test_a_differentiated_call_on_the_gpu_branch_runs_the_fwd_bwd_entry(tmp_path, on_device):
+    """Upstream's custom VJP differentiates with the config it is called with: a training step
+    runs the fwd_bwd-tuned one, whose backward blocks the fwd entry's need not match."""
+    fwd_bwd = dataclasses.replace(PROBLEM, mode="fwd_bwd")
+    tuned = GPU_CONFIG.replace(block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    path = tmp_path / "pallas_gpu.json"
+    path.write_text(json.dumps({
+        "schema_version": 1, "kernel": "pallas_gpu", "kernel_version": "1", "device_kind": "cpu",
+        "entries": [{"problem": PROBLEM.to_dict(), "config": GPU_CONFIG.to_dict()},
+                    {"problem": fwd_bwd.to_dict(), "config": tuned.to_dict()}]}))
+    resolver = reset_resolver(ResolverSettings(table_paths=(str(path),)))
+    on_device(CPU_AS_GPU)
+    q, k, v = inputs()
+    loss = lambda f: lambda q, k, v: f(q, k, v, causal=True).sum()  # noqa: E731
+    got = jax.grad(loss(kernel.flash_attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+    assert resolution_sources() == {("pallas_gpu", "cpu", fwd_bwd): "table"}
+    assert resolver.resolve(fwd_bwd, "cpu", "pallas_gpu", get_target("cpu")).config == tuned
 
 
 def test_gpu_branch_falls_back_to_the_pallas_gpu_default_without_a_table(on_device):

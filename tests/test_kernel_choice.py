@@ -7,6 +7,7 @@ One real small tuning run (interpret mode on the CPU) for the module, a real ser
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -22,9 +23,11 @@ import kernel
 from api.routers.pages import detail_link
 from conftest import problem_flags, run_cli
 from kernel import LookupTable, Problem, TableError, reference_attention
-from kernel.resolve import ResolverSettings, reset_resolver
+from kernel.resolve import Resolver, ResolverSettings, reset_resolver
 from kernel.table import TABLE_SCHEMA_VERSION
+from kernel.targets import GPU_TARGET
 from storage import Store
+from storage.choices import check_choice
 
 SMALL = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
                 dtype="float32")
@@ -171,6 +174,20 @@ def test_a_chosen_kernel_that_cannot_run_here_falls_back_with_one_warning(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and "instead of the chosen" in r.getMessage()]
     assert len(warnings) == 1 and runs in warnings[0] and chosen in warnings[0]
+
+
+def test_a_cudnn_choice_is_the_nearest_choice_for_another_shape_and_can_be_stored(
+        tmp_path: Path) -> None:
+    """cuDNN has no CPU target: its stored-config rules are its GPU target's."""
+    tuned = Problem(1, 8, 8, 1024, 1024, 128, "bfloat16")
+    longer = dataclasses.replace(tuned, q_len=2048, kv_len=2048)
+    path = _choice_table(tmp_path, tuned, "cudnn", {"cudnn": 0.1, "xla": 0.3})
+    choice, match = LookupTable.load(path).lookup_choice(longer)
+    assert (choice.kernel, match) == ("cudnn", "nearest")
+    pick = Resolver(ResolverSettings(table_paths=(str(path),))).pick(longer, "cpu", "gpu",
+                                                                     GPU_TARGET)
+    assert (pick.kernel.name, pick.by) == ("cudnn", "chosen (nearest choice in pinned table)")
+    check_choice("NVIDIA H200", choice)  # raises when a rule is broken
 
 
 def test_export_import_round_trip_carries_the_choices(tuned: tuple[str, dict[str, Any]],

@@ -199,8 +199,10 @@ def test_config_from_dict_names_the_bad_field(name):
         kernel.config_from_dict({"block_zz": 128})
     with pytest.raises(ConfigError, match=f"{field} must be an integer"):
         kernel.config_from_dict({field: "128"})
-    with pytest.raises(ConfigError, match=f"{field} must be positive"):
+    with pytest.raises(ConfigError, match=f"{field} must be from 1 to 1048576, got 0"):
         kernel.config_from_dict({field: 0})
+    with pytest.raises(ConfigError, match=f"{field} must be .*, got a larger number"):
+        kernel.config_from_dict({field: 10 ** 310})  # beyond a float, as a VMEM estimate needs
     with pytest.raises(ConfigError, match="must be a JSON object"):
         kernel.config_from_dict([128])
     with pytest.raises(ConfigError, match=f"takes a {kernel.config_type.__name__}"):

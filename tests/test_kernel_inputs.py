@@ -50,6 +50,9 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
     (_sds((1, 4, 5000, 64)), GOOD_KV, GOOD_KV, {}, ConfigError,
      "[seq_len] q_len=5000 admits no legal block: a sequence longer than 4096 must be a "
      "multiple of 128; pad it to 5120 and mask the padding"),
+    (GOOD_Q, _sds((1, 2, 1100, 64)), _sds((1, 2, 1100, 64)), {}, ConfigError,  # compute block
+     "[seq_len] kv_len=1100 admits no legal block: a sequence longer than 1024 must be a "
+     "multiple of 128; pad it to 1152 and mask the padding"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"config": {"block_q": 128}}, TypeError,
      "config must be a FlashConfig or None, got dict; build one with FlashConfig.from_dict"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"sm_scale": -1.0}, ValueError,
@@ -61,8 +64,8 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
     (GOOD_Q, GOOD_KV, GOOD_KV, {"config": FlashConfig(block_kv=192, block_kv_compute=192)},
      ConfigError, "[block_divides] block_kv=192 does not divide kv_len=256"),
 ], ids=["rank-q", "rank-k", "float16", "int32", "mixed-dtypes", "kv-shapes", "batch",
-        "head-dim", "heads", "no-legal-block", "config-type", "sm-scale-negative",
-        "sm-scale-str", "causal-type", "illegal-config"])
+        "head-dim", "heads", "no-legal-block", "no-compute-block", "config-type",
+        "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)

@@ -56,6 +56,8 @@ MISBEHAVIOURS: dict[str, bytes | Callable[[socket.socket], None]] = {
     "huge-reply": _http(b" " * 1_000_000 + OK_BODY),
     "garbage-json": _http(b"\xff\xfe not json"),
     "illegal-config": _http(json.dumps({"config": {"block_q": 96}, "match": "exact"}).encode()),
+    "provenance-not-an-object": _http(json.dumps({"config": {}, "match": "exact",
+                                                  "provenance": "tuned on v5e"}).encode()),
     "trickle": _trickle,
 }
 
@@ -107,13 +109,29 @@ def test_any_service_failure_falls_back_within_the_deadline(name, service, caplo
     assert resolver.service_requests == 1
 
 
+def test_a_block_beyond_any_float_falls_back_on_a_tpu_target(service):
+    """The VMEM estimate of a TPU target computes with the blocks: one past a float's range
+    is refused as a bad answer before it gets there."""
+    huge = b'{"config": {"block_q": 1' + b"0" * 310 + b'}, "match": "exact"}'
+    resolver = Resolver(ResolverSettings(url=service(_http(huge)), timeout_s=2))
+    resolution = resolver.resolve(PROBLEM, "TPU v5 lite", "flash", get_target("v5e"))
+    assert resolution.source == "default" and "block_q must be from 1 to" in resolution.detail
+
+
+@pytest.mark.parametrize("url", ["http://[::1:8000", "http://127.0.0.1:99999"])
+def test_an_unusable_service_url_falls_back(url):
+    resolution = Resolver(ResolverSettings(url=url)).resolve(PROBLEM, "cpu", "flash", CPU)
+    assert resolution.source == "default"
+    assert "lookup service URL is unusable" in resolution.detail
+
+
 def test_a_good_reply_is_used(service):
     resolver = Resolver(ResolverSettings(url=service(_http(OK_BODY)), timeout_s=2))
     resolution = resolver.resolve(PROBLEM, "cpu", "flash", CPU)
     assert (resolution.source, resolution.config.block_q) == ("service", 256)
 
 
-@pytest.mark.parametrize("value", ["fast", "-5", "0", "inf"])
+@pytest.mark.parametrize("value", ["fast", "-5", "0", "inf", "1e20"])
 def test_a_bad_timeout_setting_is_reported_once_and_never_fails_a_trace(value, monkeypatch,
                                                                          caplog):
     monkeypatch.setenv("AUTOTUNE_TIMEOUT_MS", value)
@@ -176,11 +194,18 @@ def test_an_entry_tuned_under_other_versions_is_used_and_marked_stale(tmp_path):
     assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).describe() == "table"
 
 
+_ENTRY_TABLE = (b'{"schema_version": 1, "kernel": "flash", "kernel_version": "1", '
+                b'"device_kind": "cpu", "entries": [{"problem": '
+                + json.dumps(PROBLEM.to_dict()).encode() + b', "config": {}, "time_ms": %b}]}')
+
+
 @pytest.mark.parametrize("content, message", [
     (b'{"schema_version": 1, "kernel": "flash\xff"}', "is not UTF-8"),
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     (b'{"schema_version": 1, "kernel": "splash", "kernel_version": "1", "device_kind": "cpu",'
      b' "entries": []}', "unknown kernel 'splash'"),
+    (_ENTRY_TABLE % (b"1" + b"0" * 400), "time_ms must be a non-negative number a float holds"),
+    (_ENTRY_TABLE % (b"1" * 5000), "is not valid JSON: Exceeds the limit"),
 ])
 def test_a_broken_pinned_table_is_a_table_error_naming_the_file(tmp_path, content, message):
     path = tmp_path / "broken.json"

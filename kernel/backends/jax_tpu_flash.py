@@ -25,6 +25,7 @@ from kernel.contract import (
     TunableKernel,
     default_scale,
     measured_fn,
+    per_mode,
     repeat_kv_heads,
 )
 from kernel.problem import Problem
@@ -228,9 +229,11 @@ class JaxTpuFlashKernel(TunableKernel):
 
     def attention(self, problem: Problem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
-        """The forward function in our layout; upstream's own custom VJP differentiates it on
-        a TPU with the same blocks (on a CPU only the forward is interpreted)."""
-        return _on_platform(self._attend(problem, config_for("fwd"), sm_scale))
+        """The forward function in our layout; upstream's own custom VJP differentiates it
+        with the blocks it was called with, so a differentiated call runs the ``fwd_bwd``
+        config (:func:`per_mode`; on a CPU only the forward is interpreted)."""
+        return per_mode(lambda config: _on_platform(self._attend(problem, config, sm_scale)),
+                        config_for)
 
     @staticmethod
     def _attend(problem: Problem, config: JaxTpuFlashConfig, scale: float) -> AttentionFn:

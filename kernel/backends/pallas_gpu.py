@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kernel.config import IntConfig
-from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, repeat_kv_heads
+from kernel.contract import (
+    AttentionFn,
+    ConfigFor,
+    Params,
+    TunableKernel,
+    per_mode,
+    repeat_kv_heads,
+)
 from kernel.problem import Problem
 from kernel.rules import Violation, x64_violations
 from kernel.targets import GPU_TARGET, Target
@@ -192,29 +199,32 @@ class PallasGpuKernel(TunableKernel):
     def attention(self, problem: Problem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
         """The forward function in our layout (upstream's layout is ``[batch, seq, heads,
-        head_dim]``; its own custom VJP differentiates it with the config's backward blocks):
-        Triton on CUDA/ROCm, interpret mode elsewhere."""
+        head_dim]``; its own custom VJP differentiates it with the config's backward blocks,
+        so a differentiated call runs the ``fwd_bwd`` config: :func:`per_mode`): Triton on
+        CUDA/ROCm, interpret mode elsewhere."""
         import jax.numpy as jnp
         from jax import lax
         from jax.experimental.pallas.ops.gpu import attention as upstream
 
-        config = config_for("fwd")
-        sizes = upstream.BlockSizes(
-            block_q=config.block_q, block_k=config.block_k, block_q_dkv=config.block_q_dkv,
-            block_kv_dkv=config.block_kv_dkv, block_q_dq=config.block_q_dq,
-            block_kv_dq=config.block_kv_dq)
+        def attend_with(config: PallasGpuConfig) -> AttentionFn:
+            sizes = upstream.BlockSizes(
+                block_q=config.block_q, block_k=config.block_k, block_q_dkv=config.block_q_dkv,
+                block_kv_dkv=config.block_kv_dkv, block_q_dq=config.block_q_dq,
+                block_kv_dq=config.block_kv_dq)
 
-        def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
-            k, v = repeat_kv_heads(problem, k, v)
-            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-            out = upstream.mha(q, k, v, None, sm_scale=sm_scale, causal=problem.causal,
-                               block_sizes=sizes, num_warps=config.num_warps,
-                               num_stages=config.num_stages, interpret=interpret)
-            return jnp.swapaxes(out, 1, 2)
+            def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
+                k, v = repeat_kv_heads(problem, k, v)
+                q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+                out = upstream.mha(q, k, v, None, sm_scale=sm_scale, causal=problem.causal,
+                                   block_sizes=sizes, num_warps=config.num_warps,
+                                   num_stages=config.num_stages, interpret=interpret)
+                return jnp.swapaxes(out, 1, 2)
 
-        return lambda q, k, v: lax.platform_dependent(
-            q, k, v, cuda=functools.partial(run, False), rocm=functools.partial(run, False),
-            default=functools.partial(run, True))
+            return lambda q, k, v: lax.platform_dependent(
+                q, k, v, cuda=functools.partial(run, False),
+                rocm=functools.partial(run, False), default=functools.partial(run, True))
+
+        return per_mode(attend_with, config_for)
 
 
 KERNEL = PallasGpuKernel()

@@ -33,9 +33,10 @@ DEFAULT_DEPTHS: tuple[int, ...] = tuple(range(1, MAX_PROBED_DEPTH + 1))
 
 
 def problem_violations(problem: Problem) -> list[Violation]:
-    """A sequence axis that no TPU block tiles (``seq_len``)."""
+    """A sequence axis that no TPU block tiles (``seq_len``); the kv axis also needs a compute
+    block of at most ``MAX_COMPUTE_BLOCK``."""
     return (sequence_violations(problem.q_len, "q_len")
-            + sequence_violations(problem.kv_len, "kv_len"))
+            + sequence_violations(problem.kv_len, "kv_len", MAX_COMPUTE_BLOCK))
 
 
 def static_violations(
