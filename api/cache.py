@@ -18,6 +18,11 @@ from storage import Store
 LOOKUP_PATH = "/v1/configs/lookup"
 
 
+# A lookup's query string is about 150 bytes; a longer one (padded with ``&``, which the parser
+# ignores) is answered but not cached, so the cache's memory stays bounded by its entry count.
+MAX_CACHED_QUERY = 1024
+
+
 class LookupCache:
     def __init__(self, store: Store, max_entries: int) -> None:
         self.store = store
@@ -38,7 +43,7 @@ class LookupCache:
     def put(self, query: bytes, version: int | None, status: int, body: bytes,
             match: str) -> None:
         """Caches an answer computed after ``version()`` returned ``version``."""
-        if version is None:
+        if version is None or len(query) > MAX_CACHED_QUERY:
             return
         if len(self._entries) >= self.max_entries:
             self._entries.clear()

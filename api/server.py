@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import cache
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,6 +31,12 @@ class LimitedH11Protocol(H11Protocol):
     """One connection; ``config.limit_concurrency`` is the connection limit."""
 
     _read_deadline: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's own check would refuse every request (plain text, logged) while the limit's
+        # number of connections is open: the limit is counted here, per connection, instead.
+        self.limit_concurrency = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -14,7 +14,8 @@ class ApiSettings(StorageSettings):
     ``AUTOTUNE_ALLOW_ANONYMOUS_WRITES`` (accept writes without a token; off by default),
     ``AUTOTUNE_LOOKUP_CACHE_SIZE``, and the connection limits of ``autotune serve`` per worker:
     ``AUTOTUNE_MAX_CONNECTIONS`` (more get a 503), ``AUTOTUNE_KEEP_ALIVE_S`` (idle time
-    between requests) and ``AUTOTUNE_READ_TIMEOUT_S`` (time to send a whole request)."""
+    between requests), ``AUTOTUNE_READ_TIMEOUT_S`` (time to send a whole request) and
+    ``AUTOTUNE_MAX_BODY_BYTES`` (larger request bodies get a 413)."""
 
     api_token: SecretStr | None = None
     allow_anonymous_writes: bool = False
@@ -23,3 +24,5 @@ class ApiSettings(StorageSettings):
     max_connections: Annotated[int, Field(ge=1, le=100_000)] = 1000
     keep_alive_s: Annotated[int, Field(ge=1, le=3600)] = 5
     read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    # A JSON body's limit: a table of about 4,500 entries of 900 bytes (a lookup batch: 20 KiB).
+    max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20

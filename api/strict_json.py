@@ -1,7 +1,7 @@
 """JSON request bodies as RFC 8259 defines them: ``NaN``, ``Infinity`` and lone UTF-16
 surrogates (``"\\ud800"``), which Python's ``json`` accepts, are refused with a 422 naming the
 field, before validation or storage see them (neither can encode them, and FastAPI's default
-422 handler fails echoing them)."""
+422 handler fails echoing them). A body past ``AUTOTUNE_MAX_BODY_BYTES`` is a 413, unread."""
 
 from __future__ import annotations
 
@@ -47,6 +47,29 @@ def json_problem(value: Any) -> str | None:
 
 
 class StrictJsonRequest(Request):
+    async def body(self) -> bytes:
+        """The body, refused with a 413 once it passes ``AUTOTUNE_MAX_BODY_BYTES``, before the
+        rest is read (parsed JSON takes up to a hundred times the bytes of its text)."""
+        if not hasattr(self, "_body"):
+            limit = self.app.state.settings.max_body_bytes
+            declared = self.headers.get("content-length", "")
+            size = int(declared) if declared.isdigit() else 0
+            chunks = []
+            if size <= limit:
+                size = 0
+                async for chunk in self.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        break
+                    chunks.append(chunk)
+            if size > limit:
+                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
+                                    f"the request body is larger than {limit} bytes; send less "
+                                    "(a table in parts), or raise the server's "
+                                    "AUTOTUNE_MAX_BODY_BYTES")
+            self._body = b"".join(chunks)
+        return self._body
+
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             parsed = json.loads(await self.body())

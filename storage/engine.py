@@ -97,8 +97,10 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     transactions, so that a tuner and the server can share one file without ``database is
     locked`` errors; PostgreSQL gets pre-ping so a restarted server is survived."""
     url = normalize_url(url)
-    backend = make_url(url).get_backend_name()
-    if backend == "sqlite":
+    try:
+        if make_url(url).get_backend_name() != "sqlite":
+            return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size,
+                                 pool_pre_ping=True)
         path = sqlite_file(url)
         in_memory = make_url(url).database in (None, "", ":memory:")
         pool = {} if in_memory else {"pool_size": pool_size, "max_overflow": 2 * pool_size}
@@ -108,9 +110,6 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
         engine = create_engine(url, **pool)
         _configure_sqlite(engine)
         return engine
-    try:
-        return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size,
-                             pool_pre_ping=True)
     except (ModuleNotFoundError, NoSuchModuleError) as error:
         raise DatabaseUrlError(f"no driver for {url.split(':')[0]!r} ({error}); use "
                                "sqlite:///PATH or postgresql+psycopg://...") from None

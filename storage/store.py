@@ -243,16 +243,23 @@ class Store:
         cheap signal (PostgreSQL, in-memory SQLite), and then nothing may be cached.
 
         SQLite's ``PRAGMA data_version`` on a connection that never writes (a few
-        microseconds, no query of our tables).
+        microseconds, no query of our tables). None too while the file cannot be read: the
+        query that follows meets the same error as a database error (a 503, not a 500).
         """
         path = sqlite_file(self.engine.url)
         if path is None:
             return None
         with self._watcher_lock:
-            if self._watcher is None:
-                self._watcher = sqlite_connect(path, check_same_thread=False,
-                                               isolation_level=None)
-            return self._watcher.execute("PRAGMA data_version").fetchone()[0]
+            try:
+                if self._watcher is None:
+                    self._watcher = sqlite_connect(path, check_same_thread=False,
+                                                   isolation_level=None)
+                return self._watcher.execute("PRAGMA data_version").fetchone()[0]
+            except sqlite3.Error:
+                if self._watcher is not None:
+                    self._watcher.close()
+                    self._watcher = None
+                return None
 
     def __enter__(self) -> Store:
         return self

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from api.cache import LookupCache
 from conftest import Server, run_cli
-from storage import ConfigKey, Store
+from storage import ConfigKey, Store, upgrade
 from storage.schema import VERSION_TABLE
 from kernel.problem import Problem
 
@@ -478,3 +479,35 @@ def test_the_kernel_resolver_reads_the_service(server: Server) -> None:
     miss = resolver.resolve(Problem.from_dict({**PROBLEM, "q_len": 256}), kind, "flash", cpu)
     assert miss.source == "default" and "no config" in miss.detail
     assert resolver.service_requests == 3
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server: Server) -> None:
+    """4 MiB (``AUTOTUNE_MAX_BODY_BYTES``) of ``{}`` would take gigabytes once parsed."""
+    keys = b'{"keys": [' + b"{}," * ((4 << 20) // 3) + b"{}]}"
+    for content in (keys, iter([keys[:1 << 20], keys[1 << 20:]])):  # declared, then chunked
+        response = httpx.post(f"{server.url}/v1/configs/lookup:batch", content=content,
+                              headers={"Content-Type": "application/json"}, timeout=30)
+        assert response.status_code == 413, response.text[:200]
+        assert "AUTOTUNE_MAX_BODY_BYTES" in response.json()["detail"]
+    response = httpx.post(f"{server.url}/v1/configs/lookup:batch",
+                          json={"keys": [lookup_params(device(), q_len=256)] * 100})
+    assert response.status_code == 200  # the largest batch is well within it
+
+
+def test_a_device_kind_with_a_slash_is_exported(server: Server) -> None:
+    kind = f"{device()}/slice-2"
+    publish(server, body(kind))
+    response = httpx.get(f"{server.url}/v1/tables/{kind.replace('/', '%2F')}")
+    assert response.status_code == 200 and response.json()["device_kind"] == kind
+
+
+def test_the_lookup_cache_skips_padded_query_strings(tmp_path) -> None:
+    """``&`` padding makes a valid lookup's query up to 16 KiB: answered, never cached."""
+    url = f"sqlite:///{tmp_path / 'cache.db'}"
+    upgrade(url)
+    with Store(url) as store:
+        cache = LookupCache(store, max_entries=10)
+        plain, padded = b"device_kind=x&batch=1", b"device_kind=x&batch=1" + b"&" * 2000
+        for query in (plain, padded):
+            cache.put(query, cache.version(), 200, b"{}", "exact")
+        assert cache.get(plain) == (200, b"{}", "exact") and cache.get(padded) is None

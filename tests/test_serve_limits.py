@@ -65,3 +65,26 @@ def test_bad_limit_settings_are_refused_at_start(sqlite_db_url: str) -> None:
     assert done.returncode == 2, done.stderr
     assert "AUTOTUNE_READ_TIMEOUT_S" in done.stderr and "AUTOTUNE_MAX_CONNECTIONS" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_connection_limit_admits_exactly_that_many(sqlite_db_url: str,
+                                                       tmp_path: Path) -> None:
+    """``AUTOTUNE_MAX_CONNECTIONS=2``: with one idle connection open a request is answered;
+    with two, a third connection gets the JSON 503; nothing is logged."""
+    with running_server(sqlite_db_url, tmp_path,
+                        settings={"AUTOTUNE_MAX_CONNECTIONS": "2"}) as server:
+        address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        with socket.create_connection(address, timeout=5) as idle:
+            time.sleep(0.2)  # accepted before the request below
+            assert httpx.get(f"{server.url}/healthz", timeout=3).status_code == 200
+            with socket.create_connection(address, timeout=5) as second:
+                time.sleep(0.2)
+                refused = httpx.get(f"{server.url}/healthz", timeout=3)
+                assert refused.status_code == 503, refused.text
+                assert "too many connections" in refused.json()["detail"]
+                second.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert second.recv(4096).startswith(b"HTTP/1.1 200 ")
+            idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert idle.recv(4096).startswith(b"HTTP/1.1 200 ")
+        log = server.log.read_text()
+    assert "concurrency limit" not in log, log[-2000:]

@@ -18,6 +18,7 @@ from kernel.problem import Problem
 from kernel.table import LookupTable, TableEntry
 from storage import (
     ConfigKey,
+    DatabaseUrlError,
     ResultError,
     SchemaError,
     Store,
@@ -373,3 +374,19 @@ def test_storage_and_api_do_not_import_jax() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
+
+
+def test_data_version_is_none_while_the_file_is_not_a_database(tmp_path) -> None:
+    """The service caches nothing then, and its query meets the error as a 503 (not a 500)."""
+    path = tmp_path / "autotune.db"
+    path.write_bytes(b"this is not a SQLite database " * 200)
+    with Store(f"sqlite:///{path}") as store:
+        assert store.data_version() is None
+        path.unlink()
+        upgrade(f"sqlite:///{path}")
+        assert isinstance(store.data_version(), int)  # readable again: a fresh watcher
+
+
+def test_an_unknown_sqlite_driver_is_a_database_url_error() -> None:
+    with pytest.raises(DatabaseUrlError, match="no driver for 'sqlite\\+nope'"):
+        Store("sqlite+nope:///autotune.db")

@@ -16,7 +16,7 @@ from kernel import DEFAULT_KERNEL, LookupTable
 router = APIRouter(prefix="/v1/tables", tags=["tables"], route_class=StrictJsonRoute)
 
 
-@router.get("/{device_kind}", responses={
+@router.get("/{device_kind:path}", responses={  # a device kind may hold "/"
     200: {"description": "The lookup table (kernel.table.LookupTable JSON), with an ETag.",
           "content": {"application/json": {}}},
     304: {"description": "Unchanged since the ETag sent in If-None-Match."},
