@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from kernel import AutotuneError
 
 if TYPE_CHECKING:
     import optuna
+    from optuna.trial import FrozenTrial
 
 
 class LandscapeError(AutotuneError):
@@ -105,12 +107,17 @@ def load_landscape(path: str | Path) -> Landscape:
     except FileNotFoundError:
         raise LandscapeError(f"landscape file {path} does not exist; pass the path of a "
                              "*.json.gz landscape (see bench/landscapes/README.md)") from None
-    except (OSError, json.JSONDecodeError, EOFError) as exc:
+    except (OSError, ValueError, EOFError) as exc:  # ValueError: not UTF-8, not JSON
         raise LandscapeError(f"{path} is not gzip-compressed JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("params"), dict) or not isinstance(
             doc.get("records"), list):
         raise LandscapeError(f"{path}: expected an object with 'params' (object) and 'records' "
                              "(list)")
+    for name, values in doc["params"].items():
+        if not (isinstance(values, list) and values
+                and all(isinstance(v, int | float | str) for v in values)):
+            raise LandscapeError(f"{path}: parameter {name!r} must be a non-empty list of "
+                                 f"numbers, strings or booleans, got {str(values)[:60]}")
     params = {name: list(values) for name, values in doc["params"].items()}
     records: dict[Key, dict[str, Any]] = {}
     for i, record in enumerate(doc["records"]):
@@ -122,14 +129,27 @@ def load_landscape(path: str | Path) -> Landscape:
         if bad:
             raise LandscapeError(f"{path}: record {i} has undeclared value(s) for {bad}")
         status = record.get("status")
-        if status == OK and not isinstance(record.get("time_ms"), int | float):
-            raise LandscapeError(f"{path}: record {i} is ok but has no numeric time_ms")
+        time_ms = record.get("time_ms")
+        if status == OK and (isinstance(time_ms, bool) or not isinstance(time_ms, int | float)
+                             or not (math.isfinite(time_ms) and time_ms > 0)):
+            raise LandscapeError(f"{path}: record {i} is ok but its time_ms is not a positive "
+                                 f"number, got {time_ms!r}")
         if not isinstance(status, str):
             raise LandscapeError(f"{path}: record {i} has no status")
         records[tuple(config[n] for n in params)] = record
     if not any(r["status"] == OK for r in records.values()):
         raise LandscapeError(f"{path}: no record has status 'ok'")
-    return Landscape(str(doc.get("name") or path.name.removesuffix(".json.gz")), params, records)
+    land = Landscape(str(doc.get("name") or path.name.removesuffix(".json.gz")), params, records)
+    try:
+        land.space  # noqa: B018 - a parameter repeating a value, or none at all, is refused here
+    except ValueError as exc:
+        raise LandscapeError(f"{path}: {exc}") from None
+    return land
+
+
+# Trials that hold a config but never claimed it: an illegal proposal, a config taken by
+# another trial (duplicate), the marker of an exhausted space.
+_NOT_CLAIMS = ("illegal", "duplicate", "exhausted")
 
 
 def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, Any]:
@@ -148,14 +168,21 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
                              "'params' attr that autotune's search writes); it was not made by "
                              "`autotune tune` or `autotune replay`")
     trials = study.get_trials(deepcopy=False)
-    # A trial from before the declared space last changed may hold a value no longer in it.
-    measured = sorted((t for t in trials if is_measurement(t) and all(
-        t.params.get(name, ...) in values for name, values in params.items())),
-        key=lambda t: t.number)
+    def in_space(t: FrozenTrial) -> bool:
+        # A trial from before the declared space last changed may hold a value no longer in it.
+        return all(t.params.get(name, ...) in values for name, values in params.items())
+
+    measured = sorted((t for t in trials if is_measurement(t) and in_space(t)),
+                      key=lambda t: t.number)
     if not measured:
         raise LandscapeError(f"study {study.study_name!r} has no measured config yet")
-    # The search drops one trial as "exhausted" when it finds no legal config left.
-    complete = any(trial_status(t) == "exhausted" for t in trials)
+    # The search drops one trial as "exhausted" when it finds no legal config left, counting
+    # the claims still open; a claim given back (Ctrl-C, a dead worker) leaves its config
+    # unmeasured, so the space is whole only if a later trial measured it.
+    keys = {tuple(t.params[name] for name in params) for t in measured}
+    given_back = any(in_space(t) and trial_status(t) not in _NOT_CLAIMS
+                     and tuple(t.params[name] for name in params) not in keys for t in trials)
+    complete = any(trial_status(t) == "exhausted" for t in trials) and not given_back
     if not partial and not complete:
         raise LandscapeError(
             f"study {study.study_name!r} measured {len(measured)} configs but did not measure its "

@@ -15,6 +15,7 @@ region; FAIL trials it ignores).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -49,6 +50,7 @@ from autotune.trials import (
     trial_result,
     trial_status,
 )
+from kernel import AutotuneError
 from storage.studies import get_storage
 
 _CLAIM_WAIT_S = 2.0  # longest wait for an earlier trial's params to be written
@@ -183,6 +185,7 @@ def search(
     seed: int | None = None,
     on_trial: OnTrial | None = None,
     prepare: Callable[[Config], None] | None = None,
+    of: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """Runs or resumes the study ``study_name`` until one of the stop rules holds.
 
@@ -198,6 +201,11 @@ def search(
     claimed before the current one is measured, so that slow preparation (an ahead-of-time
     compile) of the next config overlaps the measurement of this one.
 
+    ``of``: what the study searches (tune: the problem and kernel; replay: the landscape), JSON
+    values kept on the study; a study made for other values raises ``StudyMismatchError`` (a
+    reused study name would mix two searches). Its space may differ (the installed JAX's
+    pipeline depths), as a resume after an upgrade measures on.
+
     When the call ends with an exception (Ctrl-C, a failing ``on_trial``), this worker's
     unfinished claims are given back (FAIL, status ``interrupted``), so a rerun measures their
     configs at once; a Ctrl-C while Optuna creates a trial waits until the trial is claimed.
@@ -212,6 +220,7 @@ def search(
     if "params" not in study.user_attrs:
         study.set_user_attr("params", space.params)
         study.set_user_attr("sampler", sampler)
+    _claim_study(study, of or {})
     worker = worker_name()
     start = time.perf_counter()
     measure_total = 0.0
@@ -267,7 +276,10 @@ def search(
             trial = ask()
             config = space.config(trial.params)
             key = space.key(config)
-            if isinstance(engine, EngineSampler) and engine.exhausted:
+            # A space of one config never reaches the sampler (Optuna fills single-valued
+            # parameters itself), so its exhaustion is seen here.
+            if (isinstance(engine, EngineSampler) and engine.exhausted) or (
+                    space.size == 1 and key in view.keys):
                 _drop(study, trial, "exhausted")
                 return "exhausted"
             if not space.is_legal(config):  # only plain TPE proposes these
@@ -340,6 +352,24 @@ def search(
         stop_reason=reason,
         overhead_s=time.perf_counter() - start - measure_total,
     )
+
+
+class StudyMismatchError(AutotuneError):
+    """A study name given to a search of another space or problem than the study's."""
+
+
+def _claim_study(study: optuna.Study, attrs: Mapping[str, Any]) -> None:
+    """Writes ``attrs`` on a new study; raises ``StudyMismatchError`` when the study already
+    holds other values for them."""
+    for name, value in attrs.items():
+        value = json.loads(json.dumps(value))  # as the storage keeps it (tuples are lists)
+        stored = study.user_attrs.get(name)
+        if stored is None:
+            study.set_user_attr(name, value)
+        elif stored != value:
+            raise StudyMismatchError(
+                f"study {study.study_name!r} holds a search of another {name} than this one; "
+                "name another study (--study), or leave --study out for the default name")
 
 
 def _stop_reason(view: _View, trials: int, patience: int | None, timeout: float | None,

@@ -236,6 +236,7 @@ class TuneJob:
         if self.space is None:
             return SearchResult(self.name, None, 0, [], [], NOTHING_TO_SEARCH, 0.0)
         return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
+                      of={"problem": self.problem.to_dict(), "kernel": self.kernel.name},
                       sampler=options.sampler, trials=options.trials, timeout=options.timeout,
                       patience=options.patience,
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
@@ -272,9 +273,7 @@ class TuneJob:
         # whose study lacks its confirmation.
         if study:
             study.set_user_attr("confirmation", list(confirmation.values()))
-            study.set_user_attr("problem", problem.to_dict())
-            study.set_user_attr("device_kind", device.device_kind)
-            study.set_user_attr("kernel", kernel.name)
+            study.set_user_attr("device_kind", device.device_kind)  # problem, kernel: search()
         outcome = self.store.publish(TunedResult(
             kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
             problem=problem, config=winner, median_ms=winner_ms,

@@ -10,6 +10,9 @@ import optuna
 import pytest
 
 from autotune.landscape import LandscapeError, load_landscape, save_landscape, study_document
+from autotune.search import search
+from autotune.searchspace import Space
+from autotune.trials import OK, Measurement
 from kernel.problem import Problem
 from tests.conftest import problem_flags, run_cli
 
@@ -136,3 +139,33 @@ def test_a_trial_outside_the_declared_space_is_left_out():
             else optuna.trial.TrialState.FAIL))
     document = study_document(study)
     assert document["complete"] and [r["config"] for r in document["records"]] == [{"block": 128}]
+
+
+def test_a_grid_run_interrupted_at_its_last_config_is_not_complete(tmp_path):
+    """The claim read ahead of the last measurement makes the search see its space exhausted;
+    Ctrl-C gives that claim back unmeasured, so the study is short of its space until a rerun
+    measures it."""
+    space = Space({"a": [1, 2, 3]}, lambda config: True)
+    storage = f"sqlite:///{tmp_path / 'grid.db'}"
+    measured = []
+
+    def measure(config):
+        if len(measured) == 2:
+            raise KeyboardInterrupt
+        measured.append(config)
+        return Measurement(float(config["a"]), OK, {})
+
+    def run():
+        return search(space, measure, storage=storage, study_name="grid", sampler="grid",
+                      trials=10, prepare=lambda config: None)
+
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    study = optuna.load_study(study_name="grid", storage=storage)
+    with pytest.raises(LandscapeError, match="did not measure its whole legal space"):
+        study_document(study)
+    assert not study_document(study, partial=True)["complete"]
+    measured.clear()
+    assert run().stop_reason == "exhausted"
+    document = study_document(optuna.load_study(study_name="grid", storage=storage))
+    assert document["complete"] and len(document["records"]) == 3

@@ -158,3 +158,10 @@ def test_compile_over_the_timeout_is_classified_timeout_and_the_sweep_finishes()
         assert result.status == Status.TIMEOUT and result.compile_s > 0.001
         assert "0.001 s" in result.error
     assert Agreement.of(results).counts == {Status.TIMEOUT: len(todo)}
+
+
+def test_cli_refuses_a_problem_the_kernel_cannot_run():
+    done = run_cli("precheck", "--kernel", "jax_tpu_flash", "--q-len", "100", "--json")
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
+    message = " ".join(done.stderr.replace("│", " ").split())
+    assert "kv_len=100 is not a multiple of 128" in message, message

@@ -124,3 +124,57 @@ def test_replay_a_real_landscape_measures_only_recorded_configs():
     assert out["best_time_ms"] == land.records[land.key(out["best_config"])]["time_ms"]
     assert 0 < out["score"] <= 1
     assert all(b <= a for a, b in zip(out["curve"], out["curve"][1:]) if a is not None)
+
+
+def _write_doc(path: Path, doc: dict) -> Path:
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+    return path
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "grid", "plain-tpe"])
+def test_replay_of_a_one_config_space_ends_exhausted(tmp_path, sampler):
+    """Optuna fills single-valued parameters itself, so no sampler is asked for a second
+    config: the search must see the space exhausted on its own."""
+    path = _write_doc(tmp_path / "one.json.gz", {"params": {"a": [1], "b": [2]}, "records": [
+        {"config": {"a": 1, "b": 2}, "status": "ok", "time_ms": 1.0}]})
+    out = _replay(str(path), "--budget", "3", "--sampler", sampler)
+    assert (out["measured"], out["stop_reason"], out["score"]) == (1, "exhausted", 1.0)
+
+
+def test_replay_refuses_a_study_of_another_landscape(tmp_path):
+    path = write_landscape(tmp_path / "synthetic.json.gz")
+    other = _other_device(tmp_path)
+    db = f"sqlite:///{tmp_path / 'replay.db'}"
+    first = _replay(str(path), "--budget", "4", "--db", db, "--study", "shared")
+    result = CliRunner().invoke(app, ["replay", str(other), "--budget", "6", "--db", db,
+                                      "--study", "shared"])
+    assert result.exit_code == 2 and "holds a search of another landscape" in result.output
+    again = _replay(str(path), "--budget", "4", "--db", db, "--study", "shared")
+    assert again["curve"] == first["curve"]  # nothing of the other landscape was written
+
+
+@pytest.mark.parametrize("db, status, message", [
+    ("notaurl", 2, "cannot parse database URL"),
+    ("sqlite:////nonexistent-dir/replay.db", 1, "unable to open database file"),
+])
+def test_replay_names_a_bad_database(tmp_path, db, status, message):
+    path = write_landscape(tmp_path / "synthetic.json.gz")
+    result = CliRunner().invoke(app, ["replay", str(path), "--db", db])
+    assert result.exit_code == status and message in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("params, time_ms, message", [
+    ({"a": 5}, 1.0, "parameter 'a' must be a non-empty list"),
+    ({"a": [[1], 2]}, 1.0, "parameter 'a' must be a non-empty list"),
+    ({"a": [1, 1]}, 1.0, "repeats a value"),
+    ({"a": [1]}, 0, "time_ms is not a positive number"),
+    ({"a": [1]}, True, "time_ms is not a positive number"),
+    ({"a": [1]}, float("nan"), "time_ms is not a positive number"),
+])
+def test_replay_refuses_a_malformed_landscape(tmp_path, params, time_ms, message):
+    path = _write_doc(tmp_path / "bad.json.gz", {"params": params, "records": [
+        {"config": {"a": 1}, "status": "ok", "time_ms": time_ms}]})
+    result = CliRunner().invoke(app, ["replay", str(path)])
+    assert result.exit_code == 2 and message in result.output, result.output

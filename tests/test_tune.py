@@ -11,6 +11,7 @@ step keeps the default unless a candidate beats it beyond the noise.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import threading
@@ -29,7 +30,7 @@ from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import Measurement
 from autotune.tune import choose_winner, kernel_space
-from conftest import run_cli
+from conftest import problem_flags, run_cli
 from kernel import FlashConfig, Problem, device_target, get_kernel
 from kernel.aot import compile_for_target
 from storage import Store
@@ -148,6 +149,25 @@ def test_bad_shapes_file_is_refused_before_anything_is_written(
     assert expected in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not database.exists()
+
+
+def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:
+    """``--study`` reused for another problem: exit 2 naming the fix, nothing measured or
+    published for it, the first problem's study untouched."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    first = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1",
+                    "--study", "shared", "--db", db, timeout=300)
+    assert first.returncode == 0, first.stderr
+    other = dataclasses.replace(TINY, q_heads=2, kv_heads=2)
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(other), "--trials", "2",
+                   "--study", "shared", "--db", db, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "study 'shared' holds a search of another problem" in done.stderr
+    study = optuna.load_study(study_name="shared", storage=db)
+    assert len(study.trials) == 1 and study.user_attrs["problem"] == TINY.to_dict()
+    with Store(db) as store:
+        found = store.lookup("flash", "cpu", other)
+        assert found is None or found[1] != "exact"
 
 
 def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:

@@ -33,15 +33,17 @@ def precheck(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from autotune.precheck import Agreement, candidates, precheck as run_precheck, vmem_limited
+    from autotune.tune import tunable
     from kernel import ConfigError, get_kernel
 
     if target not in TARGETS or TARGETS[target].topology is None:
         raise typer.BadParameter(f"{target!r} is not a TPU generation; use v4, v5e, v5p or v6e",
                                  param_hint="--target")
     rules = get_kernel(kernel).discover()
-    try:
+    try:  # a GPU kernel has no TPU generation to compile for; a problem it cannot run
+        tunable(rules, problem, get_target(target))
         tpu = rules.target(get_target(target))
-    except ConfigError as error:  # a GPU kernel has no TPU generation to compile for
+    except ConfigError as error:
         raise typer.BadParameter(str(error), param_hint="--kernel") from None
     tpu = vmem_limited(tpu, vmem_limit_kib * 1024 if vmem_limit_kib else None)
     options = {"xla_tpu_scoped_vmem_limit_kib": vmem_limit_kib} if vmem_limit_kib else None

@@ -34,8 +34,10 @@ def replay(
 
     from autotune.landscape import LandscapeError, load_landscape
     from autotune.samplers import SAMPLERS
-    from autotune.search import search
+    from autotune.commands.db import database_errors, resolve_url
+    from autotune.search import StudyMismatchError, search
     from autotune.tune import MAX_WARM_SEEDS
+    from storage import DatabaseUrlError
 
     if sampler not in SAMPLERS:
         raise typer.BadParameter(f"unknown sampler {sampler!r}; choose one of "
@@ -51,9 +53,16 @@ def replay(
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(2) from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    result = search(land.space, land.measure, storage=db, trials=budget, seed=seed,
-                    sampler=sampler, seeds=seeds,  # type: ignore[arg-type]
-                    study_name=study or f"replay-{land.name}-{sampler}-{seed}")
+    url = resolve_url(db) if db else None
+    try:
+        with database_errors(url or "in memory"):
+            result = search(land.space, land.measure, storage=url, trials=budget, seed=seed,
+                            sampler=sampler, seeds=seeds,  # type: ignore[arg-type]
+                            study_name=study or f"replay-{land.name}-{sampler}-{seed}",
+                            of={"landscape": land.name})
+    except (StudyMismatchError, DatabaseUrlError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
     best = result.best.value if result.best else None
     out = {
         "landscape": land.name,

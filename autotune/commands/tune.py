@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from autotune.commands.db import DbOption, open_store, resolve_url
+from autotune.commands.db import DbOption, database_errors, open_store, resolve_url
 from autotune.problem_options import known_kernel, known_kernels, with_problem_options
 from kernel import Problem, ProblemError
 
@@ -46,19 +46,24 @@ def ensure_schema(db_url: str) -> None:
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import make_engine, schema_is_current, upgrade
+    from storage import DatabaseUrlError, make_engine, schema_is_current, upgrade
     from storage.schema import VERSION_TABLE
 
-    engine = make_engine(db_url)
     try:
-        if not inspect(engine).has_table(VERSION_TABLE):
-            try:
-                upgrade(engine)
-            except SQLAlchemyError:
-                # Jobs started together on an empty database race to create the tables; a
-                # loser is fine if the winner left a current schema.
-                if not schema_is_current(engine):
-                    raise
+        engine = make_engine(db_url)
+    except DatabaseUrlError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        with database_errors(db_url):  # unreachable, a missing directory: one line, status 1
+            if not inspect(engine).has_table(VERSION_TABLE):
+                try:
+                    upgrade(engine)
+                except SQLAlchemyError:
+                    # Jobs started together on an empty database race to create the tables; a
+                    # loser is fine if the winner left a current schema.
+                    if not schema_is_current(engine):
+                        raise
     finally:
         engine.dispose()
 
@@ -144,6 +149,7 @@ def tune(
     from autotune.progress import TuneProgress
     from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.tune import tune as run_tune
+    from autotune.search import StudyMismatchError
     from autotune.timing import TimingError
     from kernel import ConfigError
 
@@ -173,7 +179,7 @@ def tune(
                 else:
                     summary = choose_kernel(item, store, db_url, candidates, options,
                                             observer_for=progress_for)
-            except (ConfigError, TimingError) as error:  # nothing this kernel can tune here
+            except (ConfigError, TimingError, StudyMismatchError) as error:  # nothing to tune
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
             except NothingToPublish as error:  # the other problems are still tuned
