@@ -168,6 +168,7 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
                              "'params' attr that autotune's search writes); it was not made by "
                              "`autotune tune` or `autotune replay`")
     trials = study.get_trials(deepcopy=False)
+
     def in_space(t: FrozenTrial) -> bool:
         # A trial from before the declared space last changed may hold a value no longer in it.
         return all(t.params.get(name, ...) in values for name, values in params.items())

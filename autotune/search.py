@@ -203,8 +203,8 @@ def search(
 
     ``of``: what the study searches (tune: the problem and kernel; replay: the landscape), JSON
     values kept on the study; a study made for other values raises ``StudyMismatchError`` (a
-    reused study name would mix two searches). Its space may differ (the installed JAX's
-    pipeline depths), as a resume after an upgrade measures on.
+    reused study name would mix two searches). The space is not compared: a resume after a
+    JAX upgrade may declare other pipeline depths.
 
     When the call ends with an exception (Ctrl-C, a failing ``on_trial``), this worker's
     unfinished claims are given back (FAIL, status ``interrupted``), so a rerun measures their
@@ -355,7 +355,8 @@ def search(
 
 
 class StudyMismatchError(AutotuneError):
-    """A study name given to a search of another space or problem than the study's."""
+    """A study name given to a search of another problem, kernel or landscape than the
+    study's."""
 
 
 def _claim_study(study: optuna.Study, attrs: Mapping[str, Any]) -> None:

@@ -32,9 +32,9 @@ def replay(
     """Replay a search on a measured landscape and print how close it got to the optimum."""
     import optuna
 
+    from autotune.commands.db import database_errors, resolve_url
     from autotune.landscape import LandscapeError, load_landscape
     from autotune.samplers import SAMPLERS
-    from autotune.commands.db import database_errors, resolve_url
     from autotune.search import StudyMismatchError, search
     from autotune.tune import MAX_WARM_SEEDS
     from storage import DatabaseUrlError

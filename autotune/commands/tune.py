@@ -148,9 +148,9 @@ def tune(
     from autotune.choice import choose_kernel, local_kernels
     from autotune.progress import TuneProgress
     from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
-    from autotune.tune import tune as run_tune
     from autotune.search import StudyMismatchError
     from autotune.timing import TimingError
+    from autotune.tune import tune as run_tune
     from kernel import ConfigError
 
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
