@@ -26,7 +26,8 @@ import sys
 from typing import Any, TextIO
 
 from autotune.progress import trial_record
-from autotune.search import SearchResult, worker_name
+from autotune.search import SearchResult, StudyMismatchError, worker_name
+from autotune.timing import TimingError
 from autotune.trials import TrialResult
 from autotune.tune import NothingToPublish, TuneJob, TuneOptions
 from kernel import ConfigError, Problem
@@ -95,7 +96,7 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
                         events.emit("error", kind="nothing", message=str(error))
                     job.close()
                     job = None
-        except ConfigError as error:
+        except (ConfigError, TimingError, StudyMismatchError) as error:  # as tune on one device
             events.emit("error", kind="config", message=str(error))
             return 2
         except KeyboardInterrupt:

@@ -407,3 +407,17 @@ def test_confirmation_leaves_out_configs_that_fail_here(tiny_base: FlashConfig) 
         measurer.close()
     assert list(timings) == [good] and len(timings[good].samples_ms) == 3
     assert choose_winner(timings, wrong) == good
+
+
+def test_shapes_that_are_not_text_and_a_database_password_are_named_safely(
+        tmp_path: Path) -> None:
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_bytes(b"\xff\xfe- batch: 1\n")
+    done = run_cli("tune", "--shapes", str(shapes), "--kernel", "xla")
+    message = " ".join(done.stderr.replace("│", " ").split())  # unwrap rich's error panel
+    assert done.returncode == 2 and "is not UTF-8 text (byte 0)" in message, message
+    assert "Traceback" not in done.stderr
+    done = run_cli("tune", *problem_flags(TINY), "--kernel", "xla",
+                   "--db", "postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune")
+    assert done.returncode == 1 and "tuner:***@127.0.0.1:1" in done.stderr, done.stderr
+    assert "hunter2" not in done.stderr

@@ -20,9 +20,12 @@ def load_shapes(path: Path) -> list[Problem]:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # YAML is a superset of JSON
     except OSError as error:
         raise typer.BadParameter(f"cannot read {path}: {error.strerror}",
+                                 param_hint="--shapes") from None
+    except UnicodeDecodeError as error:
+        raise typer.BadParameter(f"{path} is not UTF-8 text (byte {error.start})",
                                  param_hint="--shapes") from None
     except yaml.YAMLError as error:
         raise typer.BadParameter(f"{path} is not valid YAML/JSON: {error}",
