@@ -52,21 +52,19 @@ class StrictJsonRequest(Request):
         rest is read (parsed JSON takes up to a hundred times the bytes of its text)."""
         if not hasattr(self, "_body"):
             limit = self.app.state.settings.max_body_bytes
+            too_large = HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
+                                      f"the request body is larger than {limit} bytes; send "
+                                      "less (a table in parts), or raise the server's "
+                                      "AUTOTUNE_MAX_BODY_BYTES")
             declared = self.headers.get("content-length", "")
-            size = int(declared) if declared.isdigit() else 0
-            chunks = []
-            if size <= limit:
-                size = 0
-                async for chunk in self.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        break
-                    chunks.append(chunk)
-            if size > limit:
-                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
-                                    f"the request body is larger than {limit} bytes; send less "
-                                    "(a table in parts), or raise the server's "
-                                    "AUTOTUNE_MAX_BODY_BYTES")
+            if declared.isdigit() and int(declared) > limit:
+                raise too_large
+            chunks, size = [], 0
+            async for chunk in self.stream():  # a chunked body declares no length
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
             self._body = b"".join(chunks)
         return self._body
 

@@ -173,6 +173,9 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
         # A trial from before the declared space last changed may hold a value no longer in it.
         return all(t.params.get(name, ...) in values for name, values in params.items())
 
+    def key_of(t: FrozenTrial) -> Key:
+        return tuple(t.params[name] for name in params)
+
     measured = sorted((t for t in trials if is_measurement(t) and in_space(t)),
                       key=lambda t: t.number)
     if not measured:
@@ -180,9 +183,9 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
     # The search drops one trial as "exhausted" when it finds no legal config left, counting
     # the claims still open; a claim given back (Ctrl-C, a dead worker) leaves its config
     # unmeasured, so the space is whole only if a later trial measured it.
-    keys = {tuple(t.params[name] for name in params) for t in measured}
+    keys = {key_of(t) for t in measured}
     given_back = any(in_space(t) and trial_status(t) not in _NOT_CLAIMS
-                     and tuple(t.params[name] for name in params) not in keys for t in trials)
+                     and key_of(t) not in keys for t in trials)
     complete = any(trial_status(t) == "exhausted" for t in trials) and not given_back
     if not partial and not complete:
         raise LandscapeError(
@@ -193,7 +196,7 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
             "--partial to write the measured part only")
     records: dict[Key, dict[str, Any]] = {}
     for t in measured:
-        key = tuple(t.params[name] for name in params)
+        key = key_of(t)
         records.setdefault(key, {
             "config": dict(zip(params, key, strict=True)), "status": trial_status(t),
             "time_ms": t.value if trial_status(t) == OK else None,

@@ -47,13 +47,17 @@ def _reason(error: Exception) -> str:
 @contextmanager
 def database_errors(url: str) -> Iterator[None]:
     """Turns a database failure (unreachable, read-only, full, rejected statement, a schema
-    newer than this version) into a one-line error and exit status 1."""
+    newer than this version) into a one-line error and exit status 1; a URL no driver takes
+    is a usage error (status 2)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import SchemaError, WriteRefusedError
+    from storage import DatabaseUrlError, SchemaError, WriteRefusedError
 
     try:
         yield
+    except DatabaseUrlError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
     except (WriteRefusedError, SchemaError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
@@ -83,17 +87,13 @@ def open_store(db: str | None) -> Store:
 def upgrade(db: DbOption = None) -> None:
     """Create the tables, or migrate them to this version's schema (other tables, such as
     Optuna's, are left alone)."""
-    from storage import DatabaseUrlError, make_engine, schema_problem
+    from storage import make_engine, schema_problem
     from storage import upgrade as upgrade_schema
     from storage.schema import head_revision
 
     url = resolve_url(db)
-    try:
-        engine = make_engine(url)
-    except DatabaseUrlError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from None
     with database_errors(url):
+        engine = make_engine(url)
         upgrade_schema(engine)
         problem = schema_problem(engine)
     engine.dispose()

@@ -37,7 +37,6 @@ def replay(
     from autotune.samplers import SAMPLERS
     from autotune.search import StudyMismatchError, search
     from autotune.tune import MAX_WARM_SEEDS
-    from storage import DatabaseUrlError
 
     if sampler not in SAMPLERS:
         raise typer.BadParameter(f"unknown sampler {sampler!r}; choose one of "
@@ -60,7 +59,7 @@ def replay(
                             sampler=sampler, seeds=seeds,  # type: ignore[arg-type]
                             study_name=study or f"replay-{land.name}-{sampler}-{seed}",
                             of={"landscape": land.name})
-    except (StudyMismatchError, DatabaseUrlError) as exc:
+    except StudyMismatchError as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(2) from None
     best = result.best.value if result.best else None

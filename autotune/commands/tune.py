@@ -49,16 +49,12 @@ def ensure_schema(db_url: str) -> None:
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import DatabaseUrlError, make_engine, schema_is_current, upgrade
+    from storage import make_engine, schema_is_current, upgrade
     from storage.schema import VERSION_TABLE
 
-    try:
+    with database_errors(db_url):  # no driver, unreachable, a missing directory: one line
         engine = make_engine(db_url)
-    except DatabaseUrlError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from None
-    try:
-        with database_errors(db_url):  # unreachable, a missing directory: one line, status 1
+        try:
             if not inspect(engine).has_table(VERSION_TABLE):
                 try:
                     upgrade(engine)
@@ -67,8 +63,8 @@ def ensure_schema(db_url: str) -> None:
                     # loser is fine if the winner left a current schema.
                     if not schema_is_current(engine):
                         raise
-    finally:
-        engine.dispose()
+        finally:
+            engine.dispose()
 
 
 @with_problem_options
