@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -20,6 +21,8 @@ from kernel import AutotuneError
 from storage import DatabaseFullError, Store, WriteRefusedError
 
 log = logging.getLogger(__package__)
+
+MAX_REPORTED_ERRORS = 20  # validation errors listed in one 422; the rest are counted
 
 
 def _error(status_code: int, detail: str) -> JSONResponse:
@@ -52,6 +55,19 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def _invalid(_request: Request, error: AutotuneError) -> JSONResponse:
         # The project's own validation (one error root): the message names the field or rule.
         return _error(status.HTTP_422_UNPROCESSABLE_CONTENT, str(error))
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(_request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each error's input: the whole object for each of its
+        # missing fields, so a 4 MiB body came back as 31 MB. Where and why is enough.
+        errors = error.errors()
+        detail = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]}
+                  for e in errors[:MAX_REPORTED_ERRORS]]
+        if len(errors) > MAX_REPORTED_ERRORS:
+            detail.append({"type": "more_errors", "loc": [],
+                           "msg": f"{len(errors) - MAX_REPORTED_ERRORS} more errors"})
+        return JSONResponse({"detail": detail},
+                            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
     @app.exception_handler(WriteRefusedError)
     async def _write_refused(_request: Request, error: WriteRefusedError) -> JSONResponse:
