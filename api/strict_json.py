@@ -1,7 +1,8 @@
 """JSON request bodies as RFC 8259 defines them: ``NaN``, ``Infinity`` and lone UTF-16
 surrogates (``"\\ud800"``), which Python's ``json`` accepts, are refused with a 422 naming the
 field, before validation or storage see them (neither can encode them, and FastAPI's default
-422 handler fails echoing them). A body past ``AUTOTUNE_MAX_BODY_BYTES`` is a 413, unread."""
+422 handler fails echoing them). A body past ``AUTOTUNE_MAX_BODY_BYTES`` is a 413, unread; a
+body declared as another media type, a 415."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def json_problem(value: Any) -> str | None:
     return None
 
 
+def _is_json(media_type: str) -> bool:
+    """``application/json`` or a JSON-based ``application/...+json`` (as FastAPI reads)."""
+    kind, _, subtype = media_type.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 class StrictJsonRequest(Request):
     async def body(self) -> bytes:
         """The body, refused with a 413 once it passes ``AUTOTUNE_MAX_BODY_BYTES``, before the
@@ -84,8 +91,16 @@ class StrictJsonRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None
 
         async def strict_handler(request: Request) -> Response:
+            # FastAPI validates a body of another type as raw bytes ("Input should be a valid
+            # dictionary"): curl's --data-binary sends application/x-www-form-urlencoded.
+            media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if takes_body and media and not _is_json(media):
+                raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+                                    f"the body is sent as {media}, not JSON; send it with "
+                                    "the header Content-Type: application/json")
             return await handler(StrictJsonRequest(request.scope, request.receive))
 
         return strict_handler

@@ -8,8 +8,20 @@ of them into a clear message (exit 2, or a 4xx) without catching each kind.
 from __future__ import annotations
 
 
+MESSAGE_HEAD, MESSAGE_TAIL = 1000, 500  # characters of a long message kept on each side
+
+
 class AutotuneError(ValueError):
     """Root of every flash-autotune error; the message says what is wrong and how to fix it."""
+
+    def __str__(self) -> str:
+        # A message quotes the bad value, which may be megabytes of a request body or a
+        # table: its middle is cut, keeping what is wrong (the head) and the fix (the tail).
+        message = super().__str__()
+        cut = len(message) - MESSAGE_HEAD - MESSAGE_TAIL
+        if cut <= 0:
+            return message
+        return f"{message[:MESSAGE_HEAD]}[... {cut} characters ...]{message[-MESSAGE_TAIL:]}"
 
 
 class ProblemError(AutotuneError):

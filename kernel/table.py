@@ -200,7 +200,7 @@ class LookupTable:
                              f"reads versions up to {TABLE_SCHEMA_VERSION}: upgrade "
                              "flash-autotune, or export the table from a service running "
                              "this build")
-        if version not in READABLE_SCHEMA_VERSIONS:
+        if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # not True
             raise TableError(f"unsupported schema_version {version!r}; this build reads "
                              f"versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))} "
                              "(re-export the table)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,10 +84,11 @@ def normalize_url(url: str) -> str:
     """Maps ``postgres://`` and bare ``postgresql://`` to the psycopg 3 driver we ship."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError) as error:  # ValueError: a port that is not a number
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)  # the password masked
         raise DatabaseUrlError(
-            f"cannot parse database URL {url!r}; use e.g. sqlite:///autotune.db or "
-            "postgresql+psycopg://user@host:5432/dbname") from None
+            f"cannot parse database URL {shown!r} ({error}); use e.g. sqlite:///autotune.db "
+            "or postgresql+psycopg://user@host:5432/dbname") from None
     if parsed.drivername in ("postgres", "postgresql"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed.render_as_string(hide_password=False)
@@ -113,6 +115,10 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     except (ModuleNotFoundError, NoSuchModuleError) as error:
         raise DatabaseUrlError(f"no driver for {url.split(':')[0]!r} ({error}); use "
                                "sqlite:///PATH or postgresql+psycopg://...") from None
+    except ValueError as error:  # a query argument of the wrong type: ?timeout=abc
+        raise DatabaseUrlError(f"a bad argument in database URL "
+                               f"{make_url(url).render_as_string(hide_password=True)!r} "
+                               f"({error}); fix or remove it") from None
 
 
 def sqlite_pragmas(dbapi_connection, _record: object = None) -> None:  # noqa: ANN001

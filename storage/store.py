@@ -123,8 +123,14 @@ def _columns(result: TunedResult) -> dict[str, Any]:
                **result.problem.to_dict(), "config": result.config.to_dict(),
                **result.measurements()}
     if result.speedup is None and result.median_ms and result.default_median_ms is not None:
-        columns["speedup"] = result.default_median_ms / result.median_ms
+        speedup = result.default_median_ms / result.median_ms
+        columns["speedup"] = speedup if math.isfinite(speedup) else None  # 1 / 1e-310
     return columns
+
+
+def _lock_order(columns: Mapping[str, Any], key: Sequence[str]) -> str:
+    """A total order of rows by their ``key`` columns, the same in every writer."""
+    return repr([columns[name] for name in key])
 
 
 def _getter(row: Any) -> Callable[[str], Any]:
@@ -337,9 +343,15 @@ class Store:
                     from None
 
         def write(session: Session) -> list[PublishOutcome]:
-            for choice in table.choices:
+            # Rows are locked in the order of their keys, not the table's: two imports of
+            # the same keys in opposite orders deadlocked on PostgreSQL.
+            for choice in sorted(table.choices, key=lambda c: _lock_order(
+                    choice_columns(table.device_kind, c), CHOICE_KEY_COLUMNS)):
                 self._publish_choice(session, table.device_kind, choice)
-            return [self._publish(session, r, force) for r in results]
+            order = sorted(range(len(results)),
+                           key=lambda i: _lock_order(_columns(results[i]), KEY_COLUMNS))
+            outcomes = {i: self._publish(session, results[i], force) for i in order}
+            return [outcomes[i] for i in range(len(results))]
 
         return self._write(write)
 
@@ -469,7 +481,9 @@ class Store:
 
     def export_table(self, device_kind: str, kernel: str = DEFAULT_KERNEL,
                      kernel_version: str | None = None) -> LookupTable:
-        """Every entry of one kernel (version) on one device kind, as a lookup table."""
+        """Every entry of one kernel (version) on one device kind, as a lookup table.
+        ConfigError for a kernel not in this build (its table could not be imported)."""
+        kernel = get_kernel(kernel).name
         version = kernel_version or installed_kernel_version(kernel)
         entries, _ = self.list({"kernel": kernel, "kernel_version": version,
                                 "device_kind": device_kind}, limit=None)

@@ -372,6 +372,9 @@ def test_metrics_labels_stay_bounded_under_random_methods_and_paths(server: Serv
 def test_health_docs_and_openapi(server: Server) -> None:
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/readyz").json() == {"status": "ready"}
+    for probe in ("/healthz", "/readyz"):  # the probe of many uptime checkers (405 before)
+        response = httpx.head(f"{server.url}{probe}")
+        assert (response.status_code, response.content) == (200, b"")
     assert httpx.get(f"{server.url}/docs").status_code == 200
     paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
     assert {"/v1/configs/lookup", "/v1/configs/lookup:batch", "/v1/configs",
@@ -386,6 +389,7 @@ def test_readyz_is_503_when_the_schema_is_not_current(tokenless_server: Server) 
         try:
             response = httpx.get(f"{tokenless_server.url}/readyz")
             assert response.status_code == 503
+            assert httpx.head(f"{tokenless_server.url}/readyz").status_code == 503
             assert "autotune db upgrade" in response.json()["detail"]
         finally:
             with store.engine.begin() as connection:
@@ -530,3 +534,43 @@ def test_a_422_names_each_problem_without_echoing_the_body(server: Server) -> No
     detail = response.json()["detail"]
     assert len(detail) == MAX_REPORTED_ERRORS + 1
     assert detail[-1]["msg"] == f"{len(keys) * 5 - MAX_REPORTED_ERRORS} more errors"
+
+
+@pytest.mark.parametrize("table, ending", [
+    ({"entries": [{**TABLE_ENTRY, "config": {"block_q": "A" * 1_000_000}}]}, "AAA'"),
+    ({"kernel": "A" * 1_000_000}, "choose one of flash, "),
+], ids=["config-value", "kernel-name"])
+def test_our_own_422s_cut_a_quoted_value(server: Server, table: dict[str, Any],
+                                         ending: str) -> None:
+    """An error message quotes the bad value; a megabyte of it is cut in the middle, keeping
+    what is wrong and the fix (the whole value came back before)."""
+    response = httpx.post(f"{server.url}/v1/tables", json={**_table(device()), **table},
+                          headers=server.auth, timeout=30)
+    assert response.status_code == 422
+    detail = response.json()["detail"]
+    assert len(detail) < 2000 and "characters ...]" in detail, detail[:100]
+    assert ending in detail[-600:], detail[-600:]
+
+
+def test_a_body_sent_as_another_media_type_is_a_415_naming_the_header(server: Server) -> None:
+    """What ``curl --data-binary @table.json`` sends: once a 422 "Input should be a valid
+    dictionary" for a valid table."""
+    table = json.dumps(_table(device(), TABLE_ENTRY))
+    for media_type in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
+        response = httpx.post(f"{server.url}/v1/tables", content=table,
+                              headers={**server.auth, "Content-Type": media_type})
+        assert response.status_code == 415, response.text
+        assert "Content-Type: application/json" in response.json()["detail"]
+    for media_type in ("application/json; charset=utf-8", "application/merge-patch+json"):
+        response = httpx.post(f"{server.url}/v1/tables", content=table,
+                              headers={**server.auth, "Content-Type": media_type})
+        assert response.status_code == 200, response.text
+
+
+def test_exporting_an_unknown_kernel_is_a_422_with_or_without_a_version(server: Server) -> None:
+    """With a version, it was a table of kernel 'nope' (the device's choices in it) that no
+    import accepts."""
+    for params in ({"kernel": "nope"}, {"kernel": "nope", "kernel_version": "1"}):
+        response = httpx.get(f"{server.url}/v1/tables/{device()}", params=params)
+        assert response.status_code == 422, response.text
+        assert "unknown kernel 'nope'; choose one of" in response.json()["detail"]

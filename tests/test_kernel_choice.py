@@ -224,3 +224,7 @@ def test_an_old_table_loads_and_a_newer_one_names_the_upgrade(tmp_path: Path) ->
     path.write_text(json.dumps({**old, "schema_version": TABLE_SCHEMA_VERSION + 1}))
     with pytest.raises(TableError, match=r"newer than this build.*upgrade flash-autotune"):
         LookupTable.load(path)
+    for version in (True, 1.0, "1"):  # equal to 1 in Python, but not a JSON integer 1
+        path.write_text(json.dumps({**old, "schema_version": version}))
+        with pytest.raises(TableError, match=f"unsupported schema_version {version!r}"):
+            LookupTable.load(path)

@@ -156,6 +156,9 @@ def test_replay_refuses_a_study_of_another_landscape(tmp_path):
 
 @pytest.mark.parametrize("db, status, message", [
     ("notaurl", 2, "cannot parse database URL"),
+    ("postgresql://tuner:s3cret@host:notaport/db", 2,
+     "cannot parse database URL 'postgresql://tuner:***@host:notaport/db'"),
+    ("sqlite:///replay.db?timeout=abc", 2, "a bad argument in database URL"),
     ("sqlite:////nonexistent-dir/replay.db", 1, "unable to open database file"),
 ])
 def test_replay_names_a_bad_database(tmp_path, db, status, message):

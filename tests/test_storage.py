@@ -275,6 +275,42 @@ def test_concurrent_publishers_of_one_key_lose_nothing(store: Store) -> None:
     assert archived == sorted(medians)[1:]
 
 
+def test_imports_of_the_same_keys_in_opposite_orders_both_land(store: Store) -> None:
+    """Each import locks its rows in key order: in table order, two imports of the same
+    keys, one reversed, deadlocked on PostgreSQL and one was refused."""
+    def table(median: float, order: list[int]) -> LookupTable:
+        return LookupTable("flash", "1", DEVICE, tuple(
+            TableEntry(problem(128 * (1 + i // 20), batch=1 + i % 20), FlashConfig(
+                block_q=128, block_kv=128), time_ms=median) for i in order))
+
+    keys = list(range(200))
+    store.import_table(table(5.0, keys))
+    errors: list[BaseException] = []
+
+    def force(median: float, order: list[int]) -> None:
+        try:
+            outcomes = store.import_table(table(median, order), force=True)
+            assert [o.entry.result.problem for o in outcomes] == [
+                e.problem for e in table(median, order).entries]  # in the table's order
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    for attempt in range(3):
+        threads = [threading.Thread(target=force, args=(1.0 + attempt, keys)),
+                   threading.Thread(target=force, args=(2.0 + attempt, keys[::-1]))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+
+
+def test_a_speedup_too_large_for_a_float_is_left_out(store: Store) -> None:
+    """Derived as default / median (1 / 1e-310 is inf): stored as unknown, not refused."""
+    outcome = store.publish(result(1e-310, default_median_ms=1.0, speedup=None))
+    assert outcome.status == "inserted" and outcome.entry.result.speedup is None
+
+
 def test_get_by_key(store: Store) -> None:
     stored = result()
     store.publish(stored)
@@ -390,3 +426,15 @@ def test_data_version_is_none_while_the_file_is_not_a_database(tmp_path) -> None
 def test_an_unknown_sqlite_driver_is_a_database_url_error() -> None:
     with pytest.raises(DatabaseUrlError, match="no driver for 'sqlite\\+nope'"):
         Store("sqlite+nope:///autotune.db")
+
+
+@pytest.mark.parametrize("url, message", [
+    ("postgresql://tuner:s3cret@host:notaport/db", "cannot parse database URL 'postgresql://"
+                                                   "tuner:\\*\\*\\*@host:notaport/db'"),
+    ("sqlite:///autotune.db?timeout=abc", "a bad argument in database URL"),
+])
+def test_a_malformed_part_of_a_url_is_a_database_url_error(url: str, message: str) -> None:
+    """A port or query argument SQLAlchemy cannot convert (a ValueError, once a traceback)."""
+    with pytest.raises(DatabaseUrlError, match=message) as raised:
+        Store(url)
+    assert "s3cret" not in str(raised.value)

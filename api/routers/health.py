@@ -11,14 +11,15 @@ from api.deps import MetricsDep, StoreDep
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+# HEAD as well: the probe of many uptime checkers and load balancers (405 before).
+@router.api_route("/healthz", methods=["GET", "HEAD"])
 def healthz() -> dict[str, str]:
     """The process is up."""
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "Database unreachable or schema "
-                                                       "not current; detail says the fix."}})
+@router.api_route("/readyz", methods=["GET", "HEAD"], responses={503: {
+    "description": "Database unreachable or schema not current; detail says the fix."}})
 def readyz(store: StoreDep) -> JSONResponse:
     """The database is reachable and its schema is current."""
     problem = store.schema_problem()
