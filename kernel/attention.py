@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
-from kernel.contract import ConfigFor, TunableKernel
+from kernel.contract import ConfigFor, TunableKernel, by_mode
 from kernel.errors import ConfigError
 from kernel.problem import DTYPES, Problem
 from kernel.resolve import get_resolver
@@ -39,15 +39,16 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
     defaults to ``head_dim ** -0.5``.
 
-    Without ``config``, the backend is the one the kernel choice for this problem and device
-    names (pinned table > lookup service; when it cannot run here, the choice's next best
-    candidate that can, else ``xla``), and its config is resolved per problem at trace time,
-    the ``fwd_bwd`` entry when differentiated. Without a choice, or with an explicit
-    ``config`` (one of its configs, checked against its rules), it is the platform's backend
-    (:meth:`kernel.resolve.Resolver.platform_kernel`: ours on a TPU, or ``AUTOTUNE_TPU_KERNEL``
-    which also disables choices there, and, interpreted, on a CPU; upstream's Pallas Triton
-    kernel on a GPU). Any other keyword (segment ids, bias, soft-cap, sliding window,
-    dropout, ...) raises ``TypeError`` naming it as unsupported.
+    Without ``config``, the backend is the one the kernel choice for this problem, device and
+    mode names (pinned table > lookup service; ``fwd_bwd`` when differentiated; when it cannot
+    run here, the choice's next best candidate that can, else ``xla``), and its config is
+    resolved per problem at trace time, the ``fwd_bwd`` entry when differentiated. Without a
+    choice it is the platform's backend (:meth:`kernel.resolve.Resolver.platform_kernel`: ours
+    on a TPU, or ``AUTOTUNE_TPU_KERNEL`` which also disables choices there, and, interpreted,
+    on a CPU; upstream's Pallas Triton kernel on a GPU), or ``xla`` where that cannot run the
+    problem. With an explicit ``config`` (one of its configs, checked against its rules), it
+    is the platform's backend. Any other keyword (segment ids, bias, soft-cap, sliding
+    window, dropout, ...) raises ``TypeError`` naming it as unsupported.
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
@@ -64,19 +65,34 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                                   f"not on {platform!r}")
     resolver = get_resolver()
     target = device_target(platform, device_kind)
-    pick = resolver.pick(problem, device_kind, platform, target) if config is None else None
-    backend = pick.kernel if pick else resolver.platform_kernel(platform)
+    if config is not None:
+        backend = _runnable(resolver.platform_kernel(platform), problem)
+        config_for = _explicit(backend, problem, config, target, platform)
+        return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
+
+    def attend(mode: str) -> Any:
+        # The backend is picked per mode: a training step runs the fwd_bwd kernel choice,
+        # and a backend whose backward cannot run the problem is not picked for it.
+        moded = dataclasses.replace(problem, mode=mode)
+        pick = resolver.pick(moded, device_kind, platform, target)
+        backend = _runnable(pick.kernel, moded)
+
+        def config_for(config_mode: str) -> Any:
+            return resolver.resolve(dataclasses.replace(problem, mode=config_mode),
+                                    device_kind, backend.name, target, pick.by).config
+
+        return backend.attention(problem, config_for, float(sm_scale))
+
+    return by_mode(attend)(q, k, v)
+
+
+def _runnable(backend: TunableKernel, problem: Problem) -> TunableKernel:
+    """``backend``, or ``ConfigError`` naming the rules ``problem`` breaks for it."""
     broken = backend.problem_violations(problem)
     if broken:
         raise ConfigError(f"kernel {backend.name!r} cannot run {problem.label()}: "
                           + "; ".join(map(str, broken)))
-    if pick is not None:
-        def config_for(mode: str) -> Any:
-            return resolver.resolve(dataclasses.replace(problem, mode=mode), device_kind,
-                                    backend.name, target, pick.by).config
-    else:
-        config_for = _explicit(backend, problem, config, target, platform)
-    return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
+    return backend
 
 
 def _unsupported_message(unsupported: dict[str, Any]) -> str:

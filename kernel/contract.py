@@ -47,25 +47,31 @@ def measured_fn(problem: Problem, attend: AttentionFn, *,
     return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
 
-def per_mode(attend_with: Callable[[Any], AttentionFn], config_for: ConfigFor) -> AttentionFn:
-    """``attend_with(config)`` with ``config_for("fwd")``, and, when differentiated, with
-    ``config_for("fwd_bwd")`` both ways: for a kernel whose own custom VJP (upstream's)
-    differentiates with the one config it was called with, so that a training step runs the
-    ``fwd_bwd``-tuned config, checked against the ``fwd_bwd`` rules."""
+def by_mode(attend_for: Callable[[str], AttentionFn]) -> AttentionFn:
+    """``attend_for("fwd")``, and, when differentiated, ``attend_for("fwd_bwd")`` both ways
+    (its VJP is the residual). Each is built at trace time, only when it runs."""
     import jax
 
     @jax.custom_vjp
     def attend(q, k, v):  # noqa: ANN001, ANN202
-        return attend_with(config_for("fwd"))(q, k, v)
+        return attend_for("fwd")(q, k, v)
 
     def forward(q, k, v):  # noqa: ANN001, ANN202
-        return jax.vjp(attend_with(config_for("fwd_bwd")), q, k, v)  # the VJP is the residual
+        return jax.vjp(attend_for("fwd_bwd"), q, k, v)
 
     def backward(vjp, cotangent):  # noqa: ANN001, ANN202
         return vjp(cotangent)
 
     attend.defvjp(forward, backward)
     return attend
+
+
+def per_mode(attend_with: Callable[[Any], AttentionFn], config_for: ConfigFor) -> AttentionFn:
+    """``attend_with(config)`` with ``config_for("fwd")``, and, when differentiated, with
+    ``config_for("fwd_bwd")`` both ways: for a kernel whose own custom VJP (upstream's)
+    differentiates with the one config it was called with, so that a training step runs the
+    ``fwd_bwd``-tuned config, checked against the ``fwd_bwd`` rules."""
+    return by_mode(lambda mode: attend_with(config_for(mode)))
 
 
 def repeat_kv_heads(problem: Problem, k: Any, v: Any) -> tuple[Any, Any]:

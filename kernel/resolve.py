@@ -8,7 +8,8 @@ config for its kernel, then pinned table > lookup service > the backend's defaul
 checked against the backend's rules for the device before it is used (the one legality
 fallback). An explicit config never reaches the resolver: the wrapper checks it and raises.
 Every answer, misses and fallbacks included, is cached per key for the life of the process,
-and the first fallback per key logs one warning saying why.
+and the first fallback per key logs one warning saying why; only an answer the service could
+not give (it failed, or its circuit breaker was open) is asked again once the breaker closes.
 
 Pure Python and the standard library only (http.client), so a model build that embeds a table
 needs nothing but jax. The service gets a deadline for the whole request, a reply size cap and
@@ -37,7 +38,7 @@ from kernel.errors import ConfigError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
-from kernel.table import KernelChoice, LookupTable, read_provenance
+from kernel.table import KernelChoice, LookupTable, nearest_choice, nearest_entry, read_provenance
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Resolution:
     detail: str = ""
     stale: str = ""
     kernel_by: str = ""  # why this backend ran, when a kernel choice picked it
+    retry_at: float = 0.0  # time.monotonic() after which to resolve again; 0: never
 
     def describe(self) -> str:
         """The source, marked when stale and with how a choice picked the kernel: ``table``,
@@ -74,14 +76,16 @@ class Resolution:
 
 @dataclass(frozen=True)
 class KernelPick:
-    """The backend that runs a problem, and why: ``by`` is empty without a choice, else
-    ``chosen (...)`` or ``next best (...)`` naming where the choice came from."""
+    """The backend that runs a problem, and why: ``by`` is empty for the platform's backend,
+    ``fallback (...)`` for ``SAFE_KERNEL`` in its place, else ``chosen (...)`` or ``next best
+    (...)`` naming where the choice came from."""
 
     kernel: TunableKernel
     by: str = ""
     choice: KernelChoice | None = None
     source: str = ""  # where the choice came from: table or service
     stale: str = ""
+    retry_at: float = 0.0  # as Resolution's
 
 
 def _env_number(name: str, default: float, most: float) -> float:
@@ -118,9 +122,10 @@ class ResolverSettings:
     def from_env(cls) -> ResolverSettings:
         tables = os.environ.get("AUTOTUNE_TABLE", "")
         tpu_kernel = os.environ.get("AUTOTUNE_TPU_KERNEL") or None
-        if tpu_kernel is not None and tpu_kernel not in KERNELS:
-            log.error("flash-autotune: AUTOTUNE_TPU_KERNEL=%r is not a registered kernel (%s); "
-                      "using the default", tpu_kernel, ", ".join(KERNELS))
+        tpu_kernels = [name for name, k in KERNELS.items() if "tpu" in k.platforms]
+        if tpu_kernel is not None and tpu_kernel not in tpu_kernels:
+            log.error("flash-autotune: AUTOTUNE_TPU_KERNEL=%r is not a registered TPU kernel "
+                      "(%s); using the default", tpu_kernel, ", ".join(tpu_kernels))
             tpu_kernel = None
         return cls(
             table_paths=tuple(p for p in tables.split(os.pathsep) if p),
@@ -165,6 +170,7 @@ class Resolver:
         self._kernels: dict[str, TunableKernel] = {}
         self._installed = installed_versions()
         self._breaker_open_until = 0.0
+        self._unanswered = 0  # service lookups that failed or were skipped by the breaker
         self.service_requests = 0  # HTTP requests sent, for tests and diagnostics
         for path in self.settings.table_paths:
             self.use_table(path)
@@ -207,20 +213,24 @@ class Resolver:
         # x64 too: a kernel that refuses it (x64_violations) must not stay picked for such calls
         key = (platform, device_kind, problem, x64_enabled())
         cached = self._picks.get(key)
-        if cached is not None:
+        if cached is not None and _settled(cached):
             return cached
         with self._lock:
-            if key not in self._picks:
-                self._picks[key] = self._pick_uncached(problem, device_kind, platform, target)
+            cached = self._picks.get(key)
+            if cached is None or not _settled(cached):
+                unanswered = self._unanswered
+                pick = self._pick_uncached(problem, device_kind, platform, target)
+                self._picks[key] = dataclasses.replace(pick,
+                                                       retry_at=self._retry_at(unanswered))
             return self._picks[key]
 
     def _pick_uncached(self, problem: Problem, device_kind: str, platform: str,
                        target: Target) -> KernelPick:
         if platform == "tpu" and self.settings.tpu_kernel:
-            return KernelPick(self.platform_kernel(platform))
+            return self._platform_pick(problem, platform, target)
         choice, source, why = self._find_choice(problem, device_kind)
         if choice is None:
-            return KernelPick(self.platform_kernel(platform))
+            return self._platform_pick(problem, platform, target)
         stale = stale_versions(choice.provenance, self._installed)
         refused = []
         for name in dict.fromkeys([*choice.ranked(), SAFE_KERNEL]):
@@ -235,7 +245,7 @@ class Resolver:
                 log.warning("flash-autotune: running %s for %s on %s instead of the chosen %s "
                             "(%s)", name, problem.label(), device_kind, choice.kernel,
                             "; ".join(refused))
-            if name == choice.kernel:
+            if name == choice.kernel and self._current(choice):
                 self._choice_configs[(name, device_kind, dataclasses.replace(
                     problem, mode=choice.problem.mode))] = Resolution(choice.config, source,
                                                                       why, stale)
@@ -243,7 +253,24 @@ class Resolver:
         log.warning("flash-autotune: no candidate of the kernel choice for %s on %s can run "
                     "here (%s); using the platform's kernel", problem.label(), device_kind,
                     "; ".join(refused))
-        return KernelPick(self.platform_kernel(platform))
+        return self._platform_pick(problem, platform, target)
+
+    def _platform_pick(self, problem: Problem, platform: str, target: Target) -> KernelPick:
+        """The platform's backend, or ``SAFE_KERNEL`` when that cannot run ``problem`` here
+        (x64, a shape its kernels refuse, a pinned TPU kernel without this target)."""
+        kernel = self.platform_kernel(platform)
+        refused = self._cannot_run(kernel.name, problem, target)
+        if not refused or self._cannot_run(SAFE_KERNEL, problem, target):
+            return KernelPick(kernel)  # runnable, or nothing is: the wrapper names the rule
+        log.warning("flash-autotune: running %s for %s instead of %s (%s)", SAFE_KERNEL,
+                    problem.label(), kernel.name, refused)
+        return KernelPick(self.kernel(SAFE_KERNEL), f"fallback ({refused})")
+
+    def _current(self, choice: KernelChoice) -> bool:
+        """Whether the choice's config was tuned for the installed version of its kernel
+        (a version bump changes what a config means); unrecorded counts as current."""
+        recorded = choice.provenance.get("kernel_version")
+        return recorded is None or recorded == self.kernel(choice.kernel).version
 
     def _cannot_run(self, name: str, problem: Problem, target: Target) -> str:
         """Why backend ``name`` cannot run ``problem`` on ``target`` ('' when it can)."""
@@ -278,11 +305,14 @@ class Resolver:
 
     def _choice_from_tables(self, problem: Problem,
                             device_kind: str) -> tuple[KernelChoice | None, str]:
-        for table in self._tables:
-            if table.device_kind == device_kind:
-                found = table.lookup_choice(problem)
-                if found:
-                    return found[0], f"{found[1]} choice in pinned table"
+        """An exact choice of any pinned table, else the nearest across them."""
+        choices = [c for t in self._tables if t.device_kind == device_kind for c in t.choices]
+        choice = next((c for c in choices if c.problem == problem), None)
+        if choice is not None:
+            return choice, "exact choice in pinned table"
+        choice = nearest_choice(problem, choices)
+        if choice is not None:
+            return choice, "nearest choice in pinned table"
         return None, f"no pinned kernel choice for {problem.label()} on {device_kind!r}"
 
     def _choice_from_service(self, problem: Problem,
@@ -303,18 +333,29 @@ class Resolver:
         there. ``kernel_by``: how :meth:`pick` chose the kernel, for :meth:`sources`."""
         key = (kernel_name, device_kind, problem)
         cached = self._cache.get(key)  # dict reads are atomic: the hot path takes no lock
-        if cached is not None:
+        if cached is not None and _settled(cached):
             return cached
         with self._lock:
-            if key not in self._cache:
+            cached = self._cache.get(key)
+            if cached is None or not _settled(cached):
+                unanswered = self._unanswered
                 resolution = self._resolve_uncached(problem, device_kind,
                                                     self.kernel(kernel_name), target)
-                self._cache[key] = dataclasses.replace(resolution, kernel_by=kernel_by)
+                self._cache[key] = dataclasses.replace(resolution, kernel_by=kernel_by,
+                                                       retry_at=self._retry_at(unanswered))
             return self._cache[key]
+
+    def _retry_at(self, unanswered: int) -> float:
+        """When to resolve again an answer found with ``unanswered`` service failures
+        before: once the breaker closes, if a lookup since failed or was skipped; else
+        never (0)."""
+        return self._breaker_open_until if self._unanswered != unanswered else 0.0
 
     def sources(self) -> dict[Key, str]:
         """How each key seen so far was resolved (:meth:`Resolution.describe`)."""
-        return {key: resolution.describe() for key, resolution in self._cache.items()}
+        with self._lock:  # another thread may be resolving a new key
+            resolved = list(self._cache.items())
+        return {key: resolution.describe() for key, resolution in resolved}
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:
@@ -345,21 +386,33 @@ class Resolver:
 
     def _from_tables(self, problem: Problem, device_kind: str,
                      kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
+        """An exact entry of any pinned table, else the nearest across them (the first
+        table's on a tie), among the tables of this kernel's installed version."""
         if not self._tables:
             return None, {}, "no table pinned"
-        for table in self._tables:
-            if (table.kernel, table.device_kind) == (kernel.name, device_kind):
-                found = table.lookup(problem)
-                if found:
-                    entry, match = found
-                    return entry.config, entry.provenance, f"{match} match in pinned table"
+        tables = [t for t in self._tables if (t.kernel, t.device_kind) == (kernel.name,
+                                                                           device_kind)]
+        current = [t for t in tables if t.kernel_version == kernel.version]
+        if tables and not current:
+            return None, {}, (f"the pinned tables of {kernel.name} on {device_kind!r} are of "
+                              f"kernel version {tables[0].kernel_version!r}, but version "
+                              f"{kernel.version!r} is installed, whose configs mean something "
+                              "else; export a table tuned with this version")
+        entries = [entry for table in current for entry in table.entries]
+        entry = next((e for e in entries if e.problem == problem), None)
+        if entry is not None:
+            return entry.config, entry.provenance, "exact match in pinned table"
+        entry = nearest_entry(problem, entries, kernel.name)
+        if entry is not None:
+            return entry.config, entry.provenance, "nearest match in pinned table"
         return None, {}, f"no pinned table entry for {kernel.name} on {device_kind!r}"
 
     def _from_service(self, problem: Problem, device_kind: str,
                       kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
         answer, why = self._ask_service(
             "/v1/configs/lookup",
-            dict(kernel=kernel.name, device_kind=device_kind, **_problem_params(problem)),
+            dict(kernel=kernel.name, kernel_version=kernel.version, device_kind=device_kind,
+                 **_problem_params(problem)),
             "lookup service has no config for this key",
             lambda answer: (kernel.config_from_dict(answer["config"]),
                             read_provenance(answer), answer.get("match")))
@@ -376,6 +429,7 @@ class Resolver:
         if not self.settings.url:
             return None, "AUTOTUNE_URL unset"
         if time.monotonic() < self._breaker_open_until:
+            self._unanswered += 1
             return None, "lookup service failed recently (circuit breaker open)"
         self.service_requests += 1
         status, body, failure = _get(f"{self.settings.url.rstrip('/')}{path}?"
@@ -390,7 +444,13 @@ class Resolver:
             except Exception as error:  # noqa: BLE001 - any garbage answer falls back
                 failure = f"lookup service sent a bad answer: {type(error).__name__}: {error}"
         self._breaker_open_until = time.monotonic() + self.settings.breaker_s
+        self._unanswered += 1
         return None, failure
+
+
+def _settled(answer: Resolution | KernelPick) -> bool:
+    """Whether a cached answer stands (it need not be asked again yet)."""
+    return not answer.retry_at or time.monotonic() < answer.retry_at
 
 
 def _problem_params(problem: Problem) -> dict[str, Any]:

@@ -146,3 +146,40 @@ def test_tpu_branch_runs_the_kernel_named_in_settings(on_device):
     resolution = get_resolver().resolve(problem, "TPU v5 lite", "jax_tpu_flash",
                                         get_target("v5e"))
     assert resolution.config == get_kernel("jax_tpu_flash").default_config(problem, "v5e")
+
+
+def test_a_call_pallas_gpu_cannot_run_runs_xla_with_one_warning(on_device, caplog):
+    """Under jax_enable_x64, or a head_dim under 16: upstream's kernel refuses it; without a
+    choice the trace raised, naming a fix (use the flash kernel) a GPU cannot follow."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    reset_resolver(ResolverSettings())
+    on_device(GPU)
+    keys = jax.random.split(jax.random.key(2), 3)
+    small_head = [jax.random.normal(key, (1, 2, 128, 8), jnp.float32) for key in keys]
+    with jax.enable_x64(True):
+        q, k, v = inputs()
+        np.testing.assert_allclose(np.asarray(kernel.flash_attention(q, k, v, causal=True)),
+                                   np.asarray(reference_attention(q, k, v, causal=True)),
+                                   atol=2e-5, rtol=2e-5)
+    kernel.flash_attention(*small_head)
+    sources = {key[2].head_dim: (key[0], source) for key, source in
+               resolution_sources().items()}
+    assert sources[64][0] == sources[8][0] == "xla"
+    assert "fallback" in sources[64][1] and "[x64]" in sources[64][1]
+    assert "[head_dim]" in sources[8][1]
+    fallbacks = [r for r in caplog.records if "instead of pallas_gpu" in r.getMessage()]
+    assert len(fallbacks) == 2
+
+
+def test_a_tpu_kernel_setting_naming_a_kernel_without_tpu_is_refused(monkeypatch, caplog):
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="kernel.resolve")
+    for name in ("pallas_gpu", "cudnn"):
+        monkeypatch.setenv("AUTOTUNE_TPU_KERNEL", name)
+        assert ResolverSettings.from_env().tpu_kernel is None
+    assert sum("not a registered TPU kernel" in r.getMessage() for r in caplog.records) == 2
+    monkeypatch.setenv("AUTOTUNE_TPU_KERNEL", "jax_tpu_flash")
+    assert ResolverSettings.from_env().tpu_kernel == "jax_tpu_flash"

@@ -176,6 +176,84 @@ def test_a_chosen_kernel_that_cannot_run_here_falls_back_with_one_warning(
     assert len(warnings) == 1 and runs in warnings[0] and chosen in warnings[0]
 
 
+def _grads(problem: Problem) -> tuple[dict[Any, str], float]:
+    """``jax.grad`` of a jitted ``flash_attention`` on ``problem``: the sources and the largest
+    error of the three gradients against the reference's."""
+    q, k, v = _inputs(problem)
+
+    def loss(attend: Any) -> Any:
+        return lambda q, k, v: attend(q, k, v, causal=problem.causal).sum()
+
+    got = jax.jit(jax.grad(loss(kernel.flash_attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    return kernel.resolution_sources(), max(float(jnp.max(jnp.abs(g - w)))
+                                            for g, w in zip(got, want, strict=True))
+
+
+def test_a_training_step_runs_the_fwd_bwd_choice_and_its_config(tmp_path: Path) -> None:
+    """The forward choice names xla, the training one flash with its tuned config: a
+    differentiated call ran xla (the forward's choice) before, and no choice's config."""
+    plain = dataclasses.replace(SMALL, q_len=256, kv_len=256)
+    trained = dataclasses.replace(plain, mode="fwd_bwd")
+    config = {"block_q": 256, "block_kv": 256, "block_kv_compute": 128, "block_q_dkv": 128,
+              "block_kv_dkv": 128, "block_q_dq": 128, "block_kv_dq": 128}  # not the default
+    choices = [{"problem": problem.to_dict(), "kernel": name, "config": cfg,
+                "candidates": {name: {"median_ms": 1.0}, other: {"median_ms": 2.0}}}
+               for problem, name, other, cfg in ((plain, "xla", "flash", {}),
+                                                 (trained, "flash", "xla", config))]
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps({"schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash",
+                                "kernel_version": "1", "device_kind": "cpu", "entries": [],
+                                "choices": choices}))
+    resolver = reset_resolver(ResolverSettings(table_paths=(str(path),)))
+    sources, error = _grads(plain)
+    assert error < 1e-4
+    assert sources == {("flash", "cpu", trained): "table; kernel: chosen (exact choice in "
+                                                  "pinned table)"}
+    flash = resolver.kernel("flash")
+    assert resolver.resolve(trained, "cpu", "flash", flash.target("cpu")).config == \
+        flash.config_from_dict(config) != flash.default_config(trained)
+    sources, _ = _traced(plain)  # a plain call runs the forward's choice
+    assert sources[("xla", "cpu", plain)].endswith("chosen (exact choice in pinned table)")
+
+
+def test_a_choice_config_of_another_kernel_version_is_not_used(tmp_path: Path) -> None:
+    """The kernel it names still runs (which kernel is fastest is a ranking); its config,
+    tuned when the fields meant something else, does not."""
+    plain = dataclasses.replace(SMALL, q_len=256, kv_len=256)
+    config = {"block_q": 128, "block_kv": 128, "block_kv_compute": 128}  # not the default
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({
+        "schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash", "kernel_version": "1",
+        "device_kind": "cpu", "entries": [], "choices": [{
+            "problem": plain.to_dict(), "kernel": "flash", "config": config,
+            "candidates": {"flash": {"median_ms": 1.0}, "xla": {"median_ms": 2.0}},
+            "provenance": {"kernel_version": "0"}}]}))
+    resolver = reset_resolver(ResolverSettings(table_paths=(str(path),)))
+    sources, _ = _traced(plain)
+    assert sources == {("flash", "cpu", plain): "default; kernel: chosen (exact choice in "
+                                                "pinned table)"}
+    flash = resolver.kernel("flash")
+    assert resolver.resolve(plain, "cpu", "flash", flash.target("cpu")).config == \
+        flash.default_config(plain) != flash.config_from_dict(config)
+
+
+def test_a_choice_whose_backward_cannot_run_the_shape_trains_on_the_next_best(
+        tmp_path: Path) -> None:
+    """Upstream's fused backward needs q_len and kv_len split into equally many blocks, which
+    48 and 64 are not: the forward runs the chosen pallas_gpu, a training step the next best
+    (it raised inside upstream's kernel before)."""
+    problem = Problem(1, 2, 1, 48, 64, 64, "float32")
+    reset_resolver(ResolverSettings(table_paths=(str(_choice_table(
+        tmp_path, problem, "pallas_gpu", {"pallas_gpu": 1.0, "xla": 2.0})),)))
+    sources, error = _grads(problem)
+    assert error < 1e-4
+    [(key, source)] = sources.items()
+    assert key[0] == "xla" and "next best" in source and "fused_backward" in source
+    sources, error = _traced(problem)
+    assert error < 1e-4 and ("pallas_gpu", "cpu", problem) in sources
+
+
 def test_a_cudnn_choice_is_the_nearest_choice_for_another_shape_and_can_be_stored(
         tmp_path: Path) -> None:
     """cuDNN has no CPU target: its stored-config rules are its GPU target's."""

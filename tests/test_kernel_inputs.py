@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernel import ConfigError, FlashConfig, LookupTable, Problem, TableEntry, flash_attention, \
-    get_kernel, resolution_sources
+    get_kernel, reference_attention, resolution_sources
 from kernel.resolve import ResolverSettings, reset_resolver
 
 default_config = get_kernel("flash").default_config
@@ -47,10 +47,12 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "q has head_dim 128 but k/v have head_dim 64"),
     (_sds((1, 3, 256, 64)), GOOD_KV, GOOD_KV, {}, ValueError,
      "q_heads (3) must be a multiple of kv_heads (2)"),
-    (_sds((1, 4, 5000, 64)), GOOD_KV, GOOD_KV, {}, ConfigError,
+    # with an explicit config (without one, xla runs these: the next test)
+    (_sds((1, 4, 5000, 64)), GOOD_KV, GOOD_KV, {"config": FlashConfig()}, ConfigError,
      "[seq_len] q_len=5000 admits no legal block: a sequence longer than 4096 must be a "
      "multiple of 128; pad it to 5120 and mask the padding"),
-    (GOOD_Q, _sds((1, 2, 1100, 64)), _sds((1, 2, 1100, 64)), {}, ConfigError,  # compute block
+    (GOOD_Q, _sds((1, 2, 1100, 64)), _sds((1, 2, 1100, 64)), {"config": FlashConfig()},
+     ConfigError,  # compute block
      "[seq_len] kv_len=1100 admits no legal block: a sequence longer than 1024 must be a "
      "multiple of 128; pad it to 1152 and mask the padding"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"config": {"block_q": 128}}, TypeError,
@@ -70,6 +72,28 @@ def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
     assert message in str(raised.value)
+
+
+def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
+    """Without an explicit config, a trace does not fail: the warning says how to pad."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    reset_resolver(ResolverSettings())
+    try:
+        keys = jax.random.split(jax.random.key(3), 3)
+        q, k, v = (jax.random.normal(key, (1, 2, 1100, 64), F32) for key in keys)
+        for _ in range(2):
+            got = jax.jit(flash_attention)(q, k, v)
+        want = reference_attention(q, k, v)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+        [(key, source)] = resolution_sources().items()
+        assert key[0] == "xla" and source.startswith("default; kernel: fallback")
+        [warning] = [r.getMessage() for r in caplog.records if "instead of flash" in
+                     r.getMessage()]
+        assert "pad it to 1152" in warning
+    finally:
+        reset_resolver(ResolverSettings())
 
 
 def test_non_array_input_is_refused():

@@ -7,6 +7,7 @@ The services are real sockets on loopback, each answering with a fixed byte stre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -230,3 +231,91 @@ def test_a_package_not_installed_here_is_not_a_stale_version():
     assert kernel.resolve.stale_versions({"libtpu_version": "0.0.20"}, installed) == ""
     assert kernel.resolve.stale_versions({"jax_version": "0.9.0"}, installed) == \
         "jax 0.9.0 (installed 0.10.2)"
+
+
+def test_an_answer_missed_while_the_breaker_was_open_is_asked_again(service):
+    """A key resolved while the breaker is open got the default; once the breaker closes, it
+    is asked again (it kept the default for the life of the process)."""
+    failing, good = service(b"SSH-2.0-OpenSSH_9.0\r\n"), service(_http(OK_BODY))
+    resolver = Resolver(ResolverSettings(url=failing, timeout_s=2, breaker_s=0.3))
+    other = Problem.from_dict({**PROBLEM.to_dict(), "q_len": 512, "kv_len": 512})
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).source == "default"  # opens it
+    assert resolver.resolve(other, "cpu", "flash", CPU).source == "default"  # skipped
+    assert resolver.service_requests == 1
+    resolver.settings = dataclasses.replace(resolver.settings, url=good)  # the service is back
+    assert resolver.resolve(other, "cpu", "flash", CPU).source == "default"  # still open
+    time.sleep(0.35)
+    assert resolver.resolve(other, "cpu", "flash", CPU).source == "service"
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).source == "service"
+    assert resolver.service_requests == 3
+    resolver.resolve(PROBLEM, "cpu", "flash", CPU)  # answered: cached for good
+    assert resolver.service_requests == 3
+
+
+def test_the_service_is_asked_for_the_installed_kernel_version(tmp_path, monkeypatch,
+                                                               start_server):
+    """The service answers for the version it is asked (its own installed one, before): a
+    client whose kernel is at another version gets no config of the other meaning."""
+    from storage import Store, TunedResult, upgrade
+
+    db = f"sqlite:///{tmp_path / 'versions.db'}"
+    upgrade(db)
+    server = start_server(db)
+    with Store(db) as store:
+        store.publish(TunedResult(problem=PROBLEM, config=FlashConfig(block_q=256),
+                                  device_kind="cpu", median_ms=1.0, platform="cpu"))
+    resolver = Resolver(ResolverSettings(url=server.url, timeout_s=10))
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).source == "service"
+    monkeypatch.setattr(type(resolver.kernel("flash")), "version", "2")
+    resolver = Resolver(ResolverSettings(url=server.url, timeout_s=10))
+    resolution = resolver.resolve(PROBLEM, "cpu", "flash", CPU)
+    assert resolution.source == "default" and "no config" in resolution.detail
+
+
+def test_a_table_of_another_kernel_version_is_not_used(tmp_path, monkeypatch):
+    path = _table(tmp_path, FlashConfig(block_q=256))
+    monkeypatch.setattr(type(kernel.get_kernel("flash")), "version", "2")
+    resolution = Resolver(ResolverSettings(table_paths=(path,))).resolve(
+        PROBLEM, "cpu", "flash", CPU)
+    assert resolution.source == "default"
+    assert "kernel version '1', but version '2' is installed" in resolution.detail
+
+
+def test_an_exact_entry_of_a_later_table_beats_a_nearer_one_of_an_earlier(tmp_path):
+    """Each table alone answers; together, exact beats nearest whichever file comes first."""
+    longer = Problem.from_dict({**PROBLEM.to_dict(), "q_len": 512, "kv_len": 512})
+    paths = []
+    for name, problem, block in (("a", longer, 256), ("b", PROBLEM, 128)):
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / "table.json")
+        paths[-1].write_text(json.dumps({
+            "schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": "cpu",
+            "entries": [{"problem": problem.to_dict(),
+                         "config": FlashConfig(block_q=block).to_dict()}]}))
+    resolver = Resolver(ResolverSettings(table_paths=tuple(map(str, paths))))
+    resolution = resolver.resolve(PROBLEM, "cpu", "flash", CPU)
+    assert (resolution.config.block_q, resolution.detail) == (128, "exact match in pinned table")
+
+
+def test_sources_can_be_read_while_another_thread_resolves():
+    resolver = Resolver(ResolverSettings())
+    resolver.kernel("flash")
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                resolver.sources()
+            except RuntimeError as error:  # dictionary changed size during iteration
+                errors.append(error)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for batch in range(1, 400):
+            resolver.resolve(dataclasses.replace(PROBLEM, batch=batch), "cpu", "flash", CPU)
+    finally:
+        done.set()
+        reader.join()
+    assert errors == []
