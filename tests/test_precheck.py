@@ -78,6 +78,25 @@ def test_fwd_bwd_forward_variants_compile_the_forward_kernel_alone():
     assert compile_for_target(FLASH, problem, forward_variant, "v5e", forward_only=True) > 0
 
 
+# A large block_q x head_dim: the forward step's f32 P @ V product, as large as the accumulator,
+# spills to VMEM like the logits. An estimate counting only the logits' spill admitted both,
+# and the compiler needed 16.80 and 17.08 MiB of v5e's 16 MiB.
+@pytest.mark.parametrize("problem, config", [
+    (Problem(1, 4, 1, 4096, 4096, 256, "bfloat16", True, "fwd"),
+     FlashConfig(block_q=2048, block_kv=2048, block_kv_compute=256, pipeline_depth=3)),
+    (Problem(1, 2, 1, 4096, 1024, 512, "bfloat16", False, "fwd"),
+     FlashConfig(block_q=2048, block_kv=128, block_kv_compute=128, pipeline_depth=4)),
+], ids=["d256-q2048-kv2048/256", "d512-q2048-kv128/128"])
+def test_estimate_rejects_a_large_block_q_x_head_dim_that_overflows(problem, config):
+    try:
+        compile_for_target(FLASH, problem, config, "v5e")
+    except Exception as error:  # then the estimate must have said so
+        assert classify_compile_error(str(error)) == Status.VMEM_OOM, str(error)
+        assert vmem_violations(problem, config, get_target("v5e")), (
+            f"{config.label()}: admitted (estimate {vmem_estimate(problem, config)}), yet "
+            "the compiler ran out of VMEM")
+
+
 def _smallest_estimate_kib(problem: Problem) -> int:
     """The smallest estimated footprint (KiB) in the problem's space: used as the scoped limit,
     the estimate admits at least that config, and the largest configs (which need more than

@@ -71,24 +71,36 @@ def static_violations(
 
 # Mosaic's internal scratch: the f32 temporaries of one compute step (logits, probabilities,
 # mask, their bf16 copies) that do not stay in the 64 vector registers spill to VMEM, on top of
-# the windows and scratch the kernel declares. Measured with deviceless compiles (the compiler
-# names the size it needs when the scoped limit is lowered): 0.5x to 1.2x of one f32
-# (rows x cols) logits tile, growing with the tile, plus up to 0.4 MiB for small tiles.
-SPILL_TILES = 1.25  # spilled bytes per byte of the f32 logits tile, an upper bound
+# the windows and scratch the kernel declares, under the same scoped limit. Measured with
+# deviceless compiles (the compiler names the size it needs when the scoped limit is lowered):
+# up to 1.2x the bytes of the step's f32 tiles (below), plus up to 0.4 MiB for small tiles.
+SPILL_TILES = 1.25  # spilled bytes per byte of the f32 step temporaries, an upper bound
 SPILL_FLOOR = 256 * 1024  # the vector register file (64 x 4 KiB), spilled at most once
 # The forward kernel's narrow compute blocks (at most two vregs, 256 lanes, wide) spill less:
-# measured up to 0.7 logits tiles.
+# measured up to 0.73x.
 NARROW_SPILL_TILES = 0.75
 NARROW_LANES = 2 * LANES
+# The forward step has a second f32 temporary as large as its accumulator: the MXU's
+# (block_q, head_dim) f32 product P @ V, added to acc * alpha. It is a value, not a ref, so it
+# lives in the same 64 vregs and spills like the logits: the (block_q, block_kv_compute) tile
+# alone undercounts a step with a large block_q x head_dim (v5e, d256, q2048 kv2048/256:
+# 2.83 MiB spilled, 1.75 MiB counted; it failed to compile at 16.8 of 16 MiB). Counting both
+# tiles, the spill less SPILL_FLOOR measured (v5e, libtpu 0.0.42, 60 forward configs, block_q
+# 512-2048, compute blocks 128-1024, d 128-512, bf16 and f32, causal and not) up to 0.73
+# (narrow) and 1.20 (wide) of their bytes together (up to 2.2 and 1.8 of the logits alone),
+# so the factors above still bound it.
 # The backward kernels keep the logit gradients dS to f32 precision: with f32 inputs fed to the
 # MXU uncast (no half-size bf16 copies), measured up to 2.15 logits tiles, one tile more; with
 # bf16 inputs as two bf16 halves (its rounding and the f32 remainder), taken as the same bound.
+# Their f32 matmul products (dK, dV, dQ: block x head_dim) stayed within it in 11 compiles with
+# d 128-512 and 2048-row blocks (tightest: dQ d512 2048x128 bf16, 2.33 of 2.5 MiB counted).
 BACKWARD_DS_SPILL_TILES = 1.0
 
 
-def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES) -> int:
-    """Upper bound of Mosaic's internal scratch for a step with a (rows, cols) f32 logits tile."""
-    return int(tiles * tile_bytes(rows, cols, 4)) + SPILL_FLOOR
+def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 0) -> int:
+    """Upper bound of Mosaic's internal scratch for a step with a (rows, cols) f32 logits tile
+    and ``extra`` bytes of other f32 temporaries (tiles) that spill alike."""
+    return int(tiles * (tile_bytes(rows, cols, 4) + extra)) + SPILL_FLOOR
 
 
 def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
@@ -111,12 +123,16 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + 2 * depth * tile_bytes(bkv, d, isz)  # streamed k and v buffers
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
-        + _spill_bytes(bq, bkc, spill_tiles)  # one compute sub-block's logits
+        # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES)
+        + _spill_bytes(bq, bkc, spill_tiles, extra=tile_bytes(bq, d, 4))
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * row_stat  # softmax statistics (m, l) output window, saved for the backward
         if isz < 4:  # the output's bf16 rounding remainder, for the backward's delta
-            fwd += 2 * tile_bytes(bq, d, isz)
+            # ... and the f32 output it is taken from (acc / l), a (block_q, head_dim) value
+            # that stays live across its own bf16 store: it spills whole (measured: 1.00-1.02
+            # f32 tiles more than the same config's plain forward).
+            fwd += 2 * tile_bytes(bq, d, isz) + tile_bytes(bq, d, 4)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES
