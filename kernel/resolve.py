@@ -466,9 +466,12 @@ def _get(url: str, deadline_s: float) -> tuple[int | None, bytes, str | None]:
     result: dict[str, Any] = {}
     try:
         parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:  # "host:8000"
+            raise ValueError(f"{url.split('?')[0]!r} is not an http:// or https:// URL with "
+                             "a host; set AUTOTUNE_URL to e.g. http://tuner:8000")
         connection_type = (http.client.HTTPSConnection if parts.scheme == "https"
                            else http.client.HTTPConnection)
-        connection = connection_type(parts.hostname or "", parts.port, timeout=deadline_s)
+        connection = connection_type(parts.hostname, parts.port, timeout=deadline_s)
     except Exception as error:  # noqa: BLE001 - a malformed AUTOTUNE_URL, a port out of range
         return None, b"", f"lookup service URL is unusable: {error}"
 

@@ -119,7 +119,8 @@ def test_a_block_beyond_any_float_falls_back_on_a_tpu_target(service):
     assert resolution.source == "default" and "block_q must be from 1 to" in resolution.detail
 
 
-@pytest.mark.parametrize("url", ["http://[::1:8000", "http://127.0.0.1:99999"])
+@pytest.mark.parametrize("url", ["http://[::1:8000", "http://127.0.0.1:99999",
+                                 "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http:///v1"])
 def test_an_unusable_service_url_falls_back(url):
     resolution = Resolver(ResolverSettings(url=url)).resolve(PROBLEM, "cpu", "flash", CPU)
     assert resolution.source == "default"
