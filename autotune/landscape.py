@@ -15,13 +15,12 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.files import write_atomically
 from autotune.searchspace import Config, Key, Space
 from autotune.trials import OK, Measurement, is_measurement, trial_status
 from kernel import AutotuneError
@@ -209,14 +208,5 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
 
 
 def save_landscape(document: dict[str, Any], path: str | Path) -> None:
-    """Writes ``document`` as gzip JSON to ``path``, whole or not at all (a temporary file in
-    the same directory, renamed over ``path``)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as raw, gzip.open(raw, "wt", encoding="utf-8") as f:
-            json.dump(document, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Writes ``document`` as gzip JSON to ``path``, whole or not at all."""
+    write_atomically(path, gzip.compress(json.dumps(document).encode("utf-8")))

@@ -62,6 +62,12 @@ KernelOption = Annotated[str, typer.Option(
     help=f"Registered kernel: {' | '.join(kernel_names())}.")]
 
 
+def problem_flags_given(context: typer.Context) -> list[str]:
+    """The problem flags given explicitly to the command of ``context`` (not by default)."""
+    return [f"--{name.replace('_', '-')}" for name in _NAMES
+            if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
+
+
 def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Adds the problem flags to a Typer command and passes it ``problem: Problem``.
 

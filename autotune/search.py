@@ -339,7 +339,8 @@ def search(
                     best_result = result
                 on_trial(result, best_result)
     except BaseException:
-        _release(study, own_claims)
+        with _interrupt_deferred():  # a second Ctrl-C must not stop the release half way
+            _release(study, own_claims)
         raise
     view = _View.read(study, space)
     best = view.best()

@@ -19,7 +19,8 @@ left out. Its row per landscape and budget is the best of its strategies for eac
 Warm start: for each ordered pair of landscapes of one kernel (same parameters), our searcher
 seeded with the other's best configs, none one step from another (``autotune replay
 --warm-from``), against cold, at score@10, @20 and @50, with each seed's own score on the
-target (why a pair gains or loses). Then the tuner's own overhead per trial (everything but
+target (why a pair gains or loses); the cold runs then go on to at least 50 measured configs,
+so both sides have the same budget. Then the tuner's own overhead per trial (everything but
 ``measure``) with in-memory and SQLite storage, against plain TPE's in the same run.
 
 ``--plot FILE.png`` also draws score@B against B for every budget up to the largest, one panel
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import optuna
 
-from autotune.landscape import Landscape, load_landscape
+from autotune.landscape import Landscape, LandscapeError, load_landscape
 from autotune.search import search
 from autotune.tune import MAX_WARM_SEEDS
 
@@ -89,17 +90,27 @@ def _run(job: tuple) -> tuple[tuple, list[Curve]]:
             print(f"kernel tuner {strategy} on {Path(path).name} failed: {exc} {tail}",
                   file=sys.stderr)
             return job, []
-        return job, [json.loads(line)["curve"] for line in out.stdout.splitlines()]
+        return job, [_held(json.loads(line)["curve"], budget) for line in out.stdout.splitlines()]
     label, path, seed, budget, warm_from = job
     land = _landscape(path)
     seeds = land.warm_seeds(_landscape(warm_from), MAX_WARM_SEEDS) if warm_from else []
     result = search(land.space, land.measure, sampler=SAMPLERS[label], trials=budget,
                     seed=seed, seeds=seeds)
-    return job, [result.curve]
+    return job, [_held(result.curve, budget)]
+
+
+def _held(curve: Curve, budget: int) -> Curve:
+    """The curve of a searcher that stopped before ``budget`` (its space exhausted, its
+    strategy done) held at its final best up to ``budget``: what it would report there."""
+    return curve + [curve[-1] if curve else None] * (budget - len(curve))
 
 
 def _score_at(land: Landscape, curve: Curve, budget: int) -> float:
-    return land.score(curve[min(budget, len(curve)) - 1] if curve else None)
+    """score@``budget``; a curve that ends before it is an error (a run given a smaller budget
+    than it is scored at), never clipped to its end."""
+    if not 1 <= budget <= len(curve):
+        raise ValueError(f"score@{budget} asked of a curve of {len(curve)} measured configs")
+    return land.score(curve[budget - 1])
 
 
 def _p10(scores: list[float]) -> float:
@@ -159,32 +170,63 @@ def _warm_pairs(lands: dict[str, Landscape]) -> list[tuple[str, str]]:
             if p != q and list(lands[p].params) == list(lands[q].params)]
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def _budgets(text: str) -> list[int]:
+    """An argparse type: comma-separated budgets of at least 1, sorted, each once."""
+    return sorted({_positive(b.strip()) for b in text.split(",")})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("landscapes", nargs="?",
                         default=str(Path(__file__).resolve().parent / "landscapes"))
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--budgets", default="50,100,200")
+    parser.add_argument("--seeds", type=_positive, default=20)
+    parser.add_argument("--budgets", type=_budgets, default="50,100,200",
+                        help="comma-separated numbers of measured configs to score at")
     parser.add_argument("--kernel-tuner-python", default=os.environ.get("KERNEL_TUNER_PYTHON"),
                         help="interpreter with kernel_tuner installed (default: "
                              "$KERNEL_TUNER_PYTHON; none: Kernel Tuner is left out)")
-    parser.add_argument("--overhead-landscape", default="gemm-RTX_3090",
-                        help="landscape whose overhead per trial is measured (largest space)")
-    parser.add_argument("--overhead-trials", type=int, default=200)
-    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--overhead-landscape",
+                        help="landscape whose overhead per trial is measured (default: the "
+                             "one with the most records, gemm-RTX_3090 in bench/landscapes)")
+    parser.add_argument("--overhead-trials", type=_positive, default=200)
+    parser.add_argument("--jobs", type=_positive, default=os.cpu_count())
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=Path, help="also draw the scores against B to this PNG")
     parser.add_argument("--no-warm", action="store_true",
                         help="leave out the warm-start table (held-out sets: many pairs)")
     args = parser.parse_args()
-    budgets = sorted(int(b) for b in args.budgets.split(","))
+    budgets = args.budgets
     paths = sorted(str(p) for p in Path(args.landscapes).glob("*.json.gz"))
     if not paths:
         sys.exit(f"no *.json.gz landscapes in {args.landscapes}; pass their directory "
                  "(see bench/landscapes/README.md)")
-    lands = {p: load_landscape(p) for p in paths}
+    try:
+        lands = {p: load_landscape(p) for p in paths}
+    except LandscapeError as error:
+        sys.exit(f"error: {error}")
+    names = {land.name: p for p, land in lands.items()}
+    if args.overhead_landscape is None:
+        overhead_path = max(paths, key=lambda p: len(lands[p].records))
+    elif args.overhead_landscape in names:
+        overhead_path = names[args.overhead_landscape]
+    else:
+        parser.error(f"--overhead-landscape {args.overhead_landscape!r} is none of "
+                     f"{', '.join(sorted(names))}")
     pairs = [] if args.no_warm else _warm_pairs(lands)
-    jobs: list[tuple] = [(label, p, seed, budgets[-1], None) for p in paths for label in SAMPLERS
+    # The cold runs are also the warm start's baseline: they go as far as the warm runs.
+    cold = max(budgets[-1], WARM_BUDGETS[-1]) if pairs else budgets[-1]
+    jobs: list[tuple] = [(label, p, seed, cold, None) for p in paths for label in SAMPLERS
                          for seed in range(args.seeds)]
     jobs += [("ours", p, seed, WARM_BUDGETS[-1], q) for p, q in pairs for seed in range(args.seeds)]
     if args.kernel_tuner_python:
@@ -230,7 +272,6 @@ def main() -> None:
         for p, q in pairs}
     if args.plot:
         _plot(args.plot, lands, curves, budgets[-1], args.seeds)
-    overhead_path = next((p for p in paths if lands[p].name == args.overhead_landscape), paths[-1])
     overhead = _overhead(overhead_path, args.overhead_trials)
     if args.json:
         print(json.dumps({"seeds": args.seeds, "budgets": budgets, "scores": scores,

@@ -85,7 +85,7 @@ class Problem:
         if not isinstance(data, dict):
             raise ProblemError(f"a problem must be a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - names, key=str)  # YAML keys may be of any type
         if unknown:
             raise ProblemError(f"unknown problem field(s) {unknown}; known: {sorted(names)}")
         values = dict(data)

@@ -302,6 +302,39 @@ def test_a_ctrl_c_during_a_claim_waits_for_its_storage_calls_then_releases_the_c
     assert len(released) == 2 and len(rec.calls) == 2  # 0 and 1 measured; 2 and 3 given back
 
 
+def test_a_second_ctrl_c_during_the_release_still_gives_every_claim_back(land, tmp_path,
+                                                                          monkeypatch):
+    """A Ctrl-C that lands while the claims of an interrupted search are given back waits
+    until all are released: a claim left RUNNING would hold a slot of the rerun's budget."""
+    import os
+    import signal
+
+    from autotune import search as search_module
+
+    fail = search_module._fail
+
+    def interrupted_fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, at the first release
+        fail(*args, **kwargs)
+
+    calls = []
+
+    def measure(config):  # noqa: ANN001, ANN202
+        calls.append(config)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the first Ctrl-C, with this claim and the next held
+        return land.measure(config)
+
+    monkeypatch.setattr(search_module, "_fail", interrupted_fail)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.raises(KeyboardInterrupt):
+        search(land.space, measure, storage=url, study_name="s", trials=10, seed=0,
+               prepare=lambda config: None)
+    trials = optuna.load_study(study_name="s", storage=url).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert len([t for t in trials if t.user_attrs.get("status") == "interrupted"]) == 2
+
+
 WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna

@@ -103,3 +103,24 @@ def test_pages_mark_the_stale_entries(stale_db: str, start_server) -> None:
         detail = httpx.get(server.url + links[label].replace("&amp;", "&"), timeout=30)
         assert detail.status_code == 200
         assert ('class="stale"' in detail.text) == is_stale, label
+
+
+def test_stale_leaves_out_other_kernel_versions_and_lists_each_problem_once(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """An entry of another kernel version is never replaced by a re-tune (which publishes under
+    the installed one): it is counted, not listed; a problem stored under two platforms goes
+    into the shapes file once (tuned twice, it would be published twice)."""
+    old = {**INSTALLED, "jax_version": "0.4.1"}
+    problem, other = _problem(256), _problem(512)
+    with Store(sqlite_db_url) as store:
+        for stored, fields in ((problem, {"platform": "cpu"}), (problem, {"platform": "tpu"}),
+                               (other, {"kernel_version": "0"})):
+            store.publish(TunedResult(device_kind="cpu", problem=stored, median_ms=1.0,
+                                      config=default_config(stored), **old, **fields))
+    result = run_cli("stale", "--db", sqlite_db_url, "--output-dir", str(tmp_path),
+                     env={"COLUMNS": "250"})
+    assert result.returncode == 0, result.stderr
+    assert other.label() not in result.stdout
+    assert "left out: 1 stale config(s) of other kernel versions" in result.stdout
+    assert load_shapes(tmp_path / "stale-flash-cpu.json") == [problem]
+    assert "re-tune the 1 stale flash config(s)" in result.stdout

@@ -146,3 +146,44 @@ def test_db_url_comes_from_the_environment(sqlite_db_url: str, tmp_path: Path) -
     done = run_cli("export", "-o", str(out), env={"AUTOTUNE_DB_URL": sqlite_db_url})
     assert done.returncode == 0, done.stderr
     assert len(json.loads(out.read_text())["entries"]) == 2
+
+
+def test_export_of_an_empty_database_says_there_is_nothing_to_export(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = run_cli("export", "--db", sqlite_db_url, "-o", str(out))
+    assert_clean_failure(done, 1, "nothing to export: the database holds no tuned configs")
+    assert "--device-kind" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [("export",), ("report",)])
+def test_a_write_that_fails_half_way_leaves_the_old_file(sqlite_db_url: str, tmp_path: Path,
+                                                         command: tuple[str, ...]) -> None:
+    """``export`` and ``report`` write a temporary file and rename it: a write that fails (here
+    past a file size limit, as on a full disk) leaves the old file whole, not truncated."""
+    import resource
+    import signal
+    import sqlite3
+    import subprocess
+    from contextlib import closing
+
+    from conftest import AUTOTUNE
+
+    seed(sqlite_db_url)
+    out = tmp_path / "out"
+    out.write_text("old")
+
+    def limit_file_size() -> None:  # writes past 512 bytes fail with EFBIG, no signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+    # An open connection keeps the -wal and -shm files, which the command then need not grow.
+    with closing(sqlite3.connect(sqlite_db_url.removeprefix("sqlite:///"))) as connection:
+        connection.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        done = subprocess.run([*AUTOTUNE, *command, "--db", sqlite_db_url, "-o", str(out)],
+                              capture_output=True, text=True, timeout=120,
+                              preexec_fn=limit_file_size)
+    assert_clean_failure(done, 1, f"cannot write {out}")
+    assert out.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []

@@ -138,17 +138,44 @@ def check_tuned(problem: Problem, trials: list[dict[str, Any]], summary: dict[st
     ([{**TINY.to_dict(), "causal": "maybe"}], "problem 0: causal must be a boolean"),
     ([TINY.to_dict(), 5], "problem 1: a problem must be a JSON object"),
     ({"batch": 1}, "must hold a non-empty list of problems"),
+    ([{**TINY.to_dict(), 1: 2, "foo": 3}], "problem 0: unknown problem field(s) [1, 'foo']"),
 ])
 def test_bad_shapes_file_is_refused_before_anything_is_written(
         tmp_path: Path, problems: Any, expected: str) -> None:
     shapes = tmp_path / "shapes.yaml"
-    shapes.write_text(yaml.safe_dump(problems))
+    shapes.write_text(yaml.safe_dump(problems, sort_keys=False))  # YAML keys of mixed types
     database = tmp_path / "tune.db"
     done = run_cli("tune", "--shapes", str(shapes), "--db", f"sqlite:///{database}", env=WIDE)
     assert done.returncode == 2
     assert expected in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not database.exists()
+
+
+def test_problem_flags_with_a_shapes_file_are_refused_not_ignored(tmp_path: Path) -> None:
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text(yaml.safe_dump([TINY.to_dict()]))
+    database = tmp_path / "tune.db"
+    done = run_cli("tune", "--shapes", str(shapes), "--mode", "fwd", "--causal", "--trials", "1",
+                   "--db", f"sqlite:///{database}", env=WIDE)
+    assert done.returncode == 2, done.stderr
+    assert "give --shapes or the problem flags, not both (--causal, --mode)" in done.stderr
+    assert not database.exists()
+
+
+def test_a_problem_repeated_in_a_shapes_file_is_tuned_and_published_once(
+        tmp_path: Path) -> None:
+    tiny = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=64)
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text(yaml.safe_dump([tiny.to_dict(), {"batch": 1, "q_heads": 1, "q_len": 128,
+                                                       "head_dim": 64}]))
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli("tune", "--kernel", "flash", "--shapes", str(shapes), "--trials", "1",
+                   "--db", db, "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    _, summaries = parse_json_lines(done.stdout)
+    assert [s["problem"] for s in summaries] == [tiny.to_dict()]
+    assert done.stderr.count("problem(s) 1 (= 0) repeat earlier ones") == 1
 
 
 def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:

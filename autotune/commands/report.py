@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
+from autotune.files import write_atomically
 from kernel.problem import DTYPES, MODES
 
 
@@ -45,7 +46,7 @@ def report(
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(1) from None
     try:
-        output.write_text(html, encoding="utf-8")
+        write_atomically(output, html.encode("utf-8"))
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None

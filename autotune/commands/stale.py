@@ -12,11 +12,23 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
+from kernel import Problem
 
 
 def shapes_file_name(kernel: str, device_kind: str) -> str:
     """``stale-<kernel>-<device kind>.json``, the device kind in lower-case words."""
     return f"stale-{kernel}-{re.sub(r'[^a-z0-9]+', '-', device_kind.lower()).strip('-')}.json"
+
+
+def _installed_version(kernel: str) -> str | None:
+    """The installed version of ``kernel``; None for a kernel this environment lacks."""
+    from kernel import ConfigError
+    from storage.results import installed_kernel_version
+
+    try:
+        return installed_kernel_version(kernel)
+    except ConfigError:
+        return None
 
 
 def stale(
@@ -27,7 +39,9 @@ def stale(
 ) -> None:
     """List the tuned configs whose jax, jaxlib or libtpu version differs from the installed
     one (still legal, maybe no longer the fastest), and write per kernel and device kind a
-    shapes file with the `autotune tune` command that re-tunes them there."""
+    shapes file with the `autotune tune` command that re-tunes them there. Only entries of
+    the installed kernel versions count: a re-tune publishes under those, so it would never
+    replace an entry of another version (they are counted, not listed)."""
     from rich.console import Console
     from rich.table import Table
     from sqlalchemy.engine import make_url
@@ -40,7 +54,8 @@ def stale(
     console = Console()
     installed = installed_versions()
     here = ", ".join(f"{package} {version}" for package, version in installed.items() if version)
-    groups: dict[tuple[str, str], list] = {}
+    groups: dict[tuple[str, str], dict[Problem, None]] = {}  # problems once, in order
+    other_versions = 0
     table = Table(title=f"configs tuned under other versions than this environment's ({here})")
     for column in ("kernel", "device kind", "problem", "config", "tuned under"):
         table.add_column(column)
@@ -49,12 +64,21 @@ def stale(
         changes = result.stale_versions(installed)
         if not changes:
             continue
-        groups.setdefault((result.kernel, result.device_kind), []).append(result.problem)
+        if result.kernel_version != _installed_version(result.kernel):
+            other_versions += 1
+            continue
+        groups.setdefault((result.kernel, result.device_kind), {})[result.problem] = None
         table.add_row(result.kernel, result.device_kind, result.problem.label(),
                       result.config.label(), changes)
+    if other_versions:
+        console.print(f"left out: {other_versions} stale config(s) of other kernel versions "
+                      "than the installed ones (a re-tune publishes under the installed "
+                      "version, so it never replaces them)", highlight=False)
     if not groups:
-        console.print(f"no stale configs: all {len(entries)} were tuned under this "
-                      f"environment's versions ({here}) or recorded none")
+        counted = (f"all {len(entries) - other_versions} of the installed kernel versions"
+                   if other_versions else f"all {len(entries)}")
+        console.print(f"no stale configs: {counted} were tuned under this environment's "
+                      f"versions ({here}) or recorded none")
         return
     console.print(table)
     try:

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
+from autotune.files import write_atomically
 from autotune.problem_options import DEFAULT_KERNEL, KernelOption
 from kernel import LookupTable, TableError
 
@@ -30,9 +31,13 @@ def export_table(
     with open_store(db) as store, database_errors(store.url):
         if device_kind is None:
             kinds = store.device_kinds(kernel)
+            if not kinds:
+                typer.echo(f"error: nothing to export: the database holds no tuned configs of "
+                           f"{kernel!r}", err=True)
+                raise typer.Exit(1)
             if len(kinds) != 1:
-                typer.echo(f"error: pass --device-kind; the database has configs for "
-                           f"{kinds or 'no device kind'}", err=True)
+                typer.echo(f"error: pass --device-kind; the database has configs for {kinds}",
+                           err=True)
                 raise typer.Exit(2)
             device_kind = kinds[0]
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
@@ -41,7 +46,7 @@ def export_table(
                    f"{device_kind!r}", err=True)
         raise typer.Exit(1)
     try:
-        output.write_text(json.dumps(table.to_dict(), indent=2) + "\n")
+        write_atomically(output, (json.dumps(table.to_dict(), indent=2) + "\n").encode())
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None

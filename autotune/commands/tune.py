@@ -9,14 +9,17 @@ from typing import Annotated, Any
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store, resolve_url
-from autotune.problem_options import known_kernel, known_kernels, with_problem_options
+from autotune.problem_options import (known_kernel, known_kernels, problem_flags_given,
+                                      with_problem_options)
 from kernel import Problem, ProblemError
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
 
 
 def load_shapes(path: Path) -> list[Problem]:
-    """Problems from a YAML or JSON list of problem objects (a model's attention shapes)."""
+    """Problems from a YAML or JSON list of problem objects (a model's attention shapes), each
+    once, in the file's order: a repeat is left out, and said so once (tuned twice, it would
+    be published twice)."""
     import yaml
 
     try:
@@ -40,7 +43,14 @@ def load_shapes(path: Path) -> list[Problem]:
         except ProblemError as error:
             raise typer.BadParameter(f"{path}, problem {index}: {error}",
                                      param_hint="--shapes") from None
-    return problems
+    unique = list(dict.fromkeys(problems))
+    if len(unique) < len(problems):
+        first = {problem: problems.index(problem) for problem in unique}
+        repeats = ", ".join(f"{index} (= {first[problem]})" for index, problem
+                            in enumerate(problems) if first[problem] != index)
+        typer.echo(f"note: {path}: problem(s) {repeats} repeat earlier ones; each problem is "
+                   "tuned once", err=True)
+    return unique
 
 
 def ensure_schema(db_url: str) -> None:
@@ -69,6 +79,7 @@ def ensure_schema(db_url: str) -> None:
 
 @with_problem_options
 def tune(
+    context: typer.Context,
     problem: Problem,
     shapes: Annotated[Path | None, typer.Option(
         help="YAML/JSON list of problems to tune in one job (instead of the problem flags).")]
@@ -133,6 +144,10 @@ def tune(
         raise typer.BadParameter("a kernel choice runs on one device: give --kernel NAME to "
                                  "tune one kernel on several, or leave --devices out",
                                  param_hint="--devices")
+    given = problem_flags_given(context)
+    if shapes and given:
+        raise typer.BadParameter("give --shapes or the problem flags, not both "
+                                 f"({', '.join(given)})", param_hint="--shapes")
     problems = load_shapes(shapes) if shapes else [problem]
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
