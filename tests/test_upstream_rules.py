@@ -4,6 +4,7 @@ deviceless v5e compile of upstream's TPU kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 
@@ -38,12 +39,19 @@ class _UncheckedGpu(PallasGpuKernel):
         return None
 
 
+# JAX 0.11+ lowers Pallas Triton only for a GPU it knows, attached or abstract (0.10 assumed
+# sm_90 without one, and ignores this).
+_ABSTRACT_GPU = jax.sharding.AbstractMesh((), (), (), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"))
+
+
 def _lowers(kernel: TunableKernel, problem: Problem, config, platform: str) -> bool:
-    checks = ([jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-              if platform == "cuda" else [])
+    cuda = platform == "cuda"
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if cuda else []
     try:
-        jax.export.export(jax.jit(kernel.build(problem, config)), platforms=[platform],
-                          disabled_checks=checks)(*input_specs(problem))
+        with jax.sharding.use_abstract_mesh(_ABSTRACT_GPU) if cuda else contextlib.nullcontext():
+            jax.export.export(jax.jit(kernel.build(problem, config)), platforms=[platform],
+                              disabled_checks=checks)(*input_specs(problem))
     except (ValueError, NotImplementedError, TypeError):  # upstream's checks, or bad shapes
         return False
     return True
