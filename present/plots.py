@@ -71,8 +71,11 @@ def landscape_figure(data: StudyData) -> Figure:
     low, high = (min(times), max(times)) if times else (0.0, 1.0)
     figure = _figure(0.6 + 3.4 * len(depths), 1.2 + 0.5 * max(len(rows), 3))
     axes = figure.subplots(1, len(depths), squeeze=False)[0]
-    winner = next((c for c in data.confirmation if c.is_winner
-                   and {y, x} <= c.params.keys()), None)
+    # A confirmed config lists the searched fields; a field with one value is that value.
+    fixed = {name: values[0] for name, values in data.space.items() if len(values) == 1}
+    winner = next(({**fixed, **c.params} for c in data.confirmation if c.is_winner), None)
+    if winner is not None and not {y, x} <= winner.keys():
+        winner = None
     image = None
     for ax, depth in zip(axes, depths, strict=True):
         best, failures, measured = panels[depth]
@@ -91,8 +94,8 @@ def landscape_figure(data: StudyData) -> Figure:
                 color = "white" if shade > 0.6 else "black"
             ax.text(j, i, text, ha="center", va="center", fontsize=8, color=color,
                     fontweight="bold")
-        if winner is not None and (depth is None or winner.params.get(panel) == depth):
-            i, j = rows.index(winner.params[y]), columns.index(winner.params[x])
+        if winner is not None and (depth is None or winner.get(panel) == depth):
+            i, j = rows.index(winner[y]), columns.index(winner[x])
             ax.add_patch(Rectangle((j - 0.48, i - 0.48), 0.96, 0.96, fill=False,
                                    edgecolor="#e74c3c", linewidth=2.5))
         ax.set_xticks(range(len(columns)), [str(c) for c in columns])

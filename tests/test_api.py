@@ -398,6 +398,23 @@ def test_readyz_is_503_when_the_schema_is_not_current(tokenless_server: Server) 
     assert httpx.get(f"{tokenless_server.url}/readyz").status_code == 200
 
 
+def test_pages_answer_a_database_failure_with_an_html_page(tokenless_server: Server) -> None:
+    """A browser got the JSON 503 of the API routes, shown raw."""
+    assert httpx.head(f"{tokenless_server.url}/").status_code == 200  # 405 before
+    with Store(tokenless_server.db_url) as store:
+        with store.engine.begin() as connection:
+            connection.execute(text("ALTER TABLE autotune_configs RENAME TO moved_away"))
+        try:
+            response = httpx.get(f"{tokenless_server.url}/")
+        finally:
+            with store.engine.begin() as connection:
+                connection.execute(text("ALTER TABLE moved_away RENAME TO autotune_configs"))
+    assert response.status_code == 503
+    assert response.headers["content-type"].startswith("text/html")
+    assert "Database unavailable" in response.text and "autotune db upgrade" in response.text
+    assert httpx.get(f"{tokenless_server.url}/").status_code == 200
+
+
 @pytest.mark.parametrize("stale", [False, True], ids=["missing", "unversioned"])
 def test_serve_refuses_a_missing_or_unversioned_schema(tmp_path, stale: bool) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"

@@ -9,6 +9,7 @@ database opens in optuna-dashboard with readable parameters and user attributes.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import subprocess
@@ -180,6 +181,8 @@ def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
     flash, xla = page.problems.values()
     assert list(flash) == ["choice", "landscape", "convergence", "confirmation", "failures"]
     assert list(xla) == ["choice"]  # a one-config kernel has no study
+    assert "Kernel <code>xla</code> has no tunable fields" in html  # not "imported", as once
+    assert html.count("probably imported from a lookup table") == 0
     for name, sources in [*flash.items(), *xla.items()]:
         assert len(sources) == 1, name
         assert _png(sources[0]).startswith(PNG)
@@ -271,6 +274,21 @@ def test_landscape_draws_one_cell_per_measured_block_pair_per_depth(
     winner_frames = [p for ax in panels for p in ax.patches
                      if not p.get_fill() and p.get_linewidth() > 2]
     assert len(winner_frames) == 1  # only in the depth-2 panel
+
+
+def test_the_winner_is_framed_when_a_plotted_field_has_one_value(failing: StudyData) -> None:
+    """A confirmed config lists the searched fields only: with one block_q in the space the
+    winner was never framed (tuning a q_len of 128 has one)."""
+    one_row = dataclasses.replace(
+        failing, space={**failing.space, "block_q": [WINNER.block_q]},
+        points=[p for p in failing.points if p.params["block_q"] == WINNER.block_q],
+        confirmation=tuple(dataclasses.replace(c, params={
+            k: v for k, v in c.params.items() if k != "block_q"}) for c in failing.confirmation))
+    figure = landscape_figure(one_row)
+    frames = [p for ax in figure.axes for p in ax.patches
+              if not p.get_fill() and p.get_linewidth() > 2]
+    assert len(frames) == 1
+    assert figure.get_suptitle().startswith("red frame: the confirmed winner")
 
 
 def test_convergence_draws_best_so_far_and_the_default(failing: StudyData) -> None:

@@ -4,14 +4,17 @@ tuning study (the same templates and plots as ``autotune report``).
 
 Plots are drawn on demand and cached per study and database version (SQLite's
 ``data_version``; where there is none, as on PostgreSQL, they are drawn every time). Bad
-parameters get an HTML page with status 422 naming them, an unknown key a 404; not in the
-OpenAPI schema (these are pages, not API operations).
+parameters get an HTML page with status 422 naming them, an unknown key a 404, a database
+failure a 503; not in the OpenAPI schema (these are pages, not API operations).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -19,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from api.deps import StoreDep
 from api.schemas import Dtype, ProblemFields, Text, Version
@@ -28,6 +32,7 @@ from storage import ConfigKey, Store
 from storage.models import TunedConfigRow
 
 router = APIRouter(include_in_schema=False)
+log = logging.getLogger(__name__)
 
 LIST_LIMIT = 500
 PLOT_CACHE_SIZE = 64  # studies whose plots are kept per worker
@@ -99,13 +104,31 @@ def _distinct(store: Store, column: Any) -> list[str]:
         return list(connection.scalars(select(column).distinct().order_by(column)))
 
 
+def _html_errors(page: Callable[[Request, Store], HTMLResponse]
+                 ) -> Callable[[Request, Store], HTMLResponse]:
+    """``page``, with a database failure answered as an HTML page (the app's own handler
+    answers JSON, which a browser shows raw)."""
+    @functools.wraps(page)
+    def answer(request: Request, store: StoreDep) -> HTMLResponse:
+        try:
+            return page(request, store)
+        except SQLAlchemyError as error:
+            log.error("database error on %s %s: %s", request.method, request.url.path, error)
+            return _error(request, 503, "Database unavailable",
+                          "The database is unavailable or its schema is not current; /readyz "
+                          "says which, and `autotune db upgrade` brings a schema up to date.")
+
+    return answer
+
+
 def detail_link(key: ConfigKey) -> str:
     fields = {name: str(value).lower() if isinstance(value, bool) else value
               for name, value in key.to_dict().items()}
     return "/configs/detail?" + urlencode(fields)
 
 
-@router.get("/", response_class=HTMLResponse)
+@router.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
+@_html_errors
 def index(request: Request, store: StoreDep) -> HTMLResponse:
     """The tuned configs, filtered by the form's ``device_kind``, ``kernel`` and ``dtype``
     (an empty value means any)."""
@@ -124,6 +147,7 @@ def index(request: Request, store: StoreDep) -> HTMLResponse:
 
 
 @router.get("/configs/detail", response_class=HTMLResponse)
+@_html_errors
 def detail(request: Request, store: StoreDep) -> HTMLResponse:
     """One stored config by its full key, with the plots of its tuning study."""
     try:
