@@ -1,10 +1,12 @@
 """Resolution at trace time: which backend runs for a problem, and with which config.
 
-The whole order lives here. The backend (:meth:`Resolver.pick`): a pinned TPU kernel
-(``AUTOTUNE_TPU_KERNEL``) wins; else the kernel choice for the problem (pinned table > lookup
-service), falling back to the choice's next best candidate that can run here, then ``xla``;
-without a choice, the platform's backend. The config (:meth:`Resolver.resolve`): the choice's
-config for its kernel, then pinned table > lookup service > the backend's default, each
+The whole order lives here. The backend (:meth:`Resolver.pick`, per problem and mode): a
+pinned TPU kernel (``AUTOTUNE_TPU_KERNEL``) wins; else the kernel choice for the problem
+(pinned table > lookup service), falling back to the choice's next best candidate that can run
+here, then ``xla``; without a choice, the platform's backend; either, where it cannot run the
+problem, ``xla``. The config (:meth:`Resolver.resolve`): the choice's config for its kernel
+(tuned for the installed version), then pinned table (an exact entry of any, else the nearest
+across them) > lookup service > the backend's default, each
 checked against the backend's rules for the device before it is used (the one legality
 fallback). An explicit config never reaches the resolver: the wrapper checks it and raises.
 Every answer, misses and fallbacks included, is cached per key for the life of the process,
