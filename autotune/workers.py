@@ -41,6 +41,7 @@ class _Problem:
     searchers: set[_Worker] = field(default_factory=set)
     publisher: _Worker | None = None
     done: bool = False
+    closed: bool = False  # a searcher ended its search (budget, exhausted, ...): none joins
     study: str | None = None
     measured: int = 0
     best_ms: float | None = None
@@ -125,7 +126,11 @@ class WorkerPool:
         """Gives a free worker a problem nobody works on, else a study to join."""
         open_ = [p for p in self.problems if not p.done and p.publisher is None]
         free = [p for p in open_ if not p.searchers]
-        joinable = [p for p in open_ if p.measured + len(p.searchers) < self.budget]
+        # A study whose search ended for one searcher ended for all: one that stopped early
+        # (its space exhausted, patience, timeout) never reaches the budget, and rejoining it
+        # went on forever; ``free`` still lets a worker take over a dead one's problem.
+        joinable = [p for p in open_ if not p.closed
+                    and p.measured + len(p.searchers) < self.budget]
         if free or joinable:
             target = free[0] if free else min(joinable, key=lambda p: (len(p.searchers),
                                                                        p.measured))
@@ -169,6 +174,7 @@ class WorkerPool:
             self._say(f"note (device {worker.device}): {event['message']}")
         elif kind == "searched":
             task.searchers.discard(worker)
+            task.closed = True
             if task.searchers:  # the last searcher of the study publishes it
                 worker.send(drop=True)
                 self._assign(worker)

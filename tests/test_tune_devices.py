@@ -8,7 +8,6 @@ has nothing left to measure. The environment a TPU or GPU worker gets is checked
 from __future__ import annotations
 
 import json
-import signal
 import sqlite3
 import subprocess
 import time
@@ -165,3 +164,18 @@ def test_a_timing_that_cannot_time_here_is_a_usage_error_on_workers(tmp_path: Pa
     assert done.returncode == 2, done.stderr[-2000:]
     assert "profile timing cannot time kernel 'flash'" in done.stderr
     assert "died" not in done.stderr
+
+
+def test_a_search_that_ends_before_its_budget_is_published_once(tmp_path: Path) -> None:
+    """Four legal configs and ten trials: the space is exhausted first. A worker done
+    searching rejoined the other's study, and the two took turns for ever."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "64",
+                   "--q-heads", "1", "--dtype", "float32", "--trials", "10", "--devices", "2",
+                   "--db", db, "--json", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [summary] = [json.loads(line) for line in done.stdout.splitlines()
+                 if line.startswith("{") and json.loads(line).get("summary")]
+    assert summary["measured"] == 4
+    [trials] = studies(db).values()
+    assert len([t for t in trials if is_measurement(t)]) == 4
