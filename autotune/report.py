@@ -14,11 +14,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.engine import make_url
-
 from kernel import AutotuneError
 from present.views import ProblemView, problem_view, template_env
-from storage import Store
+from storage import Store, shown_url
 from storage.studies import get_storage
 
 
@@ -33,7 +31,7 @@ def collect(store: Store, filters: Mapping[str, Any]) -> dict[str, list[ProblemV
     if not entries:
         kinds = store.device_kinds()
         if not kinds:
-            raise ReportError(f"no tuned configs in {_safe(store.url)}; tune one with "
+            raise ReportError(f"no tuned configs in {shown_url(store.url)}; tune one with "
                               "`autotune tune --db URL` first")
         wanted = ", ".join(f"{k}={v!r}" for k, v in filters.items())
         raise ReportError(f"no tuned configs match {wanted}; the database has configs for "
@@ -56,11 +54,6 @@ def render(store: Store, filters: Mapping[str, Any] | None = None) -> str:
     filters = dict(filters or {})
     devices = collect(store, filters)
     return template_env().get_template("report.html").render(
-        devices=devices, database=_safe(store.url),
+        devices=devices, database=shown_url(store.url),
         selection=", ".join(f"{k} = {v}" for k, v in filters.items()),
         generated_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
-
-
-def _safe(url: str) -> str:
-    """The URL without its password."""
-    return make_url(url).render_as_string(hide_password=True)

@@ -11,6 +11,7 @@ from storage.engine import (
     WriteRefusedError,
     make_engine,
     normalize_url,
+    shown_url,
 )
 from storage.results import (
     MAX_STORED_INT,
@@ -40,6 +41,6 @@ __all__ = [
     "DatabaseUrlError", "Entry", "FILTER_FIELDS", "HistoryEntry", "LookupRequest",
     "MAX_STORED_INT", "METHODS", "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError",
     "ResultError", "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice",
-    "TIMINGS", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url",
+    "TIMINGS", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url", "shown_url",
     "schema_is_current", "schema_problem", "upgrade",
 ]

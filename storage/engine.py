@@ -57,6 +57,15 @@ def sqlite_connect(path: Path, **kwargs: object) -> sqlite3.Connection:
     return sqlite3.connect(uri, uri=True, **kwargs)
 
 
+def shown_url(url: str | URL) -> str:
+    """``url`` with its password masked (``***``), for messages; one that does not parse
+    (a port that is not a number) is masked by its ``scheme://user:password@`` pattern."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
+
+
 @contextmanager
 def refusing_writes(url: str | URL) -> Iterator[None]:
     """Turns the database's refusal to write (SQLite ``SQLITE_READONLY``/``SQLITE_FULL``,
@@ -68,7 +77,7 @@ def refusing_writes(url: str | URL) -> Iterator[None]:
         orig = getattr(error, "orig", None)
         code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
         reason = str(orig).strip().splitlines()[0] if orig else ""
-        shown = make_url(url).render_as_string(hide_password=True)
+        shown = shown_url(url)
         if code.startswith("SQLITE_READONLY") or code == "25006":
             raise ReadOnlyDatabaseError(
                 f"the database {shown} is read-only ({reason}): lookups and exports work, but "
@@ -85,10 +94,9 @@ def normalize_url(url: str) -> str:
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError) as error:  # ValueError: a port that is not a number
-        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)  # the password masked
         raise DatabaseUrlError(
-            f"cannot parse database URL {shown!r} ({error}); use e.g. sqlite:///autotune.db "
-            "or postgresql+psycopg://user@host:5432/dbname") from None
+            f"cannot parse database URL {shown_url(url)!r} ({error}); use e.g. "
+            "sqlite:///autotune.db or postgresql+psycopg://user@host:5432/dbname") from None
     if parsed.drivername in ("postgres", "postgresql"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed.render_as_string(hide_password=False)
@@ -116,9 +124,8 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
         raise DatabaseUrlError(f"no driver for {url.split(':')[0]!r} ({error}); use "
                                "sqlite:///PATH or postgresql+psycopg://...") from None
     except ValueError as error:  # a query argument of the wrong type: ?timeout=abc
-        raise DatabaseUrlError(f"a bad argument in database URL "
-                               f"{make_url(url).render_as_string(hide_password=True)!r} "
-                               f"({error}); fix or remove it") from None
+        raise DatabaseUrlError(f"a bad argument in database URL {shown_url(url)!r} ({error}); "
+                               "fix or remove it") from None
 
 
 def sqlite_pragmas(dbapi_connection, _record: object = None) -> None:  # noqa: ANN001

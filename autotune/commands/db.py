@@ -30,16 +30,6 @@ def resolve_url(db: str | None) -> str:
         raise typer.Exit(2) from None
 
 
-def _shown(url: str) -> str:
-    """``url`` with its password masked (``***``), for error lines."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a URL (e.g. "in memory"): shown as given
-        return url
-
-
 def _reason(error: Exception) -> str:
     return str(getattr(error, "orig", None) or error).strip().splitlines()[0]
 
@@ -51,7 +41,7 @@ def database_errors(url: str) -> Iterator[None]:
     is a usage error (status 2)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import DatabaseUrlError, SchemaError, WriteRefusedError
+    from storage import DatabaseUrlError, SchemaError, WriteRefusedError, shown_url
 
     try:
         yield
@@ -62,7 +52,7 @@ def database_errors(url: str) -> Iterator[None]:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
     except SQLAlchemyError as error:
-        typer.echo(f"error: database {_shown(url)}: {_reason(error)}", err=True)
+        typer.echo(f"error: database {shown_url(url)}: {_reason(error)}", err=True)
         raise typer.Exit(1) from None
 
 

@@ -44,12 +44,12 @@ def stale(
     replace an entry of another version (they are counted, not listed)."""
     from rich.console import Console
     from rich.table import Table
-    from sqlalchemy.engine import make_url
 
     from kernel.resolve import installed_versions
+    from storage import shown_url
 
     with open_store(db) as store, database_errors(store.url):
-        url = make_url(store.url).render_as_string(hide_password=True)
+        url = shown_url(store.url)
         entries, _ = store.list(limit=None)
     console = Console()
     installed = installed_versions()
