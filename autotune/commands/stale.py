@@ -12,23 +12,12 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
-from kernel import Problem
+from kernel import Problem, get_kernel, kernel_names
 
 
 def shapes_file_name(kernel: str, device_kind: str) -> str:
     """``stale-<kernel>-<device kind>.json``, the device kind in lower-case words."""
     return f"stale-{kernel}-{re.sub(r'[^a-z0-9]+', '-', device_kind.lower()).strip('-')}.json"
-
-
-def _installed_version(kernel: str) -> str | None:
-    """The installed version of ``kernel``; None for a kernel this environment lacks."""
-    from kernel import ConfigError
-    from storage.results import installed_kernel_version
-
-    try:
-        return installed_kernel_version(kernel)
-    except ConfigError:
-        return None
 
 
 def stale(
@@ -54,6 +43,7 @@ def stale(
     console = Console()
     installed = installed_versions()
     here = ", ".join(f"{package} {version}" for package, version in installed.items() if version)
+    kernel_versions = {name: get_kernel(name).version for name in kernel_names()}
     groups: dict[tuple[str, str], dict[Problem, None]] = {}  # problems once, in order
     other_versions = 0
     table = Table(title=f"configs tuned under other versions than this environment's ({here})")
@@ -64,7 +54,7 @@ def stale(
         changes = result.stale_versions(installed)
         if not changes:
             continue
-        if result.kernel_version != _installed_version(result.kernel):
+        if result.kernel_version != kernel_versions.get(result.kernel):  # or not installed
             other_versions += 1
             continue
         groups.setdefault((result.kernel, result.device_kind), {})[result.problem] = None
