@@ -40,7 +40,7 @@ from kernel.errors import ConfigError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
-from kernel.table import KernelChoice, LookupTable, nearest_choice, nearest_entry, read_provenance
+from kernel.table import KernelChoice, LookupTable, find_choice, find_entry, read_provenance
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
@@ -308,14 +308,11 @@ class Resolver:
     def _choice_from_tables(self, problem: Problem,
                             device_kind: str) -> tuple[KernelChoice | None, str]:
         """An exact choice of any pinned table, else the nearest across them."""
-        choices = [c for t in self._tables if t.device_kind == device_kind for c in t.choices]
-        choice = next((c for c in choices if c.problem == problem), None)
-        if choice is not None:
-            return choice, "exact choice in pinned table"
-        choice = nearest_choice(problem, choices)
-        if choice is not None:
-            return choice, "nearest choice in pinned table"
-        return None, f"no pinned kernel choice for {problem.label()} on {device_kind!r}"
+        found = find_choice(problem, [c for table in self._tables
+                                      if table.device_kind == device_kind for c in table.choices])
+        if found is None:
+            return None, f"no pinned kernel choice for {problem.label()} on {device_kind!r}"
+        return found[0], f"{found[1]} choice in pinned table"
 
     def _choice_from_service(self, problem: Problem,
                              device_kind: str) -> tuple[KernelChoice | None, str]:
@@ -400,14 +397,11 @@ class Resolver:
                               f"kernel version {tables[0].kernel_version!r}, but version "
                               f"{kernel.version!r} is installed, whose configs mean something "
                               "else; export a table tuned with this version")
-        entries = [entry for table in current for entry in table.entries]
-        entry = next((e for e in entries if e.problem == problem), None)
-        if entry is not None:
-            return entry.config, entry.provenance, "exact match in pinned table"
-        entry = nearest_entry(problem, entries, kernel.name)
-        if entry is not None:
-            return entry.config, entry.provenance, "nearest match in pinned table"
-        return None, {}, f"no pinned table entry for {kernel.name} on {device_kind!r}"
+        found = find_entry(problem, [e for table in current for e in table.entries], kernel.name)
+        if found is None:
+            return None, {}, f"no pinned table entry for {kernel.name} on {device_kind!r}"
+        entry, match = found
+        return entry.config, entry.provenance, f"{match} match in pinned table"
 
     def _from_service(self, problem: Problem, device_kind: str,
                       kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,19 +241,11 @@ class LookupTable:
 
     def lookup(self, problem: Problem) -> tuple[TableEntry, str] | None:
         """The exact entry for ``problem``, else the nearest whose config is legal for it."""
-        for entry in self.entries:
-            if entry.problem == problem:
-                return entry, "exact"
-        entry = nearest_entry(problem, self.entries, self.kernel)
-        return (entry, "nearest") if entry else None
+        return find_entry(problem, self.entries, self.kernel)
 
     def lookup_choice(self, problem: Problem) -> tuple[KernelChoice, str] | None:
         """The kernel choice for exactly ``problem``, else the nearest (``nearest_choice``)."""
-        for choice in self.choices:
-            if choice.problem == problem:
-                return choice, "exact"
-        choice = nearest_choice(problem, self.choices)
-        return (choice, "nearest") if choice else None
+        return find_choice(problem, self.choices)
 
 
 def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:
@@ -276,6 +268,29 @@ def shape_distance(a: Problem, b: Problem) -> float:
     return (abs(math.log2(a.q_len / b.q_len)) + abs(math.log2(a.kv_len / b.kv_len))
             + 0.5 * abs(math.log2(a.batch * a.q_heads / (b.batch * b.q_heads)))
             + 0.25 * abs(math.log2(a.group_size / b.group_size)))
+
+
+def find_entry(problem: Problem, entries: Sequence[TableEntry],
+               kernel: str) -> tuple[TableEntry, str] | None:
+    """``(entry, "exact")`` for ``problem``, else ``(entry, "nearest")``
+    (:func:`nearest_entry`), else None: of one table, or of several in order."""
+    return _find(problem, entries, lambda: nearest_entry(problem, entries, kernel))
+
+
+def find_choice(problem: Problem,
+                choices: Sequence[KernelChoice]) -> tuple[KernelChoice, str] | None:
+    """As :func:`find_entry`, for kernel choices (:func:`nearest_choice`)."""
+    return _find(problem, choices, lambda: nearest_choice(problem, choices))
+
+
+def _find(problem: Problem, items: Sequence[Any],
+          nearest: Callable[[], Any]) -> tuple[Any, str] | None:
+    """The item of exactly ``problem``, else ``nearest()`` (asked only then), and the match."""
+    exact = next((item for item in items if item.problem == problem), None)
+    if exact is not None:
+        return exact, "exact"
+    item = nearest()
+    return (item, "nearest") if item is not None else None
 
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
