@@ -118,10 +118,7 @@ def tunable(kernel: TunableKernel, problem: Problem, target: Target) -> None:
     """Raises ``ConfigError`` when ``kernel`` cannot be tuned for ``problem`` on ``target``:
     a device the kernel has no rules for, or a problem no config of it can run."""
     kernel.target(target)  # names the kernel's targets when the device is not one of them
-    broken = kernel.problem_violations(problem)
-    if broken:
-        raise ConfigError(f"kernel {kernel.name!r} cannot run {problem.label()}: "
-                          + "; ".join(map(str, broken)))
+    kernel.check_problem(problem)
 
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,

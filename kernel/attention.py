@@ -13,7 +13,6 @@ import math
 from typing import Any
 
 from kernel.contract import ConfigFor, TunableKernel, by_mode
-from kernel.errors import ConfigError
 from kernel.problem import DTYPES, Problem
 from kernel.resolve import get_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
@@ -66,7 +65,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     resolver = get_resolver()
     target = device_target(platform, device_kind)
     if config is not None:
-        backend = _runnable(resolver.platform_kernel(platform), problem)
+        backend = resolver.platform_kernel(platform)
+        backend.check_problem(problem)
         config_for = _explicit(backend, problem, config, target, platform)
         return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
 
@@ -75,7 +75,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         # and a backend whose backward cannot run the problem is not picked for it.
         moded = dataclasses.replace(problem, mode=mode)
         pick = resolver.pick(moded, device_kind, platform, target)
-        backend = _runnable(pick.kernel, moded)
+        backend = pick.kernel
+        backend.check_problem(moded)  # raises only where no backend can run it
 
         def config_for(config_mode: str) -> Any:
             return resolver.resolve(dataclasses.replace(problem, mode=config_mode),
@@ -84,15 +85,6 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         return backend.attention(problem, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v)
-
-
-def _runnable(backend: TunableKernel, problem: Problem) -> TunableKernel:
-    """``backend``, or ``ConfigError`` naming the rules ``problem`` breaks for it."""
-    broken = backend.problem_violations(problem)
-    if broken:
-        raise ConfigError(f"kernel {backend.name!r} cannot run {problem.label()}: "
-                          + "; ".join(map(str, broken)))
-    return backend
 
 
 def _unsupported_message(unsupported: dict[str, Any]) -> str:

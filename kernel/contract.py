@@ -169,6 +169,13 @@ class TunableKernel(ABC):
         """Rules the problem itself breaks (no config can run it); part of ``violations``."""
         return []
 
+    def check_problem(self, problem: Problem) -> None:
+        """Raises ``ConfigError`` naming every rule ``problem`` breaks for this backend."""
+        broken = self.problem_violations(problem)
+        if broken:
+            raise ConfigError(f"kernel {self.name!r} cannot run {problem.label()}: "
+                              + "; ".join(map(str, broken)))
+
     def discover(self) -> TunableKernel:
         """This backend with the facts only the installed JAX can tell (imports jax)."""
         return self

@@ -281,12 +281,9 @@ class Resolver:
         kernel = self.kernel(name)
         try:
             kernel.target(target)
+            kernel.check_problem(problem)
         except ConfigError as error:
             return str(error)
-        broken = kernel.problem_violations(problem)
-        if broken:
-            return (f"kernel {name!r} cannot run {problem.label()}: "
-                    + "; ".join(map(str, broken)))
         return ""
 
     def _find_choice(self, problem: Problem,
