@@ -63,3 +63,40 @@ def test_a_malformed_landscape_is_refused_in_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         f"error: {lands / 'broken.json.gz'} is not gzip-compressed JSON: "
         "Not a gzipped file (b'no')"], done.stderr
+
+
+def test_fresh_seeds_are_the_seeds_after_the_first(tmp_path: Path) -> None:
+    """--seeds 1 --fresh-seeds 1 scores seed 0, then seed 1 apart: their mean is the mean of
+    --seeds 2 (a fresh table over the first seeds again, or over all, would not be)."""
+    lands = str(_landscapes(tmp_path / "lands"))
+    args = ("--budgets", "3", "--no-warm", "--jobs", "1", "--overhead-trials", "2", "--json")
+    split = _python(SCRIPT, lands, "--seeds", "1", "--fresh-seeds", "1", *args, timeout=300)
+    both = _python(SCRIPT, lands, "--seeds", "2", *args, timeout=300)
+    assert split.returncode == 0 and both.returncode == 0, split.stderr + both.stderr
+    split, both = json.loads(split.stdout), json.loads(both.stdout)
+    for name in ("one", "two"):
+        seed0, seed1 = (split[table][name]["3"]["ours"]["mean"]
+                        for table in ("scores", "fresh_scores"))
+        assert both["scores"][name]["3"]["ours"]["mean"] == pytest.approx((seed0 + seed1) / 2)
+    assert split["fresh_seeds"] == 1 and "fresh_scores" in split
+
+
+def test_on_fresh_seeds_kernel_tuner_is_the_strategy_chosen_on_the_first(tmp_path: Path) -> None:
+    """The fresh table's Kernel Tuner row is the strategy best on the first seeds, scored on the
+    fresh ones, even where another strategy is better on the fresh seeds."""
+    import importlib.util
+
+    from autotune.landscape import load_landscape
+
+    spec = importlib.util.spec_from_file_location("bench_search", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    land = load_landscape(_landscapes(tmp_path / "lands") / "one.json.gz")  # optimum 1 ms
+    lucky, steady = [[1.0]] * 2 + [[4.0]] * 2, [[2.0]] * 4  # seeds 0-1 choose, 2-3 are fresh
+    curves = {(label, "p", None): [[1.0]] * 4 for label in bench.SAMPLERS}
+    curves |= {("kernel tuner", "p", "lucky"): lucky, ("kernel tuner", "p", "steady"): steady}
+    row = bench._table({"p": land}, curves, [1], slice(0, 2), slice(2, None))["one"][1]
+    assert row["kernel tuner best of"] == {"median": "lucky", "mean": "lucky", "p10": "lucky"}
+    assert row["kernel tuner best"]["mean"] == pytest.approx(0.25)  # lucky's fresh seeds
+    assert row["kernel tuner"]["steady"]["mean"] == pytest.approx(0.5)
+    assert row["ours short of"]["kernel tuner best"] == {}
