@@ -394,8 +394,12 @@ class Store:
             row.updated_at = now
             session.flush()
             return PublishOutcome("replaced", _entry(row), previous)
-        session.add(TunedConfigHistoryRow(**_columns(result), created_at=now, updated_at=now,
-                                          reason="rejected", archived_at=now))
+        rejected = session.scalars(select(TunedConfigHistoryRow)
+                                   .filter_by(**key, reason="rejected"))
+        if all(_columns(_result(old)) != _columns(result) for old in rejected):
+            # once: a sync job importing the same slower table again adds nothing
+            session.add(TunedConfigHistoryRow(**_columns(result), created_at=now,
+                                              updated_at=now, reason="rejected", archived_at=now))
         return PublishOutcome("kept", _entry(row), previous)
 
     # --- reads ---

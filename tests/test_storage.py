@@ -70,6 +70,19 @@ def test_publish_keeps_the_faster_result_and_archives_the_loser(store: Store) ->
         ("rejected", slower), ("replaced", first), ("forced", faster)]
 
 
+def test_the_same_rejected_result_is_archived_once(store: Store) -> None:
+    """A sync job that publishes (imports) the same slower result again and again adds one
+    history row, not one per run; another slower result is archived too."""
+    store.publish(result(1.0))
+    slower = result(1.5, config=FlashConfig(block_q=128))
+    for _ in range(3):
+        assert store.publish(slower).status == "kept"
+    other = result(1.6, config=FlashConfig(block_q=128))
+    store.publish(other)
+    assert [(h.reason, h.result) for h in store.history(slower.key)] == [
+        ("rejected", slower), ("rejected", other)]
+
+
 def test_speedup_is_derived_when_not_given(store: Store) -> None:
     stored = store.publish(result(0.5, speedup=None)).entry.result
     assert stored.speedup == pytest.approx(4.0)  # default 2.0 ms / 0.5 ms
