@@ -221,6 +221,7 @@ def search(
         study.set_user_attr("params", space.params)
         study.set_user_attr("sampler", sampler)
     _claim_study(study, of or {})
+    _release_dead_claims(study)
     worker = worker_name()
     start = time.perf_counter()
     measure_total = 0.0
@@ -234,6 +235,10 @@ def search(
     grace_s = beats and (optuna_storage.grace_period
                          or 2 * optuna_storage.get_heartbeat_interval())
     own_claims: set[int] = set()  # numbers of the trials this call created
+    # Known exhaustion: asking a sampler when no legal config is left costs it thousands of
+    # proposals (plain TPE stores each as a trial) before it gives up.
+    listed = space.legal_configs()
+    legal = None if listed is None else {space.key(c) for c in listed}
 
     def ask() -> optuna.Trial:
         """A new trial, recorded as this call's claim, with a first heartbeat (so that it is
@@ -273,13 +278,12 @@ def search(
             reason = _stop_reason(view, trials, patience, timeout, start, stalled)
             if reason:
                 return reason
+            if legal is not None and legal <= view.keys:  # every legal config taken
+                return "exhausted"
             trial = ask()
             config = space.config(trial.params)
             key = space.key(config)
-            # A space of one config never reaches the sampler (Optuna fills single-valued
-            # parameters itself), so its exhaustion is seen here.
-            if (isinstance(engine, EngineSampler) and engine.exhausted) or (
-                    space.size == 1 and key in view.keys):
+            if isinstance(engine, EngineSampler) and engine.exhausted:  # a space too large to list
                 _drop(study, trial, "exhausted")
                 return "exhausted"
             if not space.is_legal(config):  # only plain TPE proposes these
@@ -476,6 +480,28 @@ def release_claims(storage: BaseStorage, study_name: str, worker: str) -> int:
     for t in mine:
         _fail(study, t._trial_id, "orphan")
     return len(mine)
+
+
+def _release_dead_claims(study: optuna.Study) -> None:
+    """Fails (status ``orphan``) the RUNNING trials of processes of this host that are gone
+    (killed by SIGTERM or SIGKILL, which leave no time to give claims back), so that a rerun
+    measures their configs and fills the budget at once, not after the heartbeat's grace
+    period."""
+    host = socket.gethostname()
+    for t in study._get_trials(deepcopy=False, states=(TrialState.RUNNING,), use_cache=False):
+        worker_host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+        if worker_host == host and pid.isdigit() and not _alive(int(pid)):
+            _fail(study, t._trial_id, "orphan")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fail_orphans(study: optuna.Study, orphans: list[FrozenTrial], names: set[str],

@@ -109,6 +109,19 @@ def test_space_exhausted_stops_the_search(land):
     assert sorted(rec.calls) == sorted(land.records)
 
 
+@pytest.mark.parametrize("sampler", ["tpe", "plain-tpe", "random"])
+def test_a_budget_beyond_the_legal_configs_stops_once_all_are_measured(sampler, tmp_path):
+    """Eight legal configs and a budget of 50: once all eight are measured the search stops,
+    without asking the sampler for thousands of proposals first (plain TPE stored each as a
+    trial: 2000 before it counted as stuck)."""
+    space = Space({"a": list(range(4)), "b": list(range(4))}, lambda c: (c["a"] + c["b"]) % 2 == 0)
+    url = f"sqlite:///{tmp_path / 'small.db'}"
+    result = search(space, lambda c: Measurement(1.0 + c["a"]), storage=url, study_name="small",
+                    sampler=sampler, trials=50, seed=0)
+    assert result.stop_reason == "exhausted" and result.measured == 8
+    assert len(optuna.load_study(study_name="small", storage=url).trials) < 200
+
+
 def test_patience_stops_after_that_many_measurements_without_improvement():
     space = Space({"x": list(range(50))})
     result = search(space, lambda c: Measurement(10.0 + c["x"] % 3), trials=50, patience=5,

@@ -11,6 +11,7 @@ import optuna
 import pytest
 
 import autotune.samplers.forest as surrogate
+import autotune.searchspace as searchspace
 from autotune.samplers.forest import ForestSurrogate
 from autotune.search import search
 from autotune.searchspace import Space
@@ -85,7 +86,7 @@ def test_failures_steer_the_pick_away_from_the_failing_region(space):
 
 
 def test_a_space_too_large_to_enumerate_is_sampled(space, monkeypatch):
-    monkeypatch.setattr(surrogate, "_ENUMERATE_MAX", 10)
+    monkeypatch.setattr(searchspace, "ENUMERATE_MAX", 10)
     monkeypatch.setattr(surrogate, "_SAMPLED_CANDIDATES", 20)
     outcomes = _measured(space, 8, 1)
     pick = ForestSurrogate(space, seed=1).propose(outcomes, set(outcomes))

@@ -3,10 +3,10 @@ searcher (:mod:`autotune.samplers.engine`) to pick which fresh legal config to m
 
 The acquisition function is evaluated on the legal configs themselves instead of being
 optimised by local search, so the pick is always legal and never a repeat. A space of up to
-200k combinations is enumerated (the measured landscapes: 10k-83k combinations, up to 18k
-legal); a larger one (flash fwd_bwd: 373k combinations, 116k legal; jax_tpu_flash: 12M) is
-represented by a uniform random sample of 5k legal configs, drawn once per search, which keeps
-the first pick under a second; TPE's picks still reach the rest.
+200k combinations is enumerated (``Space.legal_configs``; the measured landscapes: 10k-83k
+combinations, up to 18k legal); a larger one (flash fwd_bwd: 373k combinations, 116k legal;
+jax_tpu_flash: 12M) is represented by a uniform random sample of 5k legal configs, drawn once
+per search, which keeps the first pick under a second; TPE's picks still reach the rest.
 
 Features: a numeric parameter is its value (log2 when its values are positive and span a factor
 of 8 or more: tile sizes), scaled to [0, 1]; any other parameter is one-hot. The target is
@@ -28,7 +28,6 @@ import numpy as np
 
 from autotune.searchspace import Config, Key, Space
 
-_ENUMERATE_MAX = 200_000  # combinations above which the legal set is sampled, not enumerated
 _SAMPLED_CANDIDATES = 5_000
 _TREES = 64
 _EXPLORATION = 1.0  # spreads of the trees' predictions taken off their mean
@@ -56,9 +55,8 @@ class ForestSurrogate:
         """The legal configs scored at each pick (enumerated or sampled, see module doc), their
         keys and their features; built at the first pick."""
         space = self._space
-        if space.size <= _ENUMERATE_MAX:
-            configs = [c for c in space.configs() if space.is_legal(c)]
-        else:
+        configs = space.legal_configs()
+        if configs is None:
             configs, taken = [], set()
             for _ in range(_SAMPLED_CANDIDATES):
                 config = space.random_legal(self._rng, taken)
