@@ -92,10 +92,15 @@ def result_roofline(roofline: Roofline | None) -> dict[str, Any]:
             "roofline_bound": roofline and roofline.bound}
 
 
-def study_name(problem: Problem, device_kind: str, kernel: str, timing: str) -> str:
-    """The study of a key and a timing method: a rerun resumes it, and times taken by another
-    method (not comparable) go to a study of their own."""
-    return f"{kernel}/{device_kind}/{timing}/{problem.label()}"
+def study_name(problem: Problem, device_kind: str, kernel: TunableKernel, timing: str) -> str:
+    """The study of a key, a timing method and the installed versions: a rerun resumes it, and
+    times that are not comparable go to a study of their own: taken by another timing method,
+    of another kernel version (a config may mean something else), or under another jax, jaxlib
+    or libtpu (a re-tune after an upgrade searches again, seeded with the old winner)."""
+    versions = " ".join(f"{package} {version}"
+                        for package, version in installed_versions().items() if version)
+    return (f"{kernel.name}/v{kernel.version}/{device_kind}/{timing}/{versions}/"
+            f"{problem.label()}")
 
 
 def kernel_space(kernel: TunableKernel, problem: Problem,
@@ -123,11 +128,12 @@ def tunable(kernel: TunableKernel, problem: Problem, target: Target) -> None:
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
                base: Config, kernel: str = DEFAULT_KERNEL) -> list[dict[str, Any]]:
-    """The default first, then winners of the nearest tuned problems on the same device."""
+    """The default first, then winners of the nearest tuned problems on the same device, the
+    problem's own stored winner first (a re-tune under new versions, a new study)."""
     family = {"kernel": kernel, "device_kind": device_kind, "dtype": problem.dtype,
               "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
     entries, _ = store.list(family, limit=None)
-    nearest = sorted((e.result for e in entries if e.result.problem != problem),
+    nearest = sorted((e.result for e in entries),
                      key=lambda r: shape_distance(problem, r.problem))
     seeds = [base] + [r.config for r in nearest]
     params = [{name: getattr(config, name) for name in space.names} for config in seeds]
@@ -215,7 +221,7 @@ class TuneJob:
         except BaseException:
             self.measurer.close()
             raise
-        self.name = options.study or study_name(problem, self.device.device_kind, kernel.name,
+        self.name = options.study or study_name(problem, self.device.device_kind, kernel,
                                                 self.measurer.timing)
 
     def close(self) -> None:
@@ -233,7 +239,9 @@ class TuneJob:
         if self.space is None:
             return SearchResult(self.name, None, 0, [], [], NOTHING_TO_SEARCH, 0.0)
         return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
-                      of={"problem": self.problem.to_dict(), "kernel": self.kernel.name},
+                      of={"problem": self.problem.to_dict(), "kernel": self.kernel.name,
+                          "kernel_version": self.kernel.version,
+                          "device_kind": self.device.device_kind, "timing": self.measurer.timing},
                       sampler=options.sampler, trials=options.trials, timeout=options.timeout,
                       patience=options.patience,
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
@@ -268,6 +276,7 @@ class TuneJob:
                         for c, t in timings.items()}
         # The study is complete before the entry names it: a kill in between leaves no entry
         # whose study lacks its confirmation.
+        previous = study.user_attrs.get("confirmation") if study else None
         if study:
             study.set_user_attr("confirmation", list(confirmation.values()))
             study.set_user_attr("device_kind", device.device_kind)  # problem, kernel: search()
@@ -281,6 +290,11 @@ class TuneJob:
             **{f"{package}_version": version
                for package, version in installed_versions().items()}),
             force=options.force)
+        if study and previous and outcome.status == "kept" \
+                and outcome.entry.result.study == self.name:
+            # A rerun whose winner lost to the entry an earlier run of this study stored: the
+            # study keeps that run's confirmation, whose winner is the stored config.
+            study.set_user_attr("confirmation", previous)
         return TuneSummary(
             problem=problem, kernel=kernel.name, device_kind=device.device_kind,
             method=self.measurer.method, study=self.name if study else "",

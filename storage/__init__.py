@@ -25,8 +25,9 @@ from storage.results import (
     SchemaError,
     StorageError,
     TunedResult,
+    check_text,
 )
-from storage.schema import schema_is_current, schema_problem, upgrade
+from storage.schema import check_writable, schema_is_current, schema_problem, upgrade
 from storage.settings import DEFAULT_DB_URL, StorageSettings
 from storage.store import (
     CHOICE_FILTER_FIELDS,
@@ -41,6 +42,7 @@ __all__ = [
     "DatabaseUrlError", "Entry", "FILTER_FIELDS", "HistoryEntry", "LookupRequest",
     "MAX_STORED_INT", "METHODS", "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError",
     "ResultError", "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice",
-    "TIMINGS", "TunedResult", "WriteRefusedError", "make_engine", "normalize_url", "shown_url",
-    "schema_is_current", "schema_problem", "upgrade",
+    "TIMINGS", "TunedResult", "WriteRefusedError", "check_text", "check_writable",
+    "make_engine", "normalize_url", "shown_url", "schema_is_current", "schema_problem",
+    "upgrade",
 ]

@@ -12,7 +12,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from storage.engine import WRITE_OPTIONS, make_engine, refusing_writes, sqlite_file
@@ -73,12 +73,25 @@ def upgrade(url: str | Engine, revision: str = "head") -> None:
             engine.dispose()
 
 
+def check_writable(engine: Engine) -> None:
+    """Raises ``ReadOnlyDatabaseError`` when the database refuses writes (a read-only file,
+    file system, replica or transaction), found by a write that changes nothing, rolled back:
+    before a long job that must store its result, not after it."""
+    with refusing_writes(engine.url), \
+            engine.execution_options(**WRITE_OPTIONS).connect() as connection:
+        connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = version_num"))
+        connection.rollback()
+
+
 def schema_problem(engine: Engine) -> str | None:
     """Why the database cannot be used as is (a missing SQLite file, unreachable, no schema,
     an older or a newer revision), or None when it is reachable and at the head revision.
     Never creates a missing SQLite file."""
     url = engine.url.render_as_string(hide_password=True)
     path = sqlite_file(engine.url)
+    if path is not None and not path.parent.is_dir():
+        return (f"the directory of database file {path} does not exist; create it "
+                f"(mkdir -p {path.parent}), then run `autotune db upgrade --db {url}`")
     if path is not None and not path.exists():
         return (f"database file {path} does not exist; create it with "
                 f"`autotune db upgrade --db {url}`")

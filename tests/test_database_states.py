@@ -78,13 +78,18 @@ def small_mount(tmp_path: Path) -> Iterator[Path]:
 
 
 def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> None:
-    """``export`` and a served lookup work; ``import`` and a served publish say read-only."""
+    """``export`` and a served lookup work; ``import``, a served publish and ``tune`` (before
+    it searches: no trial line) say read-only."""
     table = tmp_path / "faster.json"
     faster = {**TABLE, "entries": [{**TABLE["entries"][0], "time_ms": 0.5}]}
     table.write_text(json.dumps(faster))
     exported = run_cli("export", "--db", db_url, "-o", str(tmp_path / "out.json"))
     assert exported.returncode == 0, exported.stderr
     assert_clean_failure(run_cli("import", str(table), "--db", db_url), "read-only")
+    tuned = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "128",
+                    "--q-heads", "1", "--trials", "1", "--db", db_url, "--json", timeout=300)
+    assert_clean_failure(tuned, "read-only", "make it writable")
+    assert not tuned.stdout.strip()
     with running_server(db_url, tmp_path) as server:
         found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
         assert found.status_code == 200 and found.json()["match"] == "exact"

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from autotune.tune import study_name
 from conftest import problem_flags, run_cli
 from kernel import FlashConfig
 from kernel.problem import Problem
@@ -55,7 +56,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]
         kernel = get_kernel(name)
         assert len(trials) == 3 and all(t["status"] == "ok" for t in trials), trials
         assert (summary["kernel"], summary["method"]) == (name, "interpret")
-        assert summary["study"] == f"{name}/cpu/wallclock/{problem.label()}"
+        assert summary["study"] == study_name(problem, "cpu", kernel, "wallclock")
         best = kernel.config_from_dict(summary["best_config"])
         assert kernel.is_legal(problem, best)
         summaries[name] = best
@@ -91,7 +92,7 @@ def test_report_draws_each_kernel_landscape_on_that_kernel_axes(
     storage = get_storage(db, create=False)
     for name, problem in PROBLEMS.items():
         x, y, panel = get_kernel(name).landscape_axes
-        data = StudyData.load(storage, f"{name}/cpu/wallclock/{problem.label()}")
+        data = StudyData.load(storage, study_name(problem, "cpu", get_kernel(name), "wallclock"))
         assert data is not None and data.kernel == name
         figure = landscape_figure(data)
         panels = [ax for ax in figure.axes if ax.get_title()]

@@ -25,6 +25,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
+from autotune.tune import study_name
 from conftest import free_port, run_cli, wait_until_answering
 from kernel import FlashConfig, Problem, get_kernel
 from kernel.table import KernelChoice, KernelTiming
@@ -364,7 +365,7 @@ def dashboard(tuned_db: str, tmp_path: Path) -> Iterator[str]:
 def test_optuna_dashboard_shows_the_study(dashboard: str) -> None:
     studies = httpx.get(f"{dashboard}/api/studies", timeout=10).json()["study_summaries"]
     (summary,) = studies
-    assert summary["study_name"] == "flash/cpu/wallclock/" + TUNED.label()
+    assert summary["study_name"] == study_name(TUNED, "cpu", get_kernel("flash"), "wallclock")
     study_attrs = {a["key"] for a in summary["user_attrs"]}
     assert {"problem", "device_kind", "confirmation", "params"} <= study_attrs
     detail = httpx.get(f"{dashboard}/api/studies/{summary['study_id']}", params={"after": 0},

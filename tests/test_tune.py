@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -195,6 +197,102 @@ def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:
     with Store(db) as store:
         found = store.lookup("flash", "cpu", other)
         assert found is None or found[1] != "exact"
+
+
+def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(tmp_path: Path) -> None:
+    """After a release bumps the kernel's version (a config may mean something else), a rerun
+    searches in a new study, seeded with the old winner, instead of resuming the old version's
+    study, whose budget is met, and publishing its trials under the new version."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    flags = [*problem_flags(TINY), "--trials", "2", "--db", db, "--json"]
+    first = run_cli("tune", "--kernel", "flash", *flags, timeout=300)
+    assert first.returncode == 0, first.stderr
+    bumped = subprocess.run(  # the same install, its flash kernel at version 2
+        [sys.executable, "-c", "import sys; from kernel import get_kernel; "
+         "type(get_kernel('flash')).version = '2'; from autotune.cli import app; "
+         "sys.argv = ['autotune', *sys.argv[1:]]; app()", "tune", "--kernel", "flash", *flags],
+        capture_output=True, text=True, timeout=300)
+    assert bumped.returncode == 0, bumped.stderr
+    (_, [old]), (trials, [new]) = parse_json_lines(first.stdout), parse_json_lines(bumped.stdout)
+    assert len(trials) == 2 and new["study"] != old["study"]
+    assert any(trial["config"].items() <= old["best_config"].items() for trial in trials)
+    assert optuna.load_study(study_name=new["study"], storage=db).user_attrs[
+        "kernel_version"] == "2"
+    with Store(db) as store:
+        entries, _ = store.list(limit=None)
+    assert {(e.result.kernel_version, e.result.study) for e in entries} == {
+        (FLASH.version, old["study"]), ("2", new["study"])}
+
+
+def test_a_study_name_of_another_timing_method_is_refused(tmp_path: Path) -> None:
+    """Times taken by another timing method are not comparable: ``--study`` reused with
+    another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--study", "mine", "--db", db]
+    first = run_cli(*flags, "--trials", "1", "--timing", "wallclock", timeout=300)
+    assert first.returncode == 0, first.stderr
+    done = run_cli(*flags, "--trials", "2", "--timing", "loop", timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "study 'mine' holds a search of another timing" in done.stderr
+    study = optuna.load_study(study_name="mine", storage=db)
+    assert [t.user_attrs.get("timing") for t in study.trials] == ["wallclock"]
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "a\tb"])
+def test_a_study_name_that_cannot_be_stored_is_refused_before_searching(tmp_path: Path,
+                                                                         name: str) -> None:
+    """The study name is stored with the result: one it cannot hold exits 2 before any trial,
+    not with a traceback after the whole search (nothing published)."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1",
+                   "--study", name, "--db", db, "--json", timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "study must be at most 256 characters" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not done.stdout.strip()
+
+
+def test_demo_on_a_database_holding_a_faster_result_checks_the_served_config(
+        tmp_path: Path) -> None:
+    """A database that already holds a faster result for the demo's problem keeps it
+    (publish "kept"), and the service serves it: the demo checks the traced config against
+    what is stored, not against this run's winner, and succeeds."""
+    from autotune.commands.demo import DEMO_PROBLEM
+    from storage import TunedResult, upgrade
+
+    db = f"sqlite:///{tmp_path / 'demo.db'}"
+    upgrade(db)
+    default = FLASH.default_config(DEMO_PROBLEM, device_target("cpu", "cpu"))
+    stored = default.replace(block_q=128, block_kv=128, block_kv_compute=128)
+    with Store(db) as store:
+        store.publish(TunedResult(device_kind="cpu", problem=DEMO_PROBLEM, config=stored,
+                                  median_ms=1e-6, method="interpret"))
+    done = run_cli("demo", "--trials", "2", "--db", db, env={"COLUMNS": "250"}, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stored: kept" in done.stdout and f"config {stored.label()}" in done.stdout
+
+
+def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
+        tmp_path: Path) -> None:
+    """The stored entry names its study, whose confirmation marks the stored winner (the
+    report's and the pages' plots show it): a rerun of that study whose winner loses to the
+    entry ("kept") leaves that confirmation as it was."""
+    import dataclasses as dc
+
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
+    first = run_cli(*flags, "--trials", "2", timeout=300)
+    assert first.returncode == 0, first.stderr
+    _, [summary] = parse_json_lines(first.stdout)
+    with Store(db) as store:  # the entry as if its run had timed it far faster
+        (entry, _), = [store.lookup("flash", "cpu", TINY)]
+        store.publish(dc.replace(entry.result, median_ms=1e-6), force=True)
+    study = optuna.load_study(study_name=summary["study"], storage=db)
+    confirmed = study.user_attrs["confirmation"]
+    rerun = run_cli(*flags, "--trials", "3", timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert parse_json_lines(rerun.stdout)[1][0]["publish"] == "kept"
+    study = optuna.load_study(study_name=summary["study"], storage=db)
+    assert study.user_attrs["confirmation"] == confirmed
 
 
 def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:

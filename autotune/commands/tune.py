@@ -54,12 +54,13 @@ def load_shapes(path: Path) -> list[Problem]:
 
 
 def ensure_schema(db_url: str) -> None:
-    """Creates the tables in a database that has none; an out-of-date schema is left for
-    ``autotune db upgrade`` (``open_store`` then says so)."""
+    """Creates the tables in a database that has none, and refuses one that does not take
+    writes (exit 1); an out-of-date schema is left for ``autotune db upgrade`` (``open_store``
+    then says so)."""
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
-    from storage import make_engine, schema_is_current, upgrade
+    from storage import check_writable, make_engine, schema_is_current, upgrade
     from storage.schema import VERSION_TABLE
 
     with database_errors(db_url):  # no driver, unreachable, a missing directory: one line
@@ -73,6 +74,8 @@ def ensure_schema(db_url: str) -> None:
                     # loser is fine if the winner left a current schema.
                     if not schema_is_current(engine):
                         raise
+            elif schema_is_current(engine):  # else open_store names the upgrade to run
+                check_writable(engine)  # a read-only database: refused before the search
         finally:
             engine.dispose()
 
@@ -155,6 +158,13 @@ def tune(
     if study and kernel is None:
         raise typer.BadParameter("--study names one kernel's study; give --kernel NAME too",
                                  param_hint="--study")
+    if study is not None:
+        from storage import ResultError, check_text
+
+        try:  # stored with the result: refused now, not after the whole search
+            check_text("study", study)
+        except ResultError as error:
+            raise typer.BadParameter(str(error), param_hint="--study") from None
     db_url = resolve_url(db)
     ensure_schema(db_url)
     store = open_store(db_url)
