@@ -217,9 +217,15 @@ def search(
     distributions = space.distributions
     study = optuna.create_study(storage=optuna_storage, study_name=study_name,
                                 direction="minimize", sampler=engine, load_if_exists=True)
-    if "params" not in study.user_attrs:
+    declared = study.user_attrs.get("params")
+    if declared is None:
         study.set_user_attr("params", space.params)
         study.set_user_attr("sampler", sampler)
+    elif list(declared) != space.names:  # a tune study given to replay, or the reverse
+        raise StudyMismatchError(
+            f"study {study_name!r} searches other parameters ({', '.join(declared)}) than this "
+            f"one ({', '.join(space.names)}); name another study (--study), or leave --study "
+            "out for the default name")
     _claim_study(study, of or {})
     _release_dead_claims(study)
     worker = worker_name()
@@ -360,8 +366,8 @@ def search(
 
 
 class StudyMismatchError(AutotuneError):
-    """A study name given to a search of another problem, kernel or landscape than the
-    study's."""
+    """A study name given to a search of other parameters, or of another problem, kernel or
+    landscape, than the study's."""
 
 
 def _claim_study(study: optuna.Study, attrs: Mapping[str, Any]) -> None:

@@ -146,6 +146,25 @@ def test_a_seed_missing_a_parameter_is_a_clear_error(land):
         search(land.space, land.measure, trials=3, seeds=[{"a": 1, "b": 1, "c": 0}])
 
 
+def test_a_study_of_other_parameters_is_refused_before_anything_is_written(land, tmp_path):
+    """A replay's study given to a tune (their ``of`` values share no name, so they did not
+    clash): refused in one line, the study's trials and attributes as they were (a KeyError
+    from the sampler before, and a claim left RUNNING without params)."""
+    from autotune.search import StudyMismatchError
+
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    search(land.space, land.measure, storage=url, study_name="shared", trials=4, seed=0,
+           of={"landscape": "synthetic"})
+    before = optuna.load_study(study_name="shared", storage=url)
+    other = Space({"block_q": [128, 256], "block_kv": [128, 256]})
+    with pytest.raises(StudyMismatchError, match="searches other parameters"):
+        search(other, lambda c: Measurement(1.0), storage=url, study_name="shared", trials=8,
+               seed=0, of={"problem": {"q_len": 256}, "kernel": "flash"})
+    after = optuna.load_study(study_name="shared", storage=url)
+    assert after.user_attrs == before.user_attrs
+    assert [t.state for t in after.trials] == [t.state for t in before.trials]
+
+
 def test_resumed_study_measures_only_new_configs(land, tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     first, second = Recorder(land), Recorder(land)
