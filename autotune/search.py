@@ -158,7 +158,11 @@ def _measure(measure: Measure, config: Config) -> Measurement:
 
 def _enqueue_seeds(study: optuna.Study, space: Space, seeds: Iterable[Mapping[str, Any]],
                    view: _View) -> None:
-    queued = set(view.keys)
+    """Queues the legal ``seeds`` not measured, being measured or queued (by an earlier run:
+    a resume, or another worker joining, would queue them again)."""
+    waiting = study._get_trials(deepcopy=False, states=(TrialState.WAITING,), use_cache=False)
+    fixed = [t.system_attrs.get("fixed_params", {}) for t in waiting]
+    queued = set(view.keys) | {space.key(f) for f in fixed if f.keys() >= set(space.names)}
     for seed in seeds:
         missing = [n for n in space.names if n not in seed]
         if missing:

@@ -165,6 +165,20 @@ def test_a_study_of_other_parameters_is_refused_before_anything_is_written(land,
     assert [t.state for t in after.trials] == [t.state for t in before.trials]
 
 
+def test_resumes_queue_each_warm_start_seed_once(land, tmp_path):
+    """More seeds than the budget, resumed three times: the seeds not yet measured stay queued
+    once, not once more per resume (each copy a wasted claim later)."""
+    url = f"sqlite:///{tmp_path / 'seeds.db'}"
+    seeds = [land.space.config(dict(zip(land.space.names, key, strict=True)))
+             for key in list(land.records)[:4]]
+    for _ in range(3):
+        search(land.space, land.measure, storage=url, study_name="seeds", trials=2, seed=0,
+               seeds=seeds)
+    states = [t.state for t in optuna.load_study(study_name="seeds", storage=url).trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 2
+    assert states.count(optuna.trial.TrialState.WAITING) == 2
+
+
 def test_resumed_study_measures_only_new_configs(land, tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     first, second = Recorder(land), Recorder(land)
