@@ -45,6 +45,11 @@ class TuneProgress:
         if self._progress is not None:
             self._progress.stop()
 
+    def on_start(self, measured: int) -> None:
+        self.measured = measured  # the bar counts the study-wide budget, as --trials does
+        if self._progress is not None:
+            self._progress.update(self._task, completed=measured)
+
     def on_trial(self, result: TrialResult, best: TrialResult | None,
                  default_ms: float | None) -> None:
         self.measured += 1

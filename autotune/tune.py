@@ -20,7 +20,7 @@ from autotune.peaks import device_roofline
 from autotune.samplers import SamplerName
 from autotune.search import SearchResult, search
 from autotune.searchspace import Space
-from autotune.trials import NOT_MEASURED, OK, TrialResult
+from autotune.trials import NOT_MEASURED, OK, TrialResult, is_measurement, trial_status
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.resolve import installed_versions
@@ -182,6 +182,10 @@ class TuneInterrupted(KeyboardInterrupt):
 class TuneObserver(Protocol):
     """What a progress display gets told while a problem is tuned."""
 
+    def on_start(self, measured: int) -> None:
+        """The search starts with ``measured`` configs of the study already measured (by
+        earlier runs of a resumed study, or other workers)."""
+
     def on_trial(self, result: TrialResult, best: TrialResult | None,
                  default_ms: float | None) -> None: ...
 
@@ -234,10 +238,26 @@ class TuneJob:
             self.observer.on_trial(result, best,
                                    self._default_ms[0] if self._default_ms else None)
 
+    def measured(self) -> int:
+        """The study-wide number of measured configs (0 before the study exists); notes the
+        default's time when an earlier run measured it (the display's "x vs default")."""
+        try:
+            study_id = self.storage.get_study_id_from_name(self.name)
+        except KeyError:
+            return 0
+        trials = [t for t in self.storage.get_all_trials(study_id, deepcopy=False)
+                  if is_measurement(t)]
+        if not self._default_ms:
+            self._default_ms += [t.value for t in trials if t.params == self._default_params
+                                 and trial_status(t) == OK][:1]
+        return len(trials)
+
     def search(self) -> SearchResult:
         options = self.options
         if self.space is None:
             return SearchResult(self.name, None, 0, [], [], NOTHING_TO_SEARCH, 0.0)
+        if self.observer:
+            self.observer.on_start(self.measured())
         return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
                       of={"problem": self.problem.to_dict(), "kernel": self.kernel.name,
                           "kernel_version": self.kernel.version,

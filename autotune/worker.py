@@ -32,7 +32,6 @@ from autotune.trials import TrialResult
 from autotune.tune import NothingToPublish, TuneJob, TuneOptions
 from kernel import ConfigError, Problem
 from storage import Store
-from storage.studies import is_measurement
 
 
 class _Events:
@@ -51,20 +50,14 @@ class _Events:
         self.emit("trial", record=trial_record(self.problem, result),
                   best_ms=best.value if best is not None else None)
 
+    def on_start(self, measured: int) -> None:  # the parent counts from the "study" event
+        pass
+
     def on_phase(self, phase: str) -> None:
         self.emit("phase", phase=phase)
 
     def on_notice(self, message: str) -> None:
         self.emit("notice", message=message)
-
-
-def _measured(job: TuneJob) -> int:
-    """The study-wide number of measured configs of ``job``'s study (0 before it exists)."""
-    try:
-        study_id = job.storage.get_study_id_from_name(job.name)
-    except KeyError:
-        return 0
-    return sum(map(is_measurement, job.storage.get_all_trials(study_id, deepcopy=False)))
 
 
 def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
@@ -83,7 +76,7 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
                     events.problem = Problem.from_dict(command["search"])
                     job = TuneJob(events.problem, store, spec["db_url"], options, events,
                                   spec["kernel"])
-                    events.emit("study", study=job.name, measured=_measured(job),
+                    events.emit("study", study=job.name, measured=job.measured(),
                                 worker=worker_name())
                     searched = job.search()
                     events.emit("searched", stop_reason=searched.stop_reason)

@@ -295,6 +295,23 @@ def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
     assert study.user_attrs["confirmation"] == confirmed
 
 
+def test_the_progress_counts_the_study_wide_budget_on_a_resume(tmp_path: Path) -> None:
+    """``--trials`` is study-wide, so the bar's count is too: a resume to 3 of a study that
+    measured 2 ends at 3 of 3, not 1 of 3."""
+    from autotune.progress import TuneProgress
+    from autotune.tune import TuneOptions, tune
+    from storage import upgrade
+
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    with Store(db) as store:
+        for trials in (2, 3):
+            with TuneProgress(TINY, trials) as progress:
+                summary = tune(TINY, store, db, TuneOptions(trials=trials), observer=progress,
+                               kernel_name="flash")
+            assert progress.measured == summary.measured == trials
+
+
 def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:
     """An unknown method, and ``profile`` of our kernel in interpret mode (its trace holds no
     flash_fwd event): exit 2 with the way out, and nothing published."""
