@@ -53,6 +53,18 @@ def test_a_missing_sqlite_file_is_refused_without_being_created(tmp_path: Path) 
     assert not path.exists()
 
 
+def test_a_missing_directory_is_named_with_its_fix(tmp_path: Path) -> None:
+    """A database file in a directory that does not exist: the error says to create the
+    directory (``db upgrade`` alone fails there too: "unable to open database file")."""
+    path = tmp_path / "no-such-dir" / "autotune.db"
+    url = f"sqlite:///{path}"
+    assert_clean_failure(run_cli("export", "-o", str(tmp_path / "out.json"), "--db", url,
+                                 timeout=60),
+                         f"the directory of database file {path} does not exist",
+                         f"mkdir -p {path.parent}")
+    assert not path.parent.exists()
+
+
 def test_a_schema_newer_than_this_version_is_named(sqlite_db_url: str) -> None:
     with Store(sqlite_db_url) as store, store.engine.begin() as connection:
         connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = 'f00d0099'"))
