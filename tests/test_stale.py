@@ -124,3 +124,24 @@ def test_stale_leaves_out_other_kernel_versions_and_lists_each_problem_once(
     assert "left out: 1 stale config(s) of other kernel versions" in result.stdout
     assert load_shapes(tmp_path / "stale-flash-cpu.json") == [problem]
     assert "re-tune the 1 stale flash config(s)" in result.stdout
+
+
+def test_device_kinds_of_the_same_words_get_a_shapes_file_each(sqlite_db_url: str,
+                                                               tmp_path: Path) -> None:
+    """"TPU v5 lite" and "TPU v5-lite" are two device kinds with the same words: each gets its
+    own shapes file, holding its own problems (one overwrote the other, and both commands
+    named the one file)."""
+    old = {**INSTALLED, "jax_version": "0.4.1"}
+    problems = {"TPU v5 lite": _problem(256), "TPU v5-lite": _problem(512)}
+    with Store(sqlite_db_url) as store:
+        for kind, problem in problems.items():
+            store.publish(TunedResult(device_kind=kind, problem=problem, median_ms=1.0,
+                                      config=default_config(problem), **old))
+    result = run_cli("stale", "--db", sqlite_db_url, "--output-dir", str(tmp_path),
+                     env={"COLUMNS": "250"})
+    assert result.returncode == 0, result.stderr
+    files = sorted(tmp_path.glob("stale-flash-*.json"))
+    assert len(files) == 2, files
+    assert sorted(load_shapes(f)[0].q_len for f in files) == [256, 512]
+    for f in files:
+        assert f"--shapes {f} " in result.stdout

@@ -3,6 +3,7 @@ the installed ones, and the commands that re-tune them."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
@@ -15,9 +16,16 @@ from autotune.commands.db import DbOption, database_errors, open_store
 from kernel import Problem, get_kernel, kernel_names
 
 
-def shapes_file_name(kernel: str, device_kind: str) -> str:
-    """``stale-<kernel>-<device kind>.json``, the device kind in lower-case words."""
-    return f"stale-{kernel}-{re.sub(r'[^a-z0-9]+', '-', device_kind.lower()).strip('-')}.json"
+def shapes_file_name(kernel: str, device_kind: str, taken: set[str]) -> str:
+    """``stale-<kernel>-<device kind>.json``, the device kind in lower-case words, made unique
+    among the names in ``taken`` by a hash of the exact device kind ("TPU v5 lite" and
+    "TPU v5-lite" are two kinds; one of no ASCII letters or digits has no words)."""
+    words = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+    name = f"stale-{kernel}-{words}.json"
+    if not words or name in taken:
+        digest = hashlib.sha1(device_kind.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        name = f"stale-{kernel}-{words + '-' if words else ''}{digest}.json"
+    return name
 
 
 def stale(
@@ -73,8 +81,10 @@ def stale(
     console.print(table)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
+        names: set[str] = set()
         for (kernel, device_kind), problems in groups.items():
-            path = output_dir / shapes_file_name(kernel, device_kind)
+            names.add(name := shapes_file_name(kernel, device_kind, names))
+            path = output_dir / name
             path.write_text(json.dumps([p.to_dict() for p in problems], indent=2) + "\n")
             command = shlex.join(["autotune", "tune", "--kernel", kernel, "--shapes", str(path),
                                   "--force", "--db", url])
