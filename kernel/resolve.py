@@ -355,6 +355,9 @@ class Resolver:
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:
+        if not kernel.space_params(problem):  # xla: its one config, nothing to look up or warn
+            return Resolution(kernel.default_config(problem, target), "default",
+                              "no tunable fields")
         reasons = []
         chosen = self._choice_configs.get((kernel.name, device_kind, problem))
         if chosen is not None:

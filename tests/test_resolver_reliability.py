@@ -110,6 +110,18 @@ def test_any_service_failure_falls_back_within_the_deadline(name, service, caplo
     assert resolver.service_requests == 1
 
 
+def test_a_kernel_without_tunable_fields_asks_nothing_and_warns_nothing(service, caplog):
+    """xla has one config: resolving it asks no service and logs no "using the default"
+    warning (noise on every new shape of a model whose table chose xla)."""
+    resolver = Resolver(ResolverSettings(url=service(_http(OK_BODY)), timeout_s=2))
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    resolution = resolver.resolve(PROBLEM, "cpu", "xla", CPU)
+    assert resolution.config == kernel.get_kernel("xla").default_config(PROBLEM)
+    assert (resolution.source, resolution.detail) == ("default", "no tunable fields")
+    assert resolver.service_requests == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_block_beyond_any_float_falls_back_on_a_tpu_target(service):
     """The VMEM estimate of a TPU target computes with the blocks: one past a float's range
     is refused as a bad answer before it gets there."""
