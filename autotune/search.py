@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -54,6 +55,7 @@ from kernel import AutotuneError
 from storage.studies import get_storage
 
 _CLAIM_WAIT_S = 2.0  # longest wait for an earlier trial's params to be written
+PROCESS_ATTR = "process"  # a claim's process (process_identity), to tell whether it is gone
 _INTERRUPTED = "interrupted"  # status of this worker's claims given back on Ctrl-C
 
 
@@ -231,7 +233,8 @@ def search(
             f"one ({', '.join(space.names)}); name another study (--study), or leave --study "
             "out for the default name")
     _claim_study(study, of or {})
-    _release_dead_claims(study)
+    process = process_identity()
+    _release_dead_claims(study, process)
     worker = worker_name()
     start = time.perf_counter()
     measure_total = 0.0
@@ -259,7 +262,9 @@ def search(
             warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
             trial = study.ask(distributions)
             own_claims.add(trial.number)
-            trial.set_user_attr("worker", worker)  # so release_claims finds it if we die
+            if process is not None:  # first: what release_claims and a rerun go by
+                trial.set_user_attr(PROCESS_ATTR, process)
+            trial.set_user_attr("worker", worker)
             if beats:
                 optuna_storage.record_heartbeat(trial._trial_id)
         return trial
@@ -342,7 +347,9 @@ def search(
             measure_s = time.perf_counter() - t0
             measure_total += measure_s
             with _interrupt_deferred():  # as in claim()
-                _record(study, trial, measurement, measure_s, worker)
+                recorded = _record(study, trial, measurement, measure_s, worker)
+            if not recorded:  # another worker took the claim for a dead one's and failed it
+                continue
             result = TrialResult(trial.number, config, measurement, measure_s)
             own.append(result)
             if on_trial is not None:
@@ -477,41 +484,56 @@ def worker_name(pid: int | None = None) -> str:
     return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
 
 
-def release_claims(storage: BaseStorage, study_name: str, worker: str) -> int:
-    """Fails (status ``orphan``) the RUNNING trials ``worker`` claimed, after its process died:
-    their configs and budget slots go back to the study at once, not after the heartbeat's
-    grace period. Returns how many were released."""
+def process_identity(pid: int | None = None) -> str | None:
+    """The process ``pid`` (default: this one) as ``boot:pid namespace:pid:start time``,
+    unique where ``worker_name`` is not: across containers that share a hostname (host
+    networking; each counts its pids from 1), reboots and reused pids. None where ``/proc``
+    does not say (not Linux, or no such process)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    start = stat.rpartition(")")[2].split()[19]  # field 22, counted after the command's name
+    return f"{boot}:{namespace}:{pid}:{start}"
+
+
+def release_claims(storage: BaseStorage, study_name: str, worker: str,
+                   process: str | None) -> int:
+    """Fails (status ``orphan``) the RUNNING trials a process claimed, after it died: those of
+    ``process`` (:func:`process_identity`), or where ``/proc`` gave none, of ``worker``
+    (:func:`worker_name`). Their configs and budget slots go back to the study at once, not
+    after the heartbeat's grace period. Returns how many."""
     try:
         study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:
         return 0
+    attr, value = (PROCESS_ATTR, process) if process else ("worker", worker)
     mine = [t for t in study._get_trials(deepcopy=False, states=(TrialState.RUNNING,),
-                                         use_cache=False) if t.user_attrs.get("worker") == worker]
+                                         use_cache=False) if t.user_attrs.get(attr) == value]
     for t in mine:
         _fail(study, t._trial_id, "orphan")
     return len(mine)
 
 
-def _release_dead_claims(study: optuna.Study) -> None:
-    """Fails (status ``orphan``) the RUNNING trials of processes of this host that are gone
-    (killed by SIGTERM or SIGKILL, which leave no time to give claims back), so that a rerun
-    measures their configs and fills the budget at once, not after the heartbeat's grace
-    period."""
-    host = socket.gethostname()
+def _release_dead_claims(study: optuna.Study, process: str | None) -> None:
+    """Fails (status ``orphan``) the RUNNING trials of gone processes that ran on this
+    machine's boot and in this process's pid namespace, where their pids can be checked
+    (``process``: ours, :func:`process_identity`): a run killed by SIGTERM or SIGKILL had no
+    time to give its claims back, and its rerun measures their configs and fills the budget at
+    once. A claim of another container or machine is left to the heartbeat's grace period: its
+    process cannot be seen from here."""
+    if process is None:
+        return
+    here = process.split(":")[:2]
     for t in study._get_trials(deepcopy=False, states=(TrialState.RUNNING,), use_cache=False):
-        worker_host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-        if worker_host == host and pid.isdigit() and not _alive(int(pid)):
+        claimed = t.user_attrs.get(PROCESS_ATTR)
+        parts = claimed.split(":") if isinstance(claimed, str) else []
+        if len(parts) == 4 and parts[:2] == here and parts[2].isdigit() \
+                and process_identity(int(parts[2])) != claimed:
             _fail(study, t._trial_id, "orphan")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _fail_orphans(study: optuna.Study, orphans: list[FrozenTrial], names: set[str],
@@ -563,13 +585,20 @@ def _drop(study: optuna.Study, trial: optuna.Trial, status: str) -> None:
 
 
 def _record(study: optuna.Study, trial: optuna.Trial, measurement: Measurement,
-            measure_s: float, worker: str) -> None:
-    trial.set_user_attr("status", measurement.status)
-    trial.set_user_attr("measure_s", round(measure_s, 6))
-    trial.set_user_attr("worker", worker)
-    for name, value in measurement.attrs.items():
-        trial.set_user_attr(name, value)
-    if measurement.ok:
-        study.tell(trial, measurement.value)
-    else:
-        study.tell(trial, state=TrialState.PRUNED)
+            measure_s: float, worker: str) -> bool:
+    """Writes the measurement on its trial; False when the trial was failed meanwhile (a
+    worker that could not see this process took it for a dead one's: its config is free for
+    a new claim, and this result is dropped rather than ending the search)."""
+    try:
+        trial.set_user_attr("status", measurement.status)
+        trial.set_user_attr("measure_s", round(measure_s, 6))
+        trial.set_user_attr("worker", worker)
+        for name, value in measurement.attrs.items():
+            trial.set_user_attr(name, value)
+        if measurement.ok:
+            study.tell(trial, measurement.value)
+        else:
+            study.tell(trial, state=TrialState.PRUNED)
+    except UpdateFinishedTrialError:
+        return False
+    return True

@@ -26,7 +26,7 @@ import sys
 from typing import Any, TextIO
 
 from autotune.progress import trial_record
-from autotune.search import SearchResult, StudyMismatchError, worker_name
+from autotune.search import SearchResult, StudyMismatchError, process_identity, worker_name
 from autotune.timing import TimingError
 from autotune.trials import TrialResult
 from autotune.tune import NothingToPublish, TuneJob, TuneOptions
@@ -77,7 +77,7 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
                     job = TuneJob(events.problem, store, spec["db_url"], options, events,
                                   spec["kernel"])
                     events.emit("study", study=job.name, measured=job.measured(),
-                                worker=worker_name())
+                                worker=worker_name(), process=process_identity())
                     searched = job.search()
                     events.emit("searched", stop_reason=searched.stop_reason)
                 elif "publish" in command and job is not None and searched is not None:

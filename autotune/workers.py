@@ -52,6 +52,7 @@ class _Worker:
     device: int
     process: subprocess.Popen
     name: str = ""  # the ``worker`` attr of its trials, from its first event
+    identity: str | None = None  # their ``process`` attr (autotune.search.process_identity)
     task: _Problem | None = None
     phase: str = "starting"
     stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))
@@ -159,7 +160,8 @@ class WorkerPool:
     def _handle(self, worker: _Worker, event: dict[str, Any]) -> None:
         kind, task = event["event"], worker.task
         if kind == "study":
-            worker.name, task.study = event["worker"], event["study"]
+            worker.name, worker.identity = event["worker"], event.get("process")
+            task.study = event["study"]
             task.measured = max(task.measured, event["measured"])
         elif kind == "trial":
             task.measured += 1
@@ -221,7 +223,8 @@ class WorkerPool:
 
         if not (task.study and worker.name):
             return 0
-        return release_claims(get_storage(self.db_url), task.study, worker.name)
+        return release_claims(get_storage(self.db_url), task.study, worker.name,
+                              worker.identity)
 
     def _say(self, message: str) -> None:
         console = self.progress.console if self.progress is not None else Console(stderr=True)

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import optuna
@@ -416,6 +417,50 @@ def test_two_processes_share_one_sqlite_study_without_locks_or_duplicates(land, 
     measured = [t for t in optuna.load_study(study_name="shared", storage=url).trials
                 if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(measured) == 30
+
+
+SLOW_WORKER = textwrap.dedent("""
+    import json, sys, time
+    import optuna
+    from autotune.search import search
+    from autotune.searchspace import Space
+    from autotune.trials import Measurement
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    def measure(config):
+        time.sleep(float(sys.argv[2]))
+        return Measurement(1.0 + config["x"])
+    result = search(Space({"x": list(range(8))}), measure, storage=sys.argv[1],
+                    study_name="shared", trials=4, seed=int(sys.argv[3]))
+    print(json.dumps({"measured": result.measured}))
+""")
+
+
+def test_a_worker_in_another_pid_namespace_leaves_a_live_claim_alone(tmp_path):
+    """Two containers of one hostname (host networking) share a study: each counts its pids
+    from 1, so a claim's pid says nothing in the other. The second must not take the first's
+    live claim for a dead process's (the first then crashed writing its measurement)."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    optuna.create_study(storage=url, study_name="shared")
+    first = subprocess.Popen([sys.executable, "-c", SLOW_WORKER, url, "4", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    study = optuna.load_study(study_name="shared", storage=url)
+    deadline = time.monotonic() + 60
+    while not study.get_trials(states=(optuna.trial.TrialState.RUNNING,)):
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.1)
+    isolated = ["unshare", "--pid", "--fork", "--mount-proc"]
+    probe = subprocess.run([*isolated, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        first.kill()
+        pytest.skip(f"cannot start a pid namespace here (needs root): {probe.stderr.strip()}")
+    second = subprocess.run([*isolated, sys.executable, "-c", SLOW_WORKER, url, "0", "2"],
+                            capture_output=True, text=True, timeout=120)
+    out, err = first.communicate(timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert first.returncode == 0, err
+    statuses = [t.user_attrs.get("status") for t in
+                optuna.load_study(study_name="shared", storage=url).trials]
+    assert "orphan" not in statuses, statuses
 
 
 def test_measurement_rejects_inconsistent_outcomes():
