@@ -294,6 +294,10 @@ def search(
             if reason:
                 return reason
             if legal is not None and legal <= view.keys:  # every legal config taken
+                # The marker a landscape export looks for, as the dropped claim below; added,
+                # not asked, since asking would ask the sampler first.
+                study.add_trial(optuna.trial.create_trial(
+                    state=TrialState.FAIL, user_attrs={"status": "exhausted"}))
                 return "exhausted"
             trial = ask()
             config = space.config(trial.params)
