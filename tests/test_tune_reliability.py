@@ -119,13 +119,16 @@ def test_a_kill_mid_study_then_a_rerun_resumes_and_fills_the_budget(
         config_key(t) for t in before.values())
     # The killed job's claims (the config it was measuring, and the next one it had claimed to
     # compile ahead) stayed RUNNING; their process is gone, so the rerun gave them back
-    # (``orphan``) and measured in their place, up to the budget. A claim killed inside
-    # Optuna's ``ask``, before its params were written, holds no config and no slot: it stays
-    # RUNNING until the heartbeat's grace period.
+    # (``orphan``) and measured in their place. Only a claim killed while it was being
+    # created, before its ``process`` attr was written, cannot be told from a live one: it
+    # stays RUNNING until the heartbeat's grace period, holding its config and slot if its
+    # params were written.
     running = optuna.load_study(study_name=study, storage=db).get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    assert not [t for t in running if t.params], running
-    assert len(after) == trials
+    assert not [t for t in running if "process" in t.user_attrs], running
+    held = [t for t in running if t.params]
+    assert not {config_key(t) for t in held} & set(keys)
+    assert len(after) + len(held) == trials
     [summary] = summaries(rerun.stdout)
     assert summary["study"] == study and summary["measured"] == len(after)
 
