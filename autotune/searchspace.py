@@ -128,5 +128,8 @@ class Space:
             config = {name: rng.choice(values) for name, values in self._values.items()}
             if self.key(config) not in taken and self.is_legal(config):
                 return config
-        left = [c for c in self.configs() if self.key(c) not in taken and self.is_legal(c)]
+        legal = self.legal_configs()
+        if legal is None:  # too many to list once: one pass over the combinations
+            legal = [c for c in self.configs() if self.is_legal(c)]
+        left = [c for c in legal if self.key(c) not in taken]
         return rng.choice(left) if left else None

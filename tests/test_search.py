@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import sqlite3
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from autotune.landscape import load_landscape
 from autotune.samplers.engine import RESTART_AFTER, EngineSampler
 from autotune.search import search
-from autotune.searchspace import Space
+from autotune.searchspace import _RANDOM_TRIES, Space
 from autotune.trials import Measurement
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -121,6 +122,20 @@ def test_a_budget_beyond_the_legal_configs_stops_once_all_are_measured(sampler, 
                     sampler=sampler, trials=50, seed=0)
     assert result.stop_reason == "exhausted" and result.measured == 8
     assert len(optuna.load_study(study_name="small", storage=url).trials) < 200
+
+
+def test_a_sparse_space_lists_its_legal_configs_once_for_all_random_picks():
+    """Three legal configs in 10k: rejection sampling finds none, so the legal set is listed,
+    once, and later picks (and the forest's candidates) reuse it instead of testing every
+    combination again."""
+    legal, tests = {(3, 7), (50, 2), (99, 99)}, []
+    space = Space({"a": list(range(100)), "b": list(range(100))},
+                  lambda c: tests.append(1) or (c["a"], c["b"]) in legal)
+    rng, taken = random.Random(0), set()
+    for _ in legal:
+        taken.add(space.key(space.random_legal(rng, taken)))
+    assert taken == legal and space.random_legal(rng, taken) is None
+    assert len(tests) <= 4 * _RANDOM_TRIES + space.size
 
 
 def test_patience_stops_after_that_many_measurements_without_improvement():
@@ -423,7 +438,7 @@ SLOW_WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna
     from autotune.search import search
-    from autotune.searchspace import Space
+    from autotune.searchspace import _RANDOM_TRIES, Space
     from autotune.trials import Measurement
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     def measure(config):
