@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import jax
 import optuna
+from optuna.trial import FrozenTrial
 
 from autotune.measure import Config, Measurer, Timing
 from autotune.peaks import device_roofline
@@ -238,26 +239,29 @@ class TuneJob:
             self.observer.on_trial(result, best,
                                    self._default_ms[0] if self._default_ms else None)
 
-    def measured(self) -> int:
-        """The study-wide number of measured configs (0 before the study exists); notes the
-        default's time when an earlier run measured it (the display's "x vs default")."""
+    def _measurements(self) -> list[FrozenTrial]:
+        """The study's measured trials, of every run ([] before the study exists)."""
         try:
             study_id = self.storage.get_study_id_from_name(self.name)
         except KeyError:
-            return 0
-        trials = [t for t in self.storage.get_all_trials(study_id, deepcopy=False)
-                  if is_measurement(t)]
-        if not self._default_ms:
-            self._default_ms += [t.value for t in trials if t.params == self._default_params
-                                 and trial_status(t) == OK][:1]
-        return len(trials)
+            return []
+        return [t for t in self.storage.get_all_trials(study_id, deepcopy=False)
+                if is_measurement(t)]
+
+    def measured(self) -> int:
+        """The study-wide number of measured configs (0 before the study exists)."""
+        return len(self._measurements())
 
     def search(self) -> SearchResult:
         options = self.options
         if self.space is None:
             return SearchResult(self.name, None, 0, [], [], NOTHING_TO_SEARCH, 0.0)
+        trials = self._measurements()
+        if not self._default_ms:  # an earlier run measured the default: "x vs default" uses it
+            self._default_ms += [t.value for t in trials if t.params == self._default_params
+                                 and trial_status(t) == OK][:1]
         if self.observer:
-            self.observer.on_start(self.measured())
+            self.observer.on_start(len(trials))
         return search(self.space, self.measurer, storage=self.storage, study_name=self.name,
                       of={"problem": self.problem.to_dict(), "kernel": self.kernel.name,
                           "kernel_version": self.kernel.version,

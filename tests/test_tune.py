@@ -297,19 +297,31 @@ def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
 
 def test_the_progress_counts_the_study_wide_budget_on_a_resume(tmp_path: Path) -> None:
     """``--trials`` is study-wide, so the bar's count is too: a resume to 3 of a study that
-    measured 2 ends at 3 of 3, not 1 of 3."""
+    measured 2 ends at 3 of 3, not 1 of 3. Its "x vs default" uses the default's time the
+    first run measured, which the resume does not measure again."""
     from autotune.progress import TuneProgress
     from autotune.tune import TuneOptions, tune
     from storage import upgrade
 
+    class Recording(TuneProgress):
+        def on_trial(self, result, best, default_ms) -> None:  # noqa: ANN001
+            self.defaults.append(default_ms)
+            super().on_trial(result, best, default_ms)
+
     db = f"sqlite:///{tmp_path / 'tune.db'}"
     upgrade(db)
+    runs = []
     with Store(db) as store:
         for trials in (2, 3):
-            with TuneProgress(TINY, trials) as progress:
+            with Recording(TINY, trials) as progress:
+                progress.defaults = []
                 summary = tune(TINY, store, db, TuneOptions(trials=trials), observer=progress,
                                kernel_name="flash")
             assert progress.measured == summary.measured == trials
+            runs.append(progress.defaults)
+    first, resume = runs
+    assert len(first) == 2 and len(resume) == 1
+    assert first[0] is not None and resume == [first[0]]
 
 
 def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:
