@@ -438,7 +438,7 @@ SLOW_WORKER = textwrap.dedent("""
     import json, sys, time
     import optuna
     from autotune.search import search
-    from autotune.searchspace import _RANDOM_TRIES, Space
+    from autotune.searchspace import Space
     from autotune.trials import Measurement
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     def measure(config):
