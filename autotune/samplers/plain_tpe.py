@@ -16,7 +16,8 @@ STALL = 2000  # consecutive free proposals after which plain TPE counts as stuck
 class PlainTPEView:
     """Plain TPE as it would run on this study, kept in this worker's memory.
 
-    Optuna's ``TPESampler`` (independent, default settings) asks in a private in-memory study.
+    Optuna's ``TPESampler`` (default settings: multivariate for one objective from Optuna 5 on,
+    independent per parameter before) asks in a private in-memory study.
     A proposal that is illegal is told there as pruned, one already measured is told its
     measured outcome, one being measured elsewhere is failed (TPE ignores failed trials), and
     TPE is asked again: all of that is free, no real trial and no measurement. The first fresh
