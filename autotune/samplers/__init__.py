@@ -7,17 +7,17 @@
   (:mod:`autotune.samplers.plain_tpe`). The other two are the untaken legal config of lowest
   confidence bound under a random forest fitted to the measurements
   (:mod:`autotune.samplers.forest`): it exploits interactions (tile x vector width, flags that
-  only pay together) that TPE's densities model poorly (Optuna 4's are per parameter; Optuna
-  5's default multivariate TPE, which the view gets, still misses the conjunctions of the
-  convolution landscapes), while TPE keeps exploring. The mix was chosen on the measured
-  landscapes (bench/search.py, 20 seeds): forest-only and half-forest searches stall in the
-  deceptive plateaus of the convolution landscapes (a flag whose typical configs are slow but
-  whose best config is the optimum), a third of forest picks is too few to help on gemm; two in five
-  did best overall. When ``RESTART_AFTER`` measured configs in a row bring no new best, the best
-  config since the last restart is polished to a local optimum (its one-step neighbours measured,
-  sizes also doubled and halved) and TPE's view starts afresh (its densities had settled in one
-  basin), and warm-start seeds are measured first but modelled by neither TPE nor the forest
-  (:class:`autotune.samplers.engine.EngineSampler`).
+  only pay together) that TPE's densities model poorly (per parameter up to Optuna 4; Optuna 5's
+  default, multivariate, still stalls in the convolution landscapes' plateaus: plain TPE in
+  bench/search.py), while TPE keeps exploring. The mix was chosen on the measured landscapes
+  (bench/search.py, 20 seeds): forest-only and half-forest searches stall in the deceptive
+  plateaus of the convolution landscapes (a flag whose typical configs are slow but whose best
+  config is the optimum), a third of forest picks is too few to help on gemm; two in five did
+  best overall. When ``RESTART_AFTER`` measured configs in a row bring no new best, the best
+  config since the last restart is polished to a local optimum (its one-step neighbours
+  measured, sizes also doubled and halved) and TPE's view starts afresh (its densities had
+  settled in one basin), and warm-start seeds are measured first but modelled by neither TPE nor
+  the forest (:class:`autotune.samplers.engine.EngineSampler`).
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
 - ``plain-tpe``: the baseline, Optuna's ``TPESampler`` over one categorical per parameter; the
