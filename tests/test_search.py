@@ -11,13 +11,16 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import optuna
 import pytest
+from optuna.samplers import TPESampler
 
 from autotune.landscape import load_landscape
 from autotune.samplers.engine import RESTART_AFTER, EngineSampler
+from autotune.samplers.plain_tpe import PlainTPEView
 from autotune.search import search
 from autotune.searchspace import _RANDOM_TRIES, Space
 from autotune.trials import Measurement
@@ -516,6 +519,39 @@ def test_warm_seeds_are_a_hedge_the_search_after_them_is_the_cold_search(land):
     search(land.space, warm, trials=17, seeds=seeds, seed=3)
     assert warm.calls[:2] == cold.calls[-2:]
     assert warm.calls[2:] == cold.calls[:15]
+
+
+def test_tpe_view_is_multivariate_with_the_constant_liar_on_every_optuna_version():
+    """The searcher's TPE runs with Optuna 5's defaults, set explicitly: Optuna 4's defaults
+    (independent per parameter) make another, worse searcher (see PlainTPEView). On Optuna 5
+    the two are the same, so the sampler's own settings are asserted, and then that the view
+    asks exactly what that sampler asks in a plain study of the same objective."""
+    space = Space(PARAMS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no experimental-feature warning reaches the user
+        view = PlainTPEView(space, seed=0)
+    assert (view._study.sampler._multivariate, view._study.sampler._constant_liar) == (True, True)
+
+    def fresh_configs(sampler) -> list:
+        """The first 25 distinct configs a plain study of ``_time`` asks, repeats told."""
+        study, seen = optuna.create_study(sampler=sampler), []
+        while len(seen) < 25:
+            trial = study.ask(space.distributions)
+            key = space.key(trial.params)
+            study.tell(trial, _time(*key[:3]))
+            if key not in seen:
+                seen.append(key)
+        return seen
+
+    outcomes, asked = {}, []
+    for _ in range(25):
+        config = view.propose(outcomes, set(outcomes))
+        asked.append(space.key(config))
+        outcomes[asked[-1]] = _time(config["a"], config["b"], config["c"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna 4
+        assert asked == fresh_configs(TPESampler(seed=0, multivariate=True, constant_liar=True))
+        assert asked != fresh_configs(TPESampler(seed=0, multivariate=False))  # the choice shows
 
 
 def test_tpe_restarts_after_restart_after_measurements_without_a_new_best():

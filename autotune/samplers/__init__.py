@@ -2,13 +2,13 @@
 
 - ``tpe`` (default): our searcher, plain TPE's proposals made free plus a forest surrogate
   (:mod:`autotune.samplers.engine`). Three proposals in five are what Optuna's plain
-  ``TPESampler`` would ask next, but its illegal and already-measured proposals are answered in
-  memory (pruned, or the measured outcome) instead of costing a trial
+  ``TPESampler`` (Optuna 5's defaults) would ask next, but its illegal and already-measured
+  proposals are answered in memory (pruned, or the measured outcome) instead of costing a trial
   (:mod:`autotune.samplers.plain_tpe`). The other two are the untaken legal config of lowest
   confidence bound under a random forest fitted to the measurements
   (:mod:`autotune.samplers.forest`): it exploits interactions (tile x vector width, flags that
-  only pay together) that TPE's densities model poorly (per parameter up to Optuna 4; Optuna 5's
-  default, multivariate, still stalls in the convolution landscapes' plateaus: plain TPE in
+  only pay together) that TPE's densities model poorly (TPE here is multivariate on every
+  Optuna, and still stalls in the convolution landscapes' plateaus: plain TPE in
   bench/search.py), while TPE keeps exploring. The mix was chosen on the measured landscapes
   (bench/search.py, 20 seeds): forest-only and half-forest searches stall in the deceptive
   plateaus of the convolution landscapes (a flag whose typical configs are slow but whose best
@@ -20,9 +20,9 @@
   the forest (:class:`autotune.samplers.engine.EngineSampler`).
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
-- ``plain-tpe``: the baseline, Optuna's ``TPESampler`` over one categorical per parameter; the
-  search tells an illegal proposal as pruned and answers a repeated one from the study, both
-  free.
+- ``plain-tpe``: the baseline, Optuna's ``TPESampler`` with the installed Optuna's defaults
+  over one categorical per parameter; the search tells an illegal proposal as pruned and
+  answers a repeated one from the study, both free.
 """
 
 from __future__ import annotations
