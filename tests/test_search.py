@@ -19,6 +19,7 @@ import pytest
 from optuna.samplers import TPESampler
 
 from autotune.landscape import load_landscape
+from autotune.samplers import create_sampler
 from autotune.samplers.engine import RESTART_AFTER, EngineSampler
 from autotune.samplers.plain_tpe import PlainTPEView
 from autotune.search import search
@@ -522,15 +523,17 @@ def test_warm_seeds_are_a_hedge_the_search_after_them_is_the_cold_search(land):
 
 
 def test_tpe_view_is_multivariate_with_the_constant_liar_on_every_optuna_version():
-    """The searcher's TPE runs with Optuna 5's defaults, set explicitly: Optuna 4's defaults
-    (independent per parameter) make another, worse searcher (see PlainTPEView). On Optuna 5
-    the two are the same, so the sampler's own settings are asserted, and then that the view
-    asks exactly what that sampler asks in a plain study of the same objective."""
+    """The searcher's TPE and the plain-TPE baseline run with Optuna 5's defaults, set
+    explicitly: Optuna 4's defaults (independent per parameter) make another, worse searcher
+    (see tpe_sampler). On Optuna 5 the two are the same, so the samplers' own settings are
+    asserted, and then that the view asks exactly what such a sampler asks in a plain study of
+    the same objective."""
     space = Space(PARAMS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no experimental-feature warning reaches the user
         view = PlainTPEView(space, seed=0)
-    assert (view._study.sampler._multivariate, view._study.sampler._constant_liar) == (True, True)
+    for sampler in (view._study.sampler, create_sampler("plain-tpe", space, 0)):  # and baseline
+        assert (sampler._multivariate, sampler._constant_liar) == (True, True)
 
     def fresh_configs(sampler) -> list:
         """The first 25 distinct configs a plain study of ``_time`` asks, repeats told."""

@@ -2,8 +2,8 @@
 
 - ``tpe`` (default): our searcher, plain TPE's proposals made free plus a forest surrogate
   (:mod:`autotune.samplers.engine`). Three proposals in five are what Optuna's plain
-  ``TPESampler`` (Optuna 5's defaults) would ask next, but its illegal and already-measured
-  proposals are answered in memory (pruned, or the measured outcome) instead of costing a trial
+  ``TPESampler`` would ask next, but its illegal and already-measured proposals are answered in
+  memory (pruned, or the measured outcome) instead of costing a trial
   (:mod:`autotune.samplers.plain_tpe`). The other two are the untaken legal config of lowest
   confidence bound under a random forest fitted to the measurements
   (:mod:`autotune.samplers.forest`): it exploits interactions (tile x vector width, flags that
@@ -20,18 +20,20 @@
   the forest (:class:`autotune.samplers.engine.EngineSampler`).
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
-- ``plain-tpe``: the baseline, Optuna's ``TPESampler`` with the installed Optuna's defaults
-  over one categorical per parameter; the search tells an illegal proposal as pruned and
-  answers a repeated one from the study, both free.
+- ``plain-tpe``: the baseline, Optuna's ``TPESampler`` with Optuna 5's defaults on every
+  Optuna (:func:`autotune.samplers.plain_tpe.tpe_sampler`) over one categorical per parameter;
+  the search tells an illegal proposal as pruned and answers a repeated one from the study,
+  both free.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from optuna.samplers import BaseSampler, TPESampler
+from optuna.samplers import BaseSampler
 
 from autotune.samplers.engine import EngineSampler
+from autotune.samplers.plain_tpe import tpe_sampler
 from autotune.searchspace import Space
 
 SamplerName = Literal["tpe", "random", "grid", "plain-tpe"]
@@ -41,7 +43,7 @@ SAMPLERS: tuple[str, ...] = ("tpe", "random", "grid", "plain-tpe")
 def create_sampler(name: str, space: Space, seed: int | None) -> BaseSampler:
     """The sampler ``name`` (one of :data:`SAMPLERS`) over ``space``."""
     if name == "plain-tpe":
-        return TPESampler(seed=seed)
+        return tpe_sampler(seed)
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
     return EngineSampler(space, name, seed)

@@ -14,15 +14,23 @@ from autotune.searchspace import Config, Key, Space
 STALL = 2000  # consecutive free proposals after which plain TPE counts as stuck
 
 
+def tpe_sampler(seed: int | None) -> TPESampler:
+    """Optuna's ``TPESampler`` with Optuna 5's defaults, set explicitly: multivariate, with the
+    constant liar. Optuna 4 defaults to independent per parameter without the liar, which is
+    another search: on Optuna 4.9 with those defaults, our searcher scored 49.340 against 49.886
+    in bench/search.py's summed median, mean and 10th percentile (six landscapes, 20 seeds;
+    convolution-A100 @50 median 0.668 against 0.875) and ran 40% longer. With these settings,
+    Optuna 4.9 reproduces Optuna 5's scores in every cell, for the searcher and for its
+    plain-TPE baseline."""
+    with warnings.catch_warnings():  # both settings are experimental before Optuna 5
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return TPESampler(seed=seed, multivariate=True, constant_liar=True)
+
+
 class PlainTPEView:
     """Plain TPE as it would run on this study, kept in this worker's memory.
 
-    Optuna's ``TPESampler`` asks in a private in-memory study, multivariate and with the
-    constant liar: Optuna 5's defaults, set here so that Optuna 4 (whose defaults are
-    independent per parameter, no liar) runs the searcher that was measured. Optuna 4.9 with
-    its defaults scored worse in bench/search.py's summed median, mean and 10th percentile
-    (49.340 against 49.886 on the six landscapes, 20 seeds; convolution-A100 @50 median 0.668
-    against 0.875) and took 40% longer; with these settings it reproduces Optuna 5 exactly.
+    Optuna's ``TPESampler`` (:func:`tpe_sampler`) asks in a private in-memory study.
     A proposal that is illegal is told there as pruned, one already measured is told its
     measured outcome, one being measured elsewhere is failed (TPE ignores failed trials), and
     TPE is asked again: all of that is free, no real trial and no measurement. The first fresh
@@ -37,10 +45,7 @@ class PlainTPEView:
         level = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study" line for a view
         try:
-            with warnings.catch_warnings():  # both are experimental before Optuna 5
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                sampler = TPESampler(seed=seed, multivariate=True, constant_liar=True)
-            self._study = optuna.create_study(direction="minimize", sampler=sampler)
+            self._study = optuna.create_study(direction="minimize", sampler=tpe_sampler(seed))
         finally:
             optuna.logging.set_verbosity(level)
         self._told: set[Key] = set(known)  # measured configs this view does not model
