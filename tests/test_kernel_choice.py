@@ -128,7 +128,10 @@ def test_a_traced_call_runs_the_chosen_kernel(tuned: tuple[str, dict[str, Any]],
     [(key, source)] = sources.items()
     assert key == (chosen, "cpu", SMALL)
     where = "in pinned table" if via == "table" else "from service"
-    assert source == f"{via}; kernel: chosen (exact choice {where})"
+    # The choice is timed: on a CPU, xla beats flash on some runs. xla has no tunable fields,
+    # so its one config is the default, whatever answered the choice.
+    config_source = "default" if chosen == "xla" else via
+    assert source == f"{config_source}; kernel: chosen (exact choice {where})"
 
 
 def _choice_table(tmp_path: Path, problem: Problem, kernel_name: str,
