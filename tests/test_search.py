@@ -541,7 +541,7 @@ def test_tpe_view_is_multivariate_with_the_constant_liar_on_every_optuna_version
         while len(seen) < 25:
             trial = study.ask(space.distributions)
             key = space.key(trial.params)
-            study.tell(trial, _time(*key[:3]))
+            study.tell(trial, _time(trial.params["a"], trial.params["b"], trial.params["c"]))
             if key not in seen:
                 seen.append(key)
         return seen
