@@ -635,7 +635,6 @@ def test_after_a_restart_the_search_polishes_the_best_config_of_the_new_basin():
     assert restarts[RESTART_AFTER] == 1
 
 
-
 def test_a_restarted_tpe_view_models_the_forest_picks_made_after_the_restart(monkeypatch):
     # The restart's new view starts empty but is told what the forest (fitted to the whole
     # history) measures from then on: a view that modelled only its own proposals lost
