@@ -403,12 +403,17 @@ def test_a_second_ctrl_c_during_the_release_still_gives_every_claim_back(land, t
 
 
 WORKER = textwrap.dedent("""
-    import json, sys, time
+    import json, pathlib, sys, time
     import optuna
     from autotune.landscape import load_landscape
     from autotune.search import search
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     land = load_landscape(sys.argv[1])
+    ready = pathlib.Path(sys.argv[4])  # both workers start searching once both have imported
+    (ready / sys.argv[3]).touch()
+    deadline = time.monotonic() + 60
+    while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     calls = []
     def measure(config):
         calls.append(list(land.key(config)))
@@ -424,7 +429,9 @@ def test_two_processes_share_one_sqlite_study_without_locks_or_duplicates(land, 
     path = write_landscape(tmp_path / "synthetic.json.gz")
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     optuna.create_study(storage=url, study_name="shared")  # both workers then load it
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(path), url, str(seed)],
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(path), url, str(seed), str(ready)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for seed in (1, 2)]
     outputs = [p.communicate(timeout=120) for p in procs]
