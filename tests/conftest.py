@@ -5,11 +5,14 @@ PostgreSQL database (on the server named by ``AUTOTUNE_TEST_POSTGRES_URL``, whic
 starts; without it the PostgreSQL case skips, or fails when ``CI`` is set).
 Servers: ``start_server`` runs the real ``autotune serve`` on a free loopback port; ``server``
 is one such server for the whole session, with a bearer token.
+Ctrl-C: the suite raises ``KeyboardInterrupt`` on SIGINT however it was started (see
+:func:`pytest_configure`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +48,15 @@ def problem_flags(problem: Problem) -> list[str]:
     flags = [f"--{name.replace('_', '-')}={fields[name]}" for name in
              ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype", "mode")]
     return [*flags, "--causal" if fields["causal"] else "--no-causal"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Restores Python's Ctrl-C handler where the suite's shell ignores SIGINT (a background job:
+    ``&`` in a script, nohup). The Ctrl-C tests send SIGINT to the suite and to ``autotune``
+    subprocesses; ignored, it would be lost and the search under test would run to its end.
+    The subprocesses inherit the default disposition and install the same handler."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # --- databases ---
