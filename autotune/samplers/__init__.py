@@ -17,7 +17,8 @@
   config since the last restart is polished to a local optimum (its one-step neighbours
   measured, sizes also doubled and halved) and TPE's view starts afresh (its densities had
   settled in one basin), and warm-start seeds are measured first but modelled by neither TPE nor
-  the forest (:class:`autotune.samplers.engine.EngineSampler`).
+  the forest (:class:`autotune.samplers.engine.EngineSampler`). Every variant of this mix that
+  was measured, with its figures and why it was kept or rejected: ``bench/searcher-variants.md``.
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
 - ``plain-tpe``: the baseline, Optuna's ``TPESampler`` with Optuna 5's defaults on every
