@@ -26,7 +26,14 @@ import jax
 import numpy as np
 
 from autotune.failures import Status, classify_compile_error
-from autotune.timing import TimingError, kernel_op_matcher, looped, profile_runs, timing_plan
+from autotune.timing import (
+    TimingError,
+    kernel_op_matcher,
+    looped,
+    profile_runs,
+    profiler_missing,
+    timing_plan,
+)
 from autotune.trials import Measurement
 from kernel import Problem, TunableKernel
 from kernel.aot import input_specs
@@ -121,6 +128,9 @@ class Measurer:
         self.method = "device" if self.device.platform in self.kernel.platforms else "interpret"
         self.timing, planned = timing_plan(self.timing, self.device.platform)
         self.fallback = self.fallback or planned
+        missing = profiler_missing() if self.timing == "profile" else None
+        if missing is not None:  # else every config would fail to time, as a runtime error
+            self._fall_back(missing)
         if self.build is None:
             self.build = self.kernel.build
         if self.tolerance is None:
@@ -251,7 +261,10 @@ class Measurer:
                                    kernel_op_matcher(program.compiled, program.kernel_names))
             if samples is not None:
                 return Timing(tuple(samples))
-            self._fall_back(program.kernel_names)
+            what = (f"named {', '.join(program.kernel_names)}" if program.kernel_names
+                    else "of the measured program")
+            self._fall_back(f"the profiler trace on {self.device.device_kind} holds no device "
+                            f"event {what}")
             return self.time(program, runs=runs)
         if self.timing == "loop":
             n = min(self.max_loop_runs, max(2, math.ceil(self.loop_sample_s / run_s)))
@@ -270,13 +283,9 @@ class Measurer:
                 break
         return Timing(tuple(samples))
 
-    def _fall_back(self, kernel_names: Sequence[str]) -> None:
-        """The profile holds no event of the kernel: switch to the fallback and say so once,
-        or (an explicit ``profile``) raise ``TimingError``."""
-        what = (f"named {', '.join(kernel_names)}" if kernel_names
-                else "of the measured program")
-        reason = (f"the profiler trace on {self.device.device_kind} holds no device event "
-                  f"{what}")
+    def _fall_back(self, reason: str) -> None:
+        """Profile timing cannot time the kernel (``reason``): switch to the fallback and say
+        so once, or (an explicit ``profile``) raise ``TimingError``."""
         if self.fallback is None:
             raise TimingError(f"profile timing cannot time kernel {self.kernel.name!r}: "
                               f"{reason}; use --timing loop or wallclock")

@@ -19,6 +19,7 @@ device event of the kernel, and ``wallclock`` on a CPU (:func:`timing_plan`).
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import json
 import re
 import tempfile
@@ -51,6 +52,14 @@ def timing_plan(requested: str, platform: str) -> tuple[str, str | None]:
     if requested != "auto":
         return requested, None
     return ("wallclock", None) if platform == "cpu" else ("profile", "loop")
+
+
+def profiler_missing() -> str | None:
+    """Why ``profile`` timing cannot run in this environment, or None: it reads the trace
+    with xprof, an install dependency that a hand-assembled environment can lack."""
+    if importlib.util.find_spec("xprof") is None:
+        return "xprof, which reads the profiler trace, is not installed (pip install xprof)"
+    return None
 
 
 def looped(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,18 +9,23 @@ reference before it is timed. Prints one line per mode and a JSON line with the 
 All three run in our layout ``[batch, heads, seq, head_dim]`` (the transposes to the kernels'
 ``[batch, seq, heads, head_dim]`` are part of every measured function).
 
-On a GPU machine (needs only jax with CUDA, numpy and optuna; the project need not be
-installed). Without network access, bring optuna and its dependencies as wheels: on a machine
-with network, from the repository root::
+On a GPU machine with jax and CUDA; the project need not be installed, but what its search
+imports must be: the ``tune`` extra's optuna, scikit-learn, SQLAlchemy, Alembic, pydantic and
+pydantic-settings (with python-dotenv), and its xprof, which reads the profiler trace for device
+timing (without it the run times with ``loop`` and says so). Without network access, bring the missing
+ones as wheels: on a machine with network, from the repository root::
 
     pip download --only-binary=:all: --python-version 3.12 \\
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        --dest .whl optuna
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+        --platform manylinux2014_x86_64 --dest .whl \\
+        optuna sqlalchemy alembic pydantic pydantic-settings python-dotenv xprof
 
-(``.whl/`` is ignored by git). Then on the GPU machine::
+(``.whl/`` is ignored by git; add ``--no-deps`` and name each missing dependency when the
+machine already has most of them: xprof's own dependencies are large). Then on the GPU
+machine::
 
-    python -m pip install --no-index --find-links .whl optuna
-    PYTHONPATH=. python bench/gpu_check.py                       # 4x16x4096x128 bf16 causal
+    python -m pip install --no-index --find-links .whl --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:. python bench/gpu_check.py             # 4x16x4096x128 bf16 causal
 
 On this CPU-only host the kernels run in interpret mode (a correctness run of the pipeline;
 the times say nothing about a GPU)::

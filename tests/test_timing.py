@@ -10,6 +10,7 @@ worked out by hand, and no roofline figure on a CPU.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
@@ -96,6 +97,25 @@ def test_explicit_profile_without_kernel_events_names_the_way_out() -> None:
             measurer.settle_timing({})
     finally:
         measurer.close()
+
+
+def test_profile_without_xprof_falls_back_before_any_config_fails(monkeypatch) -> None:
+    """A GPU environment assembled by hand lacked xprof: every config then failed to time and
+    was stored as a runtime error. Now ``auto`` falls back at once, and says how to fix it."""
+    monkeypatch.setitem(sys.modules, "xprof", None)  # what an environment without it imports
+    notes: list[str] = []
+    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="profile",
+                        fallback="loop", notify=notes.append, min_time_s=0.01, min_runs=2)
+    try:
+        first = measurer({})
+    finally:
+        measurer.close()
+    assert notes == [measurer.timing_note]
+    assert "xprof, which reads the profiler trace, is not installed (pip install xprof)" \
+        in notes[0]
+    assert first.ok and first.attrs["timing"] == "loop"
+    with pytest.raises(TimingError, match="pip install xprof.*use --timing loop or wallclock"):
+        Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="profile")
 
 
 def test_loop_runs_its_body_n_times() -> None:
