@@ -13,7 +13,9 @@ from autotune.cli import app
 from autotune.landscape import load_landscape
 from tests.test_search import write_landscape
 
-REAL = Path(__file__).resolve().parent.parent / "bench" / "landscapes" / "convolution-A100.json.gz"
+LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
+REAL = LANDSCAPES / "convolution-A100.json.gz"
+OWN = sorted((LANDSCAPES / "own").glob("*.json.gz"))  # measured by us (see their README)
 
 
 def _replay(*args: str) -> dict:
@@ -116,9 +118,10 @@ def test_replay_bad_input_is_a_clear_error(tmp_path):
     assert result.exit_code == 2 and "unknown sampler" in result.output
 
 
-def test_replay_a_real_landscape_measures_only_recorded_configs():
-    land = load_landscape(REAL)
-    out = _replay(str(REAL), "--budget", "30", "--seed", "1")
+@pytest.mark.parametrize("path", [REAL, *OWN], ids=lambda p: p.name.split(".")[0])
+def test_replay_a_real_landscape_measures_only_recorded_configs(path):
+    land = load_landscape(path)
+    out = _replay(str(path), "--budget", "30", "--seed", "1")
     assert out["measured"] == 30
     assert land.key(out["best_config"]) in land.records
     assert out["best_time_ms"] == land.records[land.key(out["best_config"])]["time_ms"]
