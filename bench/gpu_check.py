@@ -11,9 +11,9 @@ All three run in our layout ``[batch, heads, seq, head_dim]`` (the transposes to
 
 On a GPU machine with jax and CUDA; the project need not be installed, but what its search
 imports must be: the ``tune`` extra's optuna, scikit-learn, SQLAlchemy, Alembic, pydantic and
-pydantic-settings (with python-dotenv), and its xprof, which reads the profiler trace for device
-timing (without it the run times with ``loop`` and says so). Without network access, bring the missing
-ones as wheels: on a machine with network, from the repository root::
+pydantic-settings (with python-dotenv), and its xprof, which reads the profiler trace for
+device timing (without it the run times with ``loop`` and says so). Without network access,
+bring the missing ones as wheels: on a machine with network, from the repository root::
 
     pip download --only-binary=:all: --python-version 3.12 \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
