@@ -14,7 +14,11 @@ forest) after a few samples, though one descent in four from a random start woul
 optimum: convolution-W6600 (its optimum's basin: 27% of the configs, median score 0.011 against
 0.031 for all; the configs TPE settles on score 0.836 and sit in other basins). Kernel Tuner's
 ``dual_annealing``, local searches from random starts, beats our searcher's mean there at 50
-and 100 configs (bench/search.py) and on no other landscape.
+and 100 configs (bench/search.py) and on no other landscape. Where its searches go matters as
+much as that they are local: its minimiser's steps end on the bounds of the ranges, and W6600's
+optimum takes an end value in 3 of its 4 multi-valued parameters (bench/searcher-variants.md:
+an edge-biased start matches its lead there and costs convolution-A100, whose optimum is
+interior).
 
     python bench/basins.py [LANDSCAPE_DIR] [--starts 500]
 """
