@@ -30,6 +30,7 @@ from autotune.timing import (
     TimingError,
     kernel_op_matcher,
     looped,
+    op_names,
     profile_runs,
     profiler_missing,
     timing_plan,
@@ -258,7 +259,8 @@ class Measurer:
             count = runs or min(self.max_runs, max(self.min_runs,
                                                    math.ceil(self.min_time_s / run_s)))
             samples = profile_runs(lambda: program.compiled(*self.inputs), count,
-                                   kernel_op_matcher(program.compiled, program.kernel_names))
+                                   kernel_op_matcher(op_names(program.compiled),
+                                                     program.kernel_names))
             if samples is not None:
                 return Timing(tuple(samples))
             what = (f"named {', '.join(program.kernel_names)}" if program.kernel_names

@@ -34,7 +34,11 @@ from storage import TIMINGS
 
 TIMING_CHOICES: tuple[str, ...] = ("auto", *TIMINGS)
 RUN_MARK = "autotune-run-"  # the host annotation around each profiled run
-XLA_OPS_LINE = "XLA Ops"  # xprof's line of a device's HLO op events (TPU and GPU)
+XLA_OPS_LINE = "XLA Ops"  # xprof's line of a device's HLO op events ("XLA Ops - from #14":
+# on a GPU, one line per stream)
+# XLA's GPU runs a sequence of ops as one CUDA graph, a command buffer; on the op line it is
+# one event, named after no HLO instruction, that spans its kernels.
+_COMMAND_BUFFER = re.compile(r"command_buffer(_\d+)?")
 _INSTRUCTION = re.compile(r"%([^\s=,()]+) = ")
 
 
@@ -83,15 +87,16 @@ def op_names(compiled: Any) -> frozenset[str]:
     return frozenset(_INSTRUCTION.findall(compiled.as_text()))
 
 
-def kernel_op_matcher(compiled: Any, kernel_names: Iterable[str]) -> Callable[[str], bool]:
+def kernel_op_matcher(ops: Iterable[str], kernel_names: Iterable[str]) -> Callable[[str], bool]:
     """Which op events count: those named after ``kernel_names`` (an HLO instruction
     ``flash_fwd.1`` is a ``pallas_call(name="flash_fwd")``), or with none given, every op of
-    ``compiled``."""
+    the executable, ``ops`` (its :func:`op_names`), and its command buffers. A named kernel
+    inside a command buffer has no event of its own on the op line, so it is not found."""
     names = tuple(kernel_names)
     if names:
         return lambda op: op.split(".")[0] in names
-    ops = op_names(compiled)
-    return ops.__contains__
+    executable = frozenset(ops)
+    return lambda op: op in executable or _COMMAND_BUFFER.fullmatch(op) is not None
 
 
 def trace_events(logdir: str | Path) -> list[dict[str, Any]]:
@@ -119,6 +124,10 @@ def _op_name(event: dict[str, Any]) -> str:
     return match.group(1) if match else event["name"]
 
 
+def _is_op_line(thread: str) -> bool:
+    return thread == XLA_OPS_LINE or thread.startswith(f"{XLA_OPS_LINE} - ")
+
+
 def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of ``(start, end)`` intervals in microseconds, in ms (nested or
     overlapping op events count once)."""
@@ -140,7 +149,7 @@ def run_times(events: list[dict[str, Any]], runs: int,
     if len(marks) != runs:
         raise TimingError(f"the trace holds {len(marks)} of the {runs} runs' annotations")
     on_device = any("/device:" in e["process"] for e in events)
-    ops = [e for e in events if ("/device:" in e["process"] and e["thread"] == XLA_OPS_LINE
+    ops = [e for e in events if ("/device:" in e["process"] and _is_op_line(e["thread"])
                                  if on_device else not e["name"].startswith(RUN_MARK))
            and counts(_op_name(e))]
     if not ops:

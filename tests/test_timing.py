@@ -9,9 +9,12 @@ worked out by hand, and no roofline figure on a CPU.
 
 from __future__ import annotations
 
+import gzip
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +29,9 @@ from autotune.timing import (
     looped,
     op_names,
     profile_runs,
+    run_times,
     timing_plan,
+    trace_events,
 )
 from kernel import Problem, get_kernel
 from kernel.roofline import Peaks, attention_bytes, attention_flops, attention_pairs, roofline
@@ -51,15 +56,75 @@ def test_profile_reads_device_time_per_run_from_a_real_trace() -> None:
         walls.append((time.perf_counter() - start) * 1e3)
         return out
 
-    first = profile_runs(timed_call, 6, kernel_op_matcher(compiled, ()))
-    second = profile_runs(lambda: compiled(X), 6, kernel_op_matcher(compiled, ()))
+    first = profile_runs(timed_call, 6, kernel_op_matcher(op_names(compiled), ()))
+    second = profile_runs(lambda: compiled(X), 6, kernel_op_matcher(op_names(compiled), ()))
     assert first is not None and second is not None and len(first) == len(second) == 6
     assert all(0 < busy <= wall for busy, wall in zip(first, walls, strict=True)), (first, walls)
     ratio = statistics.median(second) / statistics.median(first)
     assert 1 / 3 < ratio < 3, (first, second)  # the same executable reads about the same
     # Events of kernels the executable does not run are none: not a zero time.
-    assert profile_runs(lambda: compiled(X), 2, kernel_op_matcher(compiled, ("flash_fwd",))) \
+    assert profile_runs(lambda: compiled(X), 2, kernel_op_matcher(op_names(compiled), ("flash_fwd",))) \
         is None
+
+
+# --- traces recorded on a GPU: tests/data/h200_traces/README.md ---
+
+TRACES = Path(__file__).parent / "data" / "h200_traces"
+# The HLO instructions of the two traced executables (``op_names`` of each, on that machine).
+PALLAS_GPU_OPS = ("k.1", "pallas_call.0", "param_0", "param_0.1", "param_0.2", "param_0.3",
+                  "q.1", "transpose.3.1", "transpose.4.1", "transpose.5.1", "transpose.6.1",
+                  "v.1", "wrapped_transpose", "wrapped_transpose.1", "wrapped_transpose.2",
+                  "wrapped_transpose.3")
+MATMUL_OPS = ("constant_1_1", "constant_1_2", "convert_element_type.2.1",
+              "convert_element_type.3.1", "custom-call.1", "get-tuple-element",
+              "input_reduce_fusion", "input_reduce_fusion.1", "param_0.3", "param_0.4",
+              "reduce.1.1", "reduce_sum.3", "reduce_sum.4", "reduce_sum.5.0", "reduce_sum.7.1",
+              "x.1")
+
+
+def recorded(name: str, folder: Path) -> list[dict[str, Any]]:
+    """The events of a recorded trace (three runs, each in its ``autotune-run-`` mark)."""
+    (folder / name).mkdir(parents=True)
+    with gzip.open(TRACES / f"{name}.xplane.pb.gz") as packed:
+        (folder / name / "host.xplane.pb").write_bytes(packed.read())
+    return trace_events(folder / name)
+
+
+def stream_kernels_ms(events: list[dict[str, Any]]) -> float:
+    """What the GPU's kernels took in all, from the stream lines: the check on the op lines."""
+    return sum(e.get("dur", 0.0) for e in events
+               if "/device:" in e["process"] and e["thread"].startswith("Stream #")) / 1e3
+
+
+@pytest.mark.parametrize(("name", "ops"), [("pallas_gpu-command-buffer", PALLAS_GPU_OPS),
+                                           ("pallas_gpu-no-command-buffer", PALLAS_GPU_OPS),
+                                           ("matmul", MATMUL_OPS)])
+def test_profile_reads_device_time_from_an_h200_trace(name: str, ops: tuple[str, ...],
+                                                      tmp_path: Path) -> None:
+    """On a GPU xprof names the op line per stream (``XLA Ops - from #14``), and XLA runs the
+    Pallas program's five kernels as one command buffer, a single op event of no HLO name.
+    Missing either, every profile there fell back to loop timing."""
+    events = recorded(name, tmp_path)
+    times = run_times(events, 3, kernel_op_matcher(ops, ()))
+    assert times is not None and len(times) == 3, times
+    assert sum(times) == pytest.approx(stream_kernels_ms(events), rel=0.02)
+    assert max(times) / min(times) < 1.1, times
+
+
+def test_h200_traces_count_only_the_measured_executable_and_its_named_kernels(
+        tmp_path: Path) -> None:
+    plain = recorded("pallas_gpu-no-command-buffer", tmp_path)
+    assert run_times(plain, 3, kernel_op_matcher(MATMUL_OPS, ())) is None
+    assert run_times(recorded("matmul", tmp_path), 3,
+                     kernel_op_matcher(PALLAS_GPU_OPS, ())) is None
+    # The pallas_call alone: the attention kernel without the four transposes around it.
+    kernel = run_times(plain, 3, kernel_op_matcher(PALLAS_GPU_OPS, ("pallas_call",)))
+    whole = run_times(plain, 3, kernel_op_matcher(PALLAS_GPU_OPS, ()))
+    assert kernel is not None and whole is not None
+    assert all(0.7 * w < k < 0.95 * w for k, w in zip(kernel, whole, strict=True))
+    # Inside a command buffer a named kernel has no op event: None (the caller falls back).
+    buffered = recorded("pallas_gpu-command-buffer", tmp_path)
+    assert run_times(buffered, 3, kernel_op_matcher(PALLAS_GPU_OPS, ("pallas_call",))) is None
 
 
 def test_auto_plan_per_platform() -> None:
@@ -144,8 +209,8 @@ def test_op_names_are_the_executables_instructions() -> None:
     compiled = jax.jit(matmuls).lower(X).compile()
     names = op_names(compiled)
     assert names and all(" " not in name for name in names)
-    assert kernel_op_matcher(compiled, ("flash_fwd",))("flash_fwd.3")
-    assert not kernel_op_matcher(compiled, ("flash_fwd",))("flash_fwd_helper.3")
+    assert kernel_op_matcher(op_names(compiled), ("flash_fwd",))("flash_fwd.3")
+    assert not kernel_op_matcher(op_names(compiled), ("flash_fwd",))("flash_fwd_helper.3")
 
 
 # --- roofline ---
