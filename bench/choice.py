@@ -96,13 +96,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(summary: Any) -> dict[str, Any]:
     """Prints one line for a shape (each kernel as a ratio to the chosen one) and its JSON."""
+    from present.text import first_line
+
     choice = summary.choice
     chosen_ms = choice.candidates[choice.kernel].median_ms
     method = choice.provenance["method"]
     parts = []
     for name, timing in choice.candidates.items():
         if timing.failure:
-            parts.append(f"{name} failed ({timing.failure})")
+            why = summary.failures.get(name)
+            parts.append(f"{name} failed ({timing.failure}"
+                         + (f": {first_line(why)})" if why else ")"))
         else:
             parts.append(f"{name} {timing.median_ms:.3f}±{timing.iqr_ms:.3f} ms "
                          f"({timing.median_ms / chosen_ms:.2f}x chosen)")
@@ -112,6 +116,7 @@ def report(summary: Any) -> dict[str, Any]:
     line = {"problem": summary.problem.label(), "device": summary.device_kind,
             "method": method, "chosen": choice.kernel,
             "kernels": {name: t.to_dict() for name, t in choice.candidates.items()},
+            "failures": summary.failures,
             "over_chosen": {name: t.median_ms / chosen_ms
                             for name, t in choice.candidates.items() if t.median_ms}}
     print(json.dumps(line), flush=True)

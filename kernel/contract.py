@@ -210,22 +210,28 @@ class TunableKernel(ABC):
         """A config of this backend from JSON (``ConfigError`` names the bad field)."""
         return self.config_type.from_dict(dict(data) if isinstance(data, Mapping) else data)
 
-    def check(self, problem: Problem, config: Any, target: Target | str = "cpu") -> None:
-        """Raises ``ConfigError`` naming every rule ``config`` breaks."""
+    @property
+    def portable_target(self) -> str:
+        """The target whose rules hold wherever this backend runs: ``cpu`` (no VMEM limit),
+        or for a backend that never runs on a CPU (``cudnn``) its first target."""
+        return "cpu" if "cpu" in self.targets else self.targets[0]
+
+    def check(self, problem: Problem, config: Any, target: Target | str | None = None) -> None:
+        """Raises ``ConfigError`` naming every rule ``config`` breaks on ``target`` (default
+        :attr:`portable_target`)."""
         if not isinstance(config, self.config_type):
             raise ConfigError(f"kernel {self.name!r} takes a {self.config_type.__name__}, got "
                               f"{type(config).__name__}")
-        broken = self.violations(problem, config, target)
+        broken = self.violations(problem, config, target or self.portable_target)
         if broken:
             raise ConfigError(f"config {config.label()} of kernel {self.name!r} is illegal for "
                               f"{problem.label()}: " + "; ".join(map(str, broken)))
 
     def stored_violations(self, problem: Problem, config: Any) -> list[Violation]:
-        """The rules a stored config must pass whatever device tuned it: the ``cpu`` target's
-        (no VMEM limit), or for a backend that never runs on a CPU (``cudnn``) its first
-        target's. What storage, the service and lookup tables check, without jax."""
-        return self.violations(problem, config,
-                               "cpu" if "cpu" in self.targets else self.targets[0])
+        """The rules a stored config must pass whatever device tuned it, its
+        :attr:`portable_target`'s. What storage, the service and lookup tables check, without
+        jax."""
+        return self.violations(problem, config, self.portable_target)
 
     def is_legal(self, problem: Problem, config: Any, target: Target | str = "cpu") -> bool:
         return not self.violations(problem, config, target)

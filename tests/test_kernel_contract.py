@@ -142,6 +142,17 @@ def test_default_is_legal_and_in_the_space(name, mode):
         assert space == [kernel.default_config(small)]
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_every_backend_builds_its_default_on_any_machine(name, mode):
+    """The measured function is built before a device runs it, checked against the rules
+    that hold wherever the backend runs. cuDNN, which has no CPU target, once refused its own
+    default there: every cuDNN trial failed on a GPU."""
+    kernel = get_kernel(name)
+    problem = _problem(mode, dtype="bfloat16")
+    assert callable(kernel.build(problem, kernel.default_config(problem, _target(kernel))))
+
+
 @pytest.mark.parametrize("name", TUNABLE)
 def test_fwd_mode_searches_no_backward_field(name):
     kernel = get_kernel(name)
