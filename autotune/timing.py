@@ -5,7 +5,9 @@
 - ``loop``: ``n`` runs inside one compiled program (:func:`looped`), its host time over
   ``n``: dispatch is paid once per ``n`` runs. Each run's first input depends on the previous
   run's output, so the compiler can neither hoist the runs out of the loop nor merge or
-  overlap them; ``n`` is a runtime argument, so it cannot unroll them away either.
+  overlap them; ``n`` is a runtime argument, so it cannot unroll them away either. The loop
+  itself costs per run: on an H200, cuDNN attention at b4 h16 q512 d64 read 0.075 ms per run
+  looped against 0.032 ms of device time, so ``loop`` is only the fallback there.
 - ``profile``: a ``jax.profiler`` trace around the runs, read with the ``xprof`` package
   (:func:`profile_runs`); per run, the busy time of the device events of the measured
   executable: those named after the kernel's ``pallas_call`` names when it declares them

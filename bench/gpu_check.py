@@ -1,6 +1,6 @@
 """Tunes the ``pallas_gpu`` kernel (JAX's Pallas Triton attention) on one GPU and compares, in
 the same run, the tuned config with the kernel's default config and with cuDNN attention
-(``jax.nn.dot_product_attention(..., implementation="cudnn")``).
+(the ``cudnn`` backend: ``jax.nn.dot_product_attention(..., implementation="cudnn")``).
 
 Per mode (``fwd``, ``fwd_bwd``): a small Optuna search (``autotune.search``, our TPE sampler,
 the default config measured first), then the default, the best configs and cuDNN re-measured
@@ -92,22 +92,6 @@ def shape_of(args: argparse.Namespace) -> tuple[int, int, int, int]:
     return batch, heads, seq, head_dim
 
 
-def cudnn_fn(problem: Any) -> Any:
-    """cuDNN attention in our layout, forward or forward plus the three gradients."""
-    import jax
-    import jax.numpy as jnp
-
-    from kernel.contract import measured_fn
-
-    def attend(q, k, v):
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=problem.causal,
-                                           implementation="cudnn")
-        return jnp.swapaxes(out, 1, 2)
-
-    return measured_fn(problem, attend)
-
-
 def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import optuna
@@ -145,7 +129,9 @@ def run_mode(problem: Any, args: argparse.Namespace) -> dict[str, Any]:
         baseline_error = None
         if device.platform == "gpu":
             try:
-                program = measurer.compile(cudnn_fn(problem))[0]
+                cudnn = get_kernel("cudnn")
+                program = measurer.compile(cudnn.build(problem,
+                                                       cudnn.default_config(problem, target)))[0]
                 baseline_error = relative_error(measurer.run(program), measurer.expected)
                 executables["cudnn"] = program
             except Exception as error:  # noqa: BLE001 - cuDNN may not support the shape
