@@ -108,7 +108,7 @@ def candidates(problem: Problem, target: Target, kernel: TunableKernel, *,
                                                           ignore=frozenset({"vmem"}))}
     else:
         base = kernel.default_config(problem, target)
-        forward, *backward = kernel.compile_parts
+        _, *backward = kernel.compile_parts
         at_default = {f: getattr(base, f) for part in backward for f in part}
         fwd_problem = dataclasses.replace(problem, mode="fwd")
         # config -> forward_only, in order; a backward variant (and the default) compiles whole.

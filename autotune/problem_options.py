@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kernel import DEFAULT_KERNEL, ConfigError, Problem, ProblemError, get_kernel, kernel_names
+from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
 
 _PANEL = "Problem"
 _OPTIONS: list[inspect.Parameter] = [

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from autotune.problem_options import DEFAULT_KERNEL, KernelOption, with_problem_options
-from kernel import TARGETS, Problem, get_target
+from autotune.problem_options import KernelOption, with_problem_options
+from kernel import DEFAULT_KERNEL, TARGETS, Problem, get_target
 
 
 @with_problem_options

@@ -11,8 +11,8 @@ import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
 from autotune.files import write_atomically
-from autotune.problem_options import DEFAULT_KERNEL, KernelOption
-from kernel import LookupTable, TableError
+from autotune.problem_options import KernelOption
+from kernel import DEFAULT_KERNEL, LookupTable, TableError
 
 
 def export_table(
