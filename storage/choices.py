@@ -15,14 +15,15 @@ from kernel import Problem, get_kernel
 from kernel.table import KernelChoice, KernelTiming
 from storage.results import (
     METHODS,
+    TIMINGS,
     ResultError,
     check_text,
     default_platform,
 )
 
 # Provenance a stored choice keeps in columns (the rest of a table's provenance is dropped).
-CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "jax_version", "jaxlib_version",
-                     "libtpu_version")
+CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "timing", "jax_version",
+                     "jaxlib_version", "libtpu_version")
 _PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
                    "causal", "mode")
 
@@ -45,9 +46,10 @@ def check_choice(device_kind: str, choice: KernelChoice) -> None:
             check_text("failure", timing.failure)
     for name in CHOICE_PROVENANCE:
         check_text(name, choice.provenance.get(name), optional=True)
-    if choice.provenance.get("method") not in (None, *METHODS):
-        raise ResultError(f"method must be one of {', '.join(METHODS)}, got "
-                          f"{choice.provenance['method']!r}")
+    for name, allowed in (("method", METHODS), ("timing", TIMINGS)):
+        if choice.provenance.get(name) not in (None, *allowed):
+            raise ResultError(f"{name} must be one of {', '.join(allowed)}, got "
+                              f"{choice.provenance[name]!r}")
 
 
 def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:

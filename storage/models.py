@@ -108,3 +108,4 @@ class KernelChoiceRow(_ProblemColumns, _ProvenanceColumns, Base):
     kernel_version: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel_version"]))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     candidates: Mapped[dict[str, Any]] = mapped_column(JSON)
+    timing: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["timing"]))  # confirmation

@@ -26,7 +26,8 @@ from kernel import LookupTable, Problem, TableError, reference_attention
 from kernel.resolve import Resolver, ResolverSettings, reset_resolver
 from kernel.table import TABLE_SCHEMA_VERSION
 from kernel.targets import GPU_TARGET
-from storage import Store
+from autotune.choice import confirm_timing
+from storage import ResultError, Store
 from storage.choices import check_choice
 
 SMALL = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
@@ -67,6 +68,7 @@ def test_the_choice_follows_the_confirmed_medians_and_the_service_answers_it(
     assert set(measured) == {"flash", "xla"} and all(t > 0 for t in measured.values())
     assert summary["chosen_kernel"] == min(measured, key=measured.get)
     assert summary["choice_method"] == "interpret"  # flash ran interpreted on the CPU
+    assert summary["choice_timing"] == "wallclock"  # every candidate's, on a CPU
     server = start_server(db)
     found = httpx.get(f"{server.url}/v1/choices/lookup", params=choice_params(SMALL))
     assert found.status_code == 200, found.text
@@ -74,6 +76,7 @@ def test_the_choice_follows_the_confirmed_medians_and_the_service_answers_it(
     assert (answer["kernel"], answer["match"], answer["times_ms"]) == (
         summary["chosen_kernel"], "exact", times)
     assert answer["config"] == summary["tuned"][answer["kernel"]]["best_config"]
+    assert answer["provenance"]["timing"] == "wallclock"
     longer = Problem.from_dict({**SMALL.to_dict(), "q_len": 256, "kv_len": 256})
     other_dim = Problem.from_dict({**SMALL.to_dict(), "head_dim": 128})
     batch = httpx.post(f"{server.url}/v1/choices/lookup:batch", json={"keys": [
@@ -269,6 +272,17 @@ def test_a_cudnn_choice_is_the_nearest_choice_for_another_shape_and_can_be_store
                                                                      GPU_TARGET)
     assert (pick.kernel.name, pick.by) == ("cudnn", "chosen (nearest choice in pinned table)")
     check_choice("NVIDIA H200", choice)  # raises when a rule is broken
+    with pytest.raises(ResultError, match="timing must be one of profile, loop, wallclock, "
+                                          "got 'stopwatch'"):
+        check_choice("NVIDIA H200", dataclasses.replace(choice, provenance={
+            "timing": "stopwatch"}))
+
+
+def test_winners_timed_by_different_methods_are_confirmed_by_one() -> None:
+    """A kernel whose profile fell back to loop is not compared with one timed by profile."""
+    assert confirm_timing(["profile", "profile"]) == "profile"
+    assert confirm_timing(["wallclock"]) == "wallclock"
+    assert confirm_timing(["profile", "loop", "profile"]) == "loop"
 
 
 def test_export_import_round_trip_carries_the_choices(tuned: tuple[str, dict[str, Any]],
@@ -292,6 +306,7 @@ def test_export_import_round_trip_carries_the_choices(tuned: tuple[str, dict[str
         [(stored, match)] = after.lookup_choices([("cpu", SMALL)])
         assert (stored.choice.kernel, match) == (summary["chosen_kernel"], "exact")
         assert stored.choice.times_ms() == summary["kernels"]
+        assert stored.choice.provenance["timing"] == "wallclock"
 
 
 def test_an_old_table_loads_and_a_newer_one_names_the_upgrade(tmp_path: Path) -> None:

@@ -259,7 +259,8 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
             for name, ms in summary["kernels"].items())
         Console().print(f"[bold]chosen: {summary['chosen_kernel']}[/] for "
                         f"{Problem.from_dict(summary['problem']).label()} on "
-                        f"{summary['device_kind']} ({summary['choice_method']}): {times}")
+                        f"{summary['device_kind']} ({summary['choice_method']}, "
+                        f"{summary['choice_timing']}): {times}")
         return
     from kernel import get_kernel
 
