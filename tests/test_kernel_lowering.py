@@ -87,7 +87,10 @@ def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
 
 
 def test_default_config_compiles_with_mosaic_for_v5e():
-    """A real deviceless compile (libtpu's Mosaic compiler) of forward and backward."""
+    """A real deviceless compile (libtpu's Mosaic compiler) of forward and backward. Its
+    kernels are the instructions ``profile`` timing counts on a TPU, one per declared name
+    (on a GPU, Triton's are all ``pallas_call.N``: see tests/data/h200_traces)."""
+    from autotune.timing import kernel_op_matcher, op_names
     from kernel.aot import input_specs, topology_device
 
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
@@ -95,6 +98,9 @@ def test_default_config_compiles_with_mosaic_for_v5e():
     config = FLASH.default_config(problem, "v5e")
     compiled = jax.jit(_attention(problem, config)).trace(*specs).lower().compile()
     assert "tpu_custom_call" in compiled.as_text()
+    counts = kernel_op_matcher((), FLASH.profile_names)
+    counted = [op.split(".")[0] for op in op_names(compiled) if counts(op)]
+    assert sorted(counted) == sorted(FLASH.profile_names)
 
 
 @pytest.mark.parametrize("changes, rule", [
