@@ -36,8 +36,9 @@ from storage import TIMINGS
 
 TIMING_CHOICES: tuple[str, ...] = ("auto", *TIMINGS)
 RUN_MARK = "autotune-run-"  # the host annotation around each profiled run
-XLA_OPS_LINE = "XLA Ops"  # xprof's line of a device's HLO op events ("XLA Ops - from #14":
-# on a GPU, one line per stream)
+# xprof's line of a device's HLO op events: "XLA Ops" on a TPU; on a GPU one per stream,
+# "XLA Ops - from #14".
+XLA_OPS_LINE = "XLA Ops"
 # XLA's GPU runs a sequence of ops as one CUDA graph, a command buffer; on the op line it is
 # one event, named after no HLO instruction, that spans its kernels.
 _COMMAND_BUFFER = re.compile(r"command_buffer(_\d+)?")

@@ -21,12 +21,12 @@ import pytest
 
 import kernel
 from api.routers.pages import detail_link
+from autotune.choice import confirm_timing
 from conftest import problem_flags, run_cli
 from kernel import LookupTable, Problem, TableError, reference_attention
 from kernel.resolve import Resolver, ResolverSettings, reset_resolver
 from kernel.table import TABLE_SCHEMA_VERSION
 from kernel.targets import GPU_TARGET
-from autotune.choice import confirm_timing
 from storage import ResultError, Store
 from storage.choices import check_choice
 
