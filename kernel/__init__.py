@@ -2,27 +2,32 @@
 
 Layers, each importing only those above it in this list: core types (``errors``, ``problem``,
 ``config``, ``targets``, ``rules``); the backend contract (``contract``); the backends
-(``backends/``); the registry (``registry``); lookup tables (``table``) and resolution
-(``resolve``); the public ``flash_attention`` (``attention``). Importing this package loads
+(``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
+(``shapesfile``) and scoped tables (``scope``); resolution (``resolve``); misses (``misses``)
+and capture (``capture``); the public ``flash_attention`` (``attention``). Importing this package loads
 no jax (the backends load it when they run), so the service and storage use the rules freely.
 """
 
 from __future__ import annotations
 
 from kernel.attention import flash_attention
+from kernel.capture import Capture, capture
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import TunableKernel, reference_attention
 from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
 from kernel.problem import Problem
+from kernel.misses import Miss, untuned
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
 from kernel.resolve import resolution_sources, use_table
 from kernel.rules import Violation
+from kernel.scope import tables
 from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
-    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "ConfigError", "FlashConfig", "LookupTable",
-    "Problem", "ProblemError", "TableEntry", "TableError", "Target", "TunableKernel",
-    "Violation", "device_target", "flash_attention", "get_kernel", "get_target",
-    "kernel_names", "reference_attention", "resolution_sources", "use_table",
+    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Capture", "ConfigError", "FlashConfig",
+    "LookupTable", "Miss", "Problem", "ProblemError", "TableEntry", "TableError", "Target",
+    "TunableKernel", "Violation", "capture", "device_target", "flash_attention", "get_kernel",
+    "get_target", "kernel_names", "reference_attention", "resolution_sources", "tables",
+    "untuned", "use_table",
 ]

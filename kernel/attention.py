@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode
 from kernel.problem import DTYPES, Problem
 from kernel.resolve import get_resolver
@@ -70,6 +71,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         config_for = _explicit(backend, problem, config, target, platform)
         return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
 
+    call = Call()
+
     def attend(mode: str) -> Any:
         # The backend is picked per mode: a training step runs the fwd_bwd kernel choice,
         # and a backend whose backward cannot run the problem is not picked for it.
@@ -82,6 +85,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
             return resolver.resolve(dataclasses.replace(problem, mode=config_mode),
                                     device_kind, backend.name, target, pick.by).config
 
+        ran = resolver.resolve(moded, device_kind, backend.name, target, pick.by)
+        observe(call, moded, backend.name, ran.source, ran.detail,
+                bool(backend.space_params(moded)))
         return backend.attention(problem, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v)
