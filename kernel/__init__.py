@@ -3,9 +3,10 @@
 Layers, each importing only those above it in this list: core types (``errors``, ``problem``,
 ``config``, ``targets``, ``rules``); the backend contract (``contract``); the backends
 (``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
-(``shapesfile``) and scoped tables (``scope``); resolution (``resolve``); misses (``misses``)
-and capture (``capture``); the public ``flash_attention`` (``attention``). Importing this package loads
-no jax (the backends load it when they run), so the service and storage use the rules freely.
+(``shapesfile``) and scoped tables (``scope``); resolution (``resolve``, then ``scoped``
+inside ``kernel.tables`` blocks); misses (``misses``) and capture (``capture``); the public
+``flash_attention`` (``attention``). Importing this package loads no jax (the backends load
+it when they run), so the service and storage use the rules freely.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
 from kernel.problem import Problem
 from kernel.misses import Miss, untuned
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
-from kernel.resolve import resolution_sources, use_table
+from kernel.resolve import use_table
 from kernel.rules import Violation
 from kernel.scope import tables
+from kernel.scoped import resolution_sources
 from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 

@@ -15,7 +15,7 @@ from typing import Any
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode
 from kernel.problem import DTYPES, Problem
-from kernel.resolve import get_resolver
+from kernel.scoped import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
@@ -63,7 +63,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     if platform not in PLATFORMS:
         raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
                                   f"not on {platform!r}")
-    resolver = get_resolver()
+    resolver = active_resolver()
     target = device_target(platform, device_kind)
     if config is not None:
         backend = resolver.platform_kernel(platform)

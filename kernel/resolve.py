@@ -180,7 +180,10 @@ class Resolver:
     def use_table(self, path: str | Path) -> None:
         """Pins a lookup table (of any registered backend); it wins over the service for its
         kernel and device kind. Raises ``TableError`` naming the file if it is malformed."""
-        table = LookupTable.load(path)
+        self.pin(LookupTable.load(path))
+
+    def pin(self, table: LookupTable) -> None:
+        """Pins a loaded table (``use_table``'s, or a ``kernel.tables`` block's)."""
         with self._lock:
             self._tables.append(table)
             self._cache.clear()

@@ -17,24 +17,27 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kernel.table import LookupTable
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class ScopedTable:
-    """A table of a ``kernel.tables`` block and the name sources give it (its path, or
-    ``<kernel> table on <device kind>`` for a table object)."""
+    """A table of a ``kernel.tables`` block, the name sources give it (its path, or
+    ``<kernel> table on <device kind>`` for a table object) and the serial of the table
+    object (equal while it is the same object)."""
 
-    table: LookupTable
+    table: LookupTable = field(compare=False)
     name: str
+    serial: int
 
 
-_SCOPES: contextvars.ContextVar[tuple[ScopedTable, ...]] = contextvars.ContextVar(
-    "autotune_table_scopes", default=())  # innermost first
+Block = tuple[ScopedTable, ...]  # the tables of one block, in the order given
+_SCOPES: contextvars.ContextVar[tuple[Block, ...]] = contextvars.ContextVar(
+    "autotune_table_scopes", default=())  # innermost block first
 _TRACE_KEY: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
     "autotune_trace_key", default=())
 _serials = itertools.count(1)
@@ -44,14 +47,13 @@ _table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}
 _jax_context: Any = None
 
 
-def active_tables() -> tuple[ScopedTable, ...]:
-    """The tables of the ``kernel.tables`` blocks around the caller, innermost first."""
+def active_blocks() -> tuple[Block, ...]:
+    """The ``kernel.tables`` blocks around the caller, innermost first."""
     return _SCOPES.get()
 
 
 @contextlib.contextmanager
-def tables(*tables_or_paths: LookupTable | str | os.PathLike[str]) -> Iterator[
-        tuple[ScopedTable, ...]]:
+def tables(*tables_or_paths: LookupTable | str | os.PathLike[str]) -> Iterator[Block]:
     """Overlays lookup tables (``LookupTable`` objects or table files) for the code inside
     the block: traced there, the wrapper resolves kernel choices and configs from them first
     (the first given first; an inner block before an outer one), then from the process's
@@ -59,11 +61,11 @@ def tables(*tables_or_paths: LookupTable | str | os.PathLike[str]) -> Iterator[
     naming a malformed file before the block runs."""
     if not tables_or_paths:
         raise TypeError("kernel.tables() needs at least one table or table file")
-    scoped = tuple(_scoped(item) for item in tables_or_paths)
-    token = _SCOPES.set(scoped + _SCOPES.get())
+    block = tuple(_scoped(item) for item in tables_or_paths)
+    token = _SCOPES.set((block, *_SCOPES.get()))
     try:
-        with retracing(tuple(_serial(s.table) for s in scoped)):
-            yield scoped
+        with retracing(tuple(s.serial for s in block)):
+            yield block
     finally:
         _SCOPES.reset(token)
 
@@ -87,9 +89,10 @@ def fresh_key() -> int:
 
 def _scoped(item: LookupTable | str | os.PathLike[str]) -> ScopedTable:
     if isinstance(item, LookupTable):
-        return ScopedTable(item, f"{item.kernel} table on {item.device_kind}")
+        return ScopedTable(item, f"{item.kernel} table on {item.device_kind}", _serial(item))
     if isinstance(item, (str, os.PathLike)):
-        return ScopedTable(_load(Path(item)), str(item))
+        table = _load(Path(item))
+        return ScopedTable(table, str(item), _serial(table))
     raise TypeError(f"kernel.tables takes LookupTable objects or table file paths, got "
                     f"{type(item).__name__}")
 
