@@ -85,12 +85,21 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
             return resolver.resolve(dataclasses.replace(problem, mode=config_mode),
                                     device_kind, backend.name, target, pick.by).config
 
-        ran = resolver.resolve(moded, device_kind, backend.name, target, pick.by)
-        observe(call, moded, backend.name, ran.source, ran.detail,
-                bool(backend.space_params(moded)))
+        observe(call, moded, backend.name, *_source(resolver, moded, device_kind, backend,
+                                                    target, pick.by))
         return backend.attention(problem, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v)
+
+
+def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableKernel,
+            target: Target, kernel_by: str) -> tuple[str, str, bool]:
+    """Where the config of ``problem`` (as it runs) comes from, why, and whether ``backend``
+    has fields to tune for it (one without, like ``xla``, resolves nothing: never a miss)."""
+    if not backend.space_params(problem):
+        return "default", "no tunable fields", False
+    resolution = resolver.resolve(problem, device_kind, backend.name, target, kernel_by)
+    return resolution.source, resolution.detail, True
 
 
 def _unsupported_message(unsupported: dict[str, Any]) -> str:

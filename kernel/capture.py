@@ -10,7 +10,9 @@ when JAX traces it (``kernel.contract.by_mode``), and where JAX traces a primal 
 differentiating it (``lax.scan``, ``jax.checkpoint``) one call resolves ``fwd`` and then
 ``fwd_bwd``. Only the last runs, so a call that resolved ``fwd_bwd`` is a ``fwd_bwd``
 problem. Traces cached before the block are not reused inside it (:func:`kernel.scope.
-retracing`), so a function traced earlier is captured all the same.
+retracing`), so a function traced earlier is captured all the same. Inside the block the
+wrapper traces each call with its default config, quietly (:mod:`kernel.scoped`): a capture
+asks no table or service and leaves the process's resolutions as they were.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class Capture:
 
 _CAPTURES: contextvars.ContextVar[tuple[Capture, ...]] = contextvars.ContextVar(
     "autotune_captures", default=())
+
+
+def capturing() -> bool:
+    """Whether the caller is inside a ``kernel.capture()`` block."""
+    return bool(_CAPTURES.get())
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kernel.capture import capturing
 from kernel.problem import Problem
 from kernel.resolve import Key, KernelPick, Resolution, Resolver, get_resolver
 from kernel.scope import Block, active_blocks
@@ -29,10 +30,10 @@ _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("autotune_quiet", 
 
 class _QuietFilter(logging.Filter):
     """Drops the resolver's fallback warnings of a block that does not answer a key (the
-    next block out, or the process's resolver, answers and warns)."""
+    next block out, or the process's resolver, answers and warns), and of a capture."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not _QUIET.get()
+        return not (_QUIET.get() or capturing())
 
 
 logging.getLogger("kernel.resolve").addFilter(_QuietFilter())
@@ -105,13 +106,27 @@ class ScopedResolver:
 
 
 _chains: dict[tuple[Any, ...], ScopedResolver] = {}
+_default_resolvers: dict[int, tuple[Resolver, Resolver]] = {}  # id(base) -> (base, theirs)
 _chains_lock = threading.Lock()
 
 
 def active_resolver() -> Resolver | ScopedResolver:
-    """The resolver of a trace here: the innermost block's, or the process's outside any."""
+    """The resolver of a trace here: the innermost block's, or the process's outside any;
+    in a capture, one of the default configs only (a capture needs none tuned)."""
+    if capturing():
+        return _defaults(get_resolver())
     blocks = active_blocks()
     return _chain(get_resolver(), blocks) if blocks else get_resolver()
+
+
+def _defaults(base: Resolver) -> Resolver:
+    """A resolver with the settings of ``base`` but no table and no service, kept per base."""
+    with _chains_lock:
+        known = _default_resolvers.get(id(base))
+        if known is None or known[0] is not base:
+            known = _default_resolvers[id(base)] = (base, Resolver(dataclasses.replace(
+                base.settings, table_paths=(), url=None)))
+    return known[1]
 
 
 def _chain(base: Resolver, blocks: tuple[Block, ...]) -> ScopedResolver:

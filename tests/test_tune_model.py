@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import autotune
+import kernel
 from autotune.tune import TuneOptions
 from conftest import AUTOTUNE
 from kernel import Problem
@@ -71,6 +72,12 @@ def test_tune_model_tunes_exactly_the_problems_and_resumes(model, sqlite_db_url,
     assert sorted(e.problem.label() for e in table.entries) == sorted(
         p.label() for p in (TRAINED, EVALUATED))
     assert "chosen: xla" in capsys.readouterr().out  # the CLI's display
+    with kernel.tables(table):
+        jax.eval_shape(model.step, *args)
+        sources = kernel.resolution_sources()
+    for problem in (TRAINED, EVALUATED):  # both modes (xla resolves its one config as fwd)
+        key = ("xla", "cpu", dataclasses.replace(problem, mode="fwd"))
+        assert "choice in scoped table 'xla table on cpu'" in sources[key]
     with Store(sqlite_db_url) as store:
         stamps = [c.updated_at for c in store.list_choices(limit=None)[0]]
     again = autotune.tune_model(model.step, *args, db=sqlite_db_url, trials=1, kernels="xla",
