@@ -45,14 +45,12 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     and ``timing`` give way to the arguments). A problem no candidate could run is left out
     of the table, said so on stderr.
     """
-    problems = captured_problems(fn, *abstract_args)
     options = dataclasses.replace(options or TuneOptions(), trials=trials, timing=timing)
     candidates = _candidates(kernels)
-    db_url = resolve_url(db)
-    ensure_schema(db_url)
-    store = open_store(db_url)
+    db_url, store = _open(db)
     device_kind = jax.devices()[0].device_kind
     try:
+        problems = captured_problems(fn, *abstract_args)
         for problem in problems:
             if _published(store, device_kind, problem, candidates):
                 _say_kept(problem, json_output)
@@ -68,6 +66,18 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
         return _table_of(store, device_kind, problems)
     finally:
         store.close()
+
+
+def _open(db: str | None) -> tuple[str, Store]:
+    """The database URL and a store on it, its schema created if it has none; a database
+    that cannot be used raises ``RuntimeError`` (the CLI's one-line reason is on stderr)."""
+    try:
+        db_url = resolve_url(db)
+        ensure_schema(db_url)
+        return db_url, open_store(db_url)
+    except typer.Exit:
+        raise RuntimeError(f"cannot tune into database {db or '$AUTOTUNE_DB_URL'}: the "
+                           "reason is on stderr above") from None
 
 
 def _candidates(kernels: Sequence[str] | str | None) -> list[str]:

@@ -96,6 +96,13 @@ def test_tune_model_of_a_function_without_attention_says_so(sqlite_db_url):
                             db=sqlite_db_url, kernels="xla")
 
 
+def test_tune_model_into_an_unusable_database_says_so(model, tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="cannot tune into database"):
+        autotune.tune_model(model.step, *model.example_args(), kernels="xla",
+                            db=f"sqlite:///{tmp_path / 'missing' / 'dir' / 'a.db'}")
+    assert "error:" in capsys.readouterr().err
+
+
 def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "tiny_model.py").write_text(MODEL)
     return subprocess.run([*AUTOTUNE, "tune", *args], capture_output=True, text=True,
