@@ -160,3 +160,48 @@ def test_profile_names_are_the_kernels_of_a_v5e_compile(fused):
                 ["splash_mha_dkv_no_residuals", "splash_mha_fwd_residuals"]
                 + ([] if fused else ["splash_mha_dq_no_residuals"]))
         assert counted == sorted(want), (mode, config.label())
+
+
+# --- the wrapper runs it ----------------------------------------------------------------------
+
+def test_autotune_tpu_kernel_splash_runs_splash_with_its_resolved_config(monkeypatch):
+    """On a TPU (the device the wrapper sees is faked; splash runs interpreted here),
+    ``AUTOTUNE_TPU_KERNEL=splash`` runs splash with its resolved config, forward and
+    differentiated (its fwd_bwd config both ways)."""
+    import jax
+    import numpy as np
+
+    import kernel
+    import kernel.attention
+    from kernel.contract import reference_attention
+    from kernel.resolve import ResolverSettings, get_resolver, reset_resolver
+    from kernel.targets import get_target
+
+    monkeypatch.setenv("AUTOTUNE_TPU_KERNEL", "splash")
+    reset_resolver(ResolverSettings.from_env())
+    monkeypatch.setattr(kernel.attention, "_default_device", lambda: ("tpu", "TPU v5 lite"))
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (1, 2, 256, 128), "float32")
+    k, v = (jax.random.normal(key, (1, 1, 256, 128), "float32") for key in keys[1:])
+    for mode, fn, want_fn in [
+        ("fwd", lambda *a: kernel.flash_attention(*a, causal=True),
+         lambda *a: reference_attention(*a, causal=True)),
+        ("fwd_bwd", jax.grad(lambda *a: kernel.flash_attention(*a, causal=True).sum(), (0, 1, 2)),
+         jax.grad(lambda *a: reference_attention(*a, causal=True).sum(), (0, 1, 2)))]:
+        for got, want in zip(jax.tree.leaves(fn(q, k, v)), jax.tree.leaves(want_fn(q, k, v))):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+        problem = Problem(1, 2, 1, 256, 256, 128, "float32", True, mode)
+        assert ("splash", "TPU v5 lite", problem) in kernel.resolution_sources()
+        resolution = get_resolver().resolve(problem, "TPU v5 lite", "splash", get_target("v5e"))
+        assert resolution.config == SPLASH.default_config(problem, "v5e")
+    reset_resolver(ResolverSettings())
+
+
+def test_splash_is_a_default_kernel_choice_candidate_on_a_tpu(monkeypatch):
+    from types import SimpleNamespace
+
+    import autotune.choice
+
+    tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    monkeypatch.setattr(autotune.choice.jax, "devices", lambda: [tpu])
+    assert autotune.choice.local_kernels() == ["flash", "jax_tpu_flash", "splash", "xla"]
