@@ -118,6 +118,21 @@ def test_key_blocks_fill_whole_lanes():
         problem))}
 
 
+def test_precheck_compiles_each_part_with_legal_configs_only():
+    """Precheck covers fwd_bwd part by part; a part's combinations that break a rule other
+    than VMEM's (a compute block not dividing its block, dQ blocks set with the fused
+    backward) are not compiled, and the fused backward is among the candidates."""
+    from autotune.precheck import candidates
+    from kernel import get_target
+
+    problem = _problem(q_len=512, kv_len=512)
+    todo = candidates(problem, get_target("v5e"), SPLASH, include_rejected=True)
+    for candidate in todo:
+        assert {v.rule for v in SPLASH.violations(problem, candidate.config, "v5e")} <= {"vmem"}
+    assert any(c.config.use_fused_bwd_kernel for c in todo)
+    assert any(c.config.block_kv_dkv_compute < c.config.block_kv_dkv for c in todo)
+
+
 # --- stored and served ------------------------------------------------------------------------
 
 def test_the_service_stores_and_answers_flags_enums_and_unused_blocks(server: Server) -> None:

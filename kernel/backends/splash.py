@@ -77,9 +77,8 @@ class SplashConfig(IntConfig):
 
 
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "q_layout", "k_layout", "v_layout")
+DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
 DQ_FIELDS = ("block_q_dq", "block_kv_dq")
-BACKWARD_FIELDS = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", *DQ_FIELDS,
-                   "use_fused_bwd_kernel")
 # Sequence-axis blocks: (field, axis).
 _FWD_AXES = (("block_q", "q_len"), ("block_kv", "kv_len"), ("block_kv_compute", "kv_len"))
 _DKV_AXES = (("block_q_dkv", "q_len"), ("block_kv_dkv", "kv_len"),
@@ -162,6 +161,11 @@ class SplashKernel(TunableKernel):
     config_type: ClassVar[type[SplashConfig]] = SplashConfig
     landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv",
                                                       "use_fused_bwd_kernel")
+    # The dQ part holds the fused flag: the fused dK/dV kernel (which computes dQ too) is
+    # prechecked at the default dK/dV blocks; the layouts, shared by all three kernels, at the
+    # default in the backward parts.
+    compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = (
+        FORWARD_FIELDS, DKV_FIELDS, ("use_fused_bwd_kernel", *DQ_FIELDS))
     profile_names: ClassVar[tuple[str, ...]] = (
         "splash_mha_fwd_no_residuals", "splash_mha_fwd_residuals", "splash_mha_dkv_no_residuals",
         "splash_mha_dq_no_residuals")
