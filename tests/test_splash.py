@@ -220,3 +220,15 @@ def test_splash_is_a_default_kernel_choice_candidate_on_a_tpu(monkeypatch):
     tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
     monkeypatch.setattr(autotune.choice.jax, "devices", lambda: [tpu])
     assert autotune.choice.local_kernels() == ["flash", "jax_tpu_flash", "splash", "xla"]
+
+
+def test_maxtexts_recipes_are_capped_like_its_default():
+    from kernel.backends.splash import RECIPES, recipe
+
+    fused = recipe(_problem(q_len=1024, kv_len=1024), **RECIPES["all 2048, fused"])
+    assert (fused.block_q, fused.block_kv_dkv, fused.block_q_dq) == (1024, 1024, None)
+    seq_minor = recipe(_problem(), **RECIPES["q1024 dkv2048, seq-minor"])
+    assert (seq_minor.block_q, seq_minor.block_q_dkv, seq_minor.block_kv) == (1024, 2048, 512)
+    assert seq_minor.k_layout == "SEQ_MINOR"
+    for changes in RECIPES.values():
+        assert SPLASH.is_legal(_problem(), recipe(_problem(), **changes))

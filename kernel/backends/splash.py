@@ -214,9 +214,7 @@ class SplashKernel(TunableKernel):
         """MaxText's: every block 512, capped at its sequence axis (the largest legal block
         up to 512), unfused, ``HEAD_DIM_MINOR`` layouts."""
         self.target(target)
-        values = {"q_len": block_values(problem.q_len), "kv_len": block_values(problem.kv_len)}
-        return SplashConfig(**{field: largest_at_most(values[axis], MAXTEXT_BLOCK)
-                               for field, axis in _FWD_AXES + _DKV_AXES + _DQ_AXES})
+        return recipe(problem)
 
     def attention(self, problem: Problem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
@@ -224,6 +222,27 @@ class SplashKernel(TunableKernel):
         the blocks it was made with, so a differentiated call runs the ``fwd_bwd`` config
         (:func:`per_mode`)."""
         return per_mode(lambda config: _on_platform(problem, config, sm_scale), config_for)
+
+
+def recipe(problem: Problem, **changes: Any) -> SplashConfig:
+    """MaxText's config with ``changes`` (a hand-set recipe, :data:`RECIPES`), each block
+    capped at its sequence axis as MaxText caps them (the largest legal block up to it)."""
+    config = SplashConfig().replace(**changes)
+    values = {"q_len": block_values(problem.q_len), "kv_len": block_values(problem.kv_len)}
+    return config.replace(**{
+        field: largest_at_most(values[axis], getattr(config, field))
+        for field, axis in _FWD_AXES + _DKV_AXES + _DQ_AXES
+        if getattr(config, field) is not None})
+
+
+# MaxText's benchmark recipes that hand-set splash per model, as named baselines.
+RECIPES: dict[str, dict[str, Any]] = {
+    "all 2048, fused": dict(block_q=2048, block_kv=2048, block_kv_compute=2048,
+                            block_q_dkv=2048, block_kv_dkv=2048, block_kv_dkv_compute=2048,
+                            block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True),
+    "q1024 dkv2048, seq-minor": dict(block_q=1024, block_q_dkv=2048, q_layout="SEQ_MINOR",
+                                     k_layout="SEQ_MINOR", v_layout="SEQ_MINOR"),
+}
 
 
 def splash_mask(problem: Problem) -> Any:
