@@ -35,6 +35,7 @@ from kernel.rules import (
     Violation,
     block_values,
     block_violations,
+    key_lane_violations,
     largest_at_most,
     sequence_violations,
     tile_bytes,
@@ -168,11 +169,7 @@ class JaxTpuFlashKernel(TunableKernel):
     def problem_violations(self, problem: Problem) -> list[Violation]:
         # With kv_len a multiple of 128, block_tiling (a multiple of 128 or the whole axis)
         # gives upstream's rule that every key block is a multiple of MIN_BLOCK_SIZE.
-        out = sequence_violations(problem.q_len, "q_len")
-        if problem.kv_len % MIN_BLOCK_SIZE:
-            out.append(Violation("kv_len", f"kv_len={problem.kv_len} is not a multiple of "
-                                 f"{MIN_BLOCK_SIZE}: the kernel's key blocks must be; pad the "
-                                 "keys or use the flash kernel"))
+        out = sequence_violations(problem.q_len, "q_len") + key_lane_violations(problem.kv_len)
         if problem.head_dim > LANES and problem.head_dim % LANES:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be at most "
                                  f"{LANES} or a multiple of {LANES} for this kernel"))
