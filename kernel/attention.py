@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
-from kernel.contract import ConfigFor, TunableKernel, by_mode
+from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem
 from kernel.resolve import get_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
@@ -151,9 +151,5 @@ def _dtype(x: Any) -> str:
 
 def _default_device() -> tuple[str, str]:
     """The platform and device kind of the default device (``jax_default_device``)."""
-    import jax
-
-    device = jax.config.jax_default_device
-    if not isinstance(device, jax.Device):
-        device = jax.devices(device)[0] if device else jax.devices()[0]
+    device = default_device()
     return device.platform, device.device_kind
