@@ -429,3 +429,18 @@ def test_sources_can_be_read_while_another_thread_resolves():
         done.set()
         reader.join()
     assert errors == []
+
+
+def test_a_tpu_of_an_unlisted_kind_gets_the_most_conservative_limits_with_one_warning(caplog):
+    """A21: not the CPU target (no VMEM limit), under which over-limit configs would run."""
+    caplog.set_level(logging.WARNING, logger="kernel.targets")
+    target = kernel.device_target("tpu", "TPU v9 future")
+    assert target.scoped_vmem_bytes == min(
+        t.scoped_vmem_bytes for t in kernel.TARGETS.values() if t.scoped_vmem_bytes)
+    assert kernel.device_target("tpu", "TPU v9 future") is target
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "'TPU v9 future'" in warning and target.name in warning
+    assert kernel.device_target("cpu", "cpu").scoped_vmem_bytes is None
+    wide = FlashConfig(block_q=4096, block_kv=4096)
+    long = dataclasses.replace(PROBLEM, q_len=8192, kv_len=8192, head_dim=128)
+    assert "vmem" in {v.rule for v in kernel.get_kernel("flash").violations(long, wide, target)}
