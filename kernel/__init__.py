@@ -9,7 +9,7 @@ no jax (the backends load it when they run), so the service and storage use the 
 
 from __future__ import annotations
 
-from kernel.attention import flash_attention
+from kernel.attention import dot_product_attention, flash_attention
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import TunableKernel, reference_attention
 from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
@@ -23,6 +23,6 @@ from kernel.targets import TARGETS, Target, device_target, get_target
 __all__ = [
     "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "ConfigError", "FlashConfig", "LookupTable",
     "Problem", "ProblemError", "TableEntry", "TableError", "Target", "TunableKernel",
-    "Violation", "device_target", "flash_attention", "get_kernel", "get_target",
-    "kernel_names", "reference_attention", "resolution_sources", "use_table",
+    "Violation", "device_target", "dot_product_attention", "flash_attention", "get_kernel",
+    "get_target", "kernel_names", "reference_attention", "resolution_sources", "use_table",
 ]
