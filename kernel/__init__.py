@@ -5,14 +5,16 @@ Layers, each importing only those above it in this list: core types (``errors``,
 (``backends/``); the registry (``registry``); lookup tables (``table``) and resolution
 (``resolve``); the public ``flash_attention`` (``attention``). Importing this package loads
 no jax (the backends load it when they run), so the service and storage use the rules freely.
+Where no accelerator is attached, it keeps JAX off libtpu's TPU backend (``kernel.platforms``).
 """
 
 from __future__ import annotations
 
-from kernel.attention import flash_attention
+from kernel.attention import dot_product_attention, flash_attention
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import TunableKernel, reference_attention
 from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
+from kernel.platforms import skip_absent_tpu
 from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
 from kernel.resolve import resolution_sources, use_table
@@ -23,6 +25,8 @@ from kernel.targets import TARGETS, Target, device_target, get_target
 __all__ = [
     "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "ConfigError", "FlashConfig", "LookupTable",
     "Problem", "ProblemError", "TableEntry", "TableError", "Target", "TunableKernel",
-    "Violation", "device_target", "flash_attention", "get_kernel", "get_target",
-    "kernel_names", "reference_attention", "resolution_sources", "use_table",
+    "Violation", "device_target", "dot_product_attention", "flash_attention", "get_kernel",
+    "get_target", "kernel_names", "reference_attention", "resolution_sources", "use_table",
 ]
+
+skip_absent_tpu()  # before the caller's first JAX computation starts the backends
