@@ -110,8 +110,12 @@ KeyOut = create_model("KeyOut", __base__=ProblemOut,
 
 
 # A config of the key's kernel: its fields are that kernel's (``TunableKernel.config_type``),
-# checked in ``to_result``; missing fields take the defaults.
-ConfigFields = dict[str, Annotated[int, Field(ge=1, le=1 << 20)]]
+# checked in ``to_result``; missing fields take the defaults. A value is a size, a flag, an
+# enum's name or null (unused), as the kernel's field types declare (kernel.config).
+ConfigValue = (bool | Annotated[int, Field(ge=1, le=1 << 20)]
+               | Annotated[str, Field(max_length=64)] | None)
+ConfigFields = dict[str, ConfigValue]
+ConfigOut = dict[str, bool | int | str | None]
 
 
 class Measurements(_Strict):
@@ -158,7 +162,7 @@ class PublishRequest(Measurements):
 
 class EntryOut(BaseModel):
     key: KeyOut
-    config: dict[str, int]
+    config: ConfigOut
     median_ms: float | None
     iqr_ms: float | None
     default_median_ms: float | None
@@ -186,7 +190,7 @@ class PublishResponse(BaseModel):
 
 
 class LookupResponse(BaseModel):
-    config: dict[str, int]
+    config: ConfigOut
     match: Literal["exact", "nearest"]
     key: KeyOut = Field(description="The tuned key the config comes from.")
     time_ms: float | None
@@ -201,7 +205,7 @@ class BatchLookupRequest(_Strict):
 
 class BatchLookupItem(BaseModel):
     found: bool
-    config: dict[str, int] | None = None
+    config: ConfigOut | None = None
     match: Literal["exact", "nearest"] | None = None
     key: KeyOut | None = None
     time_ms: float | None = None
@@ -259,7 +263,7 @@ class KernelTimingOut(BaseModel):
 
 class _ChoiceFields(BaseModel):
     kernel: str = Field(description="The chosen kernel.")
-    config: dict[str, int] = Field(description="Its config for this problem.")
+    config: ConfigOut = Field(description="Its config for this problem.")
     times_ms: dict[str, float | None] = Field(
         description="Every candidate's confirmed median (null: it failed, see candidates).")
     candidates: dict[str, KernelTimingOut]
@@ -285,7 +289,7 @@ class BatchChoiceRequest(_Strict):
 class BatchChoiceItem(BaseModel):
     found: bool
     kernel: str | None = None
-    config: dict[str, int] | None = None
+    config: ConfigOut | None = None
     match: Literal["exact", "nearest"] | None = None
     times_ms: dict[str, float | None] | None = None
     candidates: dict[str, KernelTimingOut] | None = None

@@ -6,7 +6,8 @@ killed at its timeout without taking the sweep down; the worker is replaced and 
 For ``fwd_bwd`` problems of a kernel whose gradient program is made of independently compiled
 kernels (``TunableKernel.compile_parts``: ours has forward, dK/dV and dQ), the full space (the
 product of their tiles) is covered by compiling each part's own tiles with the others at the
-default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq|. A full config compiles
+default: |fwd| + |dkv| + |dq| compiles instead of |fwd| x |dkv| x |dq| (a part's combinations
+that break a rule other than VMEM's are not compiled, as in the forward). A full config compiles
 exactly when each of its parts does. The forward variants compile only the forward pass (as
 training runs it, saving the residuals): the default backward kernels they share are compiled
 with every backward variant already. Any other kernel compiles its whole space. The predicted
@@ -117,7 +118,9 @@ def candidates(problem: Problem, target: Target, kernel: TunableKernel, *,
         params = kernel.space_params(problem)
         for part in backward:
             for values in itertools.product(*(params[f] for f in part)):  # incl. the default
-                configs[base.replace(**dict(zip(part, values)))] = False
+                config = base.replace(**dict(zip(part, values)))
+                if all(v.rule == "vmem" for v in kernel.violations(problem, config, target)):
+                    configs[config] = False
     out = [Candidate(c, not kernel.violations(problem, c, target), forward_only)
            for c, forward_only in configs.items()]
     return out if include_rejected else [c for c in out if c.predicted_fit]

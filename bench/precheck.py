@@ -12,7 +12,7 @@ one run:
    sweep (1); with ``--separate-sweeps`` also the wall time of a second sweep that compiles
    only the admitted configs, over the wall time of sweep (1).
 
-    python bench/precheck.py [--jobs 2] [--timeout 300] [--targets v5e v6e]
+    python bench/precheck.py [--kernel flash] [--jobs 2] [--timeout 300] [--targets v5e v6e]
                              [--modes fwd fwd_bwd] [--seq-len 4096] [--sample-every 1]
                              [--separate-sweeps] [--out results.jsonl]
 
@@ -23,10 +23,10 @@ has about 1,500, and ``--sample-every 7`` compiles every 7th candidate of each (
 ``--out`` gets one JSON line per compile result as it arrives (target, mode, result), then one
 summary line per problem, so an interrupted run keeps what it measured.
 
-Each config is also counted under its pipeline depth (the kernel's landscape panel field, e.g.
-``pipeline_depth``; in ``fwd_bwd`` the depth of the part a candidate varies, such as
-``pipeline_depth_dkv``): a column per depth in the table, then per depth the agreement and
-the mean compile seconds.
+Each config is also counted under its value of the kernel's landscape panel field (flash:
+``pipeline_depth``, in ``fwd_bwd`` the depth of the part a candidate varies, such as
+``pipeline_depth_dkv``; splash: ``use_fused_bwd_kernel``): a column per value in the table,
+then per value the agreement and the mean compile seconds.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def problem(mode: str, seq_len: int) -> Problem:
                    head_dim=128, dtype="bfloat16", causal=True, mode=mode)
 
 
-def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int,
+def timed_sweep(prob: Problem, target: str, kernel: str, *, include_rejected: bool, jobs: int,
                 timeout: float, sample_every: int,
                 out: TextIO | None) -> tuple[list[PrecheckResult], float]:
     done = 0
@@ -68,7 +68,7 @@ def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int
               f"{done} compiled", end="", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    results = precheck(prob, get_target(target), get_kernel(DEFAULT_KERNEL).discover(), jobs=jobs,
+    results = precheck(prob, get_target(target), get_kernel(kernel).discover(), jobs=jobs,
                        timeout_s=timeout, include_rejected=include_rejected,
                        on_result=progress, sample_every=sample_every)
     seconds = time.perf_counter() - start
@@ -76,21 +76,22 @@ def timed_sweep(prob: Problem, target: str, *, include_rejected: bool, jobs: int
     return results, seconds
 
 
-def depth_of(result: PrecheckResult, default: object, panel: str) -> int:
-    """The pipeline depth a candidate tries: of the depth field (named after the ``panel`` field)
-    where it differs from the default config, else the default's."""
+def panel_of(result: PrecheckResult, default: object, panel: str) -> object:
+    """The panel value a candidate tries: of the field named after the ``panel`` field (a
+    depth: ``pipeline_depth_dkv``) where it differs from the default config, else the
+    default's."""
     config, fields = result.config.to_dict(), default.to_dict()
     varied = [config[f] for f in fields if f.startswith(panel) and config[f] != fields[f]]
     return varied[0] if varied else fields[panel]
 
 
-def by_depth(results: list[PrecheckResult], prob: Problem,
-             target: str) -> dict[int, list[PrecheckResult]]:
-    kernel = get_kernel(DEFAULT_KERNEL)
+def by_panel(results: list[PrecheckResult], prob: Problem, target: str,
+             kernel_name: str) -> dict[object, list[PrecheckResult]]:
+    kernel = get_kernel(kernel_name)
     default, panel = kernel.default_config(prob, target), kernel.landscape_axes[2]
-    groups: dict[int, list[PrecheckResult]] = {}
+    groups: dict[object, list[PrecheckResult]] = {}
     for result in results:
-        groups.setdefault(depth_of(result, default, panel), []).append(result)
+        groups.setdefault(panel_of(result, default, panel), []).append(result)
     return dict(sorted(groups.items()))
 
 
@@ -101,6 +102,7 @@ def mean_s(results: list[PrecheckResult], status: Status) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default=DEFAULT_KERNEL, help="the kernel to precheck")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compiler processes")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per compile")
     parser.add_argument("--targets", nargs="+", default=["v5e", "v6e"])
@@ -118,13 +120,14 @@ def main() -> None:
     for target in args.targets:
         for mode in args.modes:
             prob = problem(mode, args.seq_len)
-            everything, all_s = timed_sweep(prob, target, include_rejected=True,
+            everything, all_s = timed_sweep(prob, target, args.kernel, include_rejected=True,
                                             jobs=args.jobs, timeout=args.timeout,
                                             sample_every=args.sample_every, out=out)
             agreement = Agreement.of(everything)
             admitted_s = None
             if args.separate_sweeps:
-                admitted, admitted_s = timed_sweep(prob, target, include_rejected=False,
+                admitted, admitted_s = timed_sweep(prob, target, args.kernel,
+                                                   include_rejected=False,
                                                    jobs=args.jobs, timeout=args.timeout,
                                                    sample_every=1, out=out)
                 assert args.sample_every > 1 or len(admitted) == agreement.admitted
@@ -135,15 +138,18 @@ def main() -> None:
                                       **agreement.to_dict()}) + "\n")
                 out.flush()
 
-    depths = sorted({d for target, mode, _, everything, *_ in rows
-                     for d in by_depth(everything, problem(mode, args.seq_len), target)})
+    groups_of = lambda target, mode, everything: by_panel(  # noqa: E731
+        everything, problem(mode, args.seq_len), target, args.kernel)
+    panel = get_kernel(args.kernel).landscape_axes[2]
+    values = sorted({v for target, mode, _, everything, *_ in rows
+                     for v in groups_of(target, mode, everything)})
     header = (f"{'target':6} {'mode':7} {'configs':>7} {'ok':>4} {'oom':>4} {'other':>5} "
               f"{'admit':>5} {'prec':>5} {'recall':>6} {'ok s':>5} {'oom s':>5} "
               f"{'cpu all':>7} {'cpu est':>7} {'ratio':>5} {'wall all':>8} {'wall est':>8} "
-              f"{'ratio':>5} " + " ".join(f"{f'ok d{d}':>7}" for d in depths))
+              f"{'ratio':>5} " + " ".join(f"{f'ok {v}':>7}" for v in values))
     sample = (f", every {args.sample_every}th candidate (a deterministic sample)"
               if args.sample_every > 1 else "")
-    print(f"\nflash 1x{HEADS}x{args.seq_len}x128 bf16 causal{sample}, jobs={args.jobs}, "
+    print(f"\n{args.kernel} 1x{HEADS}x{args.seq_len}x128 bf16 causal{sample}, jobs={args.jobs}, "
           f"timeout={args.timeout:g} s")
     print(header)
     print("-" * len(header))
@@ -155,28 +161,27 @@ def main() -> None:
         cpu_est = sum(r.compile_s for r in everything if r.predicted_fit)
         wall = (f"{all_s:8.0f} {admitted_s:8.0f} {admitted_s / all_s:5.2f}"
                 if admitted_s is not None else f"{all_s:8.0f} {'-':>8} {'-':>5}")
-        groups = by_depth(everything, problem(mode, args.seq_len), target)
-        per_depth = " ".join(
-            f"{sum(r.status == Status.OK for r in groups.get(d, [])):>3}/"
-            f"{len(groups.get(d, [])):<3}" for d in depths)
+        groups = groups_of(target, mode, everything)
+        per_value = " ".join(
+            f"{sum(r.status == Status.OK for r in groups.get(v, [])):>3}/"
+            f"{len(groups.get(v, [])):<3}" for v in values)
         print(f"{target:6} {mode:7} {len(everything):7d} {ok:4d} {oom:4d} "
               f"{len(everything) - ok - oom:5d} {agreement.admitted:5d} "
               f"{fmt(agreement.precision):>5} {fmt(agreement.recall):>6} "
               f"{mean_s(everything, Status.OK):>5} {mean_s(everything, Status.VMEM_OOM):>5} "
-              f"{cpu_all:7.0f} {cpu_est:7.0f} {cpu_est / cpu_all:5.2f} {wall} {per_depth}")
+              f"{cpu_all:7.0f} {cpu_est:7.0f} {cpu_est / cpu_all:5.2f} {wall} {per_value}")
     print("ok s / oom s: mean compile seconds of a config that compiles / overflows VMEM. "
           "cpu all / est: compile seconds summed over all / admitted configs; wall all / est: "
           "wall time of the sweep of all configs / of a separate sweep of the admitted ones "
-          "(--separate-sweeps); ratio = est / all. ok dN: configs of depth N that compile / "
+          f"(--separate-sweeps); ratio = est / all. ok V: configs of {panel} V that compile / "
           "compiled.")
-    depth_header = (f"{'target':6} {'mode':7} {'depth':>5} {'configs':>7} {'ok':>4} {'oom':>4} "
+    panel_header = (f"{'target':6} {'mode':7} {'value':>5} {'configs':>7} {'ok':>4} {'oom':>4} "
                     f"{'admit':>5} {'prec':>5} {'recall':>6} {'ok s':>5} {'oom s':>5}")
-    print(f"\nper pipeline depth\n{depth_header}\n" + "-" * len(depth_header))
+    print(f"\nper {panel}\n{panel_header}\n" + "-" * len(panel_header))
     for target, mode, _agreement, everything, _all_s, _admitted_s in rows:
-        for depth, results in by_depth(everything, problem(mode, args.seq_len),
-                                          target).items():
+        for value, results in groups_of(target, mode, everything).items():
             agreement = Agreement.of(results)
-            print(f"{target:6} {mode:7} {depth:5d} {len(results):7d} "
+            print(f"{target:6} {mode:7} {value!s:>5} {len(results):7d} "
                   f"{agreement.counts.get(Status.OK, 0):4d} "
                   f"{agreement.counts.get(Status.VMEM_OOM, 0):4d} {agreement.admitted:5d} "
                   f"{fmt(agreement.precision):>5} {fmt(agreement.recall):>6} "

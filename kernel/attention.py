@@ -13,12 +13,17 @@ import math
 from typing import Any
 
 from kernel.capture import Call, observe
-from kernel.contract import ConfigFor, TunableKernel, by_mode
+from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem
 from kernel.scoped import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
+# Array layouts: ours (batch, heads, seq, head_dim), and jax.nn.dot_product_attention's.
+LAYOUTS = ("BHSD", "BSHD")
+# More heads than this, over fewer positions, in what the default layout reads as the heads
+# axis looks like a [batch, seq, heads, head_dim] array: refused unless the layout is given.
+MOST_PLAUSIBLE_HEADS = 256
 # Attention features of other APIs (jax.nn, tokamax, upstream's kernels) that no backend here
 # implements, named in the error when a caller passes them.
 UNSUPPORTED_FEATURES = {
@@ -26,18 +31,25 @@ UNSUPPORTED_FEATURES = {
     "kv_segment_ids": "segment ids", "bias": "an attention bias", "ab": "an attention bias",
     "mask": "a mask other than causal", "logits_soft_cap": "logit soft-capping",
     "sliding_window": "sliding-window attention", "local_window_size": "sliding-window attention",
-    "dropout_rate": "dropout",
+    "dropout_rate": "dropout", "query_seq_lengths": "sequence lengths",
+    "key_value_seq_lengths": "sequence lengths",
+    "implementation": "an implementation (the tuned kernel choice picks it)",
 }
 
 
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
-                    sm_scale: float | None = None, config: Any = None, **unsupported: Any) -> Any:
+                    sm_scale: float | None = None, config: Any = None, layout: str | None = None,
+                    **unsupported: Any) -> Any:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable.
 
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
-    head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``causal`` masks keys
-    after the query position, top-left aligned (query i sees keys j <= i). ``sm_scale``
-    defaults to ``head_dim ** -0.5``.
+    head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``layout="BSHD"`` takes
+    and returns ``[batch, seq, heads, head_dim]`` arrays instead (``jax.nn``'s layout, as
+    :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD (more
+    than 256 heads over fewer positions, head counts only BSHD makes consistent) are refused
+    naming the fix; ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
+    position, top-left aligned (query i sees keys j <= i). ``sm_scale`` defaults to
+    ``head_dim ** -0.5``.
 
     Without ``config``, the backend is the one the kernel choice for this problem, device and
     mode names (pinned table > lookup service; ``fwd_bwd`` when differentiated; when it cannot
@@ -52,7 +64,17 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
-    problem = _problem(q, k, v, causal)
+    if layout not in (None, *LAYOUTS):
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "BSHD":
+        import jax.numpy as jnp
+
+        _check_arrays(q, k, v, layout)
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, config=config,
+                              layout="BHSD")
+        return jnp.swapaxes(out, 1, 2)
+    problem = _problem(q, k, v, causal, checked=layout == "BHSD")
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
@@ -108,7 +130,8 @@ def _unsupported_message(unsupported: dict[str, Any]) -> str:
                       for name in unsupported)
     plural = "s" if len(unsupported) > 1 else ""
     return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
-            "q, k, v, causal, sm_scale and config (causal masking is the only mask); drop the "
+            "q, k, v, causal, sm_scale, config and layout (causal masking is the only mask); "
+            "drop the "
             "argument, or use an attention implementation that supports it")
 
 
@@ -129,14 +152,67 @@ def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Tar
     return config_for
 
 
-def _problem(q: Any, k: Any, v: Any, causal: Any) -> Problem:
-    """The problem of a call, from static shapes; malformed inputs raise naming the fix."""
+def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None,
+                          *, scale: float | None = None, is_causal: bool = False,
+                          query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
+                          local_window_size: Any = None, implementation: Any = None) -> Any:
+    """``jax.nn.dot_product_attention``'s signature and layout (``[batch, seq, heads,
+    head_dim]``, or ``[seq, heads, head_dim]``) on :func:`flash_attention`: a drop-in for the
+    calls it supports (``scale``, ``is_causal``); any other argument given raises naming it.
+    ``implementation`` must stay None: the kernel is the tuned choice's."""
+    given = {name: value for name, value in (
+        ("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
+        ("key_value_seq_lengths", key_value_seq_lengths),
+        ("local_window_size", local_window_size), ("implementation", implementation))
+        if value is not None}
+    if given:
+        raise TypeError(_unsupported_message(given))
+    batched = getattr(query, "ndim", 4) == 4
+    if not batched:
+        query, key, value = (x[None] for x in (query, key, value))
+    out = flash_attention(query, key, value, causal=is_causal, sm_scale=scale, layout="BSHD")
+    return out if batched else out[0]
+
+
+def _check_arrays(q: Any, k: Any, v: Any, layout: str) -> None:
+    """Raises naming the fix unless q, k and v are rank-4 arrays of a supported dtype."""
+    axes = "[batch, heads, seq, head_dim]" if layout == "BHSD" else "[batch, seq, heads, head_dim]"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
         if len(x.shape) != 4:
-            raise ValueError(f"{name} must have rank 4 [batch, heads, seq, head_dim], got "
-                             f"shape {tuple(x.shape)}")
+            raise ValueError(f"{name} must have rank 4 {axes}, got shape {tuple(x.shape)} "
+                             f"(layout {layout})")
+
+
+def _layout_mix_up(q: Any, k: Any) -> str:
+    """Why these BHSD-read shapes look like BSHD arrays ('' when they do not): more heads than
+    is plausible over fewer positions, or head counts that only the BSHD reading makes a
+    grouped-query pair (with fewer heads than positions, as models have)."""
+    for name, x in (("q", q), ("k", k)):
+        heads, seq = x.shape[1], x.shape[2]
+        if heads > MOST_PLAUSIBLE_HEADS and seq < heads:
+            return f"{name} {tuple(x.shape)} reads as {heads} heads over {seq} positions"
+    if 0 in (*q.shape, *k.shape):
+        return ""  # refused below, saying which size is empty
+    if (q.shape[1] % k.shape[1] and not q.shape[2] % k.shape[2]
+            and q.shape[2] < q.shape[1] and k.shape[2] < k.shape[1]):
+        return (f"q_heads ({q.shape[1]}) is no multiple of kv_heads ({k.shape[1]}), while as "
+                f"[batch, seq, heads, head_dim] they would be {q.shape[2]} and {k.shape[2]}")
+    return ""
+
+
+def _problem(q: Any, k: Any, v: Any, causal: Any, checked: bool = False) -> Problem:
+    """The problem of a call, from static shapes; malformed inputs raise naming the fix.
+    Unless the layout was ``checked`` (given), a likely BSHD array raises saying so."""
+    _check_arrays(q, k, v, "BHSD")
+    mix_up = "" if checked else _layout_mix_up(q, k)
+    if mix_up:
+        raise ValueError(f"{mix_up}: flash_attention takes [batch, heads, seq, head_dim]; if "
+                         "your arrays are [batch, seq, heads, head_dim] (jax.nn's layout), pass "
+                         "layout='BSHD' or call kernel.dot_product_attention; if the shapes "
+                         "are meant, pass layout='BHSD'")
+    for name, x in (("q", q), ("k", k), ("v", v)):
         if _dtype(x) not in DTYPES:
             raise TypeError(f"{name} has dtype {_dtype(x)}; flash_attention supports "
                             f"{' and '.join(DTYPES)} (cast the inputs)")
@@ -166,9 +242,5 @@ def _dtype(x: Any) -> str:
 
 def _default_device() -> tuple[str, str]:
     """The platform and device kind of the default device (``jax_default_device``)."""
-    import jax
-
-    device = jax.config.jax_default_device
-    if not isinstance(device, jax.Device):
-        device = jax.devices(device)[0] if device else jax.devices()[0]
+    device = default_device()
     return device.platform, device.device_kind

@@ -26,6 +26,16 @@ AttentionFn = Callable[..., Any]  # (q, k, v) -> output, or -> (dq, dk, dv) in f
 ConfigFor = Callable[[str], Any]
 
 
+def default_device() -> Any:
+    """The device a call traced now runs on: ``jax_default_device``, else the first device."""
+    import jax
+
+    device = jax.config.jax_default_device
+    if not isinstance(device, jax.Device):
+        device = jax.devices(device)[0] if device else jax.devices()[0]
+    return device
+
+
 def default_scale(problem: Problem) -> float:
     """The softmax scale every backend defaults to (upstream kernels default to 1.0)."""
     return problem.head_dim ** -0.5
@@ -47,31 +57,38 @@ def measured_fn(problem: Problem, attend: AttentionFn, *,
     return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
 
-def by_mode(attend_for: Callable[[str], AttentionFn]) -> AttentionFn:
+def by_mode(attend_for: Callable[[str], AttentionFn],
+            run: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
+            ) -> AttentionFn:
     """``attend_for("fwd")``, and, when differentiated, ``attend_for("fwd_bwd")`` both ways
-    (its VJP is the residual). Each is built at trace time, only when it runs."""
+    (its VJP is the residual). Each is built at trace time, only when it runs. ``run`` wraps
+    what is traced: the forward, and the backward too, which a custom VJP inside traces only
+    when the gradient is taken (e.g. in TPU interpret mode off a TPU)."""
     import jax
 
     @jax.custom_vjp
     def attend(q, k, v):  # noqa: ANN001, ANN202
-        return attend_for("fwd")(q, k, v)
+        return run(attend_for("fwd"))(q, k, v)
 
     def forward(q, k, v):  # noqa: ANN001, ANN202
-        return jax.vjp(attend_for("fwd_bwd"), q, k, v)
+        return jax.vjp(run(attend_for("fwd_bwd")), q, k, v)
 
     def backward(vjp, cotangent):  # noqa: ANN001, ANN202
-        return vjp(cotangent)
+        return run(vjp)(cotangent)
 
     attend.defvjp(forward, backward)
     return attend
 
 
-def per_mode(attend_with: Callable[[Any], AttentionFn], config_for: ConfigFor) -> AttentionFn:
+def per_mode(attend_with: Callable[[Any], AttentionFn], config_for: ConfigFor,
+             run: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
+             ) -> AttentionFn:
     """``attend_with(config)`` with ``config_for("fwd")``, and, when differentiated, with
     ``config_for("fwd_bwd")`` both ways: for a kernel whose own custom VJP (upstream's)
     differentiates with the one config it was called with, so that a training step runs the
-    ``fwd_bwd``-tuned config, checked against the ``fwd_bwd`` rules."""
-    return by_mode(lambda mode: attend_with(config_for(mode)))
+    ``fwd_bwd``-tuned config, checked against the ``fwd_bwd`` rules. ``run``: as
+    :func:`by_mode`'s."""
+    return by_mode(lambda mode: attend_with(config_for(mode)), run)
 
 
 def repeat_kv_heads(problem: Problem, k: Any, v: Any) -> tuple[Any, Any]:

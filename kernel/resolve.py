@@ -6,47 +6,42 @@ pinned TPU kernel (``AUTOTUNE_TPU_KERNEL``) wins; else the kernel choice for the
 here, then ``xla``; without a choice, the platform's backend; either, where it cannot run the
 problem, ``xla``. The config (:meth:`Resolver.resolve`): the choice's config for its kernel
 (tuned for the installed version), then pinned table (an exact entry of any, else the nearest
-across them) > lookup service > the backend's default, each
-checked against the backend's rules for the device before it is used (the one legality
-fallback). An explicit config never reaches the resolver: the wrapper checks it and raises.
-Every answer, misses and fallbacks included, is cached per key for the life of the process,
-and the first fallback per key logs one warning saying why; only an answer the service could
-not give (it failed, or its circuit breaker was open) is asked again once the breaker closes.
+across them) > lookup service (:mod:`kernel.service`) > the backend's default, each checked
+against the backend's rules for the device before it is used (the one legality fallback). An
+explicit config never reaches the resolver: the wrapper checks it and raises.
 
-Pure Python and the standard library only (http.client), so a model build that embeds a table
-needs nothing but jax. The service gets a deadline for the whole request, a reply size cap and
-a circuit breaker: a slow, down or garbage-answering service never fails a trace.
+Every answer, misses and fallbacks included, is cached per key for the life of the process,
+and the first fallback per key logs one warning giving the root cause; only an answer the
+service could not give (it failed, or its circuit breaker was open) is asked again once the
+breaker closes. A key is resolved once even when many threads trace it, and no lock is held
+over the network, so threads tracing different problems do not wait on each other.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import importlib.metadata
-import json
 import logging
 import os
-import socket
 import threading
 import time
-import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kernel.contract import TunableKernel
-from kernel.errors import ConfigError
+from kernel.errors import ConfigError, TableError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
-from kernel.table import KernelChoice, LookupTable, find_choice, find_entry, read_provenance
+from kernel.service import Answer, ServiceClient
+from kernel.table import KernelChoice, LookupTable, ProblemIndex
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("table", "service", "default")
-MAX_REPLY_BYTES = 64 * 1024  # a lookup answer is well under 1 KiB
 # The longest settings taken from the environment; longer is a typo (and a deadline past
 # threading.TIMEOUT_MAX would fail the trace).
 MAX_TIMEOUT_MS = 60_000  # a trace waits at most a minute for the service
@@ -60,7 +55,8 @@ Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
 class Resolution:
     """The config a key resolved to, from which source, and why (for fallbacks). ``stale``
     names the versions a table or service entry was tuned under when they differ from the
-    installed ones (it is still used: legality is checked here, speed may have moved)."""
+    installed ones (it is still used: legality is checked here, speed may have moved).
+    ``match``: ``exact``, or ``nearest`` with ``origin`` the tuned problem it comes from."""
 
     config: Any  # the backend's config type
     source: str  # one of SOURCES
@@ -68,11 +64,20 @@ class Resolution:
     stale: str = ""
     kernel_by: str = ""  # why this backend ran, when a kernel choice picked it
     retry_at: float = 0.0  # time.monotonic() after which to resolve again; 0: never
+    match: str = ""
+    origin: Problem | None = None
 
     def describe(self) -> str:
-        """The source, marked when stale and with how a choice picked the kernel: ``table``,
-        ``table (stale: jax 0.9.0 ...)``, ``default; kernel: next best ...``."""
-        described = f"{self.source} (stale: {self.stale})" if self.stale else self.source
+        """Where the config came from and which it is, with how a choice picked the kernel:
+        ``table, exact, config q256 ...``, ``table (stale: jax 0.9.0 ...), nearest (from b1
+        h8/8 q512 ...), config ...``, ``default, config ...; kernel: next best (...)``."""
+        parts = [f"{self.source} (stale: {self.stale})" if self.stale else self.source]
+        if self.match == "nearest" and self.origin is not None:
+            parts.append(f"nearest (from {self.origin.label()})")
+        elif self.match:
+            parts.append(self.match)
+        parts.append(f"config {self.config.label()}")
+        described = ", ".join(parts)
         return f"{described}; kernel: {self.kernel_by}" if self.kernel_by else described
 
 
@@ -159,36 +164,47 @@ def stale_versions(provenance: Mapping[str, Any], installed: Mapping[str, str | 
     return ", ".join(moved)
 
 
+
 class Resolver:
-    """Resolves and caches configs per (kernel, device kind, problem)."""
+    """Resolves and caches backends and configs per (kernel, device kind, problem)."""
 
     def __init__(self, settings: ResolverSettings | None = None) -> None:
         self.settings = settings or ResolverSettings.from_env()
-        self._lock = threading.Lock()
+        self.service = ServiceClient(self.settings.url, self.settings.timeout_s,
+                                     self.settings.breaker_s)
+        self._lock = threading.Lock()  # guards the dicts below, never held over I/O
+        self._gates: dict[tuple[Any, ...], threading.Lock] = {}  # one per key being resolved
         self._cache: dict[Key, Resolution] = {}
         self._picks: dict[tuple[str, str, Problem, bool], KernelPick] = {}
         self._choice_configs: dict[Key, Resolution] = {}
-        self._tables: list[LookupTable] = []
+        self._tables: dict[str, LookupTable] = {}  # by resolved path, in pinning order
+        self._indexes: dict[tuple[str, ...], ProblemIndex] = {}
         self._kernels: dict[str, TunableKernel] = {}
         self._installed = installed_versions()
-        self._breaker_open_until = 0.0
-        self._unanswered = 0  # service lookups that failed or were skipped by the breaker
-        self.service_requests = 0  # HTTP requests sent, for tests and diagnostics
         for path in self.settings.table_paths:
-            self.use_table(path)
+            try:
+                self.use_table(path)
+            except TableError as error:  # the trace runs on the other sources
+                log.error("flash-autotune: AUTOTUNE_TABLE: %s; resolving without it", error)
+
+    @property
+    def service_requests(self) -> int:
+        """HTTP requests sent to the lookup service, for tests and diagnostics."""
+        return self.service.requests
 
     def use_table(self, path: str | Path) -> None:
         """Pins a lookup table (of any registered backend); it wins over the service for its
-        kernel and device kind. Raises ``TableError`` naming the file if it is malformed."""
-        self.pin(LookupTable.load(path))
+        kernel and device kind. Pinning a path again replaces its table (the file changed).
+        Raises ``TableError`` naming the file if it is malformed."""
+        self.pin(LookupTable.load(path), os.path.realpath(path))
 
-    def pin(self, table: LookupTable) -> None:
-        """Pins a loaded table (``use_table``'s, or a ``kernel.tables`` block's)."""
+    def pin(self, table: LookupTable, name: str) -> None:
+        """Pins a loaded table under ``name`` (pinned again, the name's table is replaced):
+        ``use_table``'s, or a ``kernel.tables`` block's (:mod:`kernel.scoped`)."""
         with self._lock:
-            self._tables.append(table)
-            self._cache.clear()
-            self._picks.clear()
-            self._choice_configs.clear()
+            self._tables[name] = table
+            for cache in (self._cache, self._picks, self._choice_configs, self._indexes):
+                cache.clear()
 
     def platform_kernel(self, platform: str) -> TunableKernel:
         """The backend ``flash_attention`` runs on a JAX platform, with what the installed JAX
@@ -211,31 +227,40 @@ class Resolver:
             self._kernels[name] = get_kernel(name).discover()
         return self._kernels[name]
 
+    def _once(self, cache: dict[Any, Any], key: Any, compute: Callable[[], Any]) -> Any:
+        """``cache[key]`` while settled, else ``compute()`` stored there: by one thread per
+        key at a time (the others wait for it), keys side by side."""
+        cached = cache.get(key)  # dict reads are atomic: the hot path takes no lock
+        if cached is not None and _settled(cached):
+            return cached
+        with self._lock:
+            gate = self._gates.setdefault((id(cache), key), threading.Lock())
+        with gate:
+            cached = cache.get(key)
+            if cached is None or not _settled(cached):
+                cached = compute()
+                with self._lock:
+                    cache[key] = cached
+            return cached
+
     def pick(self, problem: Problem, device_kind: str, platform: str,
              target: Target) -> KernelPick:
         """The backend that runs ``problem`` (as called) on this device, when no explicit
         config pins it to the platform's: the module docstring gives the order."""
         # x64 too: a kernel that refuses it (x64_violations) must not stay picked for such calls
         key = (platform, device_kind, problem, x64_enabled())
-        cached = self._picks.get(key)
-        if cached is not None and _settled(cached):
-            return cached
-        with self._lock:
-            cached = self._picks.get(key)
-            if cached is None or not _settled(cached):
-                unanswered = self._unanswered
-                pick = self._pick_uncached(problem, device_kind, platform, target)
-                self._picks[key] = dataclasses.replace(pick,
-                                                       retry_at=self._retry_at(unanswered))
-            return self._picks[key]
+        return self._once(self._picks, key,
+                          lambda: self._pick_uncached(problem, device_kind, platform, target))
 
     def _pick_uncached(self, problem: Problem, device_kind: str, platform: str,
                        target: Target) -> KernelPick:
         if platform == "tpu" and self.settings.tpu_kernel:
             return self._platform_pick(problem, platform, target)
-        choice, source, why = self._find_choice(problem, device_kind)
+        choice, source, why, retry_at = self._find_choice(problem, device_kind,
+                                                          self.platform_kernel(platform))
         if choice is None:
-            return self._platform_pick(problem, platform, target)
+            return dataclasses.replace(self._platform_pick(problem, platform, target),
+                                       retry_at=retry_at)
         stale = stale_versions(choice.provenance, self._installed)
         refused = []
         for name in dict.fromkeys([*choice.ranked(), SAFE_KERNEL]):
@@ -251,9 +276,11 @@ class Resolver:
                             "(%s)", name, problem.label(), device_kind, choice.kernel,
                             "; ".join(refused))
             if name == choice.kernel and self._current(choice):
-                self._choice_configs[(name, device_kind, dataclasses.replace(
-                    problem, mode=choice.problem.mode))] = Resolution(choice.config, source,
-                                                                      why, stale)
+                moded = dataclasses.replace(problem, mode=choice.problem.mode)
+                match = "exact" if choice.problem == moded else "nearest"
+                with self._lock:
+                    self._choice_configs[(name, device_kind, moded)] = Resolution(
+                        choice.config, source, why, stale, match=match, origin=choice.problem)
             return KernelPick(self.kernel(name), by, choice, source, stale)
         log.warning("flash-autotune: no candidate of the kernel choice for %s on %s can run "
                     "here (%s); using the platform's kernel", problem.label(), device_kind,
@@ -278,7 +305,9 @@ class Resolver:
         return recorded is None or recorded == self.kernel(choice.kernel).version
 
     def _cannot_run(self, name: str, problem: Problem, target: Target) -> str:
-        """Why backend ``name`` cannot run ``problem`` on ``target`` ('' when it can)."""
+        """Why backend ``name`` cannot run ``problem`` on ``target`` ('' when it can): not in
+        this build, no rules for this device (so it neither runs nor is interpreted here),
+        or a problem its kernels refuse."""
         if name not in KERNELS:
             return f"kernel {name!r} is not in this build"
         kernel = self.kernel(name)
@@ -289,66 +318,54 @@ class Resolver:
             return str(error)
         return ""
 
-    def _find_choice(self, problem: Problem,
-                     device_kind: str) -> tuple[KernelChoice | None, str, str]:
+    def _find_choice(self, problem: Problem, device_kind: str, platform_kernel: TunableKernel,
+                     ) -> tuple[KernelChoice | None, str, str, float]:
         """The kernel choice for ``problem``: pinned tables, then the service; the called
         mode's first, then the other's (a model tuned for training traces its forward pass
-        before it is differentiated). ``(choice, source, match)``, or ``(None, '', why)``."""
+        before it is differentiated). ``(choice, source, match, 0)``, or ``(None, '', why,
+        retry_at)``. The service is asked the platform kernel's config in the same round
+        trip, for when there is no choice."""
         modes = [problem.mode, *(mode for mode in MODES if mode != problem.mode)]
         reasons = []
-        for source, found in (("table", self._choice_from_tables),
-                              ("service", self._choice_from_service)):
-            for mode in modes:
-                choice, why = found(dataclasses.replace(problem, mode=mode), device_kind)
-                if choice is not None:
-                    return choice, source, why
-                reasons.append(why)
-        return None, "", "; ".join(reasons)
+        for mode in modes:
+            moded = dataclasses.replace(problem, mode=mode)
+            found = self._index(("choices", device_kind), lambda: [
+                c for t in self._tables.values() if t.device_kind == device_kind
+                for c in t.choices], lambda choice: choice.kernel).find(moded)
+            if found is not None:
+                return found[0], "table", f"{found[1]} choice in pinned table", 0.0
+            reasons.append(f"no pinned kernel choice for {moded.label()} on {device_kind!r}")
+        retry_at = 0.0
+        for mode in modes:
+            answer = self.service.choice(device_kind, dataclasses.replace(problem, mode=mode),
+                                         platform_kernel)
+            if answer.value is not None:
+                choice, match = answer.value
+                return choice, "service", f"{match} choice from service", 0.0
+            reasons.append(answer.why)
+            retry_at = max(retry_at, answer.retry_at)
+        return None, "", "; ".join(reasons), retry_at
 
-    def _choice_from_tables(self, problem: Problem,
-                            device_kind: str) -> tuple[KernelChoice | None, str]:
-        """An exact choice of any pinned table, else the nearest across them."""
-        found = find_choice(problem, [c for table in self._tables
-                                      if table.device_kind == device_kind for c in table.choices])
-        if found is None:
-            return None, f"no pinned kernel choice for {problem.label()} on {device_kind!r}"
-        return found[0], f"{found[1]} choice in pinned table"
-
-    def _choice_from_service(self, problem: Problem,
-                             device_kind: str) -> tuple[KernelChoice | None, str]:
-        answer, why = self._ask_service(
-            "/v1/choices/lookup", {"device_kind": device_kind, **_problem_params(problem)},
-            "lookup service has no kernel choice for this key",
-            lambda answer: (KernelChoice.from_dict(answer), answer.get("match")))
-        if answer is None:
-            return None, why
-        return answer[0], f"{answer[1]} choice from service"
+    def _index(self, key: tuple[str, ...], items: Callable[[], list[Any]],
+               kernel_of: Callable[[Any], str]) -> ProblemIndex:
+        """The index of the pinned tables' ``items()`` under ``key``, built once per pinning."""
+        index = self._indexes.get(key)
+        if index is None:
+            with self._lock:
+                index = self._indexes.get(key)
+                if index is None:
+                    index = self._indexes[key] = ProblemIndex(items(), kernel_of)
+        return index
 
     def resolve(self, problem: Problem, device_kind: str, kernel_name: str,
                 target: Target, kernel_by: str = "") -> Resolution:
         """The config of ``kernel_name`` for ``problem`` on a device of ``device_kind``, whose
-        rules are ``target``'s: the first of the kernel choice's config (when the choice
-        picked this kernel), the pinned tables, the service and the default that is legal
-        there. ``kernel_by``: how :meth:`pick` chose the kernel, for :meth:`sources`."""
-        key = (kernel_name, device_kind, problem)
-        cached = self._cache.get(key)  # dict reads are atomic: the hot path takes no lock
-        if cached is not None and _settled(cached):
-            return cached
-        with self._lock:
-            cached = self._cache.get(key)
-            if cached is None or not _settled(cached):
-                unanswered = self._unanswered
-                resolution = self._resolve_uncached(problem, device_kind,
-                                                    self.kernel(kernel_name), target)
-                self._cache[key] = dataclasses.replace(resolution, kernel_by=kernel_by,
-                                                       retry_at=self._retry_at(unanswered))
-            return self._cache[key]
-
-    def _retry_at(self, unanswered: int) -> float:
-        """When to resolve again an answer found with ``unanswered`` service failures
-        before: once the breaker closes, if a lookup since failed or was skipped; else
-        never (0)."""
-        return self._breaker_open_until if self._unanswered != unanswered else 0.0
+        rules are ``target``'s (the module docstring gives the order). ``kernel_by``: how
+        :meth:`pick` chose the kernel, for :meth:`sources`."""
+        return self._once(self._cache, (kernel_name, device_kind, problem), lambda: (
+            dataclasses.replace(self._resolve_uncached(problem, device_kind,
+                                                       self.kernel(kernel_name), target),
+                                kernel_by=kernel_by)))
 
     def sources(self) -> dict[Key, str]:
         """How each key seen so far was resolved (:meth:`Resolution.describe`)."""
@@ -358,150 +375,70 @@ class Resolver:
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:
+        """The resolution order of a config, in one place."""
         if not kernel.space_params(problem):  # xla: its one config, nothing to look up or warn
             return Resolution(kernel.default_config(problem, target), "default",
                               "no tunable fields")
-        reasons = []
+        reasons, retry_at = [], 0.0
         chosen = self._choice_configs.get((kernel.name, device_kind, problem))
-        if chosen is not None:
-            broken = kernel.violations(problem, chosen.config, target)
-            if not broken:
-                return chosen
-            reasons.append(f"the kernel choice's config {chosen.config.label()} is illegal "
-                           "here: " + "; ".join(map(str, broken)))
-        for source, found in (("table", self._from_tables), ("service", self._from_service)):
-            config, provenance, why = found(problem, device_kind, kernel)
-            if config is None:
+        candidates = [("choice", lambda: (chosen, ""))] if chosen is not None else []
+        candidates += [("table", lambda: self._from_tables(problem, device_kind, kernel)),
+                       ("service", lambda: self._from_service(problem, device_kind, kernel))]
+        for source, find in candidates:
+            found, why = find()
+            if isinstance(found, Answer):
+                found, why, retry_at = found.value, found.why, max(retry_at, found.retry_at)
+            if found is None:
                 reasons.append(why)
                 continue
-            broken = kernel.violations(problem, config, target)
-            if broken:
-                reasons.append(f"the {source}'s config {config.label()} is illegal here: "
-                               + "; ".join(map(str, broken)))
-                continue
-            return Resolution(config, source, why, stale_versions(provenance, self._installed))
+            broken = kernel.violations(problem, found.config, target)
+            if not broken:
+                return found
+            reasons.append(f"the {source}'s config {found.config.label()} is illegal here: "
+                           + "; ".join(map(str, broken)))
         config = kernel.default_config(problem, target)
         detail = "; ".join(reasons)
         log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
                     kernel.name, config.label(), problem.label(), device_kind, detail)
-        return Resolution(config, "default", detail)
+        return Resolution(config, "default", detail, retry_at=retry_at)
 
     def _from_tables(self, problem: Problem, device_kind: str,
-                     kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
+                     kernel: TunableKernel) -> tuple[Resolution | None, str]:
         """An exact entry of any pinned table, else the nearest across them (the first
         table's on a tie), among the tables of this kernel's installed version."""
         if not self._tables:
-            return None, {}, "no table pinned"
-        tables = [t for t in self._tables if (t.kernel, t.device_kind) == (kernel.name,
-                                                                           device_kind)]
-        current = [t for t in tables if t.kernel_version == kernel.version]
-        if tables and not current:
-            return None, {}, (f"the pinned tables of {kernel.name} on {device_kind!r} are of "
-                              f"kernel version {tables[0].kernel_version!r}, but version "
-                              f"{kernel.version!r} is installed, whose configs mean something "
-                              "else; export a table tuned with this version")
-        found = find_entry(problem, [e for table in current for e in table.entries], kernel.name)
+            return None, "no table pinned"
+        tables = [t for t in self._tables.values()
+                  if (t.kernel, t.device_kind) == (kernel.name, device_kind)]
+        if tables and all(t.kernel_version != kernel.version for t in tables):
+            return None, (f"the pinned tables of {kernel.name} on {device_kind!r} are of "
+                          f"kernel version {tables[0].kernel_version!r}, but version "
+                          f"{kernel.version!r} is installed, whose configs mean something "
+                          "else; export a table tuned with this version")
+        found = self._index(("entries", kernel.name, device_kind), lambda: [
+            e for t in tables if t.kernel_version == kernel.version for e in t.entries],
+            lambda entry: kernel.name).find(problem)
         if found is None:
-            return None, {}, f"no pinned table entry for {kernel.name} on {device_kind!r}"
+            return None, f"no pinned table entry for {kernel.name} on {device_kind!r}"
         entry, match = found
-        return entry.config, entry.provenance, f"{match} match in pinned table"
+        return Resolution(entry.config, "table", f"{match} match in pinned table",
+                          stale_versions(entry.provenance, self._installed), match=match,
+                          origin=entry.problem), ""
 
     def _from_service(self, problem: Problem, device_kind: str,
-                      kernel: TunableKernel) -> tuple[Any, Mapping[str, Any], str]:
-        answer, why = self._ask_service(
-            "/v1/configs/lookup",
-            dict(kernel=kernel.name, kernel_version=kernel.version, device_kind=device_kind,
-                 **_problem_params(problem)),
-            "lookup service has no config for this key",
-            lambda answer: (kernel.config_from_dict(answer["config"]),
-                            read_provenance(answer), answer.get("match")))
-        if answer is None:
-            return None, {}, why
-        config, provenance, match = answer
-        return config, provenance, f"{match} match from service"
-
-    def _ask_service(self, path: str, params: Mapping[str, Any], miss: str,
-                     parse: Any) -> tuple[Any, str]:
-        """One GET of the service (one deadline), its JSON answer through ``parse``:
-        ``(parsed, '')``, or ``(None, why)``. A 404 is ``miss``; any failure, a bad answer
-        included, opens the circuit breaker."""
-        if not self.settings.url:
-            return None, "AUTOTUNE_URL unset"
-        if time.monotonic() < self._breaker_open_until:
-            self._unanswered += 1
-            return None, "lookup service failed recently (circuit breaker open)"
-        self.service_requests += 1
-        status, body, failure = _get(f"{self.settings.url.rstrip('/')}{path}?"
-                                     f"{urllib.parse.urlencode(params)}", self.settings.timeout_s)
-        if status == 404:
-            return None, miss
-        if failure is None and status != 200:
-            failure = f"lookup service answered HTTP {status}"
-        if failure is None:
-            try:
-                return parse(json.loads(body)), ""
-            except Exception as error:  # noqa: BLE001 - any garbage answer falls back
-                failure = f"lookup service sent a bad answer: {type(error).__name__}: {error}"
-        self._breaker_open_until = time.monotonic() + self.settings.breaker_s
-        self._unanswered += 1
-        return None, failure
+                      kernel: TunableKernel) -> tuple[Resolution | Answer | None, str]:
+        answer = self.service.config(device_kind, problem, kernel)
+        if answer.value is None:
+            return answer, ""
+        found = answer.value
+        return Resolution(found.config, "service", f"{found.match} match from service",
+                          stale_versions(found.provenance, self._installed), match=found.match,
+                          origin=found.origin), ""
 
 
 def _settled(answer: Resolution | KernelPick) -> bool:
     """Whether a cached answer stands (it need not be asked again yet)."""
     return not answer.retry_at or time.monotonic() < answer.retry_at
-
-
-def _problem_params(problem: Problem) -> dict[str, Any]:
-    """The problem's fields as query parameters (booleans as ``true``/``false``)."""
-    return {k: str(v).lower() if isinstance(v, bool) else v
-            for k, v in problem.to_dict().items()}
-
-
-def _get(url: str, deadline_s: float) -> tuple[int | None, bytes, str | None]:
-    """GETs ``url`` with one deadline for the whole request (connect, headers and body) and
-    at most :data:`MAX_REPLY_BYTES` of body: ``(status, body, failure)``, ``failure`` None
-    when a reply arrived. Never raises: whatever goes wrong is the failure's text."""
-    result: dict[str, Any] = {}
-    try:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:  # "host:8000"
-            raise ValueError(f"{url.split('?')[0]!r} is not an http:// or https:// URL with "
-                             "a host; set AUTOTUNE_URL to e.g. http://tuner:8000")
-        connection_type = (http.client.HTTPSConnection if parts.scheme == "https"
-                           else http.client.HTTPConnection)
-        connection = connection_type(parts.hostname, parts.port, timeout=deadline_s)
-    except Exception as error:  # noqa: BLE001 - a malformed AUTOTUNE_URL, a port out of range
-        return None, b"", f"lookup service URL is unusable: {error}"
-
-    def request() -> None:
-        try:
-            connection.request("GET", f"{parts.path}?{parts.query}")
-            response = connection.getresponse()
-            body = response.read(MAX_REPLY_BYTES + 1)
-            if len(body) > MAX_REPLY_BYTES:
-                raise ValueError(f"reply larger than {MAX_REPLY_BYTES} bytes")
-            result["reply"] = (response.status, body)
-        except BaseException as error:  # noqa: BLE001 - reported, never raised
-            result["error"] = error
-
-    worker = threading.Thread(target=request, name="autotune-lookup", daemon=True)
-    worker.start()
-    worker.join(deadline_s)
-    if worker.is_alive():  # past the deadline: cut the socket so the worker ends too
-        if connection.sock is not None:
-            try:
-                connection.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        connection.close()
-        return None, b"", f"lookup service did not answer within {deadline_s * 1000:.0f} ms"
-    connection.close()
-    if "error" in result:
-        error = result["error"]
-        return None, b"", f"lookup service failed: {type(error).__name__}: {error}"
-    status, body = result["reply"]
-    return status, body, None
 
 
 _default_resolver: Resolver | None = None
@@ -532,7 +469,8 @@ def use_table(path: str | Path) -> None:
 
 
 def resolution_sources() -> dict[Key, str]:
-    """How each key traced so far in this process was resolved: ``table``, ``service`` or
-    ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu versions and
-    followed by ``; kernel: ...`` when a kernel choice picked the key's kernel (which ran)."""
+    """How each key traced so far in this process was resolved: the source (``table``,
+    ``service`` or ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu
+    versions), ``exact`` or ``nearest (from <tuned problem>)``, the config that ran, and
+    ``; kernel: ...`` when a kernel choice picked the key's kernel (which ran)."""
     return get_resolver().sources()

@@ -55,6 +55,15 @@ def sequence_violations(length: int, name: str, largest: int = MAX_BLOCK) -> lis
                       f"{-(-length // LANES) * LANES} and mask the padding")]
 
 
+def key_lane_violations(kv_len: int) -> list[Violation]:
+    """``kv_len``: a key axis that is not a multiple of 128, for a kernel whose key blocks
+    must fill whole lanes (upstream's TPU kernels)."""
+    if kv_len % LANES == 0:
+        return []
+    return [Violation("kv_len", f"kv_len={kv_len} is not a multiple of {LANES}: the kernel's "
+                      "key blocks must be; pad the keys or use the flash kernel")]
+
+
 def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Violation]:
     """``block_max``, ``block_divides`` and ``block_tiling`` (a multiple of 128 or the whole
     axis: the TPU (8, 128) tiling) for one sequence-axis block of a TPU kernel."""

@@ -58,7 +58,7 @@ class ScopedResolver:
         self.name = ", ".join(scoped.name for scoped in block)
         self.own = Resolver(dataclasses.replace(base.settings, table_paths=(), url=None))
         for scoped in block:
-            self.own.pin(scoped.table)
+            self.own.pin(scoped.table, f"{scoped.name}#{scoped.serial}")
         self._lock = threading.Lock()
         self._picked: set[Key] = set()  # keys whose kernel this block's choice picked
         self._answered: dict[Key, Resolution] = {}

@@ -8,8 +8,11 @@ nearest-match rules, as the kernel wrapper reading a pinned table. Schema 2 adde
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +23,9 @@ from kernel.errors import AutotuneError, TableError
 from kernel.problem import Problem
 from kernel.registry import KERNELS, get_kernel
 
+MiB = 1 << 20
+# 100k configs and 100k kernel choices take about 230 MiB; a larger file is no table.
+MAX_TABLE_BYTES = 512 * MiB
 TABLE_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: configs only; 2: configs and kernel choices
 
@@ -224,9 +230,7 @@ class LookupTable:
     def load(cls, path: str | Path) -> LookupTable:
         """Reads and validates a table file; every failure is a ``TableError`` naming it."""
         try:
-            data = json.loads(Path(path).read_bytes().decode("utf-8"))
-        except OSError as error:
-            raise TableError(f"cannot read table {path}: {error.strerror}") from None
+            data = json.loads(read_table_bytes(path).decode("utf-8"))
         except UnicodeDecodeError as error:
             raise TableError(f"table {path} is not UTF-8 text (byte {error.start}); export "
                              "it again with `autotune export`") from None
@@ -246,6 +250,34 @@ class LookupTable:
     def lookup_choice(self, problem: Problem) -> tuple[KernelChoice, str] | None:
         """The kernel choice for exactly ``problem``, else the nearest (``nearest_choice``)."""
         return find_choice(problem, self.choices)
+
+
+def read_table_bytes(path: str | Path) -> bytes:
+    """The bytes of a table file: a regular file of at most :data:`MAX_TABLE_BYTES` (a device,
+    a FIFO or a huge file is refused before it is read, without blocking on it)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise TableError(f"cannot read table {path}: {error.strerror}") from None
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(descriptor)
+        raise TableError(f"table {path} is not a regular file; give the path of a table "
+                         "written by `autotune export`")
+    if status.st_size > MAX_TABLE_BYTES:
+        os.close(descriptor)
+        raise TableError(f"table {path} is {status.st_size / MiB:.0f} MiB, over the "
+                         f"{MAX_TABLE_BYTES // MiB} MiB a lookup table may have; export "
+                         "one device kind's table (`autotune export --device-kind ...`)")
+    with os.fdopen(descriptor, "rb") as file:
+        try:
+            data = file.read(MAX_TABLE_BYTES + 1)
+        except OSError as error:
+            raise TableError(f"cannot read table {path}: {error.strerror}") from None
+    if len(data) > MAX_TABLE_BYTES:  # it grew while read
+        raise TableError(f"table {path} is over the {MAX_TABLE_BYTES // MiB} MiB a lookup "
+                         "table may have")
+    return data
 
 
 def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:
@@ -274,23 +306,58 @@ def find_entry(problem: Problem, entries: Sequence[TableEntry],
                kernel: str) -> tuple[TableEntry, str] | None:
     """``(entry, "exact")`` for ``problem``, else ``(entry, "nearest")``
     (:func:`nearest_entry`), else None: of one table, or of several in order."""
-    return _find(problem, entries, lambda: nearest_entry(problem, entries, kernel))
+    return ProblemIndex(entries, lambda entry: kernel).find(problem)
 
 
 def find_choice(problem: Problem,
                 choices: Sequence[KernelChoice]) -> tuple[KernelChoice, str] | None:
     """As :func:`find_entry`, for kernel choices (:func:`nearest_choice`)."""
-    return _find(problem, choices, lambda: nearest_choice(problem, choices))
+    return ProblemIndex(choices, lambda choice: choice.kernel).find(problem)
 
 
-def _find(problem: Problem, items: Sequence[Any],
-          nearest: Callable[[], Any]) -> tuple[Any, str] | None:
-    """The item of exactly ``problem``, else ``nearest()`` (asked only then), and the match."""
-    exact = next((item for item in items if item.problem == problem), None)
-    if exact is not None:
-        return exact, "exact"
-    item = nearest()
-    return (item, "nearest") if item is not None else None
+def _family(problem: Problem) -> tuple[Any, ...]:
+    """What a nearest match must share with the problem: dtype, head_dim, causality, mode."""
+    return problem.dtype, problem.head_dim, problem.causal, problem.mode
+
+
+class ProblemIndex:
+    """Table entries or kernel choices indexed by problem: an exact lookup is one dict read,
+    and a nearest one looks only at the problem's family (:func:`_family`), checking the
+    rules of the closest first and stopping at the first legal one. Earlier items win ties."""
+
+    def __init__(self, items: Iterable[Any], kernel_of: Callable[[Any], str]) -> None:
+        self._kernel_of = kernel_of
+        self._exact: dict[Problem, Any] = {}
+        self._families: dict[tuple[Any, ...], list[Any]] = {}
+        for item in items:
+            self._exact.setdefault(item.problem, item)
+            self._families.setdefault(_family(item.problem), []).append(item)
+
+    def find(self, problem: Problem) -> tuple[Any, str] | None:
+        """``(item, "exact")``, else ``(item, "nearest")``, else None."""
+        exact = self._exact.get(problem)
+        if exact is not None:
+            return exact, "exact"
+        item = self.nearest(problem)
+        return (item, "nearest") if item is not None else None
+
+    def nearest(self, problem: Problem) -> Any:
+        """The closest item of the family whose config passes its kernel's stored-config rules
+        for ``problem`` (:func:`shape_distance`); None when none does."""
+        family = self._families.get(_family(problem), [])
+        ranked = [(shape_distance(problem, item.problem), order, item)
+                  for order, item in enumerate(family)]
+        heapq.heapify(ranked)
+        while ranked:
+            item = heapq.heappop(ranked)[2]
+            name = self._kernel_of(item)
+            if name not in KERNELS:
+                continue
+            rules = KERNELS[name]
+            if (isinstance(item.config, rules.config_type)
+                    and not rules.stored_violations(problem, item.config)):
+                return item
+        return None
 
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
@@ -298,28 +365,11 @@ def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
     """The closest tuned problem with the same dtype, head_dim, causality and mode whose
     config (one of kernel ``kernel``'s) passes that kernel's stored-config rules for
     ``problem``; None when none does."""
-    return _nearest(problem, entries, lambda entry: kernel)
+    return ProblemIndex(entries, lambda entry: kernel).nearest(problem)
 
 
 def nearest_choice(problem: Problem, choices: Iterable[KernelChoice]) -> KernelChoice | None:
     """The choice of the closest problem with the same dtype, head_dim, causality and mode
     whose chosen kernel is registered here and whose config passes its stored-config rules
     for ``problem``; None when none does (an unknown kernel's choice matches only exactly)."""
-    return _nearest(problem, choices, lambda choice: choice.kernel)
-
-
-def _nearest(problem: Problem, items: Iterable[Any], kernel_of: Any) -> Any:
-    """The item (a ``TableEntry`` or ``KernelChoice``) nearest ``problem`` among those of the
-    same family whose config is legal for it, by :func:`shape_distance`."""
-    family = (problem.dtype, problem.head_dim, problem.causal, problem.mode)
-    candidates = []
-    for item in items:
-        name = kernel_of(item)
-        if (item.problem.dtype, item.problem.head_dim, item.problem.causal,
-                item.problem.mode) != family or name not in KERNELS:
-            continue
-        rules = KERNELS[name]
-        if (isinstance(item.config, rules.config_type)
-                and not rules.stored_violations(problem, item.config)):
-            candidates.append(item)
-    return min(candidates, key=lambda item: shape_distance(problem, item.problem), default=None)
+    return ProblemIndex(choices, lambda choice: choice.kernel).nearest(problem)

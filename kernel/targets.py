@@ -5,9 +5,13 @@ Pure Python: the service checks stored configs against the same targets the tune
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 from kernel.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
@@ -48,7 +52,24 @@ def get_target(name: str) -> Target:
 
 def device_target(platform: str, device_kind: str) -> Target:
     """The target of a JAX device (``device.platform``, ``device.device_kind``): a known TPU
-    generation, ``gpu`` for any CUDA/ROCm device, else ``cpu`` (interpret mode)."""
+    generation, ``gpu`` for any CUDA/ROCm device, ``cpu`` (interpret mode) for a CPU. A TPU of
+    a kind not listed here gets the most conservative generation's limits (warned once)."""
     if platform in GPU_PLATFORMS:
         return GPU_TARGET
-    return next((t for t in TARGETS.values() if t.device_kind == device_kind), TARGETS["cpu"])
+    known = next((t for t in TARGETS.values() if t.device_kind == device_kind), None)
+    if known is not None:
+        return known
+    return _unknown_tpu_target(device_kind) if platform == "tpu" else TARGETS["cpu"]
+
+
+@functools.cache
+def _unknown_tpu_target(device_kind: str) -> Target:
+    """The TPU generation with the smallest scoped VMEM, standing in for an unlisted kind."""
+    tpus = [t for t in TARGETS.values() if t.scoped_vmem_bytes is not None]
+    target = min(tpus, key=lambda t: t.scoped_vmem_bytes)
+    log.warning("flash-autotune: TPU device kind %r is not one of %s; checking configs against "
+                "%s's limits (%d MiB scoped VMEM), the most conservative known; upgrade "
+                "flash-autotune for this chip's own", device_kind,
+                ", ".join(t.device_kind for t in tpus), target.name,
+                target.scoped_vmem_bytes // MiB)
+    return target

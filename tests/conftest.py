@@ -12,6 +12,7 @@ Ctrl-C: the suite raises ``KeyboardInterrupt`` on SIGINT however it was started 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -40,6 +41,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
     """Runs ``autotune ARGS`` in a subprocess and returns it (never raises on exit status)."""
     return subprocess.run([*AUTOTUNE, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def plain_sources(sources: dict[Any, str]) -> dict[Any, str]:
+    """``kernel.resolution_sources()`` without each key's match and config (``table, exact,
+    config ...`` reads ``table``), for tests that check only where configs came from."""
+    return {key: re.sub(r"(, (exact|nearest \(from [^)]*\)))?, config [^;]*", "", value)
+            for key, value in sources.items()}
 
 
 def problem_flags(problem: Problem) -> list[str]:

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 import kernel
+from conftest import plain_sources
 from kernel import ConfigError, FlashConfig, Problem, get_kernel, reference_attention, \
     resolution_sources
 from kernel.backends.pallas_gpu import PallasGpuConfig
 from kernel.resolve import ResolverSettings, get_resolver, reset_resolver
 from kernel.targets import GPU_TARGET, get_target
+
 
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_dim=64,
                   dtype="float32", causal=True)
@@ -75,7 +77,7 @@ def test_gpu_branch_uses_the_pinned_pallas_gpu_config_and_matches_the_reference(
     out = kernel.flash_attention(q, k, v, causal=True)
     want = reference_attention(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
-    assert resolution_sources() == {("pallas_gpu", "cpu", PROBLEM): "table"}
+    assert plain_sources(resolution_sources()) == {("pallas_gpu", "cpu", PROBLEM): "table"}
     # The same problem resolves to flash's own entry, not the GPU kernel's.
     cpu = get_target("cpu")
     assert resolver.resolve(PROBLEM, "cpu", "flash", cpu).config == FlashConfig()
@@ -100,7 +102,7 @@ def test_a_differentiated_call_on_the_gpu_branch_runs_the_fwd_bwd_entry(tmp_path
     want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
-    assert resolution_sources() == {("pallas_gpu", "cpu", fwd_bwd): "table"}
+    assert plain_sources(resolution_sources()) == {("pallas_gpu", "cpu", fwd_bwd): "table"}
     assert resolver.resolve(fwd_bwd, "cpu", "pallas_gpu", get_target("cpu")).config == tuned
 
 
@@ -108,7 +110,7 @@ def test_gpu_branch_falls_back_to_the_pallas_gpu_default_without_a_table(on_devi
     reset_resolver(ResolverSettings())
     on_device(GPU)
     kernel.flash_attention(*inputs(), causal=True)
-    assert resolution_sources() == {("pallas_gpu", "NVIDIA H200", PROBLEM): "default"}
+    assert plain_sources(resolution_sources()) == {("pallas_gpu", "NVIDIA H200", PROBLEM): "default"}
     resolution = get_resolver().resolve(PROBLEM, "NVIDIA H200", "pallas_gpu", GPU_TARGET)
     assert resolution.config == get_kernel("pallas_gpu").default_config(PROBLEM, "gpu")
 
@@ -142,7 +144,7 @@ def test_tpu_branch_runs_the_kernel_named_in_settings(on_device):
     out = kernel.flash_attention(q, k, v, causal=True)
     want = reference_attention(q, k, v, causal=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
-    assert resolution_sources() == {("jax_tpu_flash", "TPU v5 lite", problem): "default"}
+    assert plain_sources(resolution_sources()) == {("jax_tpu_flash", "TPU v5 lite", problem): "default"}
     resolution = get_resolver().resolve(problem, "TPU v5 lite", "jax_tpu_flash",
                                         get_target("v5e"))
     assert resolution.config == get_kernel("jax_tpu_flash").default_config(problem, "v5e")
@@ -165,7 +167,7 @@ def test_a_call_pallas_gpu_cannot_run_runs_xla_with_one_warning(on_device, caplo
                                    atol=2e-5, rtol=2e-5)
     kernel.flash_attention(*small_head)
     sources = {key[2].head_dim: (key[0], source) for key, source in
-               resolution_sources().items()}
+               plain_sources(resolution_sources()).items()}
     assert sources[64][0] == sources[8][0] == "xla"
     assert "fallback" in sources[64][1] and "[x64]" in sources[64][1]
     assert "[head_dim]" in sources[8][1]

@@ -22,13 +22,14 @@ import pytest
 import kernel
 from api.routers.pages import detail_link
 from autotune.choice import confirm_timing
-from conftest import problem_flags, run_cli
+from conftest import plain_sources, problem_flags, run_cli
 from kernel import LookupTable, Problem, TableError, reference_attention
 from kernel.resolve import Resolver, ResolverSettings, reset_resolver
 from kernel.table import TABLE_SCHEMA_VERSION
 from kernel.targets import GPU_TARGET
 from storage import ResultError, Store
 from storage.choices import check_choice
+
 
 SMALL = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
                 dtype="float32")
@@ -111,7 +112,7 @@ def _traced(problem: Problem) -> tuple[dict[Any, str], np.ndarray]:
     got = jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v, causal=problem.causal))(
         q, k, v)
     want = reference_attention(q, k, v, causal=problem.causal)
-    return kernel.resolution_sources(), float(jnp.max(jnp.abs(got - want)))
+    return plain_sources(kernel.resolution_sources()), float(jnp.max(jnp.abs(got - want)))
 
 
 @pytest.mark.parametrize("via", ["table", "service"])
@@ -192,7 +193,7 @@ def _grads(problem: Problem) -> tuple[dict[Any, str], float]:
 
     got = jax.jit(jax.grad(loss(kernel.flash_attention), argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
-    return kernel.resolution_sources(), max(float(jnp.max(jnp.abs(g - w)))
+    return plain_sources(kernel.resolution_sources()), max(float(jnp.max(jnp.abs(g - w)))
                                             for g, w in zip(got, want, strict=True))
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kernel import ConfigError, Problem, TunableKernel, device_target, get_kernel, kernel_names
-from kernel.aot import input_specs
-from kernel.contract import AttentionFn
+from kernel.aot import input_specs, topology_device
+from kernel.contract import AttentionFn, measured_fn
 from kernel.registry import KERNELS
 from kernel.targets import GPU_TARGET
 from kernel.tolerance import MAX_RELATIVE_ERROR, relative_error
@@ -67,8 +67,8 @@ def test_registry_lists_the_registered_kernels():
     assert {"flash", "jax_tpu_flash", "pallas_gpu"} <= set(NAMES)
     assert list(KERNELS) == NAMES
     assert get_kernel("pallas_gpu").platforms == ("gpu",)
-    with pytest.raises(ConfigError, match="unknown kernel 'splash'.*" + ", ".join(NAMES)):
-        get_kernel("splash")
+    with pytest.raises(ConfigError, match="unknown kernel 'nosuch'.*" + ", ".join(NAMES)):
+        get_kernel("nosuch")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -256,3 +256,34 @@ def test_build_matches_the_reference_on_cpu(name, mode, changes, index):
     if mode == "fwd_bwd":
         assert len(got) == 3  # dq, dk, dv
     assert _max_error(got, want) <= TOLERANCE[problem.dtype], config.label()
+
+
+@pytest.mark.parametrize("name", ON_CPU)
+def test_the_wrapper_path_differentiates_on_cpu(name):
+    """What ``flash_attention`` runs (``attention`` with a per-mode config, differentiated by
+    the caller's ``jax.grad``), not only what the tuner measures (``build``): a kernel the tuner
+    can measure here, the wrapper can run here, backward included."""
+    kernel = get_kernel(name)
+    problem = _problem("fwd_bwd")
+    config = kernel.default_config(problem)
+    attend = kernel.attention(problem, lambda mode: config, problem.head_dim ** -0.5)
+    args = _inputs(problem)
+    got = _run(_f32(measured_fn(problem, attend)), args)
+    want = jax.jit(_f32(kernel.reference(problem)))(*args)
+    assert _max_error(got, want) <= TOLERANCE[problem.dtype]
+
+
+@pytest.mark.parametrize("name", [n for n in TUNABLE if "tpu" in get_kernel(n).platforms])
+def test_the_wrapper_gradient_keeps_the_mosaic_kernels_on_a_tpu(name):
+    """With a TPU as the default device (a deviceless v5e here), the wrapper's gradient runs
+    every kernel compiled (a Mosaic custom call), none interpreted: that is for other
+    platforms only."""
+    kernel = get_kernel(name)
+    problem = _problem("fwd_bwd", q_len=512, kv_len=512)
+    config = kernel.default_config(problem, "v5e")
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in input_specs(problem)]
+    with jax.default_device(topology_device("v5e")):
+        attend = kernel.attention(problem, lambda mode: config, problem.head_dim ** -0.5)
+        text = jax.export.export(jax.jit(measured_fn(problem, attend)),
+                                 platforms=["tpu"])(*specs).mlir_module()
+    assert text.count("@tpu_custom_call") >= 3  # the forward, dK/dV and dQ kernels

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -139,6 +140,31 @@ def test_an_unusable_service_url_falls_back(url):
     assert "lookup service URL is unusable" in resolution.detail
 
 
+def test_the_one_warning_of_a_url_without_scheme_names_the_root_cause(monkeypatch, caplog):
+    """Issue 46 item 7: the kernel choice's lookup and the config's meet the same root cause,
+    and the key's one warning gives it, not "circuit breaker open"."""
+    monkeypatch.setenv("AUTOTUNE_URL", "127.0.0.1:8765")
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    reset_resolver()
+    try:
+        q = jnp.ones((1, 2, 256, 64), jnp.float32)
+        kernel.flash_attention(q, q, q)
+    finally:
+        reset_resolver(ResolverSettings())
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "'127.0.0.1:8765' is not an http:// or https:// URL" in warning
+    assert "circuit breaker" not in warning
+
+
+def test_a_key_skipped_by_the_open_breaker_names_what_opened_it(service):
+    resolver = Resolver(ResolverSettings(url=service(b"SSH-2.0-OpenSSH_9.0\r\n"), timeout_s=2))
+    other = Problem.from_dict({**PROBLEM.to_dict(), "q_len": 512, "kv_len": 512})
+    first = resolver.resolve(PROBLEM, "cpu", "flash", CPU).detail
+    assert "lookup service failed: BadStatusLine" in first
+    skipped = resolver.resolve(other, "cpu", "flash", CPU).detail
+    assert "circuit breaker open after: lookup service failed: BadStatusLine" in skipped
+
+
 def test_a_good_reply_is_used(service):
     resolver = Resolver(ResolverSettings(url=service(_http(OK_BODY)), timeout_s=2))
     resolution = resolver.resolve(PROBLEM, "cpu", "flash", CPU)
@@ -183,7 +209,9 @@ def test_an_illegal_table_config_falls_back_once_and_the_source_says_default(tmp
         q = jnp.ones((1, 2, 256, 64), jnp.float32)
         for _ in range(3):
             kernel.flash_attention(q, q, q)
-        assert kernel.resolution_sources() == {("flash", "cpu", PROBLEM): "default"}
+        default = kernel.get_kernel("flash").default_config(PROBLEM)
+        assert kernel.resolution_sources() == {
+            ("flash", "cpu", PROBLEM): f"default, config {default.label()}"}
         [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert "pipeline_depth" in warning and "table" in warning
         assert "no table pinned" not in warning
@@ -205,7 +233,8 @@ def test_an_entry_tuned_under_other_versions_is_used_and_marked_stale(tmp_path):
     current = _table(tmp_path, FlashConfig(block_q=256),
                      jax_version=kernel.resolve.installed_versions()["jax"])
     resolver = Resolver(ResolverSettings(table_paths=(current,)))
-    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).describe() == "table"
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).describe() == \
+        f"table, exact, config {FlashConfig(block_q=256).label()}"
 
 
 _ENTRY_TABLE = (b'{"schema_version": 1, "kernel": "flash", "kernel_version": "1", '
@@ -221,14 +250,22 @@ _ENTRY_TABLE = (b'{"schema_version": 1, "kernel": "flash", "kernel_version": "1"
     (_ENTRY_TABLE % (b"1" + b"0" * 400), "time_ms must be a non-negative number a float holds"),
     (_ENTRY_TABLE % (b"1" * 5000), "is not valid JSON: Exceeds the limit"),
 ])
-def test_a_broken_pinned_table_is_a_table_error_naming_the_file(tmp_path, content, message):
+def test_a_broken_pinned_table_is_a_table_error_naming_the_file(tmp_path, content, message,
+                                                                 caplog):
+    """``use_table`` raises it; from AUTOTUNE_TABLE it is logged and the resolver, so every
+    trace, runs without the table."""
     path = tmp_path / "broken.json"
     path.write_bytes(content)
     with pytest.raises(TableError, match=message) as raised:
         LookupTable.load(path)
     assert str(path) in str(raised.value)
     with pytest.raises(TableError, match=message):
-        Resolver(ResolverSettings(table_paths=(str(path),)))
+        Resolver(ResolverSettings()).use_table(path)
+    caplog.set_level(logging.ERROR, logger="kernel.resolve")
+    resolver = Resolver(ResolverSettings(table_paths=(str(path),)))
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).source == "default"
+    [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert str(path) in error
 
 
 def test_stored_configs_must_have_a_depth_some_jax_lowers():
@@ -255,7 +292,7 @@ def test_an_answer_missed_while_the_breaker_was_open_is_asked_again(service):
     assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).source == "default"  # opens it
     assert resolver.resolve(other, "cpu", "flash", CPU).source == "default"  # skipped
     assert resolver.service_requests == 1
-    resolver.settings = dataclasses.replace(resolver.settings, url=good)  # the service is back
+    resolver.service.url = good  # the service is back
     assert resolver.resolve(other, "cpu", "flash", CPU).source == "default"  # still open
     time.sleep(0.35)
     assert resolver.resolve(other, "cpu", "flash", CPU).source == "service"
@@ -310,6 +347,66 @@ def test_an_exact_entry_of_a_later_table_beats_a_nearer_one_of_an_earlier(tmp_pa
     assert (resolution.config.block_q, resolution.detail) == (128, "exact match in pinned table")
 
 
+def test_the_sources_name_the_config_and_the_tuned_problem_a_nearest_match_came_from(
+        tmp_path):
+    """Issue 46 item 6: a q1024 call borrowing the q256 entry says so, and which config ran."""
+    resolver = reset_resolver(ResolverSettings(table_paths=(
+        _table(tmp_path, FlashConfig(block_q=128)),)))
+    try:
+        for length in (256, 1024):
+            q = jnp.ones((1, 2, length, 64), jnp.float32)
+            kernel.flash_attention(q, q, q)
+        sources = kernel.resolution_sources()
+    finally:
+        reset_resolver(ResolverSettings())
+    label = FlashConfig(block_q=128).label()
+    longer = dataclasses.replace(PROBLEM, q_len=1024, kv_len=1024)
+    assert sources == {
+        ("flash", "cpu", PROBLEM): f"table, exact, config {label}",
+        ("flash", "cpu", longer): f"table, nearest (from {PROBLEM.label()}), config {label}"}
+    assert resolver.resolve(longer, "cpu", "flash", CPU).origin == PROBLEM
+
+
+def test_pinning_an_updated_file_replaces_its_table(tmp_path):
+    """A18: the file's new entries win; the old table is not kept beside the new one."""
+    path = _table(tmp_path, FlashConfig(block_q=128))
+    resolver = Resolver(ResolverSettings(table_paths=(path,)))
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).config.block_q == 128
+    _table(tmp_path, FlashConfig(block_q=256))
+    resolver.use_table(path)
+    assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).config.block_q == 256
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory", "huge"])
+def test_a_table_path_that_is_no_regular_file_of_bounded_size_is_refused(kind, tmp_path,
+                                                                         monkeypatch, caplog):
+    """A13: /dev/zero, a FIFO (which would block a read), a directory and a file over the
+    size limit are refused before they are read; from AUTOTUNE_TABLE, the trace still runs."""
+    path = tmp_path / "table.json"
+    if kind == "device":
+        path = "/dev/zero"
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        monkeypatch.setattr("kernel.table.MAX_TABLE_BYTES", 1000)
+        path.write_text(" " * 1001)
+    message = "over the" if kind == "huge" else "is not a regular file"
+    with pytest.raises(TableError, match=message):
+        LookupTable.load(path)
+    caplog.set_level(logging.ERROR, logger="kernel.resolve")
+    monkeypatch.setenv("AUTOTUNE_TABLE", str(path))
+    reset_resolver()
+    try:
+        q = jnp.ones((1, 2, 256, 64), jnp.float32)
+        assert kernel.flash_attention(q, q, q).shape == q.shape
+    finally:
+        reset_resolver(ResolverSettings())
+    [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "AUTOTUNE_TABLE" in error and str(path) in error
+
+
 def test_sources_can_be_read_while_another_thread_resolves():
     resolver = Resolver(ResolverSettings())
     resolver.kernel("flash")
@@ -332,3 +429,18 @@ def test_sources_can_be_read_while_another_thread_resolves():
         done.set()
         reader.join()
     assert errors == []
+
+
+def test_a_tpu_of_an_unlisted_kind_gets_the_most_conservative_limits_with_one_warning(caplog):
+    """A21: not the CPU target (no VMEM limit), under which over-limit configs would run."""
+    caplog.set_level(logging.WARNING, logger="kernel.targets")
+    target = kernel.device_target("tpu", "TPU v9 future")
+    assert target.scoped_vmem_bytes == min(
+        t.scoped_vmem_bytes for t in kernel.TARGETS.values() if t.scoped_vmem_bytes)
+    assert kernel.device_target("tpu", "TPU v9 future") is target
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "'TPU v9 future'" in warning and target.name in warning
+    assert kernel.device_target("cpu", "cpu").scoped_vmem_bytes is None
+    wide = FlashConfig(block_q=4096, block_kv=4096)
+    long = dataclasses.replace(PROBLEM, q_len=8192, kv_len=8192, head_dim=128)
+    assert "vmem" in {v.rule for v in kernel.get_kernel("flash").violations(long, wide, target)}

@@ -13,9 +13,9 @@ Pure Python at import; jax loads in ``build``.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kernel.config import IntConfig
 from kernel.contract import (
@@ -23,6 +23,7 @@ from kernel.contract import (
     ConfigFor,
     Params,
     TunableKernel,
+    default_device,
     default_scale,
     measured_fn,
     per_mode,
@@ -35,6 +36,7 @@ from kernel.rules import (
     Violation,
     block_values,
     block_violations,
+    key_lane_violations,
     largest_at_most,
     sequence_violations,
     tile_bytes,
@@ -168,11 +170,7 @@ class JaxTpuFlashKernel(TunableKernel):
     def problem_violations(self, problem: Problem) -> list[Violation]:
         # With kv_len a multiple of 128, block_tiling (a multiple of 128 or the whole axis)
         # gives upstream's rule that every key block is a multiple of MIN_BLOCK_SIZE.
-        out = sequence_violations(problem.q_len, "q_len")
-        if problem.kv_len % MIN_BLOCK_SIZE:
-            out.append(Violation("kv_len", f"kv_len={problem.kv_len} is not a multiple of "
-                                 f"{MIN_BLOCK_SIZE}: the kernel's key blocks must be; pad the "
-                                 "keys or use the flash kernel"))
+        out = sequence_violations(problem.q_len, "q_len") + key_lane_violations(problem.kv_len)
         if problem.head_dim > LANES and problem.head_dim % LANES:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be at most "
                                  f"{LANES} or a multiple of {LANES} for this kernel"))
@@ -231,9 +229,12 @@ class JaxTpuFlashKernel(TunableKernel):
                   sm_scale: float) -> AttentionFn:
         """The forward function in our layout; upstream's own custom VJP differentiates it
         with the blocks it was called with, so a differentiated call runs the ``fwd_bwd``
-        config (:func:`per_mode`; on a CPU only the forward is interpreted)."""
-        return per_mode(lambda config: _on_platform(self._attend(problem, config, sm_scale)),
-                        config_for)
+        config (:func:`per_mode`). Off a TPU (the default device's platform, as the resolver
+        sees it) every kernel is interpreted, its backward too, which upstream's VJP traces
+        only when the gradient is taken."""
+        run = (lambda fn: fn) if default_device().platform == "tpu" else _interpreted
+        return per_mode(lambda config: self._attend(problem, config, sm_scale), config_for,
+                        run=run)
 
     @staticmethod
     def _attend(problem: Problem, config: JaxTpuFlashConfig, scale: float) -> AttentionFn:
@@ -249,20 +250,25 @@ class JaxTpuFlashKernel(TunableKernel):
         return attend
 
 
-def _on_platform(fn: AttentionFn) -> AttentionFn:
-    """``fn`` compiled with Mosaic on a TPU, run in TPU interpret mode elsewhere (upstream's
-    kernel has no ``interpret`` argument)."""
-    from jax import lax
+def _interpreted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every Pallas TPU kernel it traces run in TPU interpret mode (the fast HLO
+    interpreter; upstream's kernel has no ``interpret`` argument)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
-        if not interpret:
-            return fn(q, k, v)
-        with pltpu.force_tpu_interpret_mode(True):  # the fast HLO interpreter
-            return fn(q, k, v)
+    def run(*args):  # noqa: ANN002, ANN202
+        with pltpu.force_tpu_interpret_mode(True):
+            return fn(*args)
 
-    return lambda q, k, v: lax.platform_dependent(
-        q, k, v, tpu=functools.partial(run, False), default=functools.partial(run, True))
+    return run
+
+
+def _on_platform(fn: AttentionFn) -> AttentionFn:
+    """``fn`` compiled with Mosaic on a TPU, interpreted elsewhere, chosen per platform when
+    lowering (an ahead-of-time compile for TPU on a CPU host gets the Mosaic kernels). ``fn``
+    must contain its own gradient: a branch's custom VJP is traced outside it."""
+    from jax import lax
+
+    return lambda q, k, v: lax.platform_dependent(q, k, v, tpu=fn, default=_interpreted(fn))
 
 
 KERNEL = JaxTpuFlashKernel()

@@ -1,0 +1,295 @@
+"""JAX's splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) as a tunable
+kernel: the kernel production TPU training runs (MaxText's ``attention=flash``, tokamax's TPU
+path). Its ``BlockSizes`` are the config, MaxText's settings the default.
+
+How it is called (``_attend``):
+- Grouped-query attention: splash's MHA entry point (``make_splash_mha``) with the problem's
+  K/V heads as they are; its kernels map each query head to its K/V head
+  (``q_heads_per_kv_head``), as MaxText calls it. Repeating K/V heads would move
+  ``group_size`` times more K/V through the kernel; the MQA entry point takes one K/V head
+  only (``kv_heads=1`` is the MHA entry point's special case).
+- Causal: splash's ``CausalMask`` per query head (:func:`splash_mask`, the one place masks are
+  built); splash skips the fully masked blocks.
+- Batch: ``jax.vmap`` over splash's ``[heads, seq, head_dim]`` kernel; ``sm_scale``: splash has
+  none, so q is scaled before the call (as MaxText does).
+- Interpret mode on a CPU, chosen per platform when lowering (``lax.platform_dependent``), so
+  an ahead-of-time compile for a TPU on a CPU host still gets the Mosaic kernels.
+
+Pure Python at import; jax loads in ``attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from kernel.config import IntConfig
+from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, per_mode
+from kernel.problem import Problem
+from kernel.rules import (
+    LANES,
+    Violation,
+    block_values,
+    block_violations,
+    key_lane_violations,
+    largest_at_most,
+    sequence_violations,
+    tile_bytes,
+    vmem_limit_violations,
+    x64_violations,
+)
+from kernel.targets import TPU_TARGETS, Target
+
+Layout = Literal["HEAD_DIM_MINOR", "SEQ_MINOR"]
+MAXTEXT_BLOCK = 512  # MaxText's sa_block_* defaults, every block
+
+
+@dataclass(frozen=True)
+class SplashConfig(IntConfig):
+    """Splash's ``BlockSizes``. Forward: ``block_q`` query rows against ``block_kv`` keys per
+    grid step, logits computed ``block_kv_compute`` keys at a time. dK/dV kernel:
+    ``block_kv_dkv`` keys against ``block_q_dkv`` queries, ``block_kv_dkv_compute`` keys at a
+    time; with ``use_fused_bwd_kernel`` it computes dQ too, and the dQ kernel's blocks
+    (``block_q_dq``, ``block_kv_dq``) are unused: None. Layouts: which axis of each of q, k and
+    v is minor (lanes) in the kernel's VMEM tiles."""
+
+    block_q: int = MAXTEXT_BLOCK
+    block_kv: int = MAXTEXT_BLOCK
+    block_kv_compute: int = MAXTEXT_BLOCK
+    block_q_dkv: int = MAXTEXT_BLOCK
+    block_kv_dkv: int = MAXTEXT_BLOCK
+    block_kv_dkv_compute: int = MAXTEXT_BLOCK
+    block_q_dq: int | None = MAXTEXT_BLOCK
+    block_kv_dq: int | None = MAXTEXT_BLOCK
+    use_fused_bwd_kernel: bool = False
+    q_layout: Layout = "HEAD_DIM_MINOR"
+    k_layout: Layout = "HEAD_DIM_MINOR"
+    v_layout: Layout = "HEAD_DIM_MINOR"
+
+    def label(self) -> str:
+        dq = "fused" if self.use_fused_bwd_kernel else f"dq{self.block_q_dq}x{self.block_kv_dq}"
+        layouts = "".join("s" if getattr(self, f"{x}_layout") == "SEQ_MINOR" else "h"
+                          for x in "qkv")
+        return (f"q{self.block_q} kv{self.block_kv}/{self.block_kv_compute} "
+                f"dkv{self.block_q_dkv}x{self.block_kv_dkv}/{self.block_kv_dkv_compute} "
+                f"{dq} layout {layouts}")
+
+
+FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "q_layout", "k_layout", "v_layout")
+DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
+DQ_FIELDS = ("block_q_dq", "block_kv_dq")
+# Sequence-axis blocks: (field, axis).
+_FWD_AXES = (("block_q", "q_len"), ("block_kv", "kv_len"), ("block_kv_compute", "kv_len"))
+_DKV_AXES = (("block_q_dkv", "q_len"), ("block_kv_dkv", "kv_len"),
+             ("block_kv_dkv_compute", "kv_len"))
+_DQ_AXES = (("block_q_dq", "q_len"), ("block_kv_dq", "kv_len"))
+# (compute, block): the kernel loops block // compute times over the block's keys.
+_COMPUTE_OF = (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv"))
+
+
+def _checked_axes(problem: Problem, config: SplashConfig) -> tuple[tuple[str, str], ...]:
+    if problem.mode == "fwd":
+        return _FWD_AXES
+    return _FWD_AXES + _DKV_AXES + (() if config.use_fused_bwd_kernel else _DQ_AXES)
+
+
+def _dq_violations(config: SplashConfig) -> list[Violation]:
+    """``dq_unused``: the fused backward has no dQ kernel, so its blocks are None there (and
+    only there); splash's own ``BlockSizes`` refuses dQ blocks with the fused kernel."""
+    unset = [f for f in DQ_FIELDS if getattr(config, f) is None]
+    if config.use_fused_bwd_kernel and len(unset) < len(DQ_FIELDS):
+        return [Violation("dq_unused", "with use_fused_bwd_kernel the dQ kernel does not run; "
+                          "set block_q_dq and block_kv_dq to null")]
+    if not config.use_fused_bwd_kernel and unset:
+        return [Violation("dq_unused", f"{', '.join(unset)} unset, but the unfused backward "
+                          "runs the dQ kernel; set a block, or use_fused_bwd_kernel=true")]
+    return []
+
+
+# Mosaic's internal scratch per (rows, cols) f32 logits tile: the logits, their exponent and
+# the masked copy live at once (calibrated against deviceless v5e/v6e compiles, see
+# bench/precheck.py), plus the register file once.
+LOGITS_TILES = 3
+REGISTER_FILE = 256 * 1024
+
+
+def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
+    """Estimated peak VMEM bytes of each splash kernel (``fwd``, ``dkv``, ``dq``; ``dkv`` also
+    computes dQ when fused): its double-buffered windows, its scratch and the f32 logits tiles
+    of its compute block. Meant as an upper bound."""
+    d, isz, c = problem.head_dim, problem.itemsize, config
+    stat = tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic / q_sequence
+
+    def io(rows: int, cols: int) -> int:  # one double-buffered (rows, d) window
+        return 2 * tile_bytes(rows, d, isz)
+
+    def logits(rows: int, cols: int) -> int:
+        return LOGITS_TILES * tile_bytes(rows, cols, 4) + REGISTER_FILE
+
+    fwd = (2 * io(c.block_q, d) + 2 * io(c.block_kv, d)  # q, out; k, v
+           + 2 * stat + 3 * stat + tile_bytes(c.block_q, d, 4)  # q_sequence, m, l, acc
+           + (2 * stat if problem.mode == "fwd_bwd" else 0)  # logsumexp output
+           + logits(c.block_q, c.block_kv_compute))
+    estimate = {"fwd": fwd}
+    if problem.mode == "fwd_bwd":
+        qd, kd = c.block_q_dkv, c.block_kv_dkv
+        dkv = (2 * io(qd, d) + 2 * io(kd, d)  # q, do; k, v
+               + 2 * 2 * tile_bytes(qd, LANES, 4)  # logsumexp, di
+               + 2 * io(kd, d) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
+               + logits(c.block_kv_dkv_compute, qd))
+        if c.use_fused_bwd_kernel:
+            dkv += io(qd, d) + tile_bytes(qd, d, 4)  # dq output and scratch
+        estimate["dkv"] = dkv
+        if not c.use_fused_bwd_kernel:
+            qq, kq = c.block_q_dq, c.block_kv_dq
+            estimate["dq"] = (2 * io(qq, d) + 2 * io(kq, d) + io(qq, d)  # q, do; k, v; dq
+                              + 2 * 2 * tile_bytes(qq, LANES, 4) + tile_bytes(qq, d, 4)
+                              + logits(qq, kq))
+    return estimate
+
+
+@dataclass(frozen=True)
+class SplashKernel(TunableKernel):
+    name: ClassVar[str] = "splash"
+    version: ClassVar[str] = "1"
+    description: ClassVar[str] = ("JAX's splash attention "
+                                  "(jax.experimental.pallas.ops.tpu.splash_attention), as MaxText "
+                                  "runs it: grouped-query heads native, causal through its masks")
+    targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
+    platforms: ClassVar[tuple[str, ...]] = ("tpu",)
+    config_type: ClassVar[type[SplashConfig]] = SplashConfig
+    landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv",
+                                                      "use_fused_bwd_kernel")
+    # The dQ part holds the fused flag: the fused dK/dV kernel (which computes dQ too) is
+    # prechecked at the default dK/dV blocks; the layouts, shared by all three kernels, at the
+    # default in the backward parts.
+    compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = (
+        FORWARD_FIELDS, DKV_FIELDS, ("use_fused_bwd_kernel", *DQ_FIELDS))
+    profile_names: ClassVar[tuple[str, ...]] = (
+        "splash_mha_fwd_no_residuals", "splash_mha_fwd_residuals", "splash_mha_dkv_no_residuals",
+        "splash_mha_dq_no_residuals")
+
+    def problem_violations(self, problem: Problem) -> list[Violation]:
+        return (sequence_violations(problem.q_len, "q_len")
+                + key_lane_violations(problem.kv_len) + x64_violations())
+
+    def space_params(self, problem: Problem) -> Params:
+        q_values = block_values(problem.q_len)
+        kv_values = [v for v in block_values(problem.kv_len) if v % LANES == 0]
+        layouts = SplashConfig.choices("q_layout")
+        params: Params = {"block_q": q_values, "block_kv": kv_values,
+                          "block_kv_compute": kv_values,
+                          **{f"{x}_layout": layouts for x in "qkv"}}
+        if problem.mode == "fwd_bwd":
+            params.update(block_q_dkv=q_values, block_kv_dkv=kv_values,
+                          block_kv_dkv_compute=kv_values, block_q_dq=[None, *q_values],
+                          block_kv_dq=[None, *kv_values],
+                          use_fused_bwd_kernel=SplashConfig.choices("use_fused_bwd_kernel"))
+        return params
+
+    def violations(self, problem: Problem, config: SplashConfig,
+                   target: Target | str = "cpu") -> list[Violation]:
+        target = self.target(target)
+        out = self.problem_violations(problem)
+        unused = _dq_violations(config)
+        if unused:  # unset blocks the kernel would run: no estimate
+            return out + unused
+        axes = _checked_axes(problem, config)
+        for field, axis in axes:
+            out += block_violations(field, getattr(config, field), getattr(problem, axis), axis)
+        for compute, block in _COMPUTE_OF[:1 if problem.mode == "fwd" else None]:
+            small, large = getattr(config, compute), getattr(config, block)
+            if large % small:
+                out.append(Violation("compute_divides_block", f"{compute}={small} must divide "
+                                     f"{block}={large}"))
+        for field, axis in axes:
+            value = getattr(config, field)
+            if axis == "kv_len" and value % LANES:
+                out.append(Violation("block_lanes", f"{field}={value} must be a multiple of "
+                                     f"{LANES} (splash's key blocks fill whole lanes)"))
+        return out + vmem_limit_violations(vmem_estimate(problem, config), target)
+
+    def default_config(self, problem: Problem, target: Target | str = "cpu") -> SplashConfig:
+        """MaxText's: every block 512, capped at its sequence axis (the largest legal block
+        up to 512), unfused, ``HEAD_DIM_MINOR`` layouts."""
+        self.target(target)
+        return recipe(problem)
+
+    def attention(self, problem: Problem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        """The forward function in our layout; splash's own custom VJP differentiates it with
+        the blocks it was made with, so a differentiated call runs the ``fwd_bwd`` config
+        (:func:`per_mode`)."""
+        return per_mode(lambda config: _on_platform(problem, config, sm_scale), config_for)
+
+
+def recipe(problem: Problem, **changes: Any) -> SplashConfig:
+    """MaxText's config with ``changes`` (a hand-set recipe, :data:`RECIPES`), each block
+    capped at its sequence axis as MaxText caps them (the largest legal block up to it)."""
+    config = SplashConfig().replace(**changes)
+    values = {"q_len": block_values(problem.q_len), "kv_len": block_values(problem.kv_len)}
+    return config.replace(**{
+        field: largest_at_most(values[axis], getattr(config, field))
+        for field, axis in _FWD_AXES + _DKV_AXES + _DQ_AXES
+        if getattr(config, field) is not None})
+
+
+# MaxText's benchmark recipes that hand-set splash per model, as named baselines.
+RECIPES: dict[str, dict[str, Any]] = {
+    "all 2048, fused": dict(block_q=2048, block_kv=2048, block_kv_compute=2048,
+                            block_q_dkv=2048, block_kv_dkv=2048, block_kv_dkv_compute=2048,
+                            block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True),
+    "q1024 dkv2048, seq-minor": dict(block_q=1024, block_q_dkv=2048, q_layout="SEQ_MINOR",
+                                     k_layout="SEQ_MINOR", v_layout="SEQ_MINOR"),
+}
+
+
+def splash_mask(problem: Problem) -> Any:
+    """Splash's mask for ``problem``, one per query head: causal (query i sees keys up to i,
+    as ``jax.nn.dot_product_attention``'s ``is_causal``) or full. The one place masks are
+    built, so local windows and segments join here."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    shape = (problem.q_len, problem.kv_len)
+    head = masks.CausalMask(shape) if problem.causal else masks.FullMask(shape)
+    return masks.MultiHeadMask([head] * problem.q_heads)
+
+
+def block_sizes(config: SplashConfig) -> Any:
+    """Splash's ``BlockSizes`` of ``config``."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    fields = config.to_dict()
+    for layout in ("q_layout", "k_layout", "v_layout"):
+        fields[layout] = sk.QKVLayout[fields[layout]]
+    return sk.BlockSizes(**fields)
+
+
+def _attend(problem: Problem, config: SplashConfig, sm_scale: float,
+            interpret: bool) -> AttentionFn:
+    import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    splash = sk.make_splash_mha(splash_mask(problem), block_sizes=block_sizes(config),
+                                head_shards=1, q_seq_shards=1, interpret=interpret)
+
+    def attend(q, k, v):  # noqa: ANN001, ANN202
+        scaled = (q * sm_scale).astype(q.dtype)
+        return jax.vmap(splash)(scaled, k, v)
+
+    return attend
+
+
+def _on_platform(problem: Problem, config: SplashConfig, sm_scale: float) -> AttentionFn:
+    """Splash compiled with Mosaic on a TPU, interpreted elsewhere."""
+    from jax import lax
+
+    def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
+        return _attend(problem, config, sm_scale, interpret)(q, k, v)
+
+    return lambda q, k, v: lax.platform_dependent(
+        q, k, v, tpu=functools.partial(run, False), default=functools.partial(run, True))
+
+
+KERNEL = SplashKernel()
