@@ -2,9 +2,11 @@
 
 Layers, each importing only those above it in this list: core types (``errors``, ``problem``,
 ``config``, ``targets``, ``rules``); the backend contract (``contract``); the backends
-(``backends/``); the registry (``registry``); lookup tables (``table``) and resolution
-(``resolve``); the public ``flash_attention`` (``attention``). Importing this package loads
-no jax (the backends load it when they run), so the service and storage use the rules freely.
+(``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
+(``shapesfile``) and scoped tables (``scope``); resolution (``resolve``, then ``scoped``
+inside ``kernel.tables`` blocks); misses (``misses``) and capture (``capture``); the public
+``flash_attention`` (``attention``). Importing this package loads no jax (the backends load
+it when they run), so the service and storage use the rules freely.
 Where no accelerator is attached, it keeps JAX off libtpu's TPU backend (``kernel.platforms``).
 """
 
@@ -12,21 +14,26 @@ from __future__ import annotations
 
 from kernel.attention import dot_product_attention, flash_attention
 from kernel.backends.flash.config import FlashConfig
+from kernel.capture import Capture, capture
 from kernel.contract import TunableKernel, reference_attention
 from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
+from kernel.misses import Miss, untuned
 from kernel.platforms import skip_absent_tpu
 from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
-from kernel.resolve import resolution_sources, use_table
+from kernel.resolve import use_table
 from kernel.rules import Violation
+from kernel.scope import tables
+from kernel.scoped import resolution_sources
 from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
-    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "ConfigError", "FlashConfig", "LookupTable",
-    "Problem", "ProblemError", "TableEntry", "TableError", "Target", "TunableKernel",
-    "Violation", "device_target", "dot_product_attention", "flash_attention", "get_kernel",
-    "get_target", "kernel_names", "reference_attention", "resolution_sources", "use_table",
+    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Capture", "ConfigError", "FlashConfig",
+    "LookupTable", "Miss", "Problem", "ProblemError", "TableEntry", "TableError", "Target",
+    "TunableKernel", "Violation", "capture", "device_target", "dot_product_attention",
+    "flash_attention", "get_kernel", "get_target", "kernel_names", "reference_attention",
+    "resolution_sources", "tables", "untuned", "use_table",
 ]
 
 skip_absent_tpu()  # before the caller's first JAX computation starts the backends

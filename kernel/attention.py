@@ -12,9 +12,10 @@ import dataclasses
 import math
 from typing import Any
 
+from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem
-from kernel.resolve import get_resolver
+from kernel.scoped import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
@@ -84,13 +85,15 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     if platform not in PLATFORMS:
         raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
                                   f"not on {platform!r}")
-    resolver = get_resolver()
+    resolver = active_resolver()
     target = device_target(platform, device_kind)
     if config is not None:
         backend = resolver.platform_kernel(platform)
         backend.check_problem(problem)
         config_for = _explicit(backend, problem, config, target, platform)
         return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
+
+    call = Call()
 
     def attend(mode: str) -> Any:
         # The backend is picked per mode: a training step runs the fwd_bwd kernel choice,
@@ -104,9 +107,21 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
             return resolver.resolve(dataclasses.replace(problem, mode=config_mode),
                                     device_kind, backend.name, target, pick.by).config
 
+        observe(call, moded, backend.name, *_source(resolver, moded, device_kind, backend,
+                                                    target, pick.by))
         return backend.attention(problem, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v)
+
+
+def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableKernel,
+            target: Target, kernel_by: str) -> tuple[str, str, bool]:
+    """Where the config of ``problem`` (as it runs) comes from, why, and whether ``backend``
+    has fields to tune for it (one without, like ``xla``, resolves nothing: never a miss)."""
+    if not backend.space_params(problem):
+        return "default", "no tunable fields", False
+    resolution = resolver.resolve(problem, device_kind, backend.name, target, kernel_by)
+    return resolution.source, resolution.detail, True
 
 
 def _unsupported_message(unsupported: dict[str, Any]) -> str:

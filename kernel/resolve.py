@@ -196,9 +196,13 @@ class Resolver:
         """Pins a lookup table (of any registered backend); it wins over the service for its
         kernel and device kind. Pinning a path again replaces its table (the file changed).
         Raises ``TableError`` naming the file if it is malformed."""
-        table = LookupTable.load(path)
+        self.pin(LookupTable.load(path), os.path.realpath(path))
+
+    def pin(self, table: LookupTable, name: str) -> None:
+        """Pins a loaded table under ``name`` (pinned again, the name's table is replaced):
+        ``use_table``'s, or a ``kernel.tables`` block's (:mod:`kernel.scoped`)."""
         with self._lock:
-            self._tables[os.path.realpath(path)] = table
+            self._tables[name] = table
             for cache in (self._cache, self._picks, self._choice_configs, self._indexes):
                 cache.clear()
 

@@ -87,6 +87,12 @@ def tune(
     shapes: Annotated[Path | None, typer.Option(
         help="YAML/JSON list of problems to tune in one job (instead of the problem flags).")]
     = None,
+    from_function: Annotated[str | None, typer.Option(
+        "--from", help="module:function whose attention problems to tune, found by tracing "
+                       "it abstractly (instead of --shapes or the problem flags).")] = None,
+    args: Annotated[str | None, typer.Option(
+        help="The --from function's arguments: dtype[d0,d1,...] arrays separated by spaces, "
+             "or module:function returning the argument tuple (default: none).")] = None,
     trials: Annotated[int, typer.Option(min=1, help="Measured configs per problem.")] = 30,
     timeout: Annotated[float | None, typer.Option(min=0, help="Wall seconds per problem.")]
     = None,
@@ -147,11 +153,8 @@ def tune(
         raise typer.BadParameter("a kernel choice runs on one device: give --kernel NAME to "
                                  "tune one kernel on several, or leave --devices out",
                                  param_hint="--devices")
-    given = problem_flags_given(context)
-    if shapes and given:
-        raise typer.BadParameter("give --shapes or the problem flags, not both "
-                                 f"({', '.join(given)})", param_hint="--shapes")
-    problems = load_shapes(shapes) if shapes else [problem]
+    problems = _problems(context, problem, shapes, from_function, args,
+                         host_only=selection != 1)
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
                                  param_hint="--study")
@@ -218,6 +221,34 @@ def tune(
         store.close()
     if failed:
         raise typer.Exit(1)
+
+
+def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
+              from_function: str | None, args: str | None, host_only: bool) -> list[Problem]:
+    """What to tune: the problems of a shapes file, of a function's trace, or of the flags
+    (one source only). ``host_only``: the devices are the workers'; trace on the CPU."""
+    given = [*problem_flags_given(context), *(["--shapes"] if shapes else [])]
+    if from_function and given:
+        raise typer.BadParameter("give --from, --shapes or the problem flags, one of them "
+                                 f"(also given: {', '.join(given)})", param_hint="--from")
+    if args is not None and not from_function:
+        raise typer.BadParameter("--args gives the arguments of a --from function; give "
+                                 "--from too", param_hint="--args")
+    if shapes and len(given) > 1:
+        raise typer.BadParameter("give --shapes or the problem flags, not both "
+                                 f"({', '.join(given[:-1])})", param_hint="--shapes")
+    if from_function:
+        from autotune.traced import TraceError, abstract_args, captured_problems, load_function
+
+        if host_only:
+            import jax
+
+            jax.config.update("jax_platforms", "cpu")
+        try:
+            return captured_problems(load_function(from_function), *abstract_args(args))
+        except TraceError as error:
+            raise typer.BadParameter(str(error), param_hint="--from") from None
+    return load_shapes(shapes) if shapes else [problem]
 
 
 def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform: str,

@@ -1,0 +1,138 @@
+"""Scoped lookup tables: ``with kernel.tables(table_or_path):`` overlays tables for the code
+inside the block only.
+
+The scopes live in a context variable, so they are local to a thread (and an asyncio task)
+and nest, the innermost first. A block also keys JAX's tracing caches (a JAX user context), so
+a function traced outside the block, or under other tables, is traced again inside it and
+resolves its configs from the block's tables. :func:`retracing` gives :mod:`kernel.capture`
+the same fresh trace. jax loads only when a block is entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernel.table import LookupTable
+
+
+@dataclass(frozen=True)
+class ScopedTable:
+    """A table of a ``kernel.tables`` block, the name sources give it (its path, or
+    ``<kernel> table on <device kind>`` for a table object) and the serial of the table
+    object (equal while it is the same object)."""
+
+    table: LookupTable = field(compare=False)
+    name: str
+    serial: int
+
+
+Block = tuple[ScopedTable, ...]  # the tables of one block, in the order given
+_SCOPES: contextvars.ContextVar[tuple[Block, ...]] = contextvars.ContextVar(
+    "autotune_table_scopes", default=())  # innermost block first
+_TRACE_KEY: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "autotune_trace_key", default=())
+_serials = itertools.count(1)
+_lock = threading.Lock()
+_loaded: dict[str, tuple[tuple[int, int], LookupTable]] = {}  # path -> (mtime, size), table
+_table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}
+_jax_context: Any = None
+
+
+def active_blocks() -> tuple[Block, ...]:
+    """The ``kernel.tables`` blocks around the caller, innermost first."""
+    return _SCOPES.get()
+
+
+@contextlib.contextmanager
+def tables(*tables_or_paths: LookupTable | str | os.PathLike[str]) -> Iterator[Block]:
+    """Overlays lookup tables (``LookupTable`` objects or table files) for the code inside
+    the block: traced there, the wrapper resolves kernel choices and configs from them first
+    (the first given first; an inner block before an outer one), then from the process's
+    pinned tables (``kernel.use_table``), the service and the default. Raises ``TableError``
+    naming a malformed file before the block runs."""
+    if not tables_or_paths:
+        raise TypeError("kernel.tables() needs at least one table or table file")
+    block = tuple(_scoped(item) for item in tables_or_paths)
+    token = _SCOPES.set((block, *_SCOPES.get()))
+    try:
+        with retracing(tuple(s.serial for s in block)):
+            yield block
+    finally:
+        _SCOPES.reset(token)
+
+
+@contextlib.contextmanager
+def retracing(key: Any) -> Iterator[None]:
+    """Keys JAX's tracing caches by ``key`` (with the keys of the blocks around it) inside the
+    block: a function traced under another key is traced again."""
+    token = _TRACE_KEY.set(_TRACE_KEY.get() + (key,))
+    try:
+        with _user_context()(_TRACE_KEY.get()):
+            yield
+    finally:
+        _TRACE_KEY.reset(token)
+
+
+def fresh_key() -> int:
+    """A key no block used before (for :func:`retracing`)."""
+    return next(_serials)
+
+
+def _scoped(item: LookupTable | str | os.PathLike[str]) -> ScopedTable:
+    if isinstance(item, LookupTable):
+        return ScopedTable(item, f"{item.kernel} table on {item.device_kind}", _serial(item))
+    if isinstance(item, (str, os.PathLike)):
+        table = _load(Path(item))
+        return ScopedTable(table, str(item), _serial(table))
+    raise TypeError(f"kernel.tables takes LookupTable objects or table file paths, got "
+                    f"{type(item).__name__}")
+
+
+def _load(path: Path) -> LookupTable:
+    """The table of a file, loaded once per version of the file (so a block entered again
+    reuses its traces)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return LookupTable.load(path)  # raises the TableError naming the file
+    key, version = str(path.resolve()), (stat.st_mtime_ns, stat.st_size)
+    with _lock:
+        known = _loaded.get(key)
+    if known is not None and known[0] == version:
+        return known[1]
+    table = LookupTable.load(path)
+    with _lock:
+        _loaded[key] = (version, table)
+    return table
+
+
+def _serial(table: LookupTable) -> int:
+    """A number naming this table object while it lives (an id can be reused after)."""
+    with _lock:
+        known = _table_serials.get(id(table))
+        if known is not None and known[0]() is table:
+            return known[1]
+        serial = next(_serials)
+        _table_serials[id(table)] = (weakref.ref(table), serial)
+        return serial
+
+
+def _user_context() -> Any:
+    """The JAX user context keying traces by the scopes, made once (JAX asks that it is not
+    made concurrently with other JAX calls: the first block makes it under a lock)."""
+    global _jax_context
+    with _lock:
+        if _jax_context is None:
+            import jax
+
+            _jax_context = jax.make_user_context(())
+    return _jax_context

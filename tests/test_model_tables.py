@@ -1,0 +1,118 @@
+"""``with kernel.tables(...)``: tables for the code inside a block only, context-local, nested
+innermost first, thread-safe, and named by ``resolution_sources()``."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernel
+from kernel import LookupTable, Problem, TableEntry, get_kernel, get_target
+from kernel.scoped import active_resolver
+from kernel.table import KernelChoice, KernelTiming
+
+FLASH = get_kernel("flash")
+P = Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
+            dtype="float32", mode="fwd")
+Q = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=128,
+            dtype="float32", mode="fwd")
+SMALL = FLASH.default_config(P).replace(block_q=128, block_kv=128, block_kv_compute=128)
+LARGE = FLASH.default_config(P).replace(block_q=256, block_kv=256, block_kv_compute=256)
+
+
+def table(*entries: tuple[Problem, object], choices: tuple[KernelChoice, ...] = ()):
+    return LookupTable(kernel="flash", kernel_version=FLASH.version, device_kind="cpu",
+                       entries=tuple(TableEntry(p, c) for p, c in entries), choices=choices)
+
+
+def attend(q):
+    return kernel.flash_attention(q, q, q)
+
+
+def trace(problem: Problem, fn=attend) -> None:
+    jax.eval_shape(fn, jax.ShapeDtypeStruct((1, problem.q_heads, problem.q_len, 128),
+                                            jnp.float32))
+
+
+def ran(problem: Problem, kernel_name: str = "flash"):
+    """The config the resolver here gives ``problem`` (what the trace above ran), and how
+    ``resolution_sources()`` describes it."""
+    source = kernel.resolution_sources()[(kernel_name, "cpu", problem)]  # before resolving
+    config = active_resolver().resolve(problem, "cpu", kernel_name, get_target("cpu")).config
+    return config, source
+
+
+def test_a_block_resolves_from_its_table_and_names_it(tmp_path):
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(table((P, SMALL)).to_dict()))
+    with kernel.tables(path):
+        trace(P)
+        config, source = ran(P)
+    assert config == SMALL and source.startswith(f"scoped table '{path}'")
+    trace(P, lambda q: attend(q))  # outside: the process's own order (no table: default)
+    config, source = ran(P)
+    assert config == FLASH.default_config(P) and "scoped" not in source
+
+
+def test_blocks_nest_innermost_first():
+    outer, inner = table((P, LARGE), (Q, SMALL)), table((P, SMALL))
+    with kernel.tables(outer):
+        with kernel.tables(inner):
+            trace(P), trace(Q)
+            assert ran(P)[0] == SMALL and "scoped table 'flash table on cpu'" in ran(P)[1]
+            assert ran(Q)[0] == SMALL  # the inner table has no Q: the outer answers
+        trace(P)
+        assert ran(P)[0] == LARGE
+
+
+def test_a_function_traced_outside_is_traced_again_inside():
+    step = jax.jit(attend)
+    x = jax.ShapeDtypeStruct((1, 1, 256, 128), jnp.float32)
+    step.lower(x)
+    with kernel.tables(table((P, SMALL))) as block:
+        step.lower(x)  # a trace cached outside would never ask the block's tables
+        assert kernel.resolution_sources()[("flash", "cpu", P)].startswith("scoped table")
+    assert block[0].table.entries[0].config == SMALL
+
+
+def test_two_threads_each_see_their_own_table():
+    step = jax.jit(attend)  # one function, traced by both threads at once
+    tables = {"small": table((P, SMALL)), "large": table((P, LARGE))}
+    seen: dict[str, tuple[object, str]] = {}
+    start = threading.Barrier(2)
+
+    def run(name: str) -> None:
+        with kernel.tables(tables[name]):
+            start.wait()
+            step.lower(jax.ShapeDtypeStruct((1, 1, 256, 128), jnp.float32))
+            seen[name] = ran(P)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in tables]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert seen["small"][0] == SMALL and seen["large"][0] == LARGE
+    assert all(source.startswith("scoped table") for _, source in seen.values())
+
+
+def test_a_block_kernel_choice_picks_the_kernel():
+    choice = KernelChoice(P, "xla", get_kernel("xla").default_config(P),
+                          {"xla": KernelTiming(1.0), "flash": KernelTiming(2.0)},
+                          {"kernel_version": get_kernel("xla").version})
+    with kernel.tables(table(choices=(choice,))):
+        trace(P)
+        _, source = ran(P, "xla")
+    assert "chosen (exact choice in scoped table 'flash table on cpu')" in source
+
+
+def test_a_malformed_table_file_is_refused_before_the_block(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{")
+    with pytest.raises(kernel.TableError, match="is not valid JSON"):
+        with kernel.tables(path):
+            pytest.fail("the block ran")
