@@ -84,7 +84,7 @@ class Problem:
         """Builds a problem from a mapping; ``kv_heads``/``kv_len`` default to the query's."""
         if not isinstance(data, dict):
             raise ProblemError(f"a problem must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = _FIELD_NAMES
         unknown = sorted(set(data) - names, key=str)  # YAML keys may be of any type
         if unknown:
             raise ProblemError(f"unknown problem field(s) {unknown}; known: {sorted(names)}")
@@ -103,3 +103,6 @@ class Problem:
             f"b{self.batch} h{self.q_heads}/{self.kv_heads} q{self.q_len} kv{self.kv_len} "
             f"d{self.head_dim} {self.dtype} {causal} {self.mode}"
         )
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Problem))  # read per table entry

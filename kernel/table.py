@@ -24,7 +24,8 @@ from kernel.problem import Problem
 from kernel.registry import KERNELS, get_kernel
 
 MiB = 1 << 20
-# 100k configs and 100k kernel choices take about 230 MiB; a larger file is no table.
+# An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
+# larger file is no table.
 MAX_TABLE_BYTES = 512 * MiB
 TABLE_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: configs only; 2: configs and kernel choices
@@ -321,17 +322,20 @@ def _family(problem: Problem) -> tuple[Any, ...]:
 
 
 class ProblemIndex:
-    """Table entries or kernel choices indexed by problem: an exact lookup is one dict read,
-    and a nearest one looks only at the problem's family (:func:`_family`), checking the
-    rules of the closest first and stopping at the first legal one. Earlier items win ties."""
+    """Table entries or kernel choices indexed by problem: an exact lookup is one dict read;
+    a nearest one looks only at the problem's family (:func:`_family`), visits its (q_len,
+    kv_len) buckets closest first and stops once a bucket cannot hold anything closer than
+    the best legal item found, checking rules closest first. Earlier items win ties."""
 
     def __init__(self, items: Iterable[Any], kernel_of: Callable[[Any], str]) -> None:
         self._kernel_of = kernel_of
         self._exact: dict[Problem, Any] = {}
-        self._families: dict[tuple[Any, ...], list[Any]] = {}
-        for item in items:
+        self._families: dict[tuple[Any, ...], dict[tuple[int, int], list[Any]]] = {}
+        for order, item in enumerate(items):
             self._exact.setdefault(item.problem, item)
-            self._families.setdefault(_family(item.problem), []).append(item)
+            lengths = (item.problem.q_len, item.problem.kv_len)
+            self._families.setdefault(_family(item.problem), {}).setdefault(
+                lengths, []).append((order, item))
 
     def find(self, problem: Problem) -> tuple[Any, str] | None:
         """``(item, "exact")``, else ``(item, "nearest")``, else None."""
@@ -344,20 +348,33 @@ class ProblemIndex:
     def nearest(self, problem: Problem) -> Any:
         """The closest item of the family whose config passes its kernel's stored-config rules
         for ``problem`` (:func:`shape_distance`); None when none does."""
-        family = self._families.get(_family(problem), [])
-        ranked = [(shape_distance(problem, item.problem), order, item)
-                  for order, item in enumerate(family)]
-        heapq.heapify(ranked)
-        while ranked:
-            item = heapq.heappop(ranked)[2]
-            name = self._kernel_of(item)
-            if name not in KERNELS:
-                continue
-            rules = KERNELS[name]
-            if (isinstance(item.config, rules.config_type)
-                    and not rules.stored_violations(problem, item.config)):
-                return item
-        return None
+        buckets = self._families.get(_family(problem), {})
+        # The sequence lengths' part of shape_distance: a lower bound for a whole bucket.
+        bounds = sorted((abs(math.log2(problem.q_len / q_len))
+                         + abs(math.log2(problem.kv_len / kv_len)), (q_len, kv_len))
+                        for q_len, kv_len in buckets)
+        best: tuple[float, int, Any] | None = None
+        for bound, lengths in bounds:
+            if best is not None and bound > best[0]:
+                break
+            ranked = [(shape_distance(problem, item.problem), order, item)
+                      for order, item in buckets[lengths]]
+            heapq.heapify(ranked)
+            while ranked and (best is None or ranked[0][:2] < best[:2]):
+                found = heapq.heappop(ranked)
+                if self._legal(problem, found[2]):
+                    best = found
+                    break
+        return best[2] if best is not None else None
+
+    def _legal(self, problem: Problem, item: Any) -> bool:
+        """Whether ``item``'s kernel is registered and its config legal for ``problem``."""
+        name = self._kernel_of(item)
+        if name not in KERNELS:
+            return False
+        rules = KERNELS[name]
+        return (isinstance(item.config, rules.config_type)
+                and not rules.stored_violations(problem, item.config))
 
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
