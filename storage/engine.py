@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from kernel import AutotuneError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+WAL_SWITCH_RETRY_S = 0.005
 WRITE_OPTIONS = {"autotune_write": True}  # execution option: this transaction will write
 
 
@@ -50,7 +52,8 @@ def sqlite_connect(path: Path, **kwargs: object) -> sqlite3.Connection:
     """A connection to the SQLite file ``path``; read-only when the file is not writable, and
     then also immutable on a read-only file system (where a WAL database cannot be read
     otherwise: its shared-memory file cannot be created)."""
-    if os.access(path, os.W_OK) or not path.exists():
+    # Exists first: a file another process creates between the two checks is writable.
+    if not path.exists() or os.access(path, os.W_OK):
         return sqlite3.connect(path, **kwargs)
     immutable = os.statvfs(path).f_flag & os.ST_RDONLY
     uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
@@ -133,13 +136,26 @@ def sqlite_pragmas(dbapi_connection, _record: object = None) -> None:  # noqa: A
     SQLAlchemy ``connect`` listener, for engines built elsewhere: Optuna's storage)."""
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    try:
-        cursor.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
-    except sqlite3.OperationalError as error:
-        if not error.sqlite_errorname.startswith("SQLITE_READONLY"):
-            raise  # a read-only database keeps its journal mode; it is only read
+    _switch_to_wal(cursor)  # readers never block the writer
     cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe with WAL
     cursor.close()
+
+
+def _switch_to_wal(cursor: sqlite3.Cursor) -> None:
+    """``PRAGMA journal_mode = WAL``, retried while another connection holds the new file: the
+    switch does not wait out the busy timeout, so jobs started together on a new file failed
+    with ``database is locked``. A read-only database keeps its journal mode (it is only read)."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if error.sqlite_errorname.startswith("SQLITE_READONLY"):
+                return
+            if error.sqlite_errorname != "SQLITE_BUSY" or time.monotonic() > deadline:
+                raise
+            time.sleep(WAL_SWITCH_RETRY_S)
 
 
 def _configure_sqlite(engine: Engine) -> None:
