@@ -9,7 +9,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
+
+from conftest import Server, free_port, run_cli
 
 STARTERS = 8  # tuning jobs started at once on one new database file
 ROUNDS = 8
@@ -83,3 +86,42 @@ def test_tuning_jobs_started_together_on_a_new_sqlite_file_all_succeed(tmp_path:
 
     ensure_schema(f"sqlite:///{tmp_path / 'warm.db'}")  # imports done once, before the forks
     _start_together(tmp_path, _start_a_job, rounds=ROUNDS)
+
+
+# --- tokens (A15, A16) ---
+
+
+def _put_config(server: Server, headers: dict[str, bytes | str]) -> httpx.Response:
+    from test_api import body
+
+    return httpx.put(f"{server.url}/v1/configs", json=body("cpu-tokens"), headers=headers)
+
+
+def test_a_non_ascii_token_is_matched_by_its_utf8_bytes(start_server, sqlite_db_url) -> None:
+    token = "clé-秘密"
+    server = start_server(sqlite_db_url, token=token)
+    sent = {"Authorization": b"Bearer " + token.encode("utf-8")}
+    assert _put_config(server, sent).status_code == 200
+    wrong = {"Authorization": b"Bearer " + "cle-秘密".encode()}
+    assert _put_config(server, wrong).status_code == 401
+
+
+def test_an_empty_token_is_the_documented_unset_case(start_server, sqlite_db_url) -> None:
+    server = start_server(sqlite_db_url, token=None, settings={"AUTOTUNE_API_TOKEN": ""})
+    refused = _put_config(server, {"Authorization": "Bearer x"})
+    assert refused.status_code == 403, refused.text
+    assert "no API token" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_anonymous_writes_with_a_token_set_are_refused_at_start(sqlite_db_url, how) -> None:
+    env = {"AUTOTUNE_API_TOKEN": "secret"}
+    args = ["serve", "--db", sqlite_db_url, "--port", str(free_port())]
+    if how == "flag":
+        args.append("--allow-anonymous-writes")
+    else:
+        env["AUTOTUNE_ALLOW_ANONYMOUS_WRITES"] = "yes"
+    done = run_cli(*args, env=env, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "AUTOTUNE_API_TOKEN is set and anonymous writes are allowed" in done.stderr
+    assert "Traceback" not in done.stderr
