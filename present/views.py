@@ -23,6 +23,15 @@ def _ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
+def _speedup(result: TunedResult) -> str:
+    """The speedup over the default, marked when it was measured in interpret mode (a CPU
+    running the TPU kernel's emulation), which says nothing of a device."""
+    text = _ratio(result.speedup)
+    if result.speedup is not None and result.method == "interpret":
+        return f"{text} (interpret mode, not a device figure)"
+    return text
+
+
 def _roofline(result: TunedResult) -> str:
     """Achieved TFLOP/s and the fraction of the binding roof, as far as the result knows."""
     if result.achieved_tflops is None:
@@ -35,11 +44,12 @@ def _roofline(result: TunedResult) -> str:
 
 def template_env() -> jinja2.Environment:
     """The templates with autoescaping and the filters they use (``ms``, ``ratio``,
-    ``roofline``)."""
+    ``speedup``, ``roofline``)."""
     env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=_ms, ratio=_ratio, roofline=_roofline, short_label=short_label)
+    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline,
+                       short_label=short_label)
     return env
 
 

@@ -14,6 +14,7 @@ from urllib.parse import quote
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
 
 from kernel import AutotuneError
 
@@ -39,11 +40,16 @@ class DatabaseFullError(WriteRefusedError):
     """The database's disk is full."""
 
 
+def sqlite_in_memory(url: str | URL) -> bool:
+    """A SQLite database that lives in one process's memory (``sqlite://``, ``:memory:``)."""
+    url = make_url(url)
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
 def sqlite_file(url: str | URL) -> Path | None:
     """The file of a SQLite URL; None for other databases, in-memory ones and ``file:`` URIs."""
     url = make_url(url)
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:") \
-            or url.query.get("uri"):
+    if url.get_backend_name() != "sqlite" or sqlite_in_memory(url) or url.query.get("uri"):
         return None
     return Path(url.database)
 
@@ -115,8 +121,10 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
             return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size,
                                  pool_pre_ping=True)
         path = sqlite_file(url)
-        in_memory = make_url(url).database in (None, "", ":memory:")
-        pool = {} if in_memory else {"pool_size": pool_size, "max_overflow": 2 * pool_size}
+        # In memory: one connection shared by every thread, or each would see its own database.
+        pool = ({"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+                if sqlite_in_memory(url) else
+                {"pool_size": pool_size, "max_overflow": 2 * pool_size})
         if path is not None:
             # Opened by sqlite_connect: a read-only file is read (no WAL switch, no -shm).
             pool["creator"] = lambda: sqlite_connect(path, check_same_thread=False)

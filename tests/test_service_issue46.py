@@ -125,3 +125,165 @@ def test_anonymous_writes_with_a_token_set_are_refused_at_start(sqlite_db_url, h
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "AUTOTUNE_API_TOKEN is set and anonymous writes are allowed" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- A20: readiness, in-memory URLs, stale's command, device kinds ---
+
+
+def _publish_many(url: str, count: int, device_kind: str = "cpu") -> None:
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from storage import Store, TunedResult
+
+    with Store(url) as store:
+        for batch in range(1, count + 1):
+            store.publish(TunedResult(
+                device_kind=device_kind, median_ms=1.0, config=FlashConfig(block_q=128,
+                                                                           block_kv=128),
+                problem=Problem(batch=batch, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
+                                head_dim=64, dtype="float32")))
+
+
+def test_readyz_is_503_on_a_damaged_database_file(sqlite_db_url, tmp_path: Path) -> None:
+    import sqlite3
+    import subprocess
+
+    from conftest import AUTOTUNE, wait_until_answering
+
+    _publish_many(sqlite_db_url, 300)
+    path = sqlite_db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as connection:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with open(path, "r+b") as file:  # a page in the middle of the table overwritten
+        file.seek(os.path.getsize(path) // 2)
+        file.write(b"\xff" * 8192)
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([*AUTOTUNE, "serve", "--db", sqlite_db_url, "--port",
+                                    str(port)], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until_answering(process, f"http://127.0.0.1:{port}/healthz", "serve",
+                             log.read_text)
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
+    finally:
+        process.terminate()
+        process.wait(15)
+    assert ready.status_code == 503, ready.text
+    assert "is damaged" in ready.json()["detail"]
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_in_memory_urls_get_their_schema(url: str) -> None:
+    done = run_cli("stale", "--db", url)
+    assert done.returncode == 0, done.stderr
+    assert "db upgrade" not in done.stdout + done.stderr
+    assert "no stale configs" in done.stdout
+
+
+@pytest.mark.postgres
+def test_stale_prints_a_command_that_runs_for_a_url_with_a_password(
+        postgres_databases, tmp_path: Path) -> None:
+    from sqlalchemy.engine import make_url
+
+    from storage import upgrade
+
+    url = make_url(postgres_databases()).set(password="s3cret")
+    url = url.render_as_string(hide_password=False)
+    upgrade(url)
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from storage import Store, TunedResult
+
+    with Store(url) as store:
+        store.publish(TunedResult(
+            device_kind="cpu", median_ms=1.0, jax_version="0.0.1",
+            config=FlashConfig(block_q=128, block_kv=128),
+            problem=Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
+                            head_dim=64, dtype="float32")))
+    done = run_cli("stale", "--db", url, "--output-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert '--force --db "$AUTOTUNE_DB_URL"' in done.stdout
+    assert "***" not in done.stdout.split("re-tune", 1)[1]
+
+
+@pytest.mark.parametrize("device_kind", ["\u200b", "TPU v5 lite ", " TPU v5 lite", "\u200b\u200b "])
+def test_invisible_or_padded_device_kinds_are_refused(server: Server, device_kind) -> None:
+    from test_api import body
+
+    refused = httpx.put(f"{server.url}/v1/configs", json=body(device_kind), headers=server.auth)
+    assert refused.status_code == 422, refused.text
+    assert "device_kind" in refused.json()["detail"]
+
+
+# --- A2: choices the resolver cannot read are refused at write time ---
+
+
+def choice_table(device_kind: str, candidates: dict[str, dict[str, float]],
+                 **problem: object) -> dict[str, object]:
+    """A lookup table holding one kernel choice of ``flash`` for a small problem."""
+    from kernel import get_kernel
+    from kernel.problem import Problem
+    from kernel.table import TABLE_SCHEMA_VERSION
+
+    shape = Problem(**{"batch": 1, "q_heads": 2, "kv_heads": 2, "q_len": 256, "kv_len": 256,
+                       "head_dim": 64, "dtype": "float32", **problem})
+    flash = get_kernel("flash")
+    return {"schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash",
+            "kernel_version": flash.version, "device_kind": device_kind, "entries": [],
+            "choices": [{"problem": shape.to_dict(), "kernel": "flash",
+                         "config": flash.default_config(shape).to_dict(),
+                         "candidates": {"flash": {"median_ms": 1.0}, **candidates}}]}
+
+
+@pytest.mark.parametrize("count", [65, 1501])
+def test_a_choice_with_too_many_candidates_is_refused(server: Server, count: int) -> None:
+    device_kind = f"a2-{count}"
+    candidates = {f"kernel_{i:05d}": {"median_ms": 2.0 + i} for i in range(count)}
+    refused = httpx.post(f"{server.url}/v1/tables", json=choice_table(device_kind, candidates),
+                         headers=server.auth)
+    assert refused.status_code == 422, refused.text
+    assert "at most 64 candidate kernels" in refused.json()["detail"]
+    listed = httpx.get(f"{server.url}/v1/choices", params={"device_kind": device_kind})
+    assert listed.json()["total"] == 0
+
+
+def test_the_largest_choice_accepted_is_readable_by_the_wrapper(server: Server) -> None:
+    """64 candidates of the longest names (64 four-byte characters) and the longest failure
+    text: the reply stays under the resolver's cap."""
+    from kernel.resolve import MAX_REPLY_BYTES
+
+    names = {f"{i:02d}" + "\U0001F600" * 62: {"failure": "\U0001F600" * 64} for i in range(63)}
+    stored = httpx.post(f"{server.url}/v1/tables", json=choice_table("a2-bytes", names),
+                        headers=server.auth)
+    assert stored.status_code == 200, stored.text
+    reply = httpx.get(f"{server.url}/v1/choices/lookup", params={
+        "device_kind": "a2-bytes", "batch": 1, "q_heads": 2, "q_len": 256, "head_dim": 64,
+        "dtype": "float32", "mode": "fwd", "causal": "false"})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.content) < MAX_REPLY_BYTES
+
+
+# --- item 10: interpret-mode figures are marked where shown ---
+
+
+@pytest.mark.parametrize("method, marked", [("interpret", True), ("device", False)])
+def test_report_marks_interpret_mode_speedups(sqlite_db_url: str, method: str,
+                                              marked: bool) -> None:
+    import re
+
+    from autotune.report import render
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from storage import Store, TunedResult
+
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(
+            device_kind="cpu", median_ms=1.0, default_median_ms=2.94, method=method,
+            config=FlashConfig(block_q=128, block_kv=128),
+            problem=Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
+                            head_dim=64, dtype="float32")))
+        html = render(store)
+    shown = re.findall(r"2\.94×[^<]*", html)
+    assert shown, html
+    assert all(("(interpret mode, not a device figure)" in text) == marked for text in shown)

@@ -74,6 +74,9 @@ def demo(
     console.print(f"winner {summary.best_config.label()}: {summary.best_time_ms:.3f} ms vs "
                   f"{default} on {summary.device_kind} ({summary.method}); "
                   f"stored: {summary.publish}")
+    if summary.method == "interpret":
+        console.print("(interpret mode: the TPU kernel emulated on a CPU; these times and "
+                      "their ratio are no device figure)")
 
     console.rule("2. serve")
     port = _free_port()
