@@ -287,3 +287,66 @@ def test_report_marks_interpret_mode_speedups(sqlite_db_url: str, method: str,
     shown = re.findall(r"2\.94×[^<]*", html)
     assert shown, html
     assert all(("(interpret mode, not a device figure)" in text) == marked for text in shown)
+
+
+# --- A5, A6: hostile but valid data renders; drawing is bounded and drawn once ---
+
+
+def _choice_of(candidates: dict[str, object]) -> object:
+    from kernel import get_kernel
+    from kernel.problem import Problem
+    from kernel.table import KernelChoice
+
+    problem = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=64,
+                      dtype="float32")
+    return KernelChoice(problem, "flash", get_kernel("flash").default_config(problem),
+                        candidates)
+
+
+def test_a_choice_chart_of_hostile_values_is_left_out_saying_why() -> None:
+    from kernel.table import KernelTiming
+    from present.plots import choice_image
+
+    drawn = choice_image(_choice_of({"flash": KernelTiming(1.0, 0.1),
+                                     "$\\frac{a$": KernelTiming(1e308, 1e308),
+                                     "x": KernelTiming(failure="$\\bad{$")}))
+    assert "choice" not in drawn and drawn["note:choice"]
+    drawn = choice_image(_choice_of({"flash": KernelTiming(1.0, 0.1),
+                                     "$\\frac{a$": KernelTiming(2.0, 0.1),
+                                     "x": KernelTiming(failure="$\\bad{$")}))
+    assert drawn["choice"].startswith("data:image/png")  # "$" drawn as typed
+
+
+def test_a_choice_chart_draws_at_most_the_fastest_twenty() -> None:
+    from kernel.table import KernelTiming
+    from present.plots import MAX_CHOICE_BARS, choice_figure
+
+    candidates = {"flash": KernelTiming(1.0, 0.1), **{
+        f"k{i:04d}": KernelTiming(2.0 + i, 0.1) for i in range(1500)}}
+    ax = choice_figure(_choice_of(candidates)).axes[0]
+    assert len(ax.get_yticklabels()) == MAX_CHOICE_BARS
+    assert "1481 slower or failed candidates not shown" in ax.get_xlabel()
+
+
+def test_a_report_with_a_foreign_study_and_a_huge_median_is_written(sqlite_db_url,
+                                                                     tmp_path: Path) -> None:
+    import optuna
+
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from storage import Store, TunedResult
+    from storage.studies import get_storage
+
+    foreign = optuna.create_study(storage=get_storage(sqlite_db_url), study_name="theirs")
+    foreign.set_user_attr("confirmation", "not ours")
+    foreign.optimize(lambda trial: trial.suggest_float("lr", 0, 1), n_trials=2)
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(
+            device_kind="cpu", median_ms=1e308, study="theirs",
+            config=FlashConfig(block_q=128, block_kv=128),
+            problem=Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
+                            head_dim=64, dtype="float32")))
+    out = tmp_path / "report.html"
+    done = run_cli("report", "--db", sqlite_db_url, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "is not one autotune" in out.read_text()
