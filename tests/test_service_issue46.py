@@ -18,6 +18,18 @@ STARTERS = 8  # tuning jobs started at once on one new database file
 ROUNDS = 8
 
 
+def small_result(batch: int = 1, **fields: object) -> object:
+    """A tuned result of ``flash`` for a small float32 problem on ``cpu``."""
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from storage import TunedResult
+
+    return TunedResult(**{
+        "device_kind": "cpu", "median_ms": 1.0, "config": FlashConfig(block_q=128, block_kv=128),
+        "problem": Problem(batch=batch, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
+                           head_dim=64, dtype="float32"), **fields})
+
+
 def _start_a_job(url: str, barrier: multiprocessing.synchronize.Barrier) -> None:
     """What a tuning job does first on its database: create the schema, open the store and
     its first write connection. Exit status 0 when it worked."""
@@ -131,17 +143,11 @@ def test_anonymous_writes_with_a_token_set_are_refused_at_start(sqlite_db_url, h
 
 
 def _publish_many(url: str, count: int, device_kind: str = "cpu") -> None:
-    from kernel import FlashConfig
-    from kernel.problem import Problem
-    from storage import Store, TunedResult
+    from storage import Store
 
     with Store(url) as store:
         for batch in range(1, count + 1):
-            store.publish(TunedResult(
-                device_kind=device_kind, median_ms=1.0, config=FlashConfig(block_q=128,
-                                                                           block_kv=128),
-                problem=Problem(batch=batch, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
-                                head_dim=64, dtype="float32")))
+            store.publish(small_result(batch, device_kind=device_kind))
 
 
 def test_readyz_is_503_on_a_damaged_database_file(sqlite_db_url, tmp_path: Path) -> None:
@@ -191,16 +197,10 @@ def test_stale_prints_a_command_that_runs_for_a_url_with_a_password(
     url = make_url(postgres_databases()).set(password="s3cret")
     url = url.render_as_string(hide_password=False)
     upgrade(url)
-    from kernel import FlashConfig
-    from kernel.problem import Problem
-    from storage import Store, TunedResult
+    from storage import Store
 
     with Store(url) as store:
-        store.publish(TunedResult(
-            device_kind="cpu", median_ms=1.0, jax_version="0.0.1",
-            config=FlashConfig(block_q=128, block_kv=128),
-            problem=Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
-                            head_dim=64, dtype="float32")))
+        store.publish(small_result(jax_version="0.0.1"))
     done = run_cli("stale", "--db", url, "--output-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert '--force --db "$AUTOTUNE_DB_URL"' in done.stdout
@@ -273,16 +273,10 @@ def test_report_marks_interpret_mode_speedups(sqlite_db_url: str, method: str,
     import re
 
     from autotune.report import render
-    from kernel import FlashConfig
-    from kernel.problem import Problem
-    from storage import Store, TunedResult
+    from storage import Store
 
     with Store(sqlite_db_url) as store:
-        store.publish(TunedResult(
-            device_kind="cpu", median_ms=1.0, default_median_ms=2.94, method=method,
-            config=FlashConfig(block_q=128, block_kv=128),
-            problem=Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
-                            head_dim=64, dtype="float32")))
+        store.publish(small_result(default_median_ms=2.94, method=method))
         html = render(store)
     shown = re.findall(r"2\.94×[^<]*", html)
     assert shown, html
@@ -332,20 +326,14 @@ def test_a_report_with_a_foreign_study_and_a_huge_median_is_written(sqlite_db_ur
                                                                      tmp_path: Path) -> None:
     import optuna
 
-    from kernel import FlashConfig
-    from kernel.problem import Problem
-    from storage import Store, TunedResult
+    from storage import Store
     from storage.studies import get_storage
 
     foreign = optuna.create_study(storage=get_storage(sqlite_db_url), study_name="theirs")
     foreign.set_user_attr("confirmation", "not ours")
     foreign.optimize(lambda trial: trial.suggest_float("lr", 0, 1), n_trials=2)
     with Store(sqlite_db_url) as store:
-        store.publish(TunedResult(
-            device_kind="cpu", median_ms=1e308, study="theirs",
-            config=FlashConfig(block_q=128, block_kv=128),
-            problem=Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
-                            head_dim=64, dtype="float32")))
+        store.publish(small_result(median_ms=1e308, study="theirs"))
     out = tmp_path / "report.html"
     done = run_cli("report", "--db", sqlite_db_url, "-o", str(out))
     assert done.returncode == 0, done.stderr
