@@ -45,10 +45,11 @@ async def require_writer(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
     """Writes need ``Authorization: Bearer <AUTOTUNE_API_TOKEN>``; without a configured token
-    they are refused unless the server was started with ``--allow-anonymous-writes``."""
-    if settings.allow_anonymous_writes:
-        return
+    they are refused unless the server was started with ``--allow-anonymous-writes`` (a set
+    token always wins: ``autotune serve`` refuses the two together)."""
     if settings.api_token is None:
+        if settings.allow_anonymous_writes:
+            return
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             "writes are disabled: this server has no API token; set "
                             "AUTOTUNE_API_TOKEN before `autotune serve` (and send it as a bearer "
@@ -58,8 +59,9 @@ async def require_writer(
         raise HTTPException(status.HTTP_401_UNAUTHORIZED,
                             "writes need the header `Authorization: Bearer <AUTOTUNE_API_TOKEN>`",
                             headers=challenge)
+    # Header values arrive decoded as latin-1: their bytes, against the token's UTF-8 bytes.
     expected = settings.api_token.get_secret_value().encode()
-    if not secrets.compare_digest(credentials.credentials.encode(), expected):
+    if not secrets.compare_digest(credentials.credentials.encode("latin-1"), expected):
         raise HTTPException(status.HTTP_401_UNAUTHORIZED,
                             "the bearer token does not match this server's AUTOTUNE_API_TOKEN",
                             headers=challenge)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from storage.settings import StorageSettings
 
@@ -26,3 +26,9 @@ class ApiSettings(StorageSettings):
     read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
     # A JSON body's limit: a table of about 4,500 entries of 900 bytes (a lookup batch: 20 KiB).
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_is_unset(cls, token: SecretStr | None) -> SecretStr | None:
+        """An empty ``AUTOTUNE_API_TOKEN`` is no token (writes refused with a 403)."""
+        return token if token is not None and token.get_secret_value() else None

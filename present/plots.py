@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+from collections.abc import Callable
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -19,10 +22,15 @@ from matplotlib.patches import Rectangle
 from kernel import ConfigError, get_kernel
 from kernel.table import KernelChoice
 from present.studies import StudyData, failure_letter
+from present.text import first_line
 from storage.studies import OK
 
 PLOTS = ("landscape", "convergence", "confirmation", "failures")
+MAX_CHOICE_BARS = 20  # candidates a choice's chart draws (fastest first); the rest counted
 _DPI = 100
+log = logging.getLogger(__name__)
+# Names and error texts are data: "$...$" in them is drawn as typed, not as mathtext.
+_PLAIN_TEXT = {"text.parse_math": False}
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -191,7 +199,9 @@ def failures_figure(data: StudyData) -> Figure:
 def choice_figure(choice: KernelChoice) -> Figure:
     """Every candidate kernel's confirmed median with its spread (IQR), the chosen one marked;
     a failed candidate is a labelled row without a bar."""
-    names = list(choice.candidates)
+    ranked = choice.ranked()
+    shown = {*[*ranked, *(n for n in choice.candidates if n not in ranked)][:MAX_CHOICE_BARS]}
+    names = [name for name in choice.candidates if name in shown]  # in the choice's order
     figure = _figure(6.4, 0.9 + 0.45 * len(names))
     ax = figure.subplots()
     timings = [choice.candidates[name] for name in names]
@@ -205,14 +215,32 @@ def choice_figure(choice: KernelChoice) -> Figure:
         f"{t.median_ms:.3f} ms" + (" (chosen)" if name == choice.kernel else "")
         for name, t in zip(names, timings, strict=True)], padding=6, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("confirmed median time per call (ms); whiskers: IQR")
+    left_out = len(choice.candidates) - len(names)
+    ax.set_xlabel("confirmed median time per call (ms); whiskers: IQR"
+                  + (f"; {left_out} slower or failed candidates not shown" if left_out else ""))
     ax.set_xlim(0, max(m + s / 2 for m, s in zip(medians, spreads, strict=True)) * 1.45 or 1)
     return figure
 
 
-def choice_image(choice: KernelChoice) -> str:
-    """The choice's bar chart as a data URI."""
-    return data_uri(choice_figure(choice))
+def choice_image(choice: KernelChoice) -> dict[str, str]:
+    """The choice's bar chart as ``{"choice": data URI}`` (or why not: :func:`drawn`)."""
+    return drawn({"choice": lambda: choice_figure(choice)})
+
+
+def drawn(drawers: dict[str, Callable[[], Figure]]) -> dict[str, str]:
+    """Each figure as a data URI by name; a figure that cannot be drawn (data at the edge of
+    what matplotlib takes: a time of 1e308 ms, ...) is left out, its name mapped under
+    ``note:<name>`` to why, so one bad entry costs its plot, not the page or the report."""
+    out = {}
+    with matplotlib.rc_context(_PLAIN_TEXT):
+        for name, draw in drawers.items():
+            try:
+                out[name] = data_uri(draw())
+            except (ValueError, OverflowError, RuntimeError, KeyError, IndexError,
+                    TypeError) as error:
+                log.warning("plot %s not drawn: %s", name, error)
+                out[f"note:{name}"] = f"{type(error).__name__}: {first_line(str(error))}"
+    return out
 
 
 def data_uri(figure: Figure) -> str:
@@ -229,4 +257,5 @@ def images(data: StudyData) -> dict[str, str]:
     present = {"landscape": bool(data.points) and landscape_axes(data) is not None,
                "convergence": bool(data.points), "confirmation": bool(data.confirmation),
                "failures": bool(data.points)}
-    return {name: data_uri(drawers[name](data)) for name in PLOTS if present[name]}
+    return drawn({name: lambda name=name: drawers[name](data)
+                  for name in PLOTS if present[name]})

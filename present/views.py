@@ -12,6 +12,7 @@ from optuna.storages import BaseStorage
 from kernel.table import KernelChoice
 from present.plots import choice_image, images, landscape_axes
 from present.studies import StudyData, short_label
+from present.text import first_line
 from storage import Entry, StoredChoice, TunedResult
 
 
@@ -21,6 +22,15 @@ def _ms(value: float | None) -> str:
 
 def _ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
+
+
+def _speedup(result: TunedResult) -> str:
+    """The speedup over the default, marked when it was measured in interpret mode (a CPU
+    running the TPU kernel's emulation), which says nothing of a device."""
+    text = _ratio(result.speedup)
+    if result.speedup is not None and result.method == "interpret":
+        return f"{text} (interpret mode, not a device figure)"
+    return text
 
 
 def _roofline(result: TunedResult) -> str:
@@ -35,11 +45,12 @@ def _roofline(result: TunedResult) -> str:
 
 def template_env() -> jinja2.Environment:
     """The templates with autoescaping and the filters they use (``ms``, ``ratio``,
-    ``roofline``)."""
+    ``speedup``, ``roofline``)."""
     env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=_ms, ratio=_ratio, roofline=_roofline, short_label=short_label)
+    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline,
+                       short_label=short_label)
     return env
 
 
@@ -54,6 +65,11 @@ class ProblemView:
     images: dict[str, str]
     anchor: str = ""
     choice: StoredChoice | None = None
+    unreadable_study: str = ""  # why the study of that name could not be read, if it could not
+
+    def note(self, plot: str) -> str | None:
+        """Why ``plot`` was not drawn (present.plots.drawn), or None."""
+        return self.images.get(f"note:{plot}")
 
     @property
     def axes(self) -> tuple[str, str, str] | None:
@@ -68,13 +84,20 @@ class ProblemView:
 def problem_view(entry: Entry, storage: BaseStorage | None, anchor: str = "",
                  render: Callable[[StudyData], dict[str, str]] = images,
                  choice: StoredChoice | None = None,
-                 render_choice: Callable[[KernelChoice], str] = choice_image) -> ProblemView:
+                 render_choice: Callable[[KernelChoice], dict[str, str]] = choice_image,
+                 ) -> ProblemView:
     """The view of ``entry`` and the kernel ``choice`` of its problem; ``render`` draws the
     study's plots (e.g. through a cache), ``render_choice`` the choice's bar chart."""
     name = entry.result.study
-    study = (StudyData.load(storage, name, entry.result.kernel)
-             if storage is not None and name else None)
+    try:
+        study = (StudyData.load(storage, name, entry.result.kernel)
+                 if storage is not None and name else None)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        # A study of that name that autotune did not write (another tool's, same database).
+        study, unreadable = None, f"{type(error).__name__}: {first_line(str(error))}"
+    else:
+        unreadable = ""
     drawn = render(study) if study else {}
     if choice is not None:
-        drawn = {**drawn, "choice": render_choice(choice.choice)}
-    return ProblemView(entry, study, drawn, anchor, choice)
+        drawn = {**drawn, **render_choice(choice.choice)}
+    return ProblemView(entry, study, drawn, anchor, choice, unreadable)

@@ -24,6 +24,11 @@ from storage.results import (
 # Provenance a stored choice keeps in columns (the rest of a table's provenance is dropped).
 CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "timing", "jax_version",
                      "jaxlib_version", "libtpu_version")
+# Candidates a stored choice may hold, so that its lookup reply stays readable by the kernel
+# wrapper (kernel.resolve.MAX_REPLY_BYTES, 64 KiB): each candidate appears twice in a reply
+# (``candidates`` and ``times_ms``), at most 64 characters of 4 UTF-8 bytes each plus its
+# timing, about 600 bytes; 64 of them and the rest of the reply stay under 40 KiB.
+MAX_CHOICE_CANDIDATES = 64
 _PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
                    "causal", "mode")
 
@@ -40,6 +45,9 @@ def check_choice(device_kind: str, choice: KernelChoice) -> None:
         raise ResultError(f"config {choice.config.label()} of chosen kernel "
                           f"{choice.kernel!r} is illegal for {choice.problem.label()}: "
                           + "; ".join(map(str, broken)))
+    if len(choice.candidates) > MAX_CHOICE_CANDIDATES:
+        raise ResultError(f"a choice may compare at most {MAX_CHOICE_CANDIDATES} candidate "
+                          f"kernels, got {len(choice.candidates)}; keep the measured ones")
     for name, timing in choice.candidates.items():
         check_text("kernel", name)
         if timing.failure is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,10 +14,12 @@ from urllib.parse import quote
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
 
 from kernel import AutotuneError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+WAL_SWITCH_RETRY_S = 0.005
 WRITE_OPTIONS = {"autotune_write": True}  # execution option: this transaction will write
 
 
@@ -37,11 +40,16 @@ class DatabaseFullError(WriteRefusedError):
     """The database's disk is full."""
 
 
+def sqlite_in_memory(url: str | URL) -> bool:
+    """A SQLite database that lives in one process's memory (``sqlite://``, ``:memory:``)."""
+    url = make_url(url)
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
 def sqlite_file(url: str | URL) -> Path | None:
     """The file of a SQLite URL; None for other databases, in-memory ones and ``file:`` URIs."""
     url = make_url(url)
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:") \
-            or url.query.get("uri"):
+    if url.get_backend_name() != "sqlite" or sqlite_in_memory(url) or url.query.get("uri"):
         return None
     return Path(url.database)
 
@@ -50,7 +58,8 @@ def sqlite_connect(path: Path, **kwargs: object) -> sqlite3.Connection:
     """A connection to the SQLite file ``path``; read-only when the file is not writable, and
     then also immutable on a read-only file system (where a WAL database cannot be read
     otherwise: its shared-memory file cannot be created)."""
-    if os.access(path, os.W_OK) or not path.exists():
+    # Exists first: a file another process creates between the two checks is writable.
+    if not path.exists() or os.access(path, os.W_OK):
         return sqlite3.connect(path, **kwargs)
     immutable = os.statvfs(path).f_flag & os.ST_RDONLY
     uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
@@ -112,8 +121,10 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
             return create_engine(url, pool_size=pool_size, max_overflow=2 * pool_size,
                                  pool_pre_ping=True)
         path = sqlite_file(url)
-        in_memory = make_url(url).database in (None, "", ":memory:")
-        pool = {} if in_memory else {"pool_size": pool_size, "max_overflow": 2 * pool_size}
+        # In memory: one connection shared by every thread, or each would see its own database.
+        pool = ({"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+                if sqlite_in_memory(url) else
+                {"pool_size": pool_size, "max_overflow": 2 * pool_size})
         if path is not None:
             # Opened by sqlite_connect: a read-only file is read (no WAL switch, no -shm).
             pool["creator"] = lambda: sqlite_connect(path, check_same_thread=False)
@@ -133,13 +144,26 @@ def sqlite_pragmas(dbapi_connection, _record: object = None) -> None:  # noqa: A
     SQLAlchemy ``connect`` listener, for engines built elsewhere: Optuna's storage)."""
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    try:
-        cursor.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
-    except sqlite3.OperationalError as error:
-        if not error.sqlite_errorname.startswith("SQLITE_READONLY"):
-            raise  # a read-only database keeps its journal mode; it is only read
+    _switch_to_wal(cursor)  # readers never block the writer
     cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe with WAL
     cursor.close()
+
+
+def _switch_to_wal(cursor: sqlite3.Cursor) -> None:
+    """``PRAGMA journal_mode = WAL``, retried while another connection holds the new file: the
+    switch does not wait out the busy timeout, so jobs started together on a new file failed
+    with ``database is locked``. A read-only database keeps its journal mode (it is only read)."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if error.sqlite_errorname.startswith("SQLITE_READONLY"):
+                return
+            if error.sqlite_errorname != "SQLITE_BUSY" or time.monotonic() > deadline:
+                raise
+            time.sleep(WAL_SWITCH_RETRY_S)
 
 
 def _configure_sqlite(engine: Engine) -> None:

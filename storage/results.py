@@ -90,8 +90,12 @@ MAX_STORED_INT = 2**31 - 1
 def check_text(name: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not isinstance(value, str) or not value.strip():
-        raise ResultError(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(value, str) or not any(c.isprintable() and not c.isspace() for c in value):
+        raise ResultError(f"{name} must be a non-empty string with a visible character, got "
+                          f"{value!r}")
+    if value != value.strip():
+        raise ResultError(f"{name} must not start or end with whitespace, got {value!r}; "
+                          "strip it")
     if len(value) > TEXT_LIMITS[name] or _NOT_TEXT.search(value):
         shown = value[:40].encode("utf-8", "backslashreplace").decode("utf-8")
         raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters of text "

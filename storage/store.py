@@ -27,6 +27,7 @@ from storage.engine import (
     refusing_writes,
     sqlite_connect,
     sqlite_file,
+    sqlite_in_memory,
 )
 from storage.models import (
     CHOICE_FAMILY_COLUMNS,
@@ -49,7 +50,7 @@ from storage.results import (
     TunedResult,
     installed_kernel_version,
 )
-from storage.schema import schema_problem
+from storage.schema import schema_problem, upgrade
 from storage.settings import StorageSettings
 
 Match = Literal["exact", "nearest"]
@@ -232,10 +233,13 @@ class Store:
         self.url = normalize_url(url or StorageSettings().db_url)
         self.engine = make_engine(self.url, pool_size=pool_size)
         self._writer = self.engine.execution_options(**WRITE_OPTIONS)
+        if sqlite_in_memory(self.url):  # lives only as long as this store: nothing to migrate
+            upgrade(self.engine)
         self._watcher: sqlite3.Connection | None = None
         self._watcher_lock = threading.Lock()
         # family key -> (data version, nearest-match candidates); see lookup_many
         self._families: dict[tuple[Any, ...], tuple[int, _Family]] = {}
+        self._checked_version: tuple[Any, ...] | None = None  # what passed quick_check
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -276,6 +280,25 @@ class Store:
     def schema_problem(self) -> str | None:
         """Why the database is unusable (with the fix), or None. See ``storage.schema``."""
         return schema_problem(self.engine)
+
+    def readiness_problem(self) -> str | None:
+        """``schema_problem``, else a damaged SQLite file (``PRAGMA quick_check``, run again
+        only after a commit or a change to the file), or None when the database can serve."""
+        problem = self.schema_problem()
+        path = sqlite_file(self.engine.url)
+        if problem or path is None:
+            return problem
+        stat = path.stat()
+        version = (self.data_version(), stat.st_mtime_ns, stat.st_size)
+        if self._checked_version != version:
+            with self.engine.connect() as connection:
+                found = connection.exec_driver_sql("PRAGMA quick_check(1)").scalar()
+            if found != "ok":
+                found = " ".join(found.replace("***", "").split())
+                return (f"database file {path} is damaged ({found}); "
+                        "restore it from a backup or export what still reads")
+            self._checked_version = version
+        return None
 
     def require_current_schema(self) -> None:
         """Raises SchemaError (saying ``autotune db upgrade --db URL`` fixes it) if needed."""

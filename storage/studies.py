@@ -20,10 +20,9 @@ import optuna
 from optuna.storages import BaseStorage, InMemoryStorage, RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event, inspect, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.engine import make_engine, sqlite_pragmas
+from storage.engine import make_engine, sqlite_in_memory, sqlite_pragmas
 
 OK = "ok"
 # Trial statuses that are not measurements (never count against the budget).
@@ -59,8 +58,7 @@ def get_storage(url: str | None, *, create: bool = True, heartbeat_interval: int
     send a heartbeat every ``heartbeat_interval`` s while measured; one silent for
     ``grace_period`` s (its worker was killed) is failed by the next worker.
     """
-    if url is None or (url.startswith("sqlite")
-                       and make_url(url).database in (None, "", ":memory:")):
+    if url is None or sqlite_in_memory(url):
         # One process only; a SQLite memory database would also be one per thread, so the
         # heartbeat thread would not see the study's tables.
         return InMemoryStorage() if create else None

@@ -116,15 +116,21 @@ def test_an_unreadable_file_imports_nothing(sqlite_db_url: str, tmp_path: Path,
     assert count(sqlite_db_url) == 0
 
 
-def test_commands_refuse_a_database_without_schema(tmp_path: Path) -> None:
+def test_export_refuses_a_database_without_schema(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'empty.db'}"
+    done = run_cli("export", "-o", str(tmp_path / "out.json"), "--db", url)
+    assert_clean_failure(done, 1, f"autotune db upgrade --db {url}")
+
+
+def test_import_creates_the_database_as_tune_does(sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 46 item 8: import said "create it with `autotune db upgrade`"."""
+    seed(sqlite_db_url)
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"schema_version": 1, "kernel": "flash",
-                                 "kernel_version": "1", "device_kind": DEVICE,
-                                 "entries": []}))
-    for args in (("export", "-o", str(tmp_path / "out.json")), ("import", str(table))):
-        done = run_cli(*args, "--db", url)
-        assert_clean_failure(done, 1, f"autotune db upgrade --db {url}")
+    assert run_cli("export", "-o", str(table), "--db", sqlite_db_url).returncode == 0
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    done = run_cli("import", str(table), "--db", url)
+    assert done.returncode == 0, done.stderr
+    assert count(url) == 2
 
 
 def test_export_needs_a_device_kind_when_several_are_stored(sqlite_db_url: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
+from sqlalchemy.exc import SQLAlchemyError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 
@@ -21,8 +22,11 @@ def healthz() -> dict[str, str]:
 @router.api_route("/readyz", methods=["GET", "HEAD"], responses={503: {
     "description": "Database unreachable or schema not current; detail says the fix."}})
 def readyz(store: StoreDep) -> JSONResponse:
-    """The database is reachable and its schema is current."""
-    problem = store.schema_problem()
+    """The database is reachable, its schema is current and (SQLite) its file is sound."""
+    try:
+        problem = store.readiness_problem()
+    except SQLAlchemyError as error:
+        problem = f"cannot read the database: {str(getattr(error, 'orig', error)).strip()}"
     if problem:
         return JSONResponse({"status": "unavailable", "detail": problem},
                             status_code=status.HTTP_503_SERVICE_UNAVAILABLE)

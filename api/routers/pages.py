@@ -177,18 +177,25 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
     state.optuna_storage = storage
     version = store.data_version()
 
-    def render(study: Any) -> dict[str, str]:
-        drawn = None if version is None else cache.get((study.name, version))
+    def cached(name: str, draw: Callable[[], dict[str, str]]) -> dict[str, str]:
+        """``draw()`` through the cache, looked up again once the drawing lock is held: views
+        that waited for it while another drew the same plots take that drawing."""
+        drawn = None if version is None else cache.get((name, version))
         if drawn is None:
             with _DRAWING:
-                drawn = images(study)
-            if version is not None:
-                cache.put((study.name, version), drawn)
+                drawn = None if version is None else cache.get((name, version))
+                if drawn is None:
+                    drawn = draw()
+                    if version is not None:
+                        cache.put((name, version), drawn)
         return drawn
 
-    def render_choice(choice: Any) -> str:
-        with _DRAWING:
-            return choice_image(choice)
+    def render(study: Any) -> dict[str, str]:
+        return cached(f"study:{study.name}", lambda: images(study))
+
+    def render_choice(choice: Any) -> dict[str, str]:
+        return cached(f"choice:{key.device_kind}:{choice.problem.label()}",
+                      lambda: choice_image(choice))
 
     found = store.lookup_choices([(key.device_kind, problem)])[0]
     view = problem_view(entry, storage, render=render,

@@ -73,6 +73,33 @@ def open_store(db: str | None) -> Store:
     return store
 
 
+def ensure_schema(db_url: str) -> None:
+    """Creates the tables in a database that has none, and refuses one that does not take
+    writes (exit 1); an out-of-date schema is left for ``autotune db upgrade`` (``open_store``
+    then says so)."""
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from storage import check_writable, make_engine, schema_is_current, upgrade
+    from storage.schema import VERSION_TABLE
+
+    with database_errors(db_url):  # no driver, unreachable, a missing directory: one line
+        engine = make_engine(db_url)
+        try:
+            if not inspect(engine).has_table(VERSION_TABLE):
+                try:
+                    upgrade(engine)
+                except SQLAlchemyError:
+                    # Jobs started together on an empty database race to create the tables; a
+                    # loser is fine if the winner left a current schema.
+                    if not schema_is_current(engine):
+                        raise
+            elif schema_is_current(engine):  # else open_store names the upgrade to run
+                check_writable(engine)  # a read-only database: refused before the search
+        finally:
+            engine.dispose()
+
+
 @app.command()
 def upgrade(db: DbOption = None) -> None:
     """Create the tables, or migrate them to this version's schema (other tables, such as

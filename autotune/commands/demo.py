@@ -10,8 +10,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.commands.db import DbOption, open_store, resolve_url
-from autotune.commands.tune import ensure_schema
+from autotune.commands.db import DbOption, ensure_schema, open_store, resolve_url
 from kernel import Problem
 
 DEMO_PROBLEM = Problem(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
@@ -75,6 +74,9 @@ def demo(
     console.print(f"winner {summary.best_config.label()}: {summary.best_time_ms:.3f} ms vs "
                   f"{default} on {summary.device_kind} ({summary.method}); "
                   f"stored: {summary.publish}")
+    if summary.method == "interpret":
+        console.print("(interpret mode: the TPU kernel emulated on a CPU; these times and "
+                      "their ratio are no device figure)")
 
     console.rule("2. serve")
     port = _free_port()

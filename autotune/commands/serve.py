@@ -63,6 +63,12 @@ def serve(
     import uvicorn
 
     settings = _limits()
+    if settings.api_token is not None and (allow_anonymous_writes
+                                           or settings.allow_anonymous_writes):
+        typer.echo("error: AUTOTUNE_API_TOKEN is set and anonymous writes are allowed "
+                   "(--allow-anonymous-writes or AUTOTUNE_ALLOW_ANONYMOUS_WRITES), which would "
+                   "accept writes without the token; drop one of the two", err=True)
+        raise typer.Exit(2)
     store = open_store(db)  # refuses a missing or old schema, naming `autotune db upgrade`
     url = store.url
     store.close()
@@ -70,7 +76,7 @@ def serve(
     os.environ["AUTOTUNE_DB_URL"] = url
     if allow_anonymous_writes:
         os.environ["AUTOTUNE_ALLOW_ANONYMOUS_WRITES"] = "true"
-    elif not os.environ.get("AUTOTUNE_API_TOKEN"):
+    elif settings.api_token is None:
         typer.echo("warning: AUTOTUNE_API_TOKEN is not set, so writes are refused; set it or "
                    "pass --allow-anonymous-writes", err=True)
     uvicorn.run("api.main:create_app", factory=True, host=host, port=port, workers=workers,

@@ -47,6 +47,7 @@ def stale(
 
     with open_store(db) as store, database_errors(store.url):
         url = shown_url(store.url)
+        secret = url != store.url  # a password, masked in ``url``
         entries, _ = store.list(limit=None)
     console = Console()
     installed = installed_versions()
@@ -87,7 +88,9 @@ def stale(
             path = output_dir / name
             path.write_text(json.dumps([p.to_dict() for p in problems], indent=2) + "\n")
             command = shlex.join(["autotune", "tune", "--kernel", kernel, "--shapes", str(path),
-                                  "--force", "--db", url])
+                                  "--force", "--db", *([] if secret else [url])])
+            if secret:  # a masked password cannot run: the variable holds the real URL
+                command += ' "$AUTOTUNE_DB_URL"'
             console.print(f"re-tune the {len(problems)} stale {kernel} config(s) on a "
                           f"{device_kind!r} device (--force replaces the stored timings "
                           f"measured under the old versions):\n  {command}",

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.commands.db import DbOption, database_errors, open_store
+from autotune.commands.db import DbOption, database_errors, ensure_schema, open_store, resolve_url
 from autotune.files import write_atomically
 from autotune.problem_options import KernelOption
 from kernel import DEFAULT_KERNEL, LookupTable, TableError
@@ -60,7 +60,8 @@ def import_table(
     force: Annotated[bool, typer.Option(
         "--force", help="Replace stored entries even when they are faster.")] = False,
 ) -> None:
-    """Import a lookup table: the whole file is checked first; one bad entry writes nothing."""
+    """Import a lookup table: the whole file is checked first; one bad entry writes nothing.
+    A database without our tables gets them first, as `autotune tune` does."""
     from storage import ResultError
 
     try:
@@ -68,7 +69,9 @@ def import_table(
     except TableError as error:
         typer.echo(f"error: {path}: {error}; nothing was imported", err=True)
         raise typer.Exit(2) from None
-    with open_store(db) as store, database_errors(store.url):
+    url = resolve_url(db)
+    ensure_schema(url)
+    with open_store(url) as store, database_errors(store.url):
         try:
             outcomes = store.import_table(table, force=force)
         except ResultError as error:

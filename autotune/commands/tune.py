@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from autotune.commands.db import DbOption, database_errors, open_store, resolve_url
+from autotune.commands.db import DbOption, ensure_schema, open_store, resolve_url
 from autotune.problem_options import (known_kernel, known_kernels, problem_flags_given,
                                       with_problem_options)
 from kernel import Problem, ProblemError
@@ -51,33 +51,6 @@ def load_shapes(path: Path) -> list[Problem]:
         typer.echo(f"note: {path}: problem(s) {repeats} repeat earlier ones; each problem is "
                    "tuned once", err=True)
     return unique
-
-
-def ensure_schema(db_url: str) -> None:
-    """Creates the tables in a database that has none, and refuses one that does not take
-    writes (exit 1); an out-of-date schema is left for ``autotune db upgrade`` (``open_store``
-    then says so)."""
-    from sqlalchemy import inspect
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from storage import check_writable, make_engine, schema_is_current, upgrade
-    from storage.schema import VERSION_TABLE
-
-    with database_errors(db_url):  # no driver, unreachable, a missing directory: one line
-        engine = make_engine(db_url)
-        try:
-            if not inspect(engine).has_table(VERSION_TABLE):
-                try:
-                    upgrade(engine)
-                except SQLAlchemyError:
-                    # Jobs started together on an empty database race to create the tables; a
-                    # loser is fine if the winner left a current schema.
-                    if not schema_is_current(engine):
-                        raise
-            elif schema_is_current(engine):  # else open_store names the upgrade to run
-                check_writable(engine)  # a read-only database: refused before the search
-        finally:
-            engine.dispose()
 
 
 @with_problem_options

@@ -1,0 +1,340 @@
+"""Issue 46, service and storage: database creation, lookups of choices, rows of newer
+builds, rendering of hostile data, tokens and readiness (real SQLite, PostgreSQL, uvicorn)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import Server, free_port, run_cli
+
+STARTERS = 8  # tuning jobs started at once on one new database file
+ROUNDS = 8
+
+
+def small_result(batch: int = 1, **fields: object) -> object:
+    """A tuned result of ``flash`` for a small float32 problem on ``cpu``."""
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from storage import TunedResult
+
+    return TunedResult(**{
+        "device_kind": "cpu", "median_ms": 1.0, "config": FlashConfig(block_q=128, block_kv=128),
+        "problem": Problem(batch=batch, q_heads=2, kv_heads=2, q_len=256, kv_len=256,
+                           head_dim=64, dtype="float32"), **fields})
+
+
+def _start_a_job(url: str, barrier: multiprocessing.synchronize.Barrier) -> None:
+    """What a tuning job does first on its database: create the schema, open the store and
+    its first write connection. Exit status 0 when it worked."""
+    from autotune.commands.db import ensure_schema, open_store
+    from storage import check_writable
+
+    barrier.wait()
+    try:
+        ensure_schema(url)
+        with open_store(url) as store:
+            check_writable(store.engine)
+    except SystemExit as error:
+        os._exit(error.code or 0)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(3)
+    os._exit(0)
+
+
+def _first_write(url: str, barrier: multiprocessing.synchronize.Barrier) -> None:
+    """A job's first connection to the database file (as every engine opens one), and a
+    write on it."""
+    from storage.engine import sqlite_connect, sqlite_file, sqlite_pragmas
+
+    barrier.wait()
+    try:
+        connection = sqlite_connect(sqlite_file(url), isolation_level=None)
+        sqlite_pragmas(connection)
+        connection.execute("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
+    except BaseException:
+        traceback.print_exc()
+        os._exit(3)
+    os._exit(0)
+
+
+def _start_together(tmp_path: Path, job: Callable[..., None], rounds: int) -> None:
+    """Runs ``job(url, barrier)`` in STARTERS processes at once on a new file, ``rounds``
+    times; fails naming the starts that failed."""
+    context = multiprocessing.get_context("fork")
+    failed = []
+    for round_ in range(rounds):
+        url = f"sqlite:///{tmp_path / f'round{round_}.db'}"
+        barrier = context.Barrier(STARTERS)
+        starts = [context.Process(target=job, args=(url, barrier)) for _ in range(STARTERS)]
+        for start in starts:
+            start.start()
+        for start in starts:
+            start.join(60)
+            if start.exitcode != 0:
+                failed.append((round_, start.exitcode))
+    assert not failed, f"{len(failed)} of {rounds * STARTERS} starts failed: {failed}"
+
+
+def test_connections_opened_together_on_a_new_sqlite_file_all_write(tmp_path: Path) -> None:
+    """A17: the WAL switch of a new file did not wait for another connection's ("database is
+    locked"), and a file created between two checks was opened read-only (a false
+    "read-only"): before the fix, one start in 60 to 500 failed, by load."""
+    import storage.engine  # noqa: F401  (imported once, before the forks)
+
+    _start_together(tmp_path, _first_write, rounds=40)
+
+
+def test_tuning_jobs_started_together_on_a_new_sqlite_file_all_succeed(tmp_path: Path) -> None:
+    """A17 through the commands' own start (schema creation, then the store)."""
+    from autotune.commands.db import ensure_schema
+
+    ensure_schema(f"sqlite:///{tmp_path / 'warm.db'}")  # imports done once, before the forks
+    _start_together(tmp_path, _start_a_job, rounds=ROUNDS)
+
+
+# --- tokens (A15, A16) ---
+
+
+def _put_config(server: Server, headers: dict[str, bytes | str]) -> httpx.Response:
+    from test_api import body
+
+    return httpx.put(f"{server.url}/v1/configs", json=body("cpu-tokens"), headers=headers)
+
+
+def test_a_non_ascii_token_is_matched_by_its_utf8_bytes(start_server, sqlite_db_url) -> None:
+    token = "clé-秘密"
+    server = start_server(sqlite_db_url, token=token)
+    sent = {"Authorization": b"Bearer " + token.encode("utf-8")}
+    assert _put_config(server, sent).status_code == 200
+    wrong = {"Authorization": b"Bearer " + "cle-秘密".encode()}
+    assert _put_config(server, wrong).status_code == 401
+
+
+def test_an_empty_token_is_the_documented_unset_case(start_server, sqlite_db_url) -> None:
+    server = start_server(sqlite_db_url, token=None, settings={"AUTOTUNE_API_TOKEN": ""})
+    refused = _put_config(server, {"Authorization": "Bearer x"})
+    assert refused.status_code == 403, refused.text
+    assert "no API token" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_anonymous_writes_with_a_token_set_are_refused_at_start(sqlite_db_url, how) -> None:
+    env = {"AUTOTUNE_API_TOKEN": "secret"}
+    args = ["serve", "--db", sqlite_db_url, "--port", str(free_port())]
+    if how == "flag":
+        args.append("--allow-anonymous-writes")
+    else:
+        env["AUTOTUNE_ALLOW_ANONYMOUS_WRITES"] = "yes"
+    done = run_cli(*args, env=env, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "AUTOTUNE_API_TOKEN is set and anonymous writes are allowed" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# --- A20: readiness, in-memory URLs, stale's command, device kinds ---
+
+
+def _publish_many(url: str, count: int, device_kind: str = "cpu") -> None:
+    from storage import Store
+
+    with Store(url) as store:
+        for batch in range(1, count + 1):
+            store.publish(small_result(batch, device_kind=device_kind))
+
+
+def test_readyz_is_503_on_a_damaged_database_file(sqlite_db_url, tmp_path: Path) -> None:
+    import sqlite3
+    import subprocess
+
+    from conftest import AUTOTUNE, wait_until_answering
+
+    _publish_many(sqlite_db_url, 300)
+    path = sqlite_db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as connection:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with open(path, "r+b") as file:  # a page in the middle of the table overwritten
+        file.seek(os.path.getsize(path) // 2)
+        file.write(b"\xff" * 8192)
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([*AUTOTUNE, "serve", "--db", sqlite_db_url, "--port",
+                                    str(port)], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until_answering(process, f"http://127.0.0.1:{port}/healthz", "serve",
+                             log.read_text)
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
+    finally:
+        process.terminate()
+        process.wait(15)
+    assert ready.status_code == 503, ready.text
+    assert "is damaged" in ready.json()["detail"]
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_in_memory_urls_get_their_schema(url: str) -> None:
+    done = run_cli("stale", "--db", url)
+    assert done.returncode == 0, done.stderr
+    assert "db upgrade" not in done.stdout + done.stderr
+    assert "no stale configs" in done.stdout
+
+
+@pytest.mark.postgres
+def test_stale_prints_a_command_that_runs_for_a_url_with_a_password(
+        postgres_databases, tmp_path: Path) -> None:
+    from sqlalchemy.engine import make_url
+
+    from storage import upgrade
+
+    url = make_url(postgres_databases()).set(password="s3cret")
+    url = url.render_as_string(hide_password=False)
+    upgrade(url)
+    from storage import Store
+
+    with Store(url) as store:
+        store.publish(small_result(jax_version="0.0.1"))
+    done = run_cli("stale", "--db", url, "--output-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert '--force --db "$AUTOTUNE_DB_URL"' in done.stdout
+    assert "***" not in done.stdout.split("re-tune", 1)[1]
+
+
+@pytest.mark.parametrize("device_kind", ["\u200b", "TPU v5 lite ", " TPU v5 lite", "\u200b\u200b "])
+def test_invisible_or_padded_device_kinds_are_refused(server: Server, device_kind) -> None:
+    from test_api import body
+
+    refused = httpx.put(f"{server.url}/v1/configs", json=body(device_kind), headers=server.auth)
+    assert refused.status_code == 422, refused.text
+    assert "device_kind" in refused.json()["detail"]
+
+
+# --- A2: choices the resolver cannot read are refused at write time ---
+
+
+def choice_table(device_kind: str, candidates: dict[str, dict[str, float]],
+                 **problem: object) -> dict[str, object]:
+    """A lookup table holding one kernel choice of ``flash`` for a small problem."""
+    from kernel import get_kernel
+    from kernel.problem import Problem
+    from kernel.table import TABLE_SCHEMA_VERSION
+
+    shape = Problem(**{"batch": 1, "q_heads": 2, "kv_heads": 2, "q_len": 256, "kv_len": 256,
+                       "head_dim": 64, "dtype": "float32", **problem})
+    flash = get_kernel("flash")
+    return {"schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash",
+            "kernel_version": flash.version, "device_kind": device_kind, "entries": [],
+            "choices": [{"problem": shape.to_dict(), "kernel": "flash",
+                         "config": flash.default_config(shape).to_dict(),
+                         "candidates": {"flash": {"median_ms": 1.0}, **candidates}}]}
+
+
+@pytest.mark.parametrize("count", [65, 1501])
+def test_a_choice_with_too_many_candidates_is_refused(server: Server, count: int) -> None:
+    device_kind = f"a2-{count}"
+    candidates = {f"kernel_{i:05d}": {"median_ms": 2.0 + i} for i in range(count)}
+    refused = httpx.post(f"{server.url}/v1/tables", json=choice_table(device_kind, candidates),
+                         headers=server.auth)
+    assert refused.status_code == 422, refused.text
+    assert "at most 64 candidate kernels" in refused.json()["detail"]
+    listed = httpx.get(f"{server.url}/v1/choices", params={"device_kind": device_kind})
+    assert listed.json()["total"] == 0
+
+
+def test_the_largest_choice_accepted_is_readable_by_the_wrapper(server: Server) -> None:
+    """64 candidates of the longest names (64 four-byte characters) and the longest failure
+    text: the reply stays under the resolver's cap."""
+    from kernel.resolve import MAX_REPLY_BYTES
+
+    names = {f"{i:02d}" + "\U0001F600" * 62: {"failure": "\U0001F600" * 64} for i in range(63)}
+    stored = httpx.post(f"{server.url}/v1/tables", json=choice_table("a2-bytes", names),
+                        headers=server.auth)
+    assert stored.status_code == 200, stored.text
+    reply = httpx.get(f"{server.url}/v1/choices/lookup", params={
+        "device_kind": "a2-bytes", "batch": 1, "q_heads": 2, "q_len": 256, "head_dim": 64,
+        "dtype": "float32", "mode": "fwd", "causal": "false"})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.content) < MAX_REPLY_BYTES
+
+
+# --- item 10: interpret-mode figures are marked where shown ---
+
+
+@pytest.mark.parametrize("method, marked", [("interpret", True), ("device", False)])
+def test_report_marks_interpret_mode_speedups(sqlite_db_url: str, method: str,
+                                              marked: bool) -> None:
+    import re
+
+    from autotune.report import render
+    from storage import Store
+
+    with Store(sqlite_db_url) as store:
+        store.publish(small_result(default_median_ms=2.94, method=method))
+        html = render(store)
+    shown = re.findall(r"2\.94×[^<]*", html)
+    assert shown, html
+    assert all(("(interpret mode, not a device figure)" in text) == marked for text in shown)
+
+
+# --- A5, A6: hostile but valid data renders; drawing is bounded and drawn once ---
+
+
+def _choice_of(candidates: dict[str, object]) -> object:
+    from kernel import get_kernel
+    from kernel.problem import Problem
+    from kernel.table import KernelChoice
+
+    problem = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=64,
+                      dtype="float32")
+    return KernelChoice(problem, "flash", get_kernel("flash").default_config(problem),
+                        candidates)
+
+
+def test_a_choice_chart_of_hostile_values_is_left_out_saying_why() -> None:
+    from kernel.table import KernelTiming
+    from present.plots import choice_image
+
+    drawn = choice_image(_choice_of({"flash": KernelTiming(1.0, 0.1),
+                                     "$\\frac{a$": KernelTiming(1e308, 1e308),
+                                     "x": KernelTiming(failure="$\\bad{$")}))
+    assert "choice" not in drawn and drawn["note:choice"]
+    drawn = choice_image(_choice_of({"flash": KernelTiming(1.0, 0.1),
+                                     "$\\frac{a$": KernelTiming(2.0, 0.1),
+                                     "x": KernelTiming(failure="$\\bad{$")}))
+    assert drawn["choice"].startswith("data:image/png")  # "$" drawn as typed
+
+
+def test_a_choice_chart_draws_at_most_the_fastest_twenty() -> None:
+    from kernel.table import KernelTiming
+    from present.plots import MAX_CHOICE_BARS, choice_figure
+
+    candidates = {"flash": KernelTiming(1.0, 0.1), **{
+        f"k{i:04d}": KernelTiming(2.0 + i, 0.1) for i in range(1500)}}
+    ax = choice_figure(_choice_of(candidates)).axes[0]
+    assert len(ax.get_yticklabels()) == MAX_CHOICE_BARS
+    assert "1481 slower or failed candidates not shown" in ax.get_xlabel()
+
+
+def test_a_report_with_a_foreign_study_and_a_huge_median_is_written(sqlite_db_url,
+                                                                     tmp_path: Path) -> None:
+    import optuna
+
+    from storage import Store
+    from storage.studies import get_storage
+
+    foreign = optuna.create_study(storage=get_storage(sqlite_db_url), study_name="theirs")
+    foreign.set_user_attr("confirmation", "not ours")
+    foreign.optimize(lambda trial: trial.suggest_float("lr", 0, 1), n_trials=2)
+    with Store(sqlite_db_url) as store:
+        store.publish(small_result(median_ms=1e308, study="theirs"))
+    out = tmp_path / "report.html"
+    done = run_cli("report", "--db", sqlite_db_url, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "is not one autotune" in out.read_text()
