@@ -108,9 +108,9 @@ def _dq_violations(config: SplashConfig) -> list[Violation]:
 
 
 # Mosaic's internal scratch per (rows, cols) f32 logits tile: the logits and their exponent
-# live at once (calibrated against deviceless v5e compiles at 2048 tokens: 1.5 tiles admitted
-# a forward q2048 kv512 that compiles, 3 rejected it; see bench/precheck.py), plus the
-# register file once.
+# live at once, plus the register file once. Calibrated on deviceless v5e compiles at 2048
+# tokens (README's precheck table): 3 tiles rejected a forward q2048 kv512/512 that compiles
+# (2 admit it at 15.75 of 16 MiB); q2048 kv2048/2048 and a dK/dV kernel of 2048 overflow.
 LOGITS_TILES = 2
 REGISTER_FILE = 256 * 1024
 
@@ -122,29 +122,29 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     d, isz, c = problem.head_dim, problem.itemsize, config
     stat = tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic / q_sequence
 
-    def io(rows: int, cols: int) -> int:  # one double-buffered (rows, d) window
+    def io(rows: int) -> int:  # one double-buffered (rows, d) window
         return 2 * tile_bytes(rows, d, isz)
 
     def logits(rows: int, cols: int) -> int:
         return LOGITS_TILES * tile_bytes(rows, cols, 4) + REGISTER_FILE
 
-    fwd = (2 * io(c.block_q, d) + 2 * io(c.block_kv, d)  # q, out; k, v
+    fwd = (2 * io(c.block_q) + 2 * io(c.block_kv)  # q, out; k, v
            + 2 * stat + 2 * stat + tile_bytes(c.block_q, d, 4)  # q_sequence; m, l, acc
            + (2 * stat if problem.mode == "fwd_bwd" else 0)  # logsumexp output
            + logits(c.block_q, c.block_kv_compute))
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
-        dkv = (2 * io(qd, d) + 2 * io(kd, d)  # q, do; k, v
+        dkv = (2 * io(qd) + 2 * io(kd)  # q, do; k, v
                + 2 * 2 * tile_bytes(qd, LANES, 4)  # logsumexp, di
-               + 2 * io(kd, d) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
+               + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
                + logits(c.block_kv_dkv_compute, qd))
         if c.use_fused_bwd_kernel:
-            dkv += io(qd, d) + tile_bytes(qd, d, 4)  # dq output and scratch
+            dkv += io(qd) + tile_bytes(qd, d, 4)  # dq output and scratch
         estimate["dkv"] = dkv
         if not c.use_fused_bwd_kernel:
             qq, kq = c.block_q_dq, c.block_kv_dq
-            estimate["dq"] = (2 * io(qq, d) + 2 * io(kq, d) + io(qq, d)  # q, do; k, v; dq
+            estimate["dq"] = (2 * io(qq) + 2 * io(kq) + io(qq)  # q, do; k, v; dq
                               + 2 * 2 * tile_bytes(qq, LANES, 4) + tile_bytes(qq, d, 4)
                               + logits(qq, kq))
     return estimate
