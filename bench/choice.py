@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "head_dim 64 and 128, causal and not")
     parser.add_argument("--kernels", default=None,
                         help="comma-separated candidates (default: every registered kernel "
-                             "with rules for this device)")
+                             "with rules for this device; on a TPU flash, jax_tpu_flash, "
+                             "splash and xla)")
     parser.add_argument("--trials", type=int, default=None,
                         help="configs measured per kernel and shape (default 4; 1 on a CPU)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")

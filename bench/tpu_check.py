@@ -20,9 +20,13 @@ Sections (each kernel and config is checked against the XLA reference before it 
 3. ``comparison``: per shape, the tuned winner, the default, ``jax_tpu_flash`` and ``xla``
    timed in interleaved rounds (every device op counted, for a like-for-like figure), each
    with achieved TFLOP/s and its fraction of the chip's roofline.
-4. ``precheck``: for the first shape, every candidate with the VMEM estimate's verdict next to
+4. ``splash``: per shape, splash tuned (``--trials``) against what MaxText users run: its
+   default (every block 512, unfused) and its two hand-set recipes (all blocks 2048 with the
+   fused backward; ``block_q=1024, block_q_dkv=2048`` with ``SEQ_MINOR`` layouts), capped at
+   the sequence as MaxText caps them, interleaved like ``comparison``.
+5. ``precheck``: for the first shape, every candidate with the VMEM estimate's verdict next to
    the chip's compile result (with ``--interpret``: a deviceless compile for v5e).
-5. ``choice`` (``--choice grid|full|none``; default grid on a TPU, none with ``--interpret``):
+6. ``choice`` (``--choice grid|full|none``; default grid on a TPU, none with ``--interpret``):
    ``bench/choice.py``, every candidate kernel's confirmed time and the chosen kernel over a
    grid of shapes.
 
@@ -49,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 TUNED_KERNEL = "flash"
 BASELINES = ("jax_tpu_flash", "xla")
+SPLASH = "splash"  # tuned against MaxText's default and recipes (section 4)
 METHODS = ("profile", "loop", "wallclock")
 DEVICE_SHAPES = [  # (batch, q_heads, kv_heads, seq, head_dim, causal, mode), bfloat16
     (1, 8, 8, 1024, 128, False, "fwd"),  # ~4.3 GFLOP: dispatch is as long as the kernel
@@ -76,8 +81,8 @@ td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}.num{text-align:ri
 <td class="num">{{ fmt(v.best_ms) }}</td><td class="num">{{ fmt(v.default_ms) }}</td>
 <td class="num">{{ fmt(t.default_over_profile.get(m), ".2f") }}</td><td>{{ v.note or "" }}</td>
 </tr>{% endfor %}</table><p>Winners agree: {{ t.winners_agree }}</p>{% endfor %}
-<h2>Tuned against the baselines</h2>
-{% for c in r.comparison %}<h3>{{ c.problem }} (timed by {{ c.timing }})</h3><table>
+<h2>Tuned against the baselines, and splash against MaxText's settings</h2>
+{% for c in r.comparison + r.splash %}<h3>{{ c.problem }} (timed by {{ c.timing }})</h3><table>
 <tr><th>contender</th><th>config</th><th>median (ms)</th><th>IQR (ms)</th><th>TFLOP/s</th>
 <th>roofline</th></tr>{% for e in c.contenders %}<tr><td>{{ e.name }}</td>
 <td>{{ e.config or "–" }}</td><td class="num">{{ fmt(e.median_ms) }}</td>
@@ -222,15 +227,11 @@ def timing_methods(problem: Any, db_url: str, args: argparse.Namespace) -> dict[
 def comparison(problem: Any, tuned: dict[str, Any] | None,
                args: argparse.Namespace) -> dict[str, Any]:
     """Tuned, default and the baselines, interleaved, each with its roofline."""
-    import jax
-
-    from autotune.measure import Measurer, Timing, relative_error
-    from autotune.peaks import device_roofline
     from kernel import get_kernel
 
     kernel = get_kernel(TUNED_KERNEL).discover()
-    default = kernel.default_config(problem, target_here(kernel))
-    contenders: dict[str, tuple[Any, Any]] = {"default": (kernel, default)}
+    contenders: dict[str, tuple[Any, Any]] = {
+        "default": (kernel, kernel.default_config(problem, target_here(kernel)))}
     if tuned is not None:
         contenders["tuned"] = (kernel, kernel.config_from_dict(tuned))
     rows: list[dict[str, Any]] = []
@@ -243,7 +244,51 @@ def comparison(problem: Any, tuned: dict[str, Any] | None,
         else:
             contenders[name] = (baseline,
                                 baseline.default_config(problem, target_here(baseline)))
-    measurer = Measurer(problem, default, kernel)
+    return interleaved(problem, contenders, rows, args)
+
+
+def splash_recipes(problem: Any, db_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Splash tuned against what MaxText users run: its default and its two hand-set
+    recipes, interleaved (a recipe the chip's rules refuse is listed with the reason)."""
+    from autotune.tune import NothingToPublish, TuneOptions, tune
+    from kernel import get_kernel
+    from kernel.backends.splash import RECIPES, recipe
+    from storage import Store
+
+    kernel = get_kernel(SPLASH).discover()
+    target = target_here(kernel)
+    contenders = {"splash MaxText default": (kernel, kernel.default_config(problem, target))}
+    rows: list[dict[str, Any]] = []
+    with Store(db_url) as store:
+        try:
+            summary = tune(problem, store, db_url, TuneOptions(
+                trials=args.trials, confirm_rounds=args.rounds, force=True, seed=0),
+                kernel_name=SPLASH)
+            contenders["splash tuned"] = (kernel, summary.best_config)
+        except NothingToPublish as error:
+            rows.append({"name": "splash tuned", "config": None, "error": str(error)})
+    for name, changes in RECIPES.items():
+        config = recipe(problem, **changes)
+        broken = kernel.violations(problem, config, target)
+        if broken:
+            rows.append({"name": f"splash recipe {name}", "config": config.label(),
+                         "error": "; ".join(map(str, broken))})
+        else:
+            contenders[f"splash recipe {name}"] = (kernel, config)
+    return interleaved(problem, contenders, rows, args)
+
+
+def interleaved(problem: Any, contenders: dict[str, tuple[Any, Any]],
+                rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Each contender (name -> kernel, config) checked against the reference, then timed in
+    interleaved rounds (every device op counted), with its roofline; appended to ``rows``."""
+    import jax
+
+    from autotune.measure import Measurer, Timing, relative_error
+    from autotune.peaks import device_roofline
+
+    first_kernel, first_config = next(iter(contenders.values()))
+    measurer = Measurer(problem, first_config, first_kernel)
     programs = {}
     try:
         for name, (owner, config) in contenders.items():
@@ -339,7 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "versions": {"jax": version("jax"), "jaxlib": version("jaxlib"),
                      "libtpu": version("libtpu")},
         "shapes": [p.to_dict() for p in shapes],
-        "numerics": numerics(args), "timing": [], "comparison": []}
+        "numerics": numerics(args), "timing": [], "comparison": [], "splash": []}
     with tempfile.TemporaryDirectory(prefix="tpu-check-") as tmp:
         db_url = f"sqlite:///{Path(tmp) / 'tune.db'}"
         upgrade(db_url)
@@ -348,6 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["timing"].append(timed)
             tuned = next((v["config"] for v in timed["methods"].values() if v["winner"]), None)
             report["comparison"].append(comparison(problem, tuned, args))
+            report["splash"].append(splash_recipes(problem, db_url, args))
     report["precheck"] = precheck_against_chip(dataclasses.replace(shapes[0], mode="fwd"), args)
     return report
 
@@ -381,7 +427,7 @@ def main() -> None:
         print(f"{timed['problem']}: default / profile "
               + (", ".join(f"{m} {r:.2f}" for m, r in timed["default_over_profile"].items())
                  or "n/a (no profile here)"))
-    for compared in report["comparison"]:
+    for compared in report["comparison"] + report["splash"]:
         print(f"{compared['problem']} ({compared['timing']}): " + "; ".join(
             f"{row['name']} " + (f"{row['median_ms']:.3f} ms" if "median_ms" in row
                                  else f"n/a ({row['error']})")

@@ -123,7 +123,10 @@ class TunableKernel(ABC):
         ``problem``, ``config``, ``targets``, ``rules`` and this contract. jax loads inside
         methods (or in a submodule those methods import), never at import time.
       - A config type: a frozen :class:`~kernel.config.IntConfig` subclass whose fields have
-        defaults, with a short ``label``. A backend without tunable fields uses an empty one.
+        defaults, with a short ``label``; a field's type declares its values (``int``,
+        ``int | None`` for a block some settings leave unused, ``bool``, a ``Literal`` of
+        strings; :mod:`kernel.config`), and ``space_params`` lists them (``choices``). A
+        backend without tunable fields uses an empty one.
       - Class attributes: ``name`` (the registry key, stable: stored results name it),
         ``version`` (bump it when a config's meaning changes), ``description``, ``targets``
         (rule targets it can be tuned or prechecked for), ``platforms`` (JAX platforms where it

@@ -17,7 +17,7 @@ DEFAULT_KERNEL = flash.KERNEL.name
 
 KERNELS: Mapping[str, TunableKernel] = MappingProxyType({
     backend.name: backend
-    for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, splash.KERNEL, pallas_gpu.KERNEL, xla.KERNEL,
+    for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, pallas_gpu.KERNEL, splash.KERNEL, xla.KERNEL,
                     xla.CUDNN)
 })
 

@@ -1,7 +1,7 @@
 """Every registered kernel through the tuner, storage and service, on this machine's CPU.
 
-``autotune tune --kernel NAME --json`` tunes a tiny problem with ``jax_tpu_flash`` and with
-``pallas_gpu`` (Pallas interpret mode) into one database; the real service then answers each
+``autotune tune --kernel NAME --json`` tunes a tiny problem with ``jax_tpu_flash``, with
+``pallas_gpu`` and with ``splash`` (Pallas interpret mode) into one database; the real service then answers each
 kernel's lookup with that kernel's own winner, and nothing for ``flash``, which was not tuned.
 Storage keeps the kernel name apart for the same problem and device, exact and nearest alike.
 """
@@ -31,6 +31,10 @@ PROBLEMS = {
                              head_dim=64, dtype="float32", causal=False, mode="fwd"),
     "pallas_gpu": Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=64,
                           dtype="float32", causal=True, mode="fwd"),
+    # fwd_bwd: a flag (use_fused_bwd_kernel, the landscape's panel), layouts and null dQ
+    # blocks through the study, storage, the service and the report
+    "splash": Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=64,
+                      dtype="float32", causal=True, mode="fwd_bwd"),
 }
 
 

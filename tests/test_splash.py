@@ -112,6 +112,21 @@ def test_each_rule_says_how_to_fix_the_config(changes, rule, fix):
     assert any(v.rule == rule and fix in v.message for v in broken), broken
 
 
+# Deviceless v5e compiles (bench/precheck.py): each config's verdict from the compiler. The
+# forward's unrolled compute loop keeps more temporaries alive with more steps: q1024
+# kv4096/512 (8 steps) overflows where q1024 kv2048/512 (4 steps) fits.
+@pytest.mark.parametrize("seq, changes, fits", [
+    (8192, dict(block_q=1024, block_kv=4096, block_kv_compute=512), False),
+    (8192, dict(block_q=512, block_kv=4096, block_kv_compute=1024), True),
+    (8192, dict(block_q=2048, block_kv=1024, block_kv_compute=128), True),
+    (2048, dict(block_q=2048, block_kv=512, block_kv_compute=512), True),
+    (2048, dict(block_q=2048, block_kv=2048, block_kv_compute=2048), False),
+])
+def test_the_vmem_estimate_agrees_with_the_v5e_compiler(seq, changes, fits):
+    problem = _problem("fwd", q_len=seq, kv_len=seq, q_heads=8, kv_heads=8)
+    assert SPLASH.is_legal(problem, SplashConfig().replace(**changes), "v5e") == fits
+
+
 def test_key_blocks_fill_whole_lanes():
     problem = _problem(q_len=64, kv_len=64)
     assert "kv_len" in {v.rule for v in SPLASH.violations(problem, SPLASH.default_config(

@@ -47,6 +47,13 @@ def test_tpu_check_writes_every_section(tmp_path: Path) -> None:
         assert row["median_ms"] > 0 and row["max_error"] < 2e-3
         assert row["achieved_tflops"] is row["roofline_fraction"] is None  # a CPU: none
 
+    [splash] = report["splash"]  # tuned against MaxText's default and its two recipes
+    rows = {row["name"]: row for row in splash["contenders"]}
+    assert set(rows) == {"splash tuned", "splash MaxText default",
+                         "splash recipe all 2048, fused", "splash recipe q1024 dkv2048, seq-minor"}
+    for row in rows.values():
+        assert row["median_ms"] > 0 and row["max_error"] < 2e-3, row
+
     precheck = report["precheck"]
     assert precheck["compiled_on"] == "v5e (deviceless AOT)"
     [row] = precheck["rows"]
@@ -54,3 +61,4 @@ def test_tpu_check_writes_every_section(tmp_path: Path) -> None:
 
     page = html.read_text()
     assert "<h2>Timing methods</h2>" in page and "jax_tpu_flash" in page
+    assert "splash recipe all 2048, fused" in page

@@ -107,10 +107,15 @@ def _dq_violations(config: SplashConfig) -> list[Violation]:
     return []
 
 
-# Mosaic's internal scratch per (rows, cols) f32 logits tile: the logits, their exponent and
-# the masked copy live at once (calibrated against deviceless v5e/v6e compiles, see
-# bench/precheck.py), plus the register file once.
-LOGITS_TILES = 3
+# Mosaic's internal scratch for the f32 (rows, cols) logits tiles of a kernel's compute loop,
+# which splash unrolls (``fori_loop(..., unroll=True)``): two tiles (the logits and their
+# exponent), and 0.4 of a tile more per unrolled step beyond two, up to eight steps, plus the
+# register file once. Calibrated on deviceless v5e compiles (README's precheck table): three
+# tiles rejected a forward q2048 kv512/512 that compiles (two admit it at 15.75 of 16 MiB); a
+# forward q1024 kv4096/512 (8 steps) overflows where q2048 kv2048/128 (16 steps) fits.
+BASE_TILES = 2
+TILES_PER_STEP = 0.4
+MAX_LIVE_STEPS = 8
 REGISTER_FILE = 256 * 1024
 
 
@@ -121,31 +126,32 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     d, isz, c = problem.head_dim, problem.itemsize, config
     stat = tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic / q_sequence
 
-    def io(rows: int, cols: int) -> int:  # one double-buffered (rows, d) window
+    def io(rows: int) -> int:  # one double-buffered (rows, d) window
         return 2 * tile_bytes(rows, d, isz)
 
-    def logits(rows: int, cols: int) -> int:
-        return LOGITS_TILES * tile_bytes(rows, cols, 4) + REGISTER_FILE
+    def logits(rows: int, cols: int, steps: int) -> int:
+        tiles = BASE_TILES + TILES_PER_STEP * max(0, min(steps, MAX_LIVE_STEPS) - 2)
+        return int(tiles * tile_bytes(rows, cols, 4)) + REGISTER_FILE
 
-    fwd = (2 * io(c.block_q, d) + 2 * io(c.block_kv, d)  # q, out; k, v
-           + 2 * stat + 3 * stat + tile_bytes(c.block_q, d, 4)  # q_sequence, m, l, acc
+    fwd = (2 * io(c.block_q) + 2 * io(c.block_kv)  # q, out; k, v
+           + 2 * stat + 2 * stat + tile_bytes(c.block_q, d, 4)  # q_sequence; m, l, acc
            + (2 * stat if problem.mode == "fwd_bwd" else 0)  # logsumexp output
-           + logits(c.block_q, c.block_kv_compute))
+           + logits(c.block_q, c.block_kv_compute, c.block_kv // c.block_kv_compute))
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
-        dkv = (2 * io(qd, d) + 2 * io(kd, d)  # q, do; k, v
+        dkv = (2 * io(qd) + 2 * io(kd)  # q, do; k, v
                + 2 * 2 * tile_bytes(qd, LANES, 4)  # logsumexp, di
-               + 2 * io(kd, d) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
-               + logits(c.block_kv_dkv_compute, qd))
+               + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
+               + logits(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
         if c.use_fused_bwd_kernel:
-            dkv += io(qd, d) + tile_bytes(qd, d, 4)  # dq output and scratch
+            dkv += io(qd) + tile_bytes(qd, d, 4)  # dq output and scratch
         estimate["dkv"] = dkv
         if not c.use_fused_bwd_kernel:
             qq, kq = c.block_q_dq, c.block_kv_dq
-            estimate["dq"] = (2 * io(qq, d) + 2 * io(kq, d) + io(qq, d)  # q, do; k, v; dq
+            estimate["dq"] = (2 * io(qq) + 2 * io(kq) + io(qq)  # q, do; k, v; dq
                               + 2 * 2 * tile_bytes(qq, LANES, 4) + tile_bytes(qq, d, 4)
-                              + logits(qq, kq))
+                              + logits(qq, kq, 1))
     return estimate
 
 
