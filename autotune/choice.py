@@ -1,5 +1,8 @@
 """Choosing the kernel for one problem by measurement: tune each candidate kernel in its own
 study, confirm their winners against each other in interleaved rounds, publish the choice.
+The platform's default kernel (what the wrapper runs without a choice) is kept unless another
+beats it beyond the measured noise, by the rule a config must meet to replace the default
+config (:func:`autotune.tune.choose_winner`); the choice records whether that kept it.
 
 Kernel-agnostic: candidates come from the registry and are run through the contract; a
 kernel that cannot run the problem here, or whose every config fails, is recorded with its
@@ -8,7 +11,7 @@ failure class and never chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +20,16 @@ import jax
 
 from autotune.failures import Status
 from autotune.measure import Measurer, Timing, interleaved
-from autotune.tune import NothingToPublish, TuneObserver, TuneOptions, TuneSummary, tune
+from autotune.tune import (
+    NothingToPublish,
+    TuneObserver,
+    TuneOptions,
+    TuneSummary,
+    choose_winner,
+    tune,
+)
 from kernel import ConfigError, Problem, device_target, get_kernel, kernel_names
-from kernel.resolve import installed_versions
+from kernel.resolve import Resolver, ResolverSettings, installed_versions
 from kernel.table import KernelChoice, KernelTiming
 from storage import Store
 
@@ -39,6 +49,13 @@ def local_kernels() -> list[str]:
             continue
         out.append(name)
     return out
+
+
+def default_kernel(platform: str) -> str:
+    """The kernel the wrapper runs on ``platform`` without a kernel choice
+    (:meth:`kernel.resolve.Resolver.platform_kernel`): a choice keeps it unless another
+    candidate beats it beyond the noise."""
+    return Resolver(ResolverSettings()).platform_kernel(platform).name
 
 
 @dataclass
@@ -70,6 +87,7 @@ class ChoiceSummary:
                 "kernel_failure_details": dict(self.failures),
                 "choice_method": self.choice.provenance["method"],
                 "choice_timing": self.choice.provenance["timing"],
+                "choice_within_noise": self.choice.provenance["within_noise"],
                 "tuned": {name: summary.to_dict() for name, summary in self.tuned.items()}}
 
 
@@ -78,7 +96,9 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
                   observer_for: ObserverFor | None = None) -> ChoiceSummary:
     """Tunes each of ``kernels`` for ``problem`` (``options.trials`` each, its own study and
     published result), confirms the winners against each other in ``options.confirm_rounds``
-    interleaved rounds, and publishes the fastest confirmed kernel as the choice. Raises
+    interleaved rounds, and publishes as the choice the platform's default kernel unless another
+    is faster beyond the noise (then the fastest; ``within_noise`` in its provenance says
+    whether a faster one was passed over). Raises
     ``NothingToPublish`` when no candidate produced a confirmed timing."""
     device = jax.devices()[0]
     tuned: dict[str, TuneSummary] = {}
@@ -102,7 +122,7 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
         raise NothingToPublish(f"no candidate kernel ({', '.join(kernels)}) ran "
                                f"{problem.label()} on {device.device_kind}: "
                                + "; ".join(f"{k}: {v}" for k, v in failures.items()))
-    chosen = min(timings, key=lambda name: timings[name].median_ms)
+    chosen, within_noise = choose_among(timings, default_kernel(device.platform))
     candidates = {name: KernelTiming(timings[name].median_ms, timings[name].iqr_ms)
                   if name in timings else KernelTiming(failure=str(classes[name]))
                   for name in kernels}
@@ -111,12 +131,20 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
         problem=problem, kernel=chosen, config=tuned[chosen].best_config, candidates=candidates,
         provenance={"platform": device.platform, "kernel_version": get_kernel(chosen).version,
                     "method": "interpret" if "interpret" in methods else "device",
-                    "timing": timing,
+                    "timing": timing, "within_noise": within_noise,
                     **{f"{package}_version": version for package, version
                        in installed_versions().items() if version is not None}})
     store.publish_choice(device.device_kind, choice)
     return ChoiceSummary(problem, device.device_kind, choice,
                          {name: tuned[name] for name in timings}, failures)
+
+
+def choose_among(timings: Mapping[str, Timing], default: str) -> tuple[str, bool]:
+    """The kernel to choose among the confirmed ``timings``: ``default`` unless another beats
+    it beyond the noise (:func:`autotune.tune.choose_winner`), and whether that kept it
+    although another measured faster (within the noise)."""
+    chosen = choose_winner(timings, default)
+    return chosen, chosen != min(timings, key=lambda name: timings[name].median_ms)
 
 
 def confirm_timing(methods: Iterable[str]) -> str:

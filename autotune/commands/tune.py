@@ -260,7 +260,9 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
         Console().print(f"[bold]chosen: {summary['chosen_kernel']}[/] for "
                         f"{Problem.from_dict(summary['problem']).label()} on "
                         f"{summary['device_kind']} ({summary['choice_method']}, "
-                        f"{summary['choice_timing']}): {times}")
+                        f"{summary['choice_timing']}): {times}"
+                        + ("; the platform's default kernel kept: the faster one led within "
+                           "the measured noise" if summary["choice_within_noise"] else ""))
         return
     from kernel import get_kernel
 
