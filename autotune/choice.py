@@ -158,19 +158,22 @@ def confirm_timing(methods: Iterable[str]) -> str:
 
 def _confirm_winners(problem: Problem, tuned: dict[str, TuneSummary], options: TuneOptions,
                      timing: str) -> tuple[dict[str, Timing], dict[str, tuple[str, str]]]:
-    """Each tuned kernel's winner re-measured with ``timing``, all interleaved (as a search's
-    candidates are against the default): timings by kernel, and ``(failure class, detail)``
-    of those whose winner fails to compile, run or pass the correctness check here."""
+    """Each tuned kernel's winner re-measured with ``timing`` as the wrapper runs it
+    (``TunableKernel.as_called``), all interleaved (as a search's candidates are against the
+    default): timings by kernel, and ``(failure class, detail)`` of those whose winner fails
+    to compile, run or pass the correctness check here that way, which are never chosen."""
     measurers, timers, lost = [], {}, {}
     try:
         for name, summary in tuned.items():
-            measurer = Measurer(problem, summary.best_config, get_kernel(name).discover(),
+            kernel = get_kernel(name).discover()
+            measurer = Measurer(problem, summary.best_config, kernel,
                                 compile_timeout_s=options.compile_timeout_s,
-                                timing=timing)
+                                timing=timing, build=kernel.as_called)
             measurers.append(measurer)
             executable, failure = measurer.checked(summary.best_config)
             if failure is not None:
-                lost[name] = (failure.status, failure.attrs.get("error", ""))
+                lost[name] = (failure.status, "as kernel.flash_attention runs it: "
+                              + failure.attrs.get("error", ""))
                 continue
             timers[name] = measurer.timer(executable)
         return interleaved(timers, options.confirm_rounds), lost

@@ -122,13 +122,6 @@ def kernel_space(kernel: TunableKernel, problem: Problem,
     return Space(kernel.space_params(problem), is_legal), base
 
 
-def tunable(kernel: TunableKernel, problem: Problem, target: Target) -> None:
-    """Raises ``ConfigError`` when ``kernel`` cannot be tuned for ``problem`` on ``target``:
-    a device the kernel has no rules for, or a problem no config of it can run."""
-    kernel.target(target)  # names the kernel's targets when the device is not one of them
-    kernel.check_problem(problem)
-
-
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
                base: Config, kernel: str = DEFAULT_KERNEL) -> list[dict[str, Any]]:
     """The default first, then winners of the nearest tuned problems on the same device, the
@@ -211,7 +204,7 @@ class TuneJob:
         self.kernel = kernel = get_kernel(kernel_name).discover()
         self.device = jax.devices()[0]
         target = device_target(self.device.platform, self.device.device_kind)
-        tunable(kernel, problem, target)
+        kernel.check_runs(problem, target)
         self.problem, self.store, self.options, self.observer = problem, store, options, observer
         self.space, self.base = (kernel_space(kernel, problem, target)
                                  if kernel.space_params(problem)
