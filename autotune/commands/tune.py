@@ -143,10 +143,6 @@ def tune(
         candidates = [kernel] if kernel else known_kernels(kernels)
     except typer.BadParameter as error:
         raise typer.BadParameter(error.message, param_hint="--kernels") from None
-    if selection != 1 and kernel is None:
-        raise typer.BadParameter("a kernel choice runs on one device: give --kernel NAME to "
-                                 "tune one kernel on several, or leave --devices out",
-                                 param_hint="--devices")
     given = problem_flags_given(context)
     if shapes and given:
         raise typer.BadParameter("give --shapes or the problem flags, not both "
@@ -185,7 +181,8 @@ def tune(
             chosen = select_devices(selection, local := LocalDevices.probe())
         except DeviceSelectionError as error:
             raise typer.BadParameter(str(error), param_hint="--devices") from None
-        _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output)
+        _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output,
+                         candidates or local_kernels(local.platform, local.device_kind))
         return
     candidates = candidates or local_kernels()
     failed = 0
@@ -221,7 +218,8 @@ def tune(
 
 
 def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform: str,
-                     db_url: str, kernel: str, options: Any, json_output: bool) -> None:
+                     db_url: str, kernel: str | None, options: Any, json_output: bool,
+                     candidates: list[str]) -> None:
     from dataclasses import asdict
 
     from autotune.workers import WorkerPool, WorkersFailed, WorkersInterrupted
@@ -229,7 +227,8 @@ def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform
     pool = WorkerPool(problems, devices, platform, db_url=db_url, kernel=kernel,
                       options={k: v for k, v in asdict(options).items() if k != "device_index"},
                       json_output=json_output,
-                      on_summary=lambda summary: _report(summary, json_output))
+                      on_summary=lambda summary: _report(summary, json_output),
+                      kernels=candidates)
     try:
         failed = pool.run()
     except WorkersFailed as error:
