@@ -268,8 +268,10 @@ class _ChoiceFields(BaseModel):
         description="Every candidate's confirmed median (null: it failed, see candidates).")
     candidates: dict[str, KernelTimingOut]
     problem: ProblemOut = Field(description="The problem the choice was measured on.")
-    provenance: dict[str, str | None] = Field(
-        description="Platform, chosen kernel's version, method and jax/jaxlib/libtpu versions.")
+    provenance: dict[str, str | bool | None] = Field(
+        description="Platform, chosen kernel's version, method, timing, jax/jaxlib/libtpu "
+                    "versions and within_noise: whether the platform's default kernel was kept "
+                    "although another measured faster within the noise (absent: not recorded).")
 
 
 class ChoiceResponse(_ChoiceFields):
@@ -294,7 +296,7 @@ class BatchChoiceItem(BaseModel):
     times_ms: dict[str, float | None] | None = None
     candidates: dict[str, KernelTimingOut] | None = None
     problem: ProblemOut | None = None
-    provenance: dict[str, str | None] | None = None
+    provenance: dict[str, str | bool | None] | None = None
     detail: str | None = None
 
 

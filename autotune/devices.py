@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from kernel import AutotuneError
 
 TPU_BASE_PORT = 8476  # libtpu's default TPU_PROCESS_PORT; worker d takes 8476 + d
-PROBE = ("import json, jax; d = jax.local_devices(); "
-         "print(json.dumps({'platform': d[0].platform, 'count': len(d)}))")
+PROBE = ("import json, jax; d = jax.local_devices(); print(json.dumps("
+         "{'platform': d[0].platform, 'kind': d[0].device_kind, 'count': len(d)}))")
 
 
 class DeviceSelectionError(AutotuneError):
@@ -37,6 +37,7 @@ class LocalDevices:
 
     platform: str  # "tpu", "gpu" (cuda/rocm) or "cpu"
     count: int
+    device_kind: str = "cpu"  # of device 0 (the devices of a machine are one kind)
 
     @classmethod
     def probe(cls) -> LocalDevices:
@@ -50,7 +51,7 @@ class LocalDevices:
         found = json.loads(done.stdout.strip().splitlines()[-1])
         platform = "gpu" if found["platform"] in ("cuda", "rocm", "gpu") else found["platform"]
         count = (os.cpu_count() or 1) if platform == "cpu" else found["count"]
-        return cls(platform, count)
+        return cls(platform, count, found["kind"])
 
 
 def parse_devices(spec: str) -> int | tuple[int, ...] | None:

@@ -9,8 +9,9 @@ as the results, named after the key, so re-running the same command resumes it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 import optuna
@@ -30,6 +31,7 @@ from kernel.table import shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
 
+K = TypeVar("K", bound=Hashable)
 MAX_WARM_SEEDS = 3
 NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
 
@@ -120,13 +122,6 @@ def kernel_space(kernel: TunableKernel, problem: Problem,
     return Space(kernel.space_params(problem), is_legal), base
 
 
-def tunable(kernel: TunableKernel, problem: Problem, target: Target) -> None:
-    """Raises ``ConfigError`` when ``kernel`` cannot be tuned for ``problem`` on ``target``:
-    a device the kernel has no rules for, or a problem no config of it can run."""
-    kernel.target(target)  # names the kernel's targets when the device is not one of them
-    kernel.check_problem(problem)
-
-
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
                base: Config, kernel: str = DEFAULT_KERNEL) -> list[dict[str, Any]]:
     """The default first, then winners of the nearest tuned problems on the same device, the
@@ -154,10 +149,11 @@ def _failures(study: optuna.Study) -> dict[str, int]:
                         if t.user_attrs.get("status", OK) not in (OK, *NOT_MEASURED)))
 
 
-def choose_winner(timings: dict[Config, Timing], default: Config) -> Config:
-    """The fastest confirmed config, unless it does not beat the default beyond the noise:
-    its median must be lower by more than the larger of the two spreads (IQR) and 1%. Without
-    a timing of the default (it failed here) the fastest wins."""
+def choose_winner(timings: Mapping[K, Timing], default: K) -> K:
+    """The fastest confirmed candidate (a config, or a kernel of a kernel choice), unless it
+    does not beat the default beyond the noise: its median must be lower by more than the
+    larger of the two spreads (IQR) and 1%. Without a timing of the default (it failed here,
+    or is no candidate) the fastest wins."""
     best = min(timings, key=lambda c: timings[c].median_ms)
     if default not in timings:
         return best
@@ -208,7 +204,7 @@ class TuneJob:
         self.kernel = kernel = get_kernel(kernel_name).discover()
         self.device = jax.devices()[0]
         target = device_target(self.device.platform, self.device.device_kind)
-        tunable(kernel, problem, target)
+        kernel.check_runs(problem, target)
         self.problem, self.store, self.options, self.observer = problem, store, options, observer
         self.space, self.base = (kernel_space(kernel, problem, target)
                                  if kernel.space_params(problem)

@@ -5,15 +5,21 @@ Started by :mod:`autotune.workers` as ``python -m autotune.worker SPEC`` (SPEC: 
 object a line, and writes events to stdout, one JSON object a line (anything else printed goes
 to stderr):
 
-- ``{"search": PROBLEM}``: opens the problem's job and searches until the study-wide budget is
-  claimed; events ``study`` (its name, study-wide measured so far, this worker's name), one
-  ``trial`` per measured config, then ``searched``;
+- ``{"search": PROBLEM, "kernel": NAME}``: opens the problem's job (of ``kernel``, default
+  the spec's) and searches until the study-wide budget is claimed; events ``study`` (its name,
+  study-wide measured so far, this worker's name), one ``trial`` per measured config, then
+  ``searched``;
 - ``{"publish": true}``: confirms and publishes the problem searched last (after a resume pass
   that measures what released claims left missing); event ``summary``;
-- ``{"drop": true}``: closes that job (another worker publishes it).
+- ``{"drop": true}``: closes that job (another worker publishes it);
+- ``{"choose": PROBLEM, "kernels": [...], "tuned": {NAME: SUMMARY}, "lost": {NAME: [CLASS,
+  DETAIL]}}``: confirms the candidates' winners against each other on this device and
+  publishes the kernel choice (:func:`autotune.choice.publish_choice`); event ``summary``.
 
 Errors are events too: ``error`` with ``kind`` ``config`` (the kernel cannot tune this device or
-problem: the worker exits 2) or ``nothing`` (no config worked; the worker carries on); Ctrl-C
+problem: the worker exits 2; for a kernel choice, whose ``kernel`` is null in SPEC, ``lost``
+instead: that candidate is out of the choice) or ``nothing`` (no config worked; the worker
+carries on); both carry ``failure``, ``[class, detail]`` for the choice; Ctrl-C
 (SIGINT) gives ``interrupted`` and exit 130. End of stdin ends the worker.
 """
 
@@ -26,7 +32,9 @@ import sys
 from typing import Any, TextIO
 
 from autotune.progress import trial_record
-from autotune.search import SearchResult, StudyMismatchError, process_identity, worker_name
+from autotune.choice import publish_choice, tuning_failure
+from autotune.claims import process_identity, worker_name
+from autotune.search import SearchResult, StudyMismatchError
 from autotune.timing import TimingError
 from autotune.trials import TrialResult
 from autotune.tune import NothingToPublish, TuneJob, TuneOptions
@@ -65,6 +73,7 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
     options = TuneOptions(**spec["options"])
     job: TuneJob | None = None
     searched: SearchResult | None = None
+    choosing = spec["kernel"] is None  # a kernel choice: a candidate that cannot tune is lost
     with Store(spec["db_url"]) as store:
         try:
             while line := commands.readline():
@@ -74,8 +83,14 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
                     job = None
                 if "search" in command:
                     events.problem = Problem.from_dict(command["search"])
-                    job = TuneJob(events.problem, store, spec["db_url"], options, events,
-                                  spec["kernel"])
+                    try:
+                        job = TuneJob(events.problem, store, spec["db_url"], options, events,
+                                      command.get("kernel") or spec["kernel"])
+                    except ConfigError as error:
+                        if not choosing:
+                            raise
+                        events.emit("error", kind="lost", failure=tuning_failure(error))
+                        continue
                     events.emit("study", study=job.name, measured=job.measured(),
                                 worker=worker_name(), process=process_identity())
                     searched = job.search()
@@ -86,9 +101,12 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
                     try:
                         events.emit("summary", summary=job.publish(searched).to_dict())
                     except NothingToPublish as error:
-                        events.emit("error", kind="nothing", message=str(error))
+                        events.emit("error", kind="nothing", message=str(error),
+                                    failure=tuning_failure(error))
                     job.close()
                     job = None
+                elif "choose" in command:
+                    _choose(command, store, options, events)
         except (ConfigError, TimingError, StudyMismatchError) as error:  # as tune on one device
             events.emit("error", kind="config", message=str(error))
             return 2
@@ -99,6 +117,22 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
             if job is not None:
                 job.close()
     return 0
+
+
+def _choose(command: dict[str, Any], store: Store, options: TuneOptions,
+            events: _Events) -> None:
+    """Confirms the candidates' tuned winners against each other on this device and
+    publishes the kernel choice: event ``summary`` (the choice's), or ``error``."""
+    events.emit("phase", phase="choosing")
+    try:
+        summary = publish_choice(Problem.from_dict(command["choose"]), store,
+                                 command["kernels"], command["tuned"],
+                                 {name: tuple(lost) for name, lost in command["lost"].items()},
+                                 options)
+    except NothingToPublish as error:
+        events.emit("error", kind="nothing", message=str(error))
+        return
+    events.emit("summary", summary=summary.to_dict())
 
 
 def main() -> None:

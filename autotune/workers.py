@@ -2,8 +2,11 @@
 
 The parent never imports jax: it starts the workers (:mod:`autotune.worker`, each seeing only
 its device, :mod:`autotune.devices`), hands out problems and shows one Rich display. Problems
-are spread first: a free worker takes a problem nobody works on; when none is left it joins the
-study with the fewest workers that still has budget to claim. Workers of one study share its
+(each kernel's study of a problem: with a kernel choice, one per candidate) are spread first: a
+free worker takes a problem nobody works on; when none is left it joins the study with the
+fewest workers that still has budget to claim. Once every candidate of a kernel choice is
+tuned or lost, one free worker confirms their winners against each other on its device and
+publishes the choice. Workers of one study share its
 study-wide budget without measuring a config twice (:mod:`autotune.search`); the last one to
 finish searching confirms and publishes, so each problem has one winner, confirmed on one
 device. A worker that dies is reported, its claims are released at once (their configs and
@@ -36,8 +39,27 @@ STDERR_LINES = 20  # the tail of a dead worker's stderr shown in its report
 
 
 @dataclass(eq=False)
+class _Choice:
+    """A kernel choice's candidates and what their tuning left: summaries and failures."""
+
+    kernels: list[str]
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lost: dict[str, list[str]] = field(default_factory=dict)  # kernel -> [class, detail]
+
+    @property
+    def ready(self) -> bool:
+        """Every candidate tuned or lost: the choice can be confirmed."""
+        return len(self.tuned) + len(self.lost) == len(self.kernels)
+
+
+@dataclass(eq=False)
 class _Problem:
+    """One study of the pool (a problem's kernel), or, with ``kernel`` None, the
+    confirmation of its kernel ``choice`` on one device once its candidates are tuned."""
+
     problem: Problem
+    kernel: str | None
+    choice: _Choice | None = None
     searchers: set[_Worker] = field(default_factory=set)
     publisher: _Worker | None = None
     done: bool = False
@@ -52,7 +74,7 @@ class _Worker:
     device: int
     process: subprocess.Popen
     name: str = ""  # the ``worker`` attr of its trials, from its first event
-    identity: str | None = None  # their ``process`` attr (autotune.search.process_identity)
+    identity: str | None = None  # their ``process`` attr (autotune.claims.process_identity)
     task: _Problem | None = None
     phase: str = "starting"
     stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))
@@ -78,6 +100,16 @@ class WorkersInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped the workers; the message says how to resume."""
 
 
+def _tasks(problem: Problem, kernel: str | None, kernels: list[str]) -> list[_Problem]:
+    """The pool's tasks of ``problem``: the study of ``kernel``; or, for a kernel choice, one
+    study per candidate of ``kernels`` and the choice's confirmation."""
+    if kernel is not None:
+        return [_Problem(problem, kernel)]
+    choice = _Choice(list(kernels))
+    return [*(_Problem(problem, name, choice) for name in kernels),
+            _Problem(problem, None, choice)]
+
+
 def _read(stream: IO[str], sink: Callable[[str], None], end: Callable[[], None]) -> None:
     for line in stream:
         sink(line.rstrip("\n"))
@@ -88,9 +120,11 @@ class WorkerPool:
     """The workers of one ``autotune tune --devices`` run and the problems they share."""
 
     def __init__(self, problems: list[Problem], devices: tuple[int, ...], platform: str, *,
-                 db_url: str, kernel: str, options: dict[str, Any], json_output: bool,
-                 on_summary: Callable[[dict[str, Any]], None]) -> None:
-        self.problems = [_Problem(p) for p in problems]
+                 db_url: str, kernel: str | None, options: dict[str, Any], json_output: bool,
+                 on_summary: Callable[[dict[str, Any]], None],
+                 kernels: list[str] | None = None) -> None:
+        """``kernel``: the one kernel to tune; None: choose among ``kernels`` per problem."""
+        self.problems = [task for p in problems for task in _tasks(p, kernel, kernels or [])]
         self.budget = options["trials"]
         self.db_url, self.json_output, self.on_summary = db_url, json_output, on_summary
         self.events: queue.Queue[tuple[_Worker, dict[str, Any] | None]] = queue.Queue()
@@ -101,7 +135,7 @@ class WorkerPool:
             TextColumn("{task.fields[status]}"))
         self.workers = [self._start(d, platform, kernel, options) for d in devices]
 
-    def _start(self, device: int, platform: str, kernel: str,
+    def _start(self, device: int, platform: str, kernel: str | None,
                options: dict[str, Any]) -> _Worker:
         spec = {"db_url": self.db_url, "kernel": kernel,
                 "options": {**options, "device_index": device}}
@@ -124,20 +158,29 @@ class WorkerPool:
     # --- scheduling -------------------------------------------------------------------------
 
     def _assign(self, worker: _Worker) -> None:
-        """Gives a free worker a problem nobody works on, else a study to join."""
+        """Gives a free worker a kernel choice to confirm, else a problem nobody works on,
+        else a study to join."""
         open_ = [p for p in self.problems if not p.done and p.publisher is None]
-        free = [p for p in open_ if not p.searchers]
+        ready = [p for p in open_ if p.kernel is None and p.choice.ready]
+        if ready:
+            task, choice = ready[0], ready[0].choice
+            task.publisher, worker.task, worker.phase = worker, task, "choosing"
+            worker.send(choose=task.problem.to_dict(), kernels=choice.kernels,
+                        tuned=choice.tuned, lost=choice.lost)
+            self._show(worker)
+            return
+        free = [p for p in open_ if not p.searchers and p.kernel is not None]
         # A study whose search ended for one searcher ended for all: one that stopped early
         # (its space exhausted, patience, timeout) never reaches the budget, and rejoining it
         # went on forever; ``free`` still lets a worker take over a dead one's problem.
-        joinable = [p for p in open_ if not p.closed
+        joinable = [p for p in open_ if not p.closed and p.kernel is not None
                     and p.measured + len(p.searchers) < self.budget]
         if free or joinable:
             target = free[0] if free else min(joinable, key=lambda p: (len(p.searchers),
                                                                        p.measured))
             target.searchers.add(worker)
             worker.task, worker.phase = target, "searching"
-            worker.send(search=target.problem.to_dict())
+            worker.send(search=target.problem.to_dict(), kernel=target.kernel)
         else:
             worker.task, worker.phase = None, "idle"
         self._show(worker)
@@ -152,7 +195,8 @@ class WorkerPool:
         status = worker.phase
         if task is not None and task.best_ms is not None:
             status += f", best {task.best_ms:.3f} ms"
-        self.progress.update(worker.row, description=task.problem.label() if task else "",
+        label = task and (task.problem.label() + (f" {task.kernel}" if task.kernel else ""))
+        self.progress.update(worker.row, description=label or "",
                              completed=task.measured if task else 0, status=status)
 
     # --- events -----------------------------------------------------------------------------
@@ -185,11 +229,19 @@ class WorkerPool:
             worker.send(publish=True)
         elif kind in ("summary", "error") and event.get("kind") != "config":
             task.done, task.publisher = True, None
-            if kind == "summary":
+            task.searchers.discard(worker)  # a candidate lost before its search
+            if task.choice is not None and task.kernel is not None:  # a candidate's outcome
+                if kind == "summary":
+                    task.choice.tuned[task.kernel] = event["summary"]
+                else:
+                    task.choice.lost[task.kernel] = event["failure"]
+            elif kind == "summary":
                 self.on_summary(event["summary"])
             else:
                 self.failed += 1
                 self._say(f"error: {event['message']}")
+            for idle in [w for w in self._alive() if w.task is None and w is not worker]:
+                self._assign(idle)  # a choice may have become ready to confirm
             self._assign(worker)
             return
         elif kind == "error":
@@ -218,7 +270,7 @@ class WorkerPool:
                 self._assign(idle)
 
     def _release(self, worker: _Worker, task: _Problem) -> int:
-        from autotune.search import release_claims
+        from autotune.claims import release_claims
         from storage.studies import get_storage
 
         if not (task.study and worker.name):

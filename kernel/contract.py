@@ -196,6 +196,13 @@ class TunableKernel(ABC):
             raise ConfigError(f"kernel {self.name!r} cannot run {problem.label()}: "
                               + "; ".join(map(str, broken)))
 
+    def check_runs(self, problem: Problem, target: Target | str) -> None:
+        """Raises ``ConfigError`` when this backend cannot run ``problem`` on ``target``: a
+        device it has no rules for, or a problem no config of it can run. Asked by the tuner
+        before tuning a candidate and by the resolver before running a picked backend."""
+        self.target(target)  # names the backend's targets when the device is not one of them
+        self.check_problem(problem)
+
     def discover(self) -> TunableKernel:
         """This backend with the facts only the installed JAX can tell (imports jax)."""
         return self
@@ -208,6 +215,15 @@ class TunableKernel(ABC):
         return measured_fn(problem, self.attention(problem, lambda mode: config,
                                                    default_scale(problem)),
                            forward_only=forward_only)
+
+    def as_called(self, problem: Problem, config: Any) -> AttentionFn:
+        """What ``kernel.flash_attention`` runs when it picks this backend with ``config``
+        (:meth:`attention` under :func:`by_mode`), in the form :meth:`build` returns. A kernel
+        choice confirms its candidates with it: a kernel the wrapper cannot run here is never
+        chosen, whatever :meth:`build` measured."""
+        self.check(problem, config)
+        return measured_fn(problem, by_mode(lambda mode: self.attention(
+            problem, lambda config_mode: config, default_scale(problem))))
 
     def reference(self, problem: Problem) -> AttentionFn:
         """The XLA reference of what ``build`` computes."""

@@ -310,10 +310,8 @@ class Resolver:
         or a problem its kernels refuse."""
         if name not in KERNELS:
             return f"kernel {name!r} is not in this build"
-        kernel = self.kernel(name)
         try:
-            kernel.target(target)
-            kernel.check_problem(problem)
+            self.kernel(name).check_runs(problem, target)
         except ConfigError as error:
             return str(error)
         return ""

@@ -1,7 +1,9 @@
 """Kernel choices as stored: a ``kernel.table.KernelChoice`` with its device and provenance.
 
 A choice names the kernel that won a problem on a device kind among the candidates tuned
-there, its config, and every candidate's confirmed median and spread or failure class.
+there, its config, and every candidate's confirmed median and spread or failure class; its
+provenance says, as ``within_noise``, whether the platform's default kernel was kept although
+another candidate measured faster by no more than the noise (null: not recorded).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "timing", "jax_vers
 # (``candidates`` and ``times_ms``), at most 64 characters of 4 UTF-8 bytes each plus its
 # timing, about 600 bytes; 64 of them and the rest of the reply stay under 40 KiB.
 MAX_CHOICE_CANDIDATES = 64
+CHOICE_FLAGS = ("within_noise",)  # provenance kept as nullable boolean columns
 _PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
                    "causal", "mode")
 
@@ -58,6 +61,10 @@ def check_choice(device_kind: str, choice: KernelChoice) -> None:
         if choice.provenance.get(name) not in (None, *allowed):
             raise ResultError(f"{name} must be one of {', '.join(allowed)}, got "
                               f"{choice.provenance[name]!r}")
+    for name in CHOICE_FLAGS:
+        if not isinstance(choice.provenance.get(name, False), bool):
+            raise ResultError(f"{name} must be true, false or absent, got "
+                              f"{choice.provenance[name]!r}")
 
 
 def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:
@@ -69,7 +76,7 @@ def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:
             "kernel_version": provenance.get("kernel_version") or get_kernel(choice.kernel).version,
             "config": choice.config.to_dict(),
             "candidates": {name: t.to_dict() for name, t in choice.candidates.items()},
-            **{name: provenance.get(name) for name in CHOICE_PROVENANCE[2:]}}
+            **{name: provenance.get(name) for name in (*CHOICE_PROVENANCE[2:], *CHOICE_FLAGS)}}
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,8 @@ def stored_choice(get: Callable[[str], Any], utc: Callable[[datetime], datetime]
     """A stored choice from a row's column getter (``utc`` makes its timestamps aware)."""
     candidates = {name: KernelTiming.from_dict(raw, name)
                   for name, raw in get("candidates").items()}
-    provenance = {name: get(name) for name in CHOICE_PROVENANCE if get(name) is not None}
+    provenance = {name: get(name) for name in (*CHOICE_PROVENANCE, *CHOICE_FLAGS)
+                  if get(name) is not None}
     choice = KernelChoice(
         problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}), kernel=get("kernel"),
         config=get_kernel(get("kernel")).config_from_dict(get("config")),

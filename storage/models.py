@@ -109,3 +109,5 @@ class KernelChoiceRow(_ProblemColumns, _ProvenanceColumns, Base):
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     candidates: Mapped[dict[str, Any]] = mapped_column(JSON)
     timing: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["timing"]))  # confirmation
+    # The default kernel was kept although another measured faster within the noise.
+    within_noise: Mapped[bool | None]

@@ -241,7 +241,7 @@ def test_an_orphan_claim_without_params_neither_delays_claims_nor_holds_the_budg
 
     from optuna.trial import FrozenTrial, TrialState
 
-    from autotune import search as search_module
+    from autotune import claims
     from storage.studies import get_storage
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
@@ -255,7 +255,7 @@ def test_an_orphan_claim_without_params_neither_delays_claims_nor_holds_the_budg
     result = search(land.space, Recorder(land), storage=storage, study_name="s", trials=6)
     assert result.measured == 6 and result.stop_reason == "budget"
     # A claim that waited for the orphan's params would alone take longer than this.
-    assert result.overhead_s < search_module._CLAIM_WAIT_S
+    assert result.overhead_s < claims.CLAIM_WAIT_S
     orphan = optuna.load_study(study_name="s", storage=url).trials[0]
     assert orphan.state == TrialState.FAIL and orphan.user_attrs["status"] == "orphan"
 
@@ -295,7 +295,7 @@ def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land,
 
     from optuna.trial import FrozenTrial, TrialState
 
-    from autotune import search as search_module
+    from autotune import claims
 
     space = land.space
     config = dict(zip(land.params, next(iter(land.records)), strict=True))
@@ -306,9 +306,9 @@ def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land,
             number=number, state=TrialState.RUNNING, value=None, datetime_start=started,
             datetime_complete=None, params=config, distributions=space.distributions,
             user_attrs={}, system_attrs={}, intermediate_values={}, trial_id=number))
-    conflict = search_module._conflict(study, space, 0, space.key(config), trials=10)
+    conflict = claims.conflict(study, space, 0, space.key(config), trials=10)
     assert conflict == ("duplicate" if yields else "")
-    assert search_module._conflict(study, space, 1, space.key(config), trials=10) == "duplicate"
+    assert claims.conflict(study, space, 1, space.key(config), trials=10) == "duplicate"
 
 
 @pytest.mark.parametrize("params_after_s, conflict", [(0.0, ""), (3.0, "surplus")])
@@ -321,7 +321,7 @@ def test_a_claim_whose_params_came_late_counts_later_claims_against_the_budget(
 
     from optuna.trial import FrozenTrial, TrialState
 
-    from autotune import search as search_module
+    from autotune import claims
 
     space = land.space
     configs = [dict(zip(land.params, values, strict=True)) for values in list(land.records)[:2]]
@@ -333,8 +333,8 @@ def test_a_claim_whose_params_came_late_counts_later_claims_against_the_budget(
             number=number, state=TrialState.RUNNING, value=None, datetime_start=started,
             datetime_complete=None, params=config, distributions=space.distributions,
             user_attrs={}, system_attrs={}, intermediate_values={}, trial_id=number))
-    assert search_module._conflict(study, space, 0, space.key(configs[0]), trials=1) == conflict
-    assert search_module._conflict(study, space, 1, space.key(configs[1]), trials=1) == "surplus"
+    assert claims.conflict(study, space, 0, space.key(configs[0]), trials=1) == conflict
+    assert claims.conflict(study, space, 1, space.key(configs[1]), trials=1) == "surplus"
 
 
 def test_a_ctrl_c_during_a_claim_waits_for_its_storage_calls_then_releases_the_claims(
@@ -345,9 +345,9 @@ def test_a_ctrl_c_during_a_claim_waits_for_its_storage_calls_then_releases_the_c
     import os
     import signal
 
-    from autotune import search as search_module
+    from autotune import claims
 
-    conflict, finished = search_module._conflict, []
+    conflict, finished = claims.conflict, []
 
     def interrupted_conflict(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         if len(finished) == 3:  # the fourth claim
@@ -356,7 +356,7 @@ def test_a_ctrl_c_during_a_claim_waits_for_its_storage_calls_then_releases_the_c
         finished.append(result)
         return result
 
-    monkeypatch.setattr(search_module, "_conflict", interrupted_conflict)
+    monkeypatch.setattr(claims, "conflict", interrupted_conflict)
     url = f"sqlite:///{tmp_path / 'study.db'}"
     rec = Recorder(land)
     with pytest.raises(KeyboardInterrupt):
@@ -376,9 +376,9 @@ def test_a_second_ctrl_c_during_the_release_still_gives_every_claim_back(land, t
     import os
     import signal
 
-    from autotune import search as search_module
+    from autotune import claims
 
-    fail = search_module._fail
+    fail = claims.fail
 
     def interrupted_fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, at the first release
@@ -392,7 +392,7 @@ def test_a_second_ctrl_c_during_the_release_still_gives_every_claim_back(land, t
             raise KeyboardInterrupt  # the first Ctrl-C, with this claim and the next held
         return land.measure(config)
 
-    monkeypatch.setattr(search_module, "_fail", interrupted_fail)
+    monkeypatch.setattr(claims, "fail", interrupted_fail)
     url = f"sqlite:///{tmp_path / 'study.db'}"
     with pytest.raises(KeyboardInterrupt):
         search(land.space, measure, storage=url, study_name="s", trials=10, seed=0,

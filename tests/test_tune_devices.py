@@ -179,3 +179,24 @@ def test_a_search_that_ends_before_its_budget_is_published_once(tmp_path: Path) 
     assert summary["measured"] == 4
     [trials] = studies(db).values()
     assert len([t for t in trials if is_measurement(t)]) == 4
+
+
+def test_a_kernel_choice_runs_on_two_workers(tmp_path: Path) -> None:
+    """Each candidate kernel's study is one more study for the pool; once both are tuned, one
+    worker confirms them against each other and publishes the choice, once."""
+    db = f"sqlite:///{tmp_path / 'choice.db'}"
+    done = run_cli("tune", "--kernels", "flash,xla,cudnn", "--q-len", "128", "--head-dim",
+                   "64", "--q-heads", "1", "--dtype", "float32", "--trials", "2", "--devices",
+                   "2", "--db", db, "--json", timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    [summary] = [line for line in lines if line.get("summary")]
+    assert set(summary["tuned"]) == {"flash", "xla"} and summary["chosen_kernel"] in {"flash",
+                                                                                    "xla"}
+    assert summary["kernel_failures"] == {"cudnn": "illegal"}  # no target on a CPU: lost
+    assert all(ms > 0 for name, ms in summary["kernels"].items() if name != "cudnn")
+    with Store(db) as store:
+        [(stored, _)] = store.lookup_choices([("cpu", Problem(1, 1, 1, 128, 128, 64,
+                                                              "float32"))])
+        tuned = {entry.result.kernel for entry in store.list({}, limit=None)[0]}
+    assert stored.choice.kernel == summary["chosen_kernel"] and tuned == {"flash", "xla"}

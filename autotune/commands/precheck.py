@@ -33,7 +33,6 @@ def precheck(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from autotune.precheck import Agreement, candidates, precheck as run_precheck, vmem_limited
-    from autotune.tune import tunable
     from kernel import ConfigError, get_kernel
 
     if target not in TARGETS or TARGETS[target].topology is None:
@@ -41,7 +40,7 @@ def precheck(
                                  param_hint="--target")
     rules = get_kernel(kernel).discover()
     try:  # a GPU kernel has no TPU generation to compile for; a problem it cannot run
-        tunable(rules, problem, get_target(target))
+        rules.check_runs(problem, get_target(target))
         tpu = rules.target(get_target(target))
     except ConfigError as error:
         raise typer.BadParameter(str(error), param_hint="--kernel") from None

@@ -122,10 +122,6 @@ def tune(
         candidates = [kernel] if kernel else known_kernels(kernels)
     except typer.BadParameter as error:
         raise typer.BadParameter(error.message, param_hint="--kernels") from None
-    if selection != 1 and kernel is None:
-        raise typer.BadParameter("a kernel choice runs on one device: give --kernel NAME to "
-                                 "tune one kernel on several, or leave --devices out",
-                                 param_hint="--devices")
     problems = _problems(context, problem, shapes, from_function, args,
                          host_only=selection != 1)
     if study and len(problems) > 1:
@@ -161,7 +157,8 @@ def tune(
             chosen = select_devices(selection, local := LocalDevices.probe())
         except DeviceSelectionError as error:
             raise typer.BadParameter(str(error), param_hint="--devices") from None
-        _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output)
+        _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output,
+                         candidates or local_kernels(local.platform, local.device_kind))
         return
     candidates = candidates or local_kernels()
     failed = 0
@@ -225,7 +222,8 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
 
 
 def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform: str,
-                     db_url: str, kernel: str, options: Any, json_output: bool) -> None:
+                     db_url: str, kernel: str | None, options: Any, json_output: bool,
+                     candidates: list[str]) -> None:
     from dataclasses import asdict
 
     from autotune.workers import WorkerPool, WorkersFailed, WorkersInterrupted
@@ -233,7 +231,8 @@ def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform
     pool = WorkerPool(problems, devices, platform, db_url=db_url, kernel=kernel,
                       options={k: v for k, v in asdict(options).items() if k != "device_index"},
                       json_output=json_output,
-                      on_summary=lambda summary: _report(summary, json_output))
+                      on_summary=lambda summary: _report(summary, json_output),
+                      kernels=candidates)
     try:
         failed = pool.run()
     except WorkersFailed as error:
@@ -264,7 +263,9 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
         Console().print(f"[bold]chosen: {summary['chosen_kernel']}[/] for "
                         f"{Problem.from_dict(summary['problem']).label()} on "
                         f"{summary['device_kind']} ({summary['choice_method']}, "
-                        f"{summary['choice_timing']}): {times}")
+                        f"{summary['choice_timing']}): {times}"
+                        + ("; the platform's default kernel kept: the faster one led within "
+                           "the measured noise" if summary["choice_within_noise"] else ""))
         return
     from kernel import get_kernel
 

@@ -48,7 +48,7 @@ class ForestSurrogate:
         # statuses) and its install (the `serve` extra) has no scikit-learn. Not at the first
         # pick either: that import takes seconds on a loaded machine, inside a claim whose
         # params are not yet written, long enough for other workers to take it for an orphan
-        # (autotune.search._conflict), so the claim would yield its config and be wasted.
+        # (autotune.claims.conflict), so the claim would yield its config and be wasted.
         from sklearn.ensemble import RandomForestRegressor
 
         self._regressor = RandomForestRegressor
