@@ -26,11 +26,11 @@ from storage.results import (
 # Provenance a stored choice keeps in columns (the rest of a table's provenance is dropped).
 CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "timing", "jax_version",
                      "jaxlib_version", "libtpu_version")
-# Candidates a stored choice may hold, so that its lookup reply stays readable by the kernel
-# wrapper (kernel.resolve.MAX_REPLY_BYTES, 64 KiB): each candidate appears twice in a reply
-# (``candidates`` and ``times_ms``), at most 64 characters of 4 UTF-8 bytes each plus its
-# timing, about 600 bytes; 64 of them and the rest of the reply stay under 40 KiB.
-MAX_CHOICE_CANDIDATES = 64
+# Candidates a stored choice may hold, so that the wrapper's one request for a new shape (both
+# modes' choices in one batch reply) stays under its cap (kernel.service.MAX_REPLY_BYTES,
+# 64 KiB): a candidate of the longest name and failure text (64 characters of 4 UTF-8 bytes)
+# takes about 820 bytes of a reply, so 32 of them keep two choices near 52 KiB.
+MAX_CHOICE_CANDIDATES = 32
 CHOICE_FLAGS = ("within_noise",)  # provenance kept as nullable boolean columns
 _PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
                    "causal", "mode")

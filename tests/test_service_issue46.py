@@ -236,31 +236,35 @@ def choice_table(device_kind: str, candidates: dict[str, dict[str, float]],
                          "candidates": {"flash": {"median_ms": 1.0}, **candidates}}]}
 
 
-@pytest.mark.parametrize("count", [65, 1501])
+@pytest.mark.parametrize("count", [33, 1501])
 def test_a_choice_with_too_many_candidates_is_refused(server: Server, count: int) -> None:
     device_kind = f"a2-{count}"
     candidates = {f"kernel_{i:05d}": {"median_ms": 2.0 + i} for i in range(count)}
     refused = httpx.post(f"{server.url}/v1/tables", json=choice_table(device_kind, candidates),
                          headers=server.auth)
     assert refused.status_code == 422, refused.text
-    assert "at most 64 candidate kernels" in refused.json()["detail"]
+    assert "at most 32 candidate kernels" in refused.json()["detail"]
     listed = httpx.get(f"{server.url}/v1/choices", params={"device_kind": device_kind})
     assert listed.json()["total"] == 0
 
 
-def test_the_largest_choice_accepted_is_readable_by_the_wrapper(server: Server) -> None:
-    """64 candidates of the longest names (64 four-byte characters) and the longest failure
-    text: the reply stays under the resolver's cap."""
-    from kernel.resolve import MAX_REPLY_BYTES
+def test_the_largest_choices_accepted_are_readable_by_the_wrapper(server: Server) -> None:
+    """32 candidates of the longest names (64 four-byte characters) and the longest failure
+    text, stored for both modes: the wrapper's one batch request for a new shape (both modes'
+    choices) gets a reply under its cap."""
+    from kernel.service import MAX_REPLY_BYTES
 
-    names = {f"{i:02d}" + "\U0001F600" * 62: {"failure": "\U0001F600" * 64} for i in range(63)}
-    stored = httpx.post(f"{server.url}/v1/tables", json=choice_table("a2-bytes", names),
-                        headers=server.auth)
-    assert stored.status_code == 200, stored.text
-    reply = httpx.get(f"{server.url}/v1/choices/lookup", params={
-        "device_kind": "a2-bytes", "batch": 1, "q_heads": 2, "q_len": 256, "head_dim": 64,
-        "dtype": "float32", "mode": "fwd", "causal": "false"})
+    names = {f"{i:02d}" + "\U0001F600" * 62: {"failure": "\U0001F600" * 64} for i in range(31)}
+    for mode in ("fwd", "fwd_bwd"):
+        stored = httpx.post(f"{server.url}/v1/tables", headers=server.auth,
+                            json=choice_table("a2-bytes", names, mode=mode))
+        assert stored.status_code == 200, stored.text
+    key = {"device_kind": "a2-bytes", "batch": 1, "q_heads": 2, "q_len": 256, "head_dim": 64,
+           "dtype": "float32", "causal": False}
+    reply = httpx.post(f"{server.url}/v1/choices/lookup:batch", json={"keys": [
+        {**key, "mode": mode} for mode in ("fwd", "fwd_bwd")]})
     assert reply.status_code == 200, reply.text
+    assert [r["kernel"] for r in reply.json()["results"]] == ["flash", "flash"], reply.text
     assert len(reply.content) < MAX_REPLY_BYTES
 
 
