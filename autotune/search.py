@@ -29,7 +29,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune import claims
+import autotune.claims as claims
 from autotune.samplers import SamplerName, create_sampler
 from autotune.samplers.engine import EngineSampler
 from autotune.samplers.plain_tpe import STALL
