@@ -135,3 +135,28 @@ def test_causal_refused_on_cuda_runtimes_upstream_refuses():
     assert not bad.problem_violations(_problem("fwd", causal=False))
     good = dataclasses.replace(MOSAIC, gpu_arch="sm90", cuda_runtime=12091)
     assert not good.problem_violations(_problem("fwd"))
+
+
+@pytest.mark.smoke
+def test_jax_still_ships_the_deprecated_triton_attention_pallas_gpu_wraps():
+    """Fails the day JAX removes ``pallas/ops/gpu/attention.py`` (deprecated in 0.12 in favour
+    of tokamax): then move ``pallas_gpu`` to tokamax's Triton kernel (kernel/backends/
+    pallas_gpu.py says why it has not yet). Its deprecation warning is silenced at our import."""
+    import warnings
+
+    from kernel.backends.pallas_gpu import upstream_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        upstream = upstream_module()
+    assert callable(upstream.mha) and upstream.BlockSizes(block_q=64, block_k=64).block_q == 64
+
+
+@pytest.mark.smoke
+def test_jax_ships_the_mosaic_gpu_attention_with_the_fields_mosaic_gpu_sets():
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    fields = {f.name for f in dataclasses.fields(attention_mgpu.TuningConfig)}
+    assert set(MosaicGpuConfig().to_dict()) <= fields
+    with pytest.raises(ValueError, match="multiple of 64"):
+        attention_mgpu.TuningConfig(block_q=96, block_kv=64, max_concurrent_steps=2)
