@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from kernel.backends import flash, jax_tpu_flash, pallas_gpu, splash, xla
+from kernel.backends import flash, jax_tpu_flash, mosaic_gpu, pallas_gpu, splash, xla
 from kernel.contract import TunableKernel
 from kernel.errors import ConfigError
 
@@ -18,7 +18,7 @@ DEFAULT_KERNEL = flash.KERNEL.name
 KERNELS: Mapping[str, TunableKernel] = MappingProxyType({
     backend.name: backend
     for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, pallas_gpu.KERNEL, splash.KERNEL, xla.KERNEL,
-                    xla.CUDNN)
+                    xla.CUDNN, mosaic_gpu.KERNEL)
 })
 
 

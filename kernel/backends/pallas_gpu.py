@@ -15,6 +15,15 @@ so ``q_len / block_q_dq == kv_len / block_kv_dkv``. Shared memory and registers 
 estimated: an oversized config fails in the Triton compiler on the GPU, and the tuner records
 that failure.
 
+Deprecated upstream: jax 0.12 warns on importing ``pallas/ops/gpu/attention.py`` ("use
+tokamax.dot_product_attention instead"); it still ships it, unchanged. This backend keeps JAX's
+module rather than tokamax's Triton kernel: tokamax (0.0.12 on the package index) would add
+absl-py, einshape, jaxtyping, pydantic, qwix, tensorboardx and an exact ``typeguard==2.13.3``
+pin to what is today a jax-only ``kernel`` install, for a pre-1.0 API. The warning is silenced
+at our one import (:func:`upstream_module`); ``tests/test_mosaic_gpu.py`` fails (smoke, on the
+newest jax) the day JAX removes the module, which is when to move to tokamax's
+``pallas_triton`` implementation. ``mosaic_gpu`` is the Hopper kernel JAX does not deprecate.
+
 Pure Python at import; jax loads in ``build``.
 """
 
@@ -22,7 +31,9 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar
 
 from kernel.config import IntConfig
@@ -44,6 +55,16 @@ MAX_BWD_BLOCK = 128  # searched backward tiles: dK and dV accumulators share the
 NUM_WARPS = (1, 2, 4, 8, 16)  # legal; the search tries SEARCH_WARPS
 SEARCH_WARPS = (4, 8)
 MAX_STAGES = 4  # software pipeline depth of the forward K/V loads (the backward uses 2)
+
+
+def upstream_module() -> ModuleType:
+    """``jax.experimental.pallas.ops.gpu.attention``, without its deprecation warning (see the
+    module docstring); ImportError once JAX removes it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ops.gpu.attention is deprecated",
+                                category=DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention
+    return attention
 
 
 def _is_pow2(n: int) -> bool:
@@ -204,7 +225,8 @@ class PallasGpuKernel(TunableKernel):
         CUDA/ROCm, interpret mode elsewhere."""
         import jax.numpy as jnp
         from jax import lax
-        from jax.experimental.pallas.ops.gpu import attention as upstream
+
+        upstream = upstream_module()
 
         def attend_with(config: PallasGpuConfig) -> AttentionFn:
             sizes = upstream.BlockSizes(
