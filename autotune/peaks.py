@@ -12,6 +12,7 @@ from typing import Any
 
 from kernel import Problem, device_target
 from kernel.roofline import Peaks, Roofline, roofline
+from kernel.targets import TARGETS
 
 # Dense (no sparsity) tensor-core peaks per device kind, matched as a substring of
 # jax.Device.device_kind in this order: (bf16 FLOP/s, tf32 FLOP/s for float32 inputs, HBM B/s).
@@ -34,8 +35,10 @@ def tpu_peaks(device_kind: str, cores: int) -> Peaks | None:
     peak only: float32 problems are held against it too (their fraction reads low)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    target = device_target("tpu", device_kind)
-    if not hasattr(pltpu, "get_tpu_info_for_chip") or target.name == "cpu":
+    # A listed generation only: an unlisted kind's stand-in limits (kernel.targets) are no
+    # figures of its own.
+    target = next((t for t in TARGETS.values() if t.device_kind == device_kind), None)
+    if not hasattr(pltpu, "get_tpu_info_for_chip") or target is None or target.name == "cpu":
         return None
     try:
         chip = pltpu.ChipVersion(target.name)

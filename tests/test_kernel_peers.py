@@ -407,7 +407,7 @@ def test_upstream_refuses_x64_naming_the_fix(kernel_name):
 def test_unsupported_features_fail_with_a_clear_error(feature):
     q = jnp.ones((1, 1, 128, 64), jnp.float32)
     with pytest.raises(TypeError, match=f"unsupported keyword argument '{feature}'.*takes "
-                                        "only q, k, v, causal, sm_scale and config"):
+                                        "only q, k, v, causal, sm_scale, config and layout"):
         flash_attention(q, q, q, **{feature: None})
     fields = {**Problem(1, 1, 1, 128, 128, 64, "float32").to_dict(), feature: 1}
     with pytest.raises(ProblemError, match=f"unknown problem field.*{feature}"):
