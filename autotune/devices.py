@@ -76,6 +76,10 @@ def select_devices(spec: int | tuple[int, ...] | None, local: LocalDevices) -> t
     """The device indices ``spec`` selects on this machine."""
     if spec is None:
         return tuple(range(local.count))
+    if isinstance(spec, int) and spec > local.count:  # never a range of a huge count
+        raise DeviceSelectionError(
+            f"--devices {spec} selects {spec} devices, but this machine has {local.count} "
+            f"{local.platform} device(s); use --devices all or a count up to {local.count}")
     wanted = tuple(range(spec)) if isinstance(spec, int) else spec
     missing = [i for i in wanted if i >= local.count]
     if missing:

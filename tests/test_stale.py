@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from autotune.commands.stale import shapes_file_name
 from autotune.commands.tune import load_shapes
 from autotune.report import render
 from kernel import Problem, get_kernel
@@ -145,3 +146,12 @@ def test_device_kinds_of_the_same_words_get_a_shapes_file_each(sqlite_db_url: st
     assert sorted(load_shapes(f)[0].q_len for f in files) == [256, 512]
     for f in files:
         assert f"--shapes {f} " in result.stdout
+
+
+def test_device_kinds_whose_hashed_names_collide_get_a_shapes_file_each() -> None:
+    """"X" hashes to the words of the kind "x c032adc1": each of the three gets its own file
+    (the third overwrote the second's)."""
+    taken: set[str] = set()
+    for kind in ("x", "x c032adc1", "X"):
+        taken.add(shapes_file_name("flash", kind, taken))
+    assert len(taken) == 3, taken

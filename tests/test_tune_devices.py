@@ -147,6 +147,8 @@ def test_device_selection() -> None:
     assert select_devices(parse_devices("7,"), eight) == (7,)
     with pytest.raises(DeviceSelectionError, match=r"device\(s\) 8.*indices 0 to 7"):
         select_devices(parse_devices("0,8"), eight)
+    with pytest.raises(DeviceSelectionError, match="selects 100000000 devices.*count up to 8"):
+        select_devices(parse_devices("100000000"), eight)  # not a MemoryError
     for bad in ("0", "-1", "two", "1,1", ","):
         with pytest.raises(DeviceSelectionError, match="use 'all', a count"):
             parse_devices(bad)

@@ -4,6 +4,7 @@ the installed ones, and the commands that re-tune them."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import shlex
@@ -19,13 +20,14 @@ from kernel import Problem, get_kernel, kernel_names
 def shapes_file_name(kernel: str, device_kind: str, taken: set[str]) -> str:
     """``stale-<kernel>-<device kind>.json``, the device kind in lower-case words, made unique
     among the names in ``taken`` by a hash of the exact device kind ("TPU v5 lite" and
-    "TPU v5-lite" are two kinds; one of no ASCII letters or digits has no words)."""
+    "TPU v5-lite" are two kinds; one of no ASCII letters or digits has no words), and if that
+    is taken too (kind "X" hashes to the words of kind "x c032adc1"), by a count."""
     words = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
-    name = f"stale-{kernel}-{words}.json"
-    if not words or name in taken:
-        digest = hashlib.sha1(device_kind.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-        name = f"stale-{kernel}-{words + '-' if words else ''}{digest}.json"
-    return name
+    digest = hashlib.sha1(device_kind.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    stems = ([words] if words else []) + [f"{words + '-' if words else ''}{digest}"]
+    names = (f"stale-{kernel}-{stem}.json" for stem in stems)
+    counted = (f"stale-{kernel}-{stems[-1]}-{n}.json" for n in itertools.count(2))
+    return next(name for name in itertools.chain(names, counted) if name not in taken)
 
 
 def stale(
