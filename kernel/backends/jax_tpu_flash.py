@@ -33,6 +33,7 @@ from kernel.problem import Problem
 from kernel.rules import (
     LANES,
     MAX_COMPUTE_BLOCK,
+    UnrolledScratch,
     Violation,
     block_values,
     block_violations,
@@ -107,22 +108,14 @@ def batch_blocks(batch: int) -> list[int]:
 # limit set to the estimate, the compiler naming the size it needed): about 1.5 logits tiles with
 # 1-2 unrolled steps, 4 tiles with 4 steps. Modelled as an upper bound: 1.75 tiles plus 1.5 per
 # step beyond 2, plus the register file once (all checked: forward 1-8 steps, dK/dV and dQ).
-BASE_TILES = 1.75
-TILES_PER_STEP = 1.5
-REGISTER_FILE = 256 * 1024
-
-
-def _compute_bytes(rows: int, cols: int, steps: int, copies: int = 1) -> int:
-    """Mosaic's internal scratch for ``steps`` unrolled (rows, cols) f32 logits tiles, the whole
-    unrolled body repeated ``copies`` times (the forward's loop over ``block_b`` batch rows)."""
-    tiles = BASE_TILES + TILES_PER_STEP * max(0, steps - 2)
-    return int(copies * tiles * tile_bytes(rows, cols, 4)) + REGISTER_FILE
+# The forward repeats the unrolled body for each of its ``block_b`` batch rows (``copies``).
+SCRATCH = UnrolledScratch(base=1.75, per_step=1.5)
 
 
 def vmem_estimate(problem: Problem, config: JaxTpuFlashConfig) -> dict[str, int]:
     """Estimated peak VMEM bytes of each upstream kernel (``fwd``, ``dkv``, ``dq``): the
     double-buffered windows of its BlockSpecs, its scratch, and Mosaic's internal scratch for
-    its unrolled logits tiles (``_compute_bytes``). Meant as an upper bound; the backward
+    its unrolled logits tiles (``SCRATCH``). Meant as an upper bound; the backward
     kernels reuse the forward's calibration."""
     d, isz, c = problem.head_dim, problem.itemsize, config
     stat = tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic (m, l, di)
@@ -132,7 +125,7 @@ def vmem_estimate(problem: Problem, config: JaxTpuFlashConfig) -> dict[str, int]
         + 2 * tile_bytes(c.block_q, d, isz)  # output window
         + 2 * stat + tile_bytes(c.block_q, d, 4)  # m, l, acc scratch
         + (2 * 2 * stat if problem.mode == "fwd_bwd" else 0)  # l, m output windows
-    ) + _compute_bytes(c.block_q, c.block_k, c.block_k_major // c.block_k, c.block_b)
+    ) + SCRATCH.bytes(c.block_q, c.block_k, c.block_k_major // c.block_k, c.block_b)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qm, km = c.block_q_major_dkv, c.block_k_major_dkv
@@ -142,7 +135,7 @@ def vmem_estimate(problem: Problem, config: JaxTpuFlashConfig) -> dict[str, int]
             + 2 * 2 * tile_bytes(km, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(km, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(km, d, 4)  # dk, dv scratch
-            + _compute_bytes(c.block_q_dkv, c.block_k_dkv, (qm // c.block_q_dkv)
+            + SCRATCH.bytes(c.block_q_dkv, c.block_k_dkv, (qm // c.block_q_dkv)
                              * (km // c.block_k_dkv)))
         qq, kq = c.block_q_dq, c.block_k_major_dq
         estimate["dq"] = (
@@ -151,7 +144,7 @@ def vmem_estimate(problem: Problem, config: JaxTpuFlashConfig) -> dict[str, int]
             + 2 * 2 * tile_bytes(kq, d, isz)  # k, v windows
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq scratch
-            + _compute_bytes(qq, c.block_k_dq, kq // c.block_k_dq))
+            + SCRATCH.bytes(qq, c.block_k_dq, kq // c.block_k_dq))
     return estimate
 
 

@@ -29,6 +29,7 @@ from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, per_m
 from kernel.problem import Problem
 from kernel.rules import (
     LANES,
+    UnrolledScratch,
     Violation,
     block_values,
     block_violations,
@@ -113,10 +114,7 @@ def _dq_violations(config: SplashConfig) -> list[Violation]:
 # register file once. Calibrated on deviceless v5e compiles (README's precheck table): three
 # tiles rejected a forward q2048 kv512/512 that compiles (two admit it at 15.75 of 16 MiB); a
 # forward q1024 kv4096/512 (8 steps) overflows where q2048 kv2048/128 (16 steps) fits.
-BASE_TILES = 2
-TILES_PER_STEP = 0.4
-MAX_LIVE_STEPS = 8
-REGISTER_FILE = 256 * 1024
+SCRATCH = UnrolledScratch(base=2, per_step=0.4, max_steps=8)
 
 
 def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
@@ -129,21 +127,17 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     def io(rows: int) -> int:  # one double-buffered (rows, d) window
         return 2 * tile_bytes(rows, d, isz)
 
-    def logits(rows: int, cols: int, steps: int) -> int:
-        tiles = BASE_TILES + TILES_PER_STEP * max(0, min(steps, MAX_LIVE_STEPS) - 2)
-        return int(tiles * tile_bytes(rows, cols, 4)) + REGISTER_FILE
-
     fwd = (2 * io(c.block_q) + 2 * io(c.block_kv)  # q, out; k, v
            + 2 * stat + 2 * stat + tile_bytes(c.block_q, d, 4)  # q_sequence; m, l, acc
            + (2 * stat if problem.mode == "fwd_bwd" else 0)  # logsumexp output
-           + logits(c.block_q, c.block_kv_compute, c.block_kv // c.block_kv_compute))
+           + SCRATCH.bytes(c.block_q, c.block_kv_compute, c.block_kv // c.block_kv_compute))
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
         dkv = (2 * io(qd) + 2 * io(kd)  # q, do; k, v
                + 2 * 2 * tile_bytes(qd, LANES, 4)  # logsumexp, di
                + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
-               + logits(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
+               + SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
         if c.use_fused_bwd_kernel:
             dkv += io(qd) + tile_bytes(qd, d, 4)  # dq output and scratch
         estimate["dkv"] = dkv
@@ -151,7 +145,7 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
             qq, kq = c.block_q_dq, c.block_kv_dq
             estimate["dq"] = (2 * io(qq) + 2 * io(kq) + io(qq)  # q, do; k, v; dq
                               + 2 * 2 * tile_bytes(qq, LANES, 4) + tile_bytes(qq, d, 4)
-                              + logits(qq, kq, 1))
+                              + SCRATCH.bytes(qq, kq, 1))
     return estimate
 
 
