@@ -131,8 +131,7 @@ def _unsupported_message(unsupported: dict[str, Any]) -> str:
     plural = "s" if len(unsupported) > 1 else ""
     return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
             "q, k, v, causal, sm_scale, config and layout (causal masking is the only mask); "
-            "drop the "
-            "argument, or use an attention implementation that supports it")
+            "drop the argument, or use an attention implementation that supports it")
 
 
 def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Target,
