@@ -6,6 +6,7 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -35,6 +36,12 @@ _OPTIONS: list[inspect.Parameter] = [
     ]
 ]
 _NAMES = [p.name for p in _OPTIONS]
+# YAML nodes a shapes file may expand to, aliases and merges counted at each use: 16k problems
+# of nine fields are 0.3M; an alias bomb of 500 bytes is 1e9.
+MAX_SHAPES_NODES = 1_000_000
+MAX_SHOWN_CHARS = 200  # of a value quoted in an error
+ShapesOption = Annotated[Path | None, typer.Option(
+    help="YAML/JSON list of problems (instead of the problem flags).")]
 
 
 def known_kernel(name: str | None) -> str | None:
@@ -66,6 +73,106 @@ def problem_flags_given(context: typer.Context) -> list[str]:
     """The problem flags given explicitly to the command of ``context`` (not by default)."""
     return [f"--{name.replace('_', '-')}" for name in _NAMES
             if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
+
+
+def _shapes_error(message: str) -> typer.BadParameter:
+    return typer.BadParameter(message, param_hint="--shapes")
+
+
+def _shortened(text: str) -> str:
+    """``text`` up to MAX_SHOWN_CHARS: an error quoting a value never prints it in full."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
+def _expanded_nodes(root: Any) -> int:
+    """How many YAML nodes ``root`` stands for, each alias counted at each use, up to a little
+    over MAX_SHAPES_NODES (-1: an alias refers to a node that holds it). Linear in the
+    document: a shared node is counted once and its count reused."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if id(node) in sizes:  # reached again through another alias
+            stack.pop()
+            continue
+        children = [] if isinstance(node.value, str) else [
+            child for item in node.value for child in (item if isinstance(item, tuple)
+                                                      else (item,))]
+        pending = [child for child in children if id(child) not in sizes]
+        if id(node) in open_ and not pending:
+            stack.pop()
+            open_.discard(id(node))
+            sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in children), MAX_SHAPES_NODES + 1)
+        elif id(node) in open_ or any(id(child) in open_ for child in pending):
+            return -1
+        else:
+            open_.add(id(node))
+            stack.extend(pending)
+    return sizes[id(root)]
+
+
+def _parse_shapes(path: Path) -> Any:
+    """The YAML (or JSON) document of ``path``, refused before it is built if it expands to
+    more than MAX_SHAPES_NODES nodes."""
+    import yaml
+
+    try:
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise _shapes_error(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise _shapes_error(f"{path} is not UTF-8 text (byte {error.start})") from None
+    try:
+        node = loader.get_single_node()
+        nodes = 0 if node is None else _expanded_nodes(node)
+        if nodes < 0 or nodes > MAX_SHAPES_NODES:
+            what = ("holds a recursive alias" if nodes < 0 else
+                    f"expands to more than {MAX_SHAPES_NODES:,} YAML nodes")
+            raise _shapes_error(f"{path} {what} (its aliases repeat what they name): write "
+                                "each problem out in full")
+        return None if node is None else loader.construct_document(node)
+    except yaml.YAMLError as error:
+        raise _shapes_error(f"{path} is not valid YAML/JSON: {error}") from None
+    finally:
+        loader.dispose()
+
+
+def load_shapes(path: Path) -> list[Problem]:
+    """Problems from a YAML or JSON list of problem objects (a model's attention shapes), each
+    once, in the file's order: a repeat is left out, and said so once (tuned twice, it would
+    be published twice)."""
+    data = _parse_shapes(path)
+    if not isinstance(data, list) or not data:
+        raise _shapes_error(f"{path} must hold a non-empty list of problems")
+    first: dict[Problem, int] = {}  # each problem's first index
+    repeats: list[str] = []
+    for index, item in enumerate(data):
+        try:
+            problem = Problem.from_dict(item)
+        except ProblemError as error:
+            raise _shapes_error(f"{path}, problem {index}: {_shortened(str(error))}") from None
+        if problem in first:
+            repeats.append(f"{index} (= {first[problem]})")
+        else:
+            first[problem] = index
+    if repeats:
+        typer.echo(f"note: {path}: problem(s) {', '.join(repeats)} repeat earlier ones; each "
+                   "problem is tuned once", err=True)
+    return list(first)
+
+
+def given_problems(context: typer.Context, problem: Problem,
+                   shapes: Path | None) -> list[Problem]:
+    """The problems of the ``--shapes`` file, or the one of the problem flags (both at once:
+    exit 2)."""
+    given = problem_flags_given(context)
+    if shapes and given:
+        raise typer.BadParameter("give --shapes or the problem flags, not both "
+                                 f"({', '.join(given)})", param_hint="--shapes")
+    return load_shapes(shapes) if shapes else [problem]
 
 
 def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:

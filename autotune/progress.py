@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.trials import TrialResult
@@ -71,7 +72,7 @@ class TuneProgress:
         if self.json_output:
             print(json.dumps({"problem": self.problem.to_dict(), "notice": message}), flush=True)
         else:
-            self._progress.console.print(f"[yellow]note:[/] {message}")
+            self._progress.console.print(f"[yellow]note:[/] {escape(message)}")
 
     def _status(self, best: TrialResult | None, default_ms: float | None) -> str:
         parts: list[str] = []

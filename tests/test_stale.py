@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from autotune.commands.stale import shapes_file_name
-from autotune.commands.tune import load_shapes
+from autotune.problem_options import load_shapes
 from autotune.report import render
 from kernel import Problem, get_kernel
 from kernel.resolve import installed_versions

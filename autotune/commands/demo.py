@@ -52,6 +52,7 @@ def demo(
     """Tune a small attention problem on this device, publish the winner, serve it over HTTP,
     and show the kernel wrapper resolving that config from the service at trace time."""
     from rich.console import Console
+    from rich.markup import escape
 
     from autotune.progress import TuneProgress
     from autotune.tune import TuneOptions, tune
@@ -82,7 +83,7 @@ def demo(
     port = _free_port()
     server = _start_server(db_url, port)
     url = f"http://127.0.0.1:{port}"
-    console.print(f"autotune serve on {url} (database {db_url})")
+    console.print(f"autotune serve on {url} (database {escape(db_url)})")
     try:
         console.rule("3. resolve at trace time")
         source, config, error = _trace_with_service(url)

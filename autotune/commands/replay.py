@@ -81,13 +81,15 @@ def replay(
         typer.echo(json.dumps(out))
         return
     from rich.console import Console
+    from rich.markup import escape  # a landscape's name and values are no markup
     from rich.table import Table
 
-    table = Table(title=f"replay {land.name} ({sampler}, seed {seed})", show_header=False)
+    table = Table(title=escape(f"replay {land.name} ({sampler}, seed {seed})"),
+                  show_header=False)
     for name in ("best_time_ms", "optimum_ms", "measured", "score", "best_config",
                  "stop_reason", "overhead_ms_per_trial"):
         value = out[name]
-        table.add_row(name, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(name, f"{value:.4g}" if isinstance(value, float) else escape(str(value)))
     Console().print(table)
     curve = ", ".join("-" if v is None else f"{v:.4g}" for v in result.curve)
     typer.echo(f"best-so-far curve (ms): [{curve}]")

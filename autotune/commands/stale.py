@@ -42,6 +42,7 @@ def stale(
     the installed kernel versions count: a re-tune publishes under those, so it would never
     replace an entry of another version (they are counted, not listed)."""
     from rich.console import Console
+    from rich.markup import escape  # stored strings (a device kind) are no markup
     from rich.table import Table
 
     from kernel.resolve import installed_versions
@@ -57,7 +58,8 @@ def stale(
     kernel_versions = {name: get_kernel(name).version for name in kernel_names()}
     groups: dict[tuple[str, str], dict[Problem, None]] = {}  # problems once, in order
     other_versions = 0
-    table = Table(title=f"configs tuned under other versions than this environment's ({here})")
+    table = Table(title=escape(f"configs tuned under other versions than this environment's "
+                               f"({here})"))
     for column in ("kernel", "device kind", "problem", "config", "tuned under"):
         table.add_column(column)
     for entry in entries:
@@ -69,8 +71,8 @@ def stale(
             other_versions += 1
             continue
         groups.setdefault((result.kernel, result.device_kind), {})[result.problem] = None
-        table.add_row(result.kernel, result.device_kind, result.problem.label(),
-                      result.config.label(), changes)
+        table.add_row(*map(escape, (result.kernel, result.device_kind, result.problem.label(),
+                                    result.config.label(), changes)))
     if other_versions:
         console.print(f"left out: {other_versions} stale config(s) of other kernel versions "
                       "than the installed ones (a re-tune publishes under the installed "
@@ -78,8 +80,8 @@ def stale(
     if not groups:
         counted = (f"all {len(entries) - other_versions} of the installed kernel versions"
                    if other_versions else f"all {len(entries)}")
-        console.print(f"no stale configs: {counted} were tuned under this environment's "
-                      f"versions ({here}) or recorded none")
+        console.print(escape(f"no stale configs: {counted} were tuned under this environment's"
+                             f" versions ({here}) or recorded none"))
         return
     console.print(table)
     try:
@@ -93,9 +95,9 @@ def stale(
                                   "--force", "--db", *([] if secret else [url])])
             if secret:  # a masked password cannot run: the variable holds the real URL
                 command += ' "$AUTOTUNE_DB_URL"'
-            console.print(f"re-tune the {len(problems)} stale {kernel} config(s) on a "
-                          f"{device_kind!r} device (--force replaces the stored timings "
-                          f"measured under the old versions):\n  {command}",
+            console.print(escape(f"re-tune the {len(problems)} stale {kernel} config(s) on a "
+                                 f"{device_kind!r} device (--force replaces the stored timings "
+                                 f"measured under the old versions):\n  {command}"),
                           soft_wrap=True, highlight=False)
     except OSError as error:
         typer.echo(f"error: cannot write the shapes file: {error}", err=True)

@@ -9,57 +9,18 @@ from typing import Annotated, Any
 import typer
 
 from autotune.commands.db import DbOption, ensure_schema, open_store, resolve_url
-from autotune.problem_options import (known_kernel, known_kernels, problem_flags_given,
-                                      with_problem_options)
-from kernel import Problem, ProblemError
+from autotune.problem_options import (ShapesOption, given_problems, known_kernel, known_kernels,
+                                      problem_flags_given, with_problem_options)
+from kernel import Problem
 
 SAMPLER_NAMES = ("tpe", "random", "grid")
-
-
-def load_shapes(path: Path) -> list[Problem]:
-    """Problems from a YAML or JSON list of problem objects (a model's attention shapes), each
-    once, in the file's order: a repeat is left out, and said so once (tuned twice, it would
-    be published twice)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # YAML is a superset of JSON
-    except OSError as error:
-        raise typer.BadParameter(f"cannot read {path}: {error.strerror}",
-                                 param_hint="--shapes") from None
-    except UnicodeDecodeError as error:
-        raise typer.BadParameter(f"{path} is not UTF-8 text (byte {error.start})",
-                                 param_hint="--shapes") from None
-    except yaml.YAMLError as error:
-        raise typer.BadParameter(f"{path} is not valid YAML/JSON: {error}",
-                                 param_hint="--shapes") from None
-    if not isinstance(data, list) or not data:
-        raise typer.BadParameter(f"{path} must hold a non-empty list of problems",
-                                 param_hint="--shapes")
-    problems = []
-    for index, item in enumerate(data):
-        try:
-            problems.append(Problem.from_dict(item))
-        except ProblemError as error:
-            raise typer.BadParameter(f"{path}, problem {index}: {error}",
-                                     param_hint="--shapes") from None
-    unique = list(dict.fromkeys(problems))
-    if len(unique) < len(problems):
-        first = {problem: problems.index(problem) for problem in unique}
-        repeats = ", ".join(f"{index} (= {first[problem]})" for index, problem
-                            in enumerate(problems) if first[problem] != index)
-        typer.echo(f"note: {path}: problem(s) {repeats} repeat earlier ones; each problem is "
-                   "tuned once", err=True)
-    return unique
 
 
 @with_problem_options
 def tune(
     context: typer.Context,
     problem: Problem,
-    shapes: Annotated[Path | None, typer.Option(
-        help="YAML/JSON list of problems to tune in one job (instead of the problem flags).")]
-    = None,
+    shapes: ShapesOption = None,
     from_function: Annotated[str | None, typer.Option(
         "--from", help="module:function whose attention problems to tune, found by tracing "
                        "it abstractly (instead of --shapes or the problem flags).")] = None,
@@ -204,9 +165,6 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
     if args is not None and not from_function:
         raise typer.BadParameter("--args gives the arguments of a --from function; give "
                                  "--from too", param_hint="--args")
-    if shapes and len(given) > 1:
-        raise typer.BadParameter("give --shapes or the problem flags, not both "
-                                 f"({', '.join(given[:-1])})", param_hint="--shapes")
     if from_function:
         from autotune.traced import TraceError, abstract_args, captured_problems, load_function
 
@@ -218,7 +176,7 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
             return captured_problems(load_function(from_function), *abstract_args(args))
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
-    return load_shapes(shapes) if shapes else [problem]
+    return given_problems(context, problem, shapes)
 
 
 def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform: str,
@@ -252,17 +210,18 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
         print(json.dumps({"summary": True, **summary}), flush=True)
         return
     from rich.console import Console
+    from rich.markup import escape  # stored and user strings (a study, an error) are no markup
 
     if "chosen_kernel" in summary:
         for tuned in summary["tuned"].values():
             _report(tuned, json_output)
         times = ", ".join(
-            f"{name} failed ({summary['kernel_failures'][name]})" if ms is None else
+            f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
             f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
             for name, ms in summary["kernels"].items())
         Console().print(f"[bold]chosen: {summary['chosen_kernel']}[/] for "
                         f"{Problem.from_dict(summary['problem']).label()} on "
-                        f"{summary['device_kind']} ({summary['choice_method']}, "
+                        f"{escape(summary['device_kind'])} ({summary['choice_method']}, "
                         f"{summary['choice_timing']}): {times}"
                         + ("; the platform's default kernel kept: the faster one led within "
                            "the measured noise" if summary["choice_within_noise"] else ""))
@@ -281,8 +240,9 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
                if summary["winner_is_default"] else "the default failed on this device"
                if summary["speedup"] is None else f"{summary['speedup']:.2f}x over the default")
     Console().print(
-        f"[bold]{summary['kernel']} {problem.label()}[/] on {summary['device_kind']} "
+        f"[bold]{summary['kernel']} {problem.label()}[/] on {escape(summary['device_kind'])} "
         f"device {summary['device_index']} ({summary['method']}, timed by {summary['timing']}): "
         f"best {best.label()} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
-        f"{summary['measured']} measured, failures {summary['failures'] or 'none'}; "
-        f"published: {summary['publish']} (study {summary['study']!r})")
+        f"{summary['measured']} measured, failures {escape(str(summary['failures'] or 'none'))}"
+        f"; published: {summary['publish']}"
+        + (f" (study {escape(repr(summary['study']))})" if summary["study"] else ""))

@@ -1,0 +1,136 @@
+"""Hostile or awkward input to the CLI (issue 46, A7, A9, A10, item 11): Rich markup in stored
+and user strings, YAML alias bombs, large shapes files, and ``--shapes`` on every command that
+takes a problem."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.commands.tune import _report
+from autotune.problem_options import load_shapes
+from kernel import Problem, get_kernel
+from kernel.resolve import installed_versions
+from storage import Store, TunedResult
+from tests.conftest import run_cli
+
+OLD = {**{f"{p}_version": v for p, v in installed_versions().items()}, "jax_version": "0.4.1"}
+PROBLEM = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
+                  dtype="float32", causal=False, mode="fwd")
+# ~500 bytes whose batch expands to 9**9 (387M) scalars: each anchor repeats the last nine times.
+BOMB = "- {q_heads: 1, q_len: 8, head_dim: 8, batch: [&a [x,x,x,x,x,x,x,x,x], " + ", ".join(
+    f"&{b} [*{a},*{a},*{a},*{a},*{a},*{a},*{a},*{a},*{a}]"
+    for a, b in zip("abcdefgh", "bcdefghi")) + "]}\n"
+
+
+def test_stale_prints_markup_in_a_device_kind_as_text(sqlite_db_url: str, tmp_path: Path) -> None:
+    """A7: a device kind holding ``[/x]`` crashed ``stale`` (Rich read it as a closing tag)."""
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind="evil [/x] kind", problem=PROBLEM, median_ms=1.0,
+                                  config=get_kernel("flash").default_config(PROBLEM), **OLD))
+    done = run_cli("stale", "--db", sqlite_db_url, "--output-dir", str(tmp_path),
+                   env={"COLUMNS": "250"})
+    assert done.returncode == 0, done.stderr
+    assert "'evil [/x] kind' device" in done.stdout
+
+
+def _summary(**fields: object) -> dict[str, object]:
+    """A tune summary as ``autotune tune`` prints it (TuneSummary.to_dict's fields it shows)."""
+    return {"problem": PROBLEM.to_dict(), "kernel": "flash", "device_kind": "cpu [/x]",
+            "device_index": 0, "method": "interpret", "timing": "wallclock",
+            "best_config": get_kernel("flash").default_config(PROBLEM).to_dict(),
+            "best_time_ms": 1.0, "achieved_tflops": None, "roofline_fraction": None,
+            "roofline_bound": None, "winner_is_default": True, "speedup": 1.0, "measured": 2,
+            "failures": {}, "publish": "inserted", "study": "my [/x] study", **fields}
+
+
+def test_a_study_name_with_markup_is_printed_as_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """A7: ``tune --study "my [/x] study"`` published, then exited 1 printing its summary."""
+    _report(_summary(), json_output=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "on cpu [/x] device 0" in out and "(study 'my [/x] study')" in out
+
+
+def test_an_untunable_kernel_names_no_empty_study(capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 11: ``xla`` (no study) ended its result line ``(study '')``."""
+    _report(_summary(kernel="xla", best_config={}, study=""), json_output=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "published: inserted" in out and "study" not in out
+
+
+def test_replay_prints_markup_in_a_landscape_name_as_text(tmp_path: Path) -> None:
+    """A7: a landscape named ``evil [/x] name`` crashed ``replay``'s table."""
+    path = tmp_path / "evil.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({
+        "name": "evil [/x] name", "params": {"a": [1, 2]},
+        "records": [{"config": {"a": 1}, "status": "ok", "time_ms": 1.0},
+                    {"config": {"a": 2}, "status": "ok", "time_ms": 2.0}]}).encode()))
+    done = run_cli("replay", str(path), "--budget", "2", env={"COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert "replay evil [/x] name" in done.stdout
+
+
+def test_an_alias_bomb_in_a_shapes_file_is_refused_in_one_short_line(tmp_path: Path) -> None:
+    """A9: 500 bytes that expand to 1e9 values ran out of memory printing the value."""
+    shapes = tmp_path / "bomb.yaml"
+    shapes.write_text(BOMB)
+    assert len(shapes.read_bytes()) < 600
+    done = run_cli("tune", "--shapes", str(shapes), timeout=60)
+    assert done.returncode == 2
+    assert "expands to more than 1,000,000 YAML nodes" in done.stderr
+    assert len(done.stderr) < 2000
+
+
+def test_an_error_quoting_a_large_value_shows_its_start_only(tmp_path: Path) -> None:
+    """A9: a value within the bound but large is quoted up to 200 characters."""
+    shapes = tmp_path / "big.yaml"
+    shapes.write_text(json.dumps([{"batch": list(range(20_000)), "q_heads": 1, "q_len": 128,
+                                   "head_dim": 64}]))
+    done = run_cli("tune", "--shapes", str(shapes))
+    assert done.returncode == 2
+    assert "characters)" in done.stderr and len(done.stderr) < 2000, done.stderr
+
+
+def test_a_recursive_alias_is_refused(tmp_path: Path) -> None:
+    shapes = tmp_path / "loop.yaml"
+    shapes.write_text("- &a {batch: 1, q_heads: 1, q_len: 128, head_dim: 64, x: [*a]}\n")
+    done = run_cli("tune", "--shapes", str(shapes))
+    assert done.returncode == 2 and "holds a recursive alias" in done.stderr, done.stderr
+
+
+def test_anchors_and_merge_keys_within_the_bound_still_load(tmp_path: Path) -> None:
+    shapes = tmp_path / "merge.yaml"
+    shapes.write_text("- &base {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, dtype: float32}\n"
+                      "- {<<: *base, q_len: 256}\n")
+    assert [p.q_len for p in load_shapes(shapes)] == [128, 256]
+
+
+def test_reading_shapes_with_a_repeat_is_linear(tmp_path: Path) -> None:
+    """A10: each distinct problem looked up its first index by a list scan (16k shapes with one
+    repeat took 22 s instead of 3.4 s)."""
+    rows = [{"batch": 1 + i % 100, "q_heads": 1, "q_len": 128 * (1 + i // 100), "head_dim": 64}
+            for i in range(16_000)]
+    timings = []
+    for name, data in (("plain", rows), ("repeat", [*rows, rows[0]])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        start = time.perf_counter()
+        assert len(load_shapes(path)) == 16_000
+        timings.append(time.perf_counter() - start)
+    assert timings[1] < 3 * timings[0] + 0.5, timings
+
+
+def test_precheck_takes_shapes_like_tune(tmp_path: Path) -> None:
+    """Item 11: every command that takes a problem takes ``--shapes`` (precheck did not)."""
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, mode: fwd}\n")
+    done = run_cli("precheck", "--shapes", str(shapes), "--q-len", "256", env={"COLUMNS": "250"})
+    assert done.returncode == 2
+    assert "give --shapes or the problem flags, not both (--q-len)" in done.stderr
+    shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, dtype: int8}\n")
+    done = run_cli("precheck", "--shapes", str(shapes), env={"COLUMNS": "250"})
+    assert done.returncode == 2 and "problem 0: " in done.stderr, done.stderr  # the file read
