@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernel
-from autotune.commands.tune import load_shapes
+from autotune.problem_options import load_shapes
 from kernel import Problem
 
 # Two attention layers of different shapes: grouped-query causal self-attention, then

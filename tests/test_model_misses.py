@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import kernel
-from autotune.commands.tune import load_shapes
+from autotune.problem_options import load_shapes
 from kernel import LookupTable, Problem, TableEntry, get_kernel
 from kernel.misses import ILLEGAL, NO_ENTRY, STALE
 from kernel.resolve import ResolverSettings, reset_resolver

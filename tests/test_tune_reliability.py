@@ -149,7 +149,7 @@ def fresh_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_two_jobs_share_one_study(fresh_db: str, tmp_path: Path) -> None:
-    study, trials = "shared", 5
+    study, trials = "shared", 8  # long enough that the later-starting job joins (CI is loaded)
     logs = [tmp_path / f"job{i}.log" for i in range(2)]
     jobs = [start(tune_args(fresh_db, study, trials), log) for log in logs]
     try:
