@@ -26,6 +26,8 @@ MAX_HEAD_DIM = 1 << 10
 INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_heads": MAX_HEADS,
                               "q_len": MAX_SEQ_LEN, "kv_len": MAX_SEQ_LEN,
                               "head_dim": MAX_HEAD_DIM}
+# The optional features a problem may use (None or False when not in use).
+FEATURE_FIELDS = ("window", "softcap", "segmented")
 # Fields that may be left out of a problem's JSON, and the field each then copies.
 DEFAULTS_FROM: dict[str, str] = {"kv_heads": "q_heads", "kv_len": "q_len"}
 
