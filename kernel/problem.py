@@ -112,6 +112,17 @@ class Problem:
             raise ProblemError(f"missing problem field(s): {', '.join(missing)}")
         return cls(**values)
 
+    def query_params(self) -> list[tuple[str, Any]]:
+        """The problem as URL query parameters, as the service reads them: booleans as
+        ``true``/``false``, a window as two ``window`` parameters, a softcap only when set."""
+        params: list[tuple[str, Any]] = []
+        for name, value in self.to_dict().items():
+            if isinstance(value, tuple):
+                params.extend((name, side) for side in value)
+            elif value is not None:
+                params.append((name, str(value).lower() if isinstance(value, bool) else value))
+        return params
+
     def label(self) -> str:
         """A short human-readable name, e.g. ``b1 h8/8 q512 kv512 d128 bfloat16 causal fwd``,
         with ``window512,0``, ``softcap50`` and ``segmented`` before the mode when set."""

@@ -211,16 +211,9 @@ def _choice_answer(results: Any, index: int, failure: Answer) -> Answer:
 
 def _config_params(device_kind: str, problem: Problem,
                    kernel: TunableKernel) -> list[tuple[str, Any]]:
-    """The query of ``GET /v1/configs/lookup``: a window is two ``window`` parameters, a
-    feature not in use is left out."""
-    params = [("kernel", kernel.name), ("kernel_version", kernel.version),
-              ("device_kind", device_kind)]
-    for name, value in problem.to_dict().items():
-        if isinstance(value, tuple):
-            params.extend((name, side) for side in value)
-        elif value is not None:
-            params.append((name, str(value).lower() if isinstance(value, bool) else value))
-    return params
+    """The query of ``GET /v1/configs/lookup`` (``Problem.query_params``)."""
+    return [("kernel", kernel.name), ("kernel_version", kernel.version),
+            ("device_kind", device_kind), *problem.query_params()]
 
 
 TOO_LARGE = "lookup service reply is larger than"

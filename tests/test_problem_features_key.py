@@ -6,24 +6,38 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import uuid
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import typer
 from alembic import command
 from sqlalchemy import MetaData, Table, select
 from typer.testing import CliRunner
 
+from api.routers.pages import detail_link
 from autotune.problem_options import load_shapes, with_problem_options
 
 from kernel import get_kernel
-from kernel.problem import Problem
+from kernel.errors import TableError
+from kernel.problem import FEATURE_FIELDS, Problem
+from kernel.service import PROBLEM_FIELDS, ServiceClient, _config_params
 from kernel.shapesfile import save_shapes
-from kernel.table import KernelChoice, KernelTiming, TableEntry, find_choice, find_entry
+from kernel.table import (
+    TABLE_SCHEMA_VERSION,
+    KernelChoice,
+    KernelTiming,
+    LookupTable,
+    TableEntry,
+    find_choice,
+    find_entry,
+)
 from storage import Store, TunedResult, upgrade
 from storage.choices import choice_columns
 from storage.schema import alembic_config
-from tests.conftest import problem_flags
+from tests.conftest import Server, problem_flags
 
 DEVICE = "TPU v5 lite"
 PLAIN = Problem(batch=1, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_dim=128,
@@ -198,3 +212,133 @@ def test_a_shapes_file_takes_the_features(tmp_path: Path) -> None:
     shapes.write_text("- {batch: 1, q_heads: 4, q_len: 1024, head_dim: 128, window: [-1, 0]}\n")
     with pytest.raises(typer.BadParameter, match="problem 0: window left side must be between"):
         load_shapes(shapes)
+
+
+# --- the service: request models, lookups, batches, lists, and the resolver's client ---
+
+
+def _params(device_kind: str, problem: Problem) -> list[tuple[str, Any]]:
+    """A lookup's query: the window as two ``window`` parameters, features in use only."""
+    return _config_params(device_kind, problem, XLA)
+
+
+def _body(device_kind: str, problem: Problem) -> dict[str, Any]:
+    """A choice key's JSON (a config key's adds ``kernel``)."""
+    return {"device_kind": device_kind,
+            **{name: value for name, value in problem.to_dict().items() if value is not None}}
+
+
+@pytest.mark.parametrize(("asked", "stored", "answered"), NEAREST_CASES, ids=CASE_IDS)
+def test_the_service_keeps_features_apart(server: Server, asked: Problem, stored: Problem,
+                                          answered: bool) -> None:
+    """Every lookup endpoint (config and choice, one and batch) and the resolver's client."""
+    kind = f"TPU test {uuid.uuid4().hex[:8]}"
+    with Store(server.db_url) as store:
+        store.publish(dataclasses.replace(xla_result(bigger(stored)), device_kind=kind))
+        store.publish_choice(kind, xla_choice(bigger(stored)))
+    config = httpx.get(f"{server.url}/v1/configs/lookup", params=_params(kind, asked))
+    choice = httpx.get(f"{server.url}/v1/choices/lookup", params=_params(kind, asked)[2:])
+    batches = [httpx.post(f"{server.url}/v1/{what}/lookup:batch",
+                          json={"keys": [{**_body(kind, asked), **extra}]}).json()["results"][0]
+               for what, extra in (("configs", {"kernel": "xla"}), ("choices", {}))]
+    assert [config.status_code, choice.status_code] == [200, 200] if answered else [404, 404]
+    assert [batch["found"] for batch in batches] == [answered, answered]
+    if answered:
+        for found in (config.json(), choice.json(), *batches):
+            assert found["match"] == "nearest"
+        assert Problem.from_dict({name: config.json()["key"][name] for name in PROBLEM_FIELDS}) \
+            == bigger(stored)
+        assert Problem.from_dict(choice.json()["problem"]) == bigger(stored)
+    else:
+        assert "window, segment ids or none, and softcap (any value) or none" in \
+            config.json()["detail"]
+    client = ServiceClient(server.url, timeout_s=10, breaker_s=1)
+    answer = client.config(kind, asked, XLA)
+    assert (answer.value is not None and answer.value.origin == bigger(stored)) \
+        if answered else answer.value is None, answer.why
+    assert (client.choice(kind, asked).value is not None) == answered
+
+
+def test_the_list_endpoints_show_and_filter_the_features(server: Server) -> None:
+    kind = f"TPU test {uuid.uuid4().hex[:8]}"
+    featured = dataclasses.replace(WINDOWED, softcap=50.0, segmented=True)
+    with Store(server.db_url) as store:
+        for problem in (PLAIN, featured):
+            store.publish(dataclasses.replace(xla_result(problem), device_kind=kind))
+            store.publish_choice(kind, xla_choice(problem))
+    for path, problem_of in (("configs", lambda item: item["key"]),
+                             ("choices", lambda item: item["problem"])):
+        listed = httpx.get(f"{server.url}/v1/{path}", params={"device_kind": kind}).json()
+        assert [Problem.from_dict({name: problem_of(item)[name] for name in PROBLEM_FIELDS})
+                for item in listed["items"]] == [PLAIN, featured]
+        only = httpx.get(f"{server.url}/v1/{path}",
+                         params={"device_kind": kind, "segmented": "true"}).json()
+        assert [problem_of(item)["window"] for item in only["items"]] == [[256, 0]]
+
+
+@pytest.mark.parametrize(("fields", "location", "message"), [
+    ({"window": [-1, 0]}, ["window", 0], "greater than or equal to 0"),
+    ({"window": [256]}, ["window"], "at least 2 items"),
+    ({"window": [1, 2, 3]}, ["window"], "at most 2 items"),
+    ({"softcap": 0}, ["softcap"], "greater than 0"),
+    ({"softcap": -5.0}, ["softcap"], "greater than 0"),
+    ({"softcap": "nan"}, ["softcap"], "finite number"),
+    ({"segmented": "sometimes"}, ["segmented"], "valid boolean"),
+])
+def test_a_bad_feature_is_a_422_naming_it(server: Server, fields: dict[str, Any],
+                                          location: list[Any], message: str) -> None:
+    """In a lookup's query and in a batch's body alike; nothing else is refused."""
+    body = {**_body("TPU v5 lite", PLAIN), **fields}
+    params = [(name, side) for name, value in body.items()
+              for side in (value if isinstance(value, list) else [value])]
+    for response, prefix in (
+            (httpx.get(f"{server.url}/v1/configs/lookup", params=params), ["query"]),
+            (httpx.post(f"{server.url}/v1/configs/lookup:batch", json={"keys": [body]}),
+             ["body", "keys", 0])):
+        assert response.status_code == 422, response.text
+        [error] = response.json()["detail"]
+        assert error["loc"] == [*prefix, *location] and message in error["msg"], error
+
+
+# --- lookup tables: schema 3 ---
+
+
+def test_a_table_carries_the_features_and_older_schemas_still_load() -> None:
+    featured = dataclasses.replace(WINDOWED, softcap=50.0, segmented=True)
+    table = LookupTable(kernel="xla", kernel_version="1", device_kind=DEVICE,
+                        entries=(TableEntry(featured, XLA.default_config(featured)),
+                                 TableEntry(PLAIN, XLA.default_config(PLAIN))),
+                        choices=(xla_choice(featured),))
+    exported = json.loads(json.dumps(table.to_dict()))
+    assert exported["schema_version"] == TABLE_SCHEMA_VERSION == 3
+    assert LookupTable.from_dict(exported) == table
+    for version in (1, 2):  # written before the features: every problem is a plain one
+        old = {**exported, "schema_version": version,
+               "entries": [{**exported["entries"][1], "problem": {
+                   name: value for name, value in PLAIN.to_dict().items()
+                   if name not in FEATURE_FIELDS}}]}
+        [entry] = LookupTable.from_dict(old).entries
+        assert entry.problem == PLAIN
+    with pytest.raises(TableError, match="schema_version 4 is newer than this build"):
+        LookupTable.from_dict({**exported, "schema_version": 4})
+
+
+# --- pages ---
+
+
+def test_the_pages_show_and_link_featured_problems(server: Server) -> None:
+    """The list's features column, and each row's detail link opens its own config (the
+    plain twin of the same shape is another page)."""
+    kind = f"TPU test {uuid.uuid4().hex[:8]}"
+    featured = dataclasses.replace(WINDOWED, softcap=50.0, segmented=True)
+    results = [dataclasses.replace(xla_result(problem, ms), device_kind=kind)
+               for problem, ms in ((PLAIN, 1.0), (featured, 3.0))]
+    with Store(server.db_url) as store:
+        for result in results:
+            store.publish(result)
+    listed = httpx.get(f"{server.url}/", params={"device_kind": kind}).text
+    assert "<td>window256,0 softcap50 segmented</td>" in listed
+    for result in results:
+        page = httpx.get(f"{server.url}{detail_link(result.key)}", timeout=60)
+        assert page.status_code == 200, page.text
+        assert f"<h1>{result.problem.label()} " in page.text
