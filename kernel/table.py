@@ -319,7 +319,7 @@ def find_choice(problem: Problem,
     return ProblemIndex(choices, lambda choice: choice.kernel).find(problem)
 
 
-def _family(problem: Problem) -> tuple[Any, ...]:
+def problem_family(problem: Problem) -> tuple[Any, ...]:
     """What a nearest match must share with the problem: dtype, head_dim, causality, mode,
     the window exactly (it decides which blocks are skipped: tiles tuned for another window
     are no evidence), whether logits are soft-capped but not the cap (one elementwise tanh per
@@ -330,9 +330,9 @@ def _family(problem: Problem) -> tuple[Any, ...]:
 
 class ProblemIndex:
     """Table entries or kernel choices indexed by problem: an exact lookup is one dict read;
-    a nearest one looks only at the problem's family (:func:`_family`), visits its (q_len,
-    kv_len) buckets closest first and stops once a bucket cannot hold anything closer than
-    the best legal item found, checking rules closest first. Earlier items win ties."""
+    a nearest one looks only at the problem's family (:func:`problem_family`), visits its
+    (q_len, kv_len) buckets closest first and stops once a bucket cannot hold anything closer
+    than the best legal item found, checking rules closest first. Earlier items win ties."""
 
     def __init__(self, items: Iterable[Any], kernel_of: Callable[[Any], str]) -> None:
         self._kernel_of = kernel_of
@@ -341,7 +341,7 @@ class ProblemIndex:
         for order, item in enumerate(items):
             self._exact.setdefault(item.problem, item)
             lengths = (item.problem.q_len, item.problem.kv_len)
-            self._families.setdefault(_family(item.problem), {}).setdefault(
+            self._families.setdefault(problem_family(item.problem), {}).setdefault(
                 lengths, []).append((order, item))
 
     def find(self, problem: Problem) -> tuple[Any, str] | None:
@@ -355,7 +355,7 @@ class ProblemIndex:
     def nearest(self, problem: Problem) -> Any:
         """The closest item of the family whose config passes its kernel's stored-config rules
         for ``problem`` (:func:`shape_distance`); None when none does."""
-        buckets = self._families.get(_family(problem), {})
+        buckets = self._families.get(problem_family(problem), {})
         # The sequence lengths' part of shape_distance: a lower bound for a whole bucket.
         bounds = sorted((abs(math.log2(problem.q_len / q_len))
                          + abs(math.log2(problem.kv_len / kv_len)), (q_len, kv_len))
@@ -386,15 +386,15 @@ class ProblemIndex:
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
                   kernel: str) -> TableEntry | None:
-    """The closest tuned problem of the same family (``_family``: dtype, head_dim, causality,
-    mode, window, softcap or none, segment ids or none) whose config (one of kernel
+    """The closest tuned problem of the same family (``problem_family``: dtype, head_dim,
+    causality, mode, window, softcap or none, segment ids or none) whose config (one of kernel
     ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None when none
     does."""
     return ProblemIndex(entries, lambda entry: kernel).nearest(problem)
 
 
 def nearest_choice(problem: Problem, choices: Iterable[KernelChoice]) -> KernelChoice | None:
-    """The choice of the closest problem of the same family (``_family``) whose chosen kernel
-    is registered here and whose config passes its stored-config rules for ``problem``; None
-    when none does (an unknown kernel's choice matches only exactly)."""
+    """The choice of the closest problem of the same family (``problem_family``) whose chosen
+    kernel is registered here and whose config passes its stored-config rules for ``problem``;
+    None when none does (an unknown kernel's choice matches only exactly)."""
     return ProblemIndex(choices, lambda choice: choice.kernel).nearest(problem)

@@ -192,10 +192,11 @@ class _Shape(NamedTuple):
 
 class _Family:
     """The nearest-match candidates of one family (same kernel, device, dtype, head_dim,
-    causal, mode, window, segment ids, softcap or none), sorted by q_len. ``nearest`` visits them in order of the q_len term of
-    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound
-    exceeds the best legal distance found, so a lookup reads a few q_len neighbourhoods, not
-    the family; legality is checked once per distinct config."""
+    causal, mode, window, segment ids, softcap or none), sorted by q_len. ``nearest`` visits
+    them in order of the q_len term of ``shape_distance`` (a lower bound of the whole
+    distance) and stops once that bound exceeds the best legal distance found, so a lookup
+    reads a few q_len neighbourhoods, not the family; legality is checked once per distinct
+    config."""
 
     def __init__(self, rows: Sequence[Any]) -> None:
         self.rows = rows  # (id, batch, q_heads, kv_heads, q_len, kv_len, config), by q_len, id

@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from api.routers.pages import detail_link
 from autotune.problem_options import load_shapes, with_problem_options
+from autotune.tune import kernel_space, warm_seeds
+from kernel import FlashConfig, get_kernel
 
-from kernel import get_kernel
 from kernel.errors import TableError
 from kernel.problem import FEATURE_FIELDS, Problem
 from kernel.service import PROBLEM_FIELDS, ServiceClient, _config_params
@@ -342,3 +343,18 @@ def test_the_pages_show_and_link_featured_problems(server: Server) -> None:
         page = httpx.get(f"{server.url}{detail_link(result.key)}", timeout=60)
         assert page.status_code == 200, page.text
         assert f"<h1>{result.problem.label()} " in page.text
+
+
+def test_the_tuner_seeds_only_from_its_problems_family(store: Store) -> None:
+    """A local layer's winner is no warm seed for a global layer of the same shape (nor the
+    other way round): the window decides which blocks run."""
+    flash = get_kernel("flash")
+    space, base = kernel_space(flash, PLAIN, flash.target("v5e"))
+    seed = FlashConfig(block_q=256, block_kv=256)
+    assert seed != base and space.is_legal({name: getattr(seed, name) for name in space.names})
+    store.publish(TunedResult(device_kind=DEVICE, problem=bigger(WINDOWED), config=seed,
+                              median_ms=1.0))
+    assert len(warm_seeds(store, PLAIN, DEVICE, space, base)) == 1  # the default only
+    store.publish(TunedResult(device_kind=DEVICE, problem=bigger(PLAIN), config=seed,
+                              median_ms=1.0))
+    assert len(warm_seeds(store, PLAIN, DEVICE, space, base)) == 2

@@ -30,7 +30,8 @@ router = APIRouter(prefix="/v1/choices", tags=["choices"], route_class=StrictJso
 
 def _miss_detail(device_kind: str, problem: Problem) -> str:
     return (f"no kernel choice on {device_kind!r} fits {problem.label()} (no exact one, and "
-            f"none {NEAREST_FAMILY} whose config is legal for it); make one with `autotune tune --kernels ...` or import a table")
+            f"none {NEAREST_FAMILY} whose config is legal for it); make one with "
+            "`autotune tune --kernels ...` or import a table")
 
 
 def _answer(stored: StoredChoice, match: str) -> dict[str, Any]:
