@@ -119,6 +119,13 @@ def test_a_featured_problem_is_stored_under_its_own_key(store: Store) -> None:
         assert store.publish(xla_result(problem)).status == "inserted"
     assert store.list({"segmented": True})[1] == 1
     assert store.list()[1] == 5
+    store.publish_choice(DEVICE, xla_choice(SEGMENTED))
+    exported = store.export_table(DEVICE, "xla")
+    with Store("sqlite://") as copy:  # an export imports whole into another database
+        copy.import_table(LookupTable.from_dict(json.loads(json.dumps(exported.to_dict()))))
+        again = copy.export_table(DEVICE, "xla")  # in the order of the import's writes
+    assert set(again.entries) == set(exported.entries) and len(again.entries) == 5
+    assert [c.problem for c in again.choices] == [SEGMENTED]
 
 
 # --- the nearest-problem rule, in each direction ---
