@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
-from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MODES
+from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES
 from kernel.resolve import VERSIONED_PACKAGES
 from storage import (
     MAX_STORED_INT,
@@ -26,6 +26,9 @@ from storage import (
 from storage.results import KEY_TEXT_FIELDS, TEXT_LIMITS
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+# What a nearest match shares with the problem asked (kernel.table.problem_family), for misses.
+NEAREST_FAMILY = ("with the same dtype, head_dim, causal, mode, window, segment ids or none, and "
+                  "softcap (any value) or none")
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
 # The versions a result was tuned under: the resolver marks an entry stale when they moved.
 VERSION_FIELDS = tuple(f"{package}_version" for package in VERSIONED_PACKAGES)
@@ -47,9 +50,22 @@ class _Strict(BaseModel):
 _PROBLEM_HINTS = typing.get_type_hints(Problem)
 
 
+# The request types of the problem's optional features (kernel.problem validates them again).
+_KeyCount = Annotated[int, Field(ge=0, le=MAX_SEQ_LEN)]
+_FEATURE_TYPES = {
+    "window": Annotated[list[_KeyCount], Field(
+        min_length=2, max_length=2, description="[left, right]: keys visible before and after "
+        "each query (right is 0 when causal); null: no window.")] | None,
+    "softcap": Annotated[float, Field(gt=0, allow_inf_nan=False, description="Logits become "
+                                      "softcap * tanh(logits / softcap); null: none.")] | None,
+}
+
+
 def _problem_field(field: dataclasses.Field) -> tuple[Any, Any]:
     """A request field for a ``Problem`` field: its type and bounds from ``kernel.problem``;
     optional (``None``) where the problem copies another field by default."""
+    if field.name in _FEATURE_TYPES:
+        return _FEATURE_TYPES[field.name], field.default
     if field.name in INT_LIMITS:
         bounded = Annotated[int, Field(ge=1, le=INT_LIMITS[field.name])]
         return (bounded | None, None) if field.name in DEFAULTS_FROM else (bounded, ...)
@@ -229,6 +245,7 @@ class ListQuery(_Strict):
     mode: Mode | None = None
     causal: bool | None = None
     head_dim: Annotated[int | None, Field(ge=1, le=INT_LIMITS["head_dim"])] = None
+    segmented: bool | None = None
     method: Method | None = None
     study: Text | None = None
     offset: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,28 @@ import typer
 from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
 
 _PANEL = "Problem"
+
+
+def _window_option(value: str | None) -> tuple[int, int] | None:
+    """``--window L,R``: two non-negative key counts."""
+    if value is None:
+        return None
+    sides = value.split(",")
+    if len(sides) != 2 or not all(side.strip().isdecimal() for side in sides):
+        raise typer.BadParameter(f"give the keys visible before and after each query as two "
+                                 f"non-negative integers L,R (e.g. --window 4096,0), got "
+                                 f"{value!r}")
+    return int(sides[0]), int(sides[1])
+
+
+def _softcap_option(value: float | None) -> float | None:
+    """``--softcap X``: a positive finite number."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50), got "
+                                 f"{value}; leave the flag out for no capping")
+    return value
+
+
 _OPTIONS: list[inspect.Parameter] = [
     inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
     for name, default, annotation in [
@@ -33,6 +56,16 @@ _OPTIONS: list[inspect.Parameter] = [
                                                        rich_help_panel=_PANEL)]),
         ("mode", "fwd", Annotated[str, typer.Option(help="fwd | fwd_bwd.",
                                                     rich_help_panel=_PANEL)]),
+        ("window", None, Annotated[str | None, typer.Option(
+            metavar="L,R", callback=_window_option, rich_help_panel=_PANEL,
+            help="Sliding window: keys visible before (L) and after (R) each query; R is 0 "
+                 "when causal (default: none).")]),
+        ("softcap", None, Annotated[float | None, typer.Option(
+            callback=_softcap_option, rich_help_panel=_PANEL,
+            help="Logit soft-capping: logits become X * tanh(logits / X) (default: none).")]),
+        ("segmented", False, Annotated[bool, typer.Option(
+            "--segmented", rich_help_panel=_PANEL,
+            help="Segment ids are given (packed sequences).")]),
     ]
 ]
 _NAMES = [p.name for p in _OPTIONS]

@@ -27,7 +27,7 @@ from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, 
     get_kernel
 from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
-from kernel.table import shape_distance
+from kernel.table import problem_family, shape_distance
 from storage import Store, TunedResult
 from storage.studies import get_storage
 
@@ -124,12 +124,14 @@ def kernel_space(kernel: TunableKernel, problem: Problem,
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
                base: Config, kernel: str = DEFAULT_KERNEL) -> list[dict[str, Any]]:
-    """The default first, then winners of the nearest tuned problems on the same device, the
-    problem's own stored winner first (a re-tune under new versions, a new study)."""
+    """The default first, then winners of the nearest tuned problems of its family
+    (``kernel.table.problem_family``) on the same device, the problem's own stored winner first
+    (a re-tune under new versions, a new study)."""
     family = {"kernel": kernel, "device_kind": device_kind, "dtype": problem.dtype,
               "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
     entries, _ = store.list(family, limit=None)
-    nearest = sorted((e.result for e in entries),
+    nearest = sorted((e.result for e in entries
+                      if problem_family(e.result.problem) == problem_family(problem)),
                      key=lambda r: shape_distance(problem, r.problem))
     seeds = [base] + [r.config for r in nearest]
     params = [{name: getattr(config, name) for name in space.names} for config in seeds]

@@ -20,7 +20,10 @@ from kernel.rules import Violation
 from kernel.targets import GPU_TARGET, TARGETS, Target
 
 Params = dict[str, list[int]]
-AttentionFn = Callable[..., Any]  # (q, k, v) -> output, or -> (dq, dk, dv) in fwd_bwd mode
+# (q, k, v) -> output, or -> (dq, dk, dv) in fwd_bwd mode; for a segmented problem
+# (packed sequences) two more arguments follow: q_segment_ids [batch, q_len] and
+# kv_segment_ids [batch, kv_len], int32, never differentiated.
+AttentionFn = Callable[..., Any]
 # The config a backend runs for a mode ("fwd" for a plain call, "fwd_bwd" when differentiated);
 # the resolver passes one in, so no backend imports the resolver.
 ConfigFor = Callable[[str], Any]
@@ -67,11 +70,11 @@ def by_mode(attend_for: Callable[[str], AttentionFn],
     import jax
 
     @jax.custom_vjp
-    def attend(q, k, v):  # noqa: ANN001, ANN202
-        return run(attend_for("fwd"))(q, k, v)
+    def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
+        return run(attend_for("fwd"))(q, k, v, *segment_ids)
 
-    def forward(q, k, v):  # noqa: ANN001, ANN202
-        return jax.vjp(run(attend_for("fwd_bwd")), q, k, v)
+    def forward(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
+        return jax.vjp(run(attend_for("fwd_bwd")), q, k, v, *segment_ids)
 
     def backward(vjp, cotangent):  # noqa: ANN001, ANN202
         return run(vjp)(cotangent)
@@ -102,17 +105,59 @@ def repeat_kv_heads(problem: Problem, k: Any, v: Any) -> tuple[Any, Any]:
             jnp.repeat(v, problem.group_size, axis=1))
 
 
-def reference_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
-                        sm_scale: float | None = None) -> Any:
-    """Plain XLA attention (``jax.nn.dot_product_attention``) in our layout: the reference
-    every backend is checked against (grouped-query K/V heads broadcast by XLA)."""
+def reference_attention(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
+                        kv_segment_ids: Any = None, *, causal: bool = False,
+                        sm_scale: float | None = None, window: tuple[int, int] | None = None,
+                        softcap: float | None = None) -> Any:
+    """Plain XLA attention in our layout: the reference every backend is checked against.
+    ``jax.nn.dot_product_attention`` (grouped-query K/V heads broadcast by XLA); with a
+    ``softcap``, which it lacks, the same in plain jnp. Masks as :func:`attention_mask`; a
+    query that sees no key at all gets zeros."""
     import jax
     import jax.numpy as jnp
 
     to_btnh = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), scale=sm_scale,
-                                       is_causal=causal)
-    return to_btnh(out)
+    if softcap is None and q_segment_ids is None and window is None:
+        out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), scale=sm_scale,
+                                           is_causal=causal)
+        return to_btnh(out)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    group = q.shape[1] // k.shape[1]
+    k, v = (jnp.repeat(x, group, axis=1) for x in (k, v))
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k,
+                        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32)) * scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    mask = attention_mask(q.shape[2], k.shape[2], causal=causal, window=window,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(total == 0, 1, total)  # a row with no key: zeros
+    return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v,
+                      preferred_element_type=probs.dtype).astype(q.dtype)
+
+
+def attention_mask(q_len: int, kv_len: int, *, causal: bool = False,
+                   window: tuple[int, int] | None = None, q_segment_ids: Any = None,
+                   kv_segment_ids: Any = None) -> Any:
+    """Which keys each query sees, a bool array ``[batch or 1, 1, q_len, kv_len]``: key j is
+    seen by query i when ``j <= i`` (``causal``, top-left aligned), ``i - left <= j <= i +
+    right`` (``window``) and their segment ids are equal (when given)."""
+    import jax.numpy as jnp
+
+    rows = jnp.arange(q_len)[:, None]
+    cols = jnp.arange(kv_len)[None, :]
+    mask = jnp.ones((q_len, kv_len), bool)
+    if causal:
+        mask &= cols <= rows
+    if window is not None:
+        mask &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+    mask = mask[None, None]
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    return mask
 
 
 class TunableKernel(ABC):
@@ -227,8 +272,9 @@ class TunableKernel(ABC):
 
     def reference(self, problem: Problem) -> AttentionFn:
         """The XLA reference of what ``build`` computes."""
-        return measured_fn(problem, functools.partial(reference_attention,
-                                                      causal=problem.causal))
+        return measured_fn(problem, functools.partial(
+            reference_attention, causal=problem.causal, window=problem.window,
+            softcap=problem.softcap))
 
     def target(self, target: Target | str) -> Target:
         """Resolves a target (a name or a JAX device kind) among this backend's targets."""

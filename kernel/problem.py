@@ -6,6 +6,7 @@ Pure Python (no jax), so storage and the service can use it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,8 @@ MAX_HEAD_DIM = 1 << 10
 INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_heads": MAX_HEADS,
                               "q_len": MAX_SEQ_LEN, "kv_len": MAX_SEQ_LEN,
                               "head_dim": MAX_HEAD_DIM}
+# The optional features a problem may use (None or False when not in use).
+FEATURE_FIELDS = ("window", "softcap", "segmented")
 # Fields that may be left out of a problem's JSON, and the field each then copies.
 DEFAULTS_FROM: dict[str, str] = {"kv_heads": "q_heads", "kv_len": "q_len"}
 
@@ -47,6 +50,13 @@ class Problem:
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     causal: bool = False
     mode: Literal["fwd", "fwd_bwd"] = "fwd"
+    # Keys visible around query i: i - left <= j <= i + right (jax.nn's local_window_size);
+    # None: all (or, when causal, j <= i). Causal caps the right side at 0, so it is stored 0.
+    window: tuple[int, int] | None = None
+    # Logits become softcap * tanh(logits / softcap) (Gemma 2); None: no capping.
+    softcap: float | None = None
+    # Segment ids are given (packed sequences: a query sees keys of its own segment only).
+    segmented: bool = False
 
     def __post_init__(self) -> None:
         for name, limit in INT_LIMITS.items():
@@ -66,6 +76,12 @@ class Problem:
             raise ProblemError(f"causal must be a boolean, got {self.causal!r}")
         if self.mode not in MODES:
             raise ProblemError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.window is not None:
+            object.__setattr__(self, "window", _window(self.window, self.causal))
+        if self.softcap is not None:
+            object.__setattr__(self, "softcap", _softcap(self.softcap))
+        if not isinstance(self.segmented, bool):
+            raise ProblemError(f"segmented must be a boolean, got {self.segmented!r}")
 
     @property
     def group_size(self) -> int:
@@ -96,13 +112,62 @@ class Problem:
             raise ProblemError(f"missing problem field(s): {', '.join(missing)}")
         return cls(**values)
 
+    def query_params(self) -> list[tuple[str, Any]]:
+        """The problem as URL query parameters, as the service reads them: booleans as
+        ``true``/``false``, a window as two ``window`` parameters, a softcap only when set."""
+        params: list[tuple[str, Any]] = []
+        for name, value in self.to_dict().items():
+            if isinstance(value, tuple):
+                params.extend((name, side) for side in value)
+            elif value is not None:
+                params.append((name, str(value).lower() if isinstance(value, bool) else value))
+        return params
+
     def label(self) -> str:
-        """A short human-readable name, e.g. ``b1 h8/8 q512 kv512 d128 bfloat16 causal fwd``."""
+        """A short human-readable name, e.g. ``b1 h8/8 q512 kv512 d128 bfloat16 causal fwd``,
+        with ``window512,0``, ``softcap50`` and ``segmented`` before the mode when set."""
         causal = "causal" if self.causal else "full"
+        features = "".join(f" {part}" for part in self.feature_labels())
         return (
             f"b{self.batch} h{self.q_heads}/{self.kv_heads} q{self.q_len} kv{self.kv_len} "
-            f"d{self.head_dim} {self.dtype} {causal} {self.mode}"
+            f"d{self.head_dim} {self.dtype} {causal}{features} {self.mode}"
         )
+
+    def feature_labels(self) -> list[str]:
+        """``window{L},{R}``, ``softcap{X}`` and ``segmented``, for the features in use."""
+        out = []
+        if self.window is not None:
+            out.append(f"window{self.window[0]},{self.window[1]}")
+        if self.softcap is not None:
+            out.append(f"softcap{self.softcap:g}")
+        if self.segmented:
+            out.append("segmented")
+        return out
+
+
+def _window(window: Any, causal: bool) -> tuple[int, int]:
+    """``window`` as a ``(left, right)`` pair of non-negative ints, right capped at 0 when
+    ``causal``; anything else raises naming the fix."""
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ProblemError(f"window must be a (left, right) pair of key counts, got {window!r}")
+    left, right = window
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProblemError(f"window {side} side must be an integer, got {value!r}")
+        if not 0 <= value <= MAX_SEQ_LEN:
+            raise ProblemError(f"window {side} side must be between 0 and {MAX_SEQ_LEN} keys, "
+                               f"got {value}")
+    return (left, 0 if causal else right)
+
+
+def _softcap(softcap: Any) -> float:
+    """``softcap`` as a positive finite float; anything else raises naming the fix."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ProblemError(f"softcap must be a number, got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ProblemError(f"softcap must be positive and finite (logits become softcap * "
+                           f"tanh(logits / softcap)), got {softcap!r}; leave it out for none")
+    return float(softcap)
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Problem))  # read per table entry

@@ -164,7 +164,8 @@ class ServiceClient:
         with self._lock:
             self._answers[key] = answer
 
-    def _send(self, method: str, path: str, payload: Mapping[str, Any]) -> _Reply:
+    def _send(self, method: str, path: str,
+              payload: Mapping[str, Any] | list[tuple[str, Any]]) -> _Reply:
         with self._lock:
             self.requests += 1
         if method == "GET":
@@ -208,10 +209,11 @@ def _choice_answer(results: Any, index: int, failure: Answer) -> Answer:
         return Answer(why=f"lookup service sent a bad choice: {type(error).__name__}: {error}")
 
 
-def _config_params(device_kind: str, problem: Problem, kernel: TunableKernel) -> dict[str, Any]:
-    return dict(kernel=kernel.name, kernel_version=kernel.version, device_kind=device_kind,
-                **{k: str(v).lower() if isinstance(v, bool) else v
-                   for k, v in problem.to_dict().items()})
+def _config_params(device_kind: str, problem: Problem,
+                   kernel: TunableKernel) -> list[tuple[str, Any]]:
+    """The query of ``GET /v1/configs/lookup`` (``Problem.query_params``)."""
+    return [("kernel", kernel.name), ("kernel_version", kernel.version),
+            ("device_kind", device_kind), *problem.query_params()]
 
 
 TOO_LARGE = "lookup service reply is larger than"

@@ -14,13 +14,16 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from kernel.problem import Problem
+from kernel.problem import FEATURE_FIELDS, Problem
 
 HEADER = "# attention problems for `autotune tune --shapes FILE`\n"
 
 
 def problem_line(problem: Problem) -> str:
-    return f"- {json.dumps(problem.to_dict())}\n"
+    """A problem's line; features not in use are left out (as in files written before them)."""
+    fields = {name: value for name, value in problem.to_dict().items()
+              if name not in FEATURE_FIELDS or value not in (None, False)}
+    return f"- {json.dumps(fields)}\n"
 
 
 def save_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> None:

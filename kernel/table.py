@@ -2,7 +2,9 @@
 
 Pure Python (no jax): the service exports and imports the same format, and uses the same
 nearest-match rules, as the kernel wrapper reading a pinned table. Schema 2 added ``choices``
-(which kernel wins per problem on the table's device kind); schema 1 tables still load.
+(which kernel wins per problem on the table's device kind); schema 3 problems may carry a
+``window``, a ``softcap`` and ``segmented``. Schema 1 and 2 tables still load (their problems
+have none of the three).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
 # larger file is no table.
 MAX_TABLE_BYTES = 512 * MiB
-TABLE_SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)  # 1: configs only; 2: configs and kernel choices
+TABLE_SCHEMA_VERSION = 3
+# 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -316,16 +319,20 @@ def find_choice(problem: Problem,
     return ProblemIndex(choices, lambda choice: choice.kernel).find(problem)
 
 
-def _family(problem: Problem) -> tuple[Any, ...]:
-    """What a nearest match must share with the problem: dtype, head_dim, causality, mode."""
-    return problem.dtype, problem.head_dim, problem.causal, problem.mode
+def problem_family(problem: Problem) -> tuple[Any, ...]:
+    """What a nearest match must share with the problem: dtype, head_dim, causality, mode,
+    the window exactly (it decides which blocks are skipped: tiles tuned for another window
+    are no evidence), whether logits are soft-capped but not the cap (one elementwise tanh per
+    logit costs the same at any value), and whether segment ids are given."""
+    return (problem.dtype, problem.head_dim, problem.causal, problem.mode, problem.window,
+            problem.softcap is not None, problem.segmented)
 
 
 class ProblemIndex:
     """Table entries or kernel choices indexed by problem: an exact lookup is one dict read;
-    a nearest one looks only at the problem's family (:func:`_family`), visits its (q_len,
-    kv_len) buckets closest first and stops once a bucket cannot hold anything closer than
-    the best legal item found, checking rules closest first. Earlier items win ties."""
+    a nearest one looks only at the problem's family (:func:`problem_family`), visits its
+    (q_len, kv_len) buckets closest first and stops once a bucket cannot hold anything closer
+    than the best legal item found, checking rules closest first. Earlier items win ties."""
 
     def __init__(self, items: Iterable[Any], kernel_of: Callable[[Any], str]) -> None:
         self._kernel_of = kernel_of
@@ -334,7 +341,7 @@ class ProblemIndex:
         for order, item in enumerate(items):
             self._exact.setdefault(item.problem, item)
             lengths = (item.problem.q_len, item.problem.kv_len)
-            self._families.setdefault(_family(item.problem), {}).setdefault(
+            self._families.setdefault(problem_family(item.problem), {}).setdefault(
                 lengths, []).append((order, item))
 
     def find(self, problem: Problem) -> tuple[Any, str] | None:
@@ -348,7 +355,7 @@ class ProblemIndex:
     def nearest(self, problem: Problem) -> Any:
         """The closest item of the family whose config passes its kernel's stored-config rules
         for ``problem`` (:func:`shape_distance`); None when none does."""
-        buckets = self._families.get(_family(problem), {})
+        buckets = self._families.get(problem_family(problem), {})
         # The sequence lengths' part of shape_distance: a lower bound for a whole bucket.
         bounds = sorted((abs(math.log2(problem.q_len / q_len))
                          + abs(math.log2(problem.kv_len / kv_len)), (q_len, kv_len))
@@ -379,14 +386,15 @@ class ProblemIndex:
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
                   kernel: str) -> TableEntry | None:
-    """The closest tuned problem with the same dtype, head_dim, causality and mode whose
-    config (one of kernel ``kernel``'s) passes that kernel's stored-config rules for
-    ``problem``; None when none does."""
+    """The closest tuned problem of the same family (``problem_family``: dtype, head_dim,
+    causality, mode, window, softcap or none, segment ids or none) whose config (one of kernel
+    ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None when none
+    does."""
     return ProblemIndex(entries, lambda entry: kernel).nearest(problem)
 
 
 def nearest_choice(problem: Problem, choices: Iterable[KernelChoice]) -> KernelChoice | None:
-    """The choice of the closest problem with the same dtype, head_dim, causality and mode
-    whose chosen kernel is registered here and whose config passes its stored-config rules
-    for ``problem``; None when none does (an unknown kernel's choice matches only exactly)."""
+    """The choice of the closest problem of the same family (``problem_family``) whose chosen
+    kernel is registered here and whose config passes its stored-config rules for ``problem``;
+    None when none does (an unknown kernel's choice matches only exactly)."""
     return ProblemIndex(choices, lambda choice: choice.kernel).nearest(problem)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kernel import Problem, get_kernel
+from kernel import get_kernel
 from kernel.table import KernelChoice, KernelTiming
 from storage.results import (
     METHODS,
@@ -21,6 +21,8 @@ from storage.results import (
     ResultError,
     check_text,
     default_platform,
+    problem_columns,
+    problem_from_columns,
 )
 
 # Provenance a stored choice keeps in columns (the rest of a table's provenance is dropped).
@@ -32,8 +34,6 @@ CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "timing", "jax_vers
 # takes about 820 bytes of a reply, so 32 of them keep two choices near 52 KiB.
 MAX_CHOICE_CANDIDATES = 32
 CHOICE_FLAGS = ("within_noise",)  # provenance kept as nullable boolean columns
-_PROBLEM_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
-                   "causal", "mode")
 
 
 def check_choice(device_kind: str, choice: KernelChoice) -> None:
@@ -72,7 +72,7 @@ def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:
     provenance = choice.provenance
     return {"device_kind": device_kind,
             "platform": provenance.get("platform") or default_platform(device_kind),
-            **choice.problem.to_dict(), "kernel": choice.kernel,
+            **problem_columns(choice.problem), "kernel": choice.kernel,
             "kernel_version": provenance.get("kernel_version") or get_kernel(choice.kernel).version,
             "config": choice.config.to_dict(),
             "candidates": {name: t.to_dict() for name, t in choice.candidates.items()},
@@ -105,7 +105,7 @@ def stored_choice(get: Callable[[str], Any], utc: Callable[[datetime], datetime]
     provenance = {name: get(name) for name in (*CHOICE_PROVENANCE, *CHOICE_FLAGS)
                   if get(name) is not None}
     choice = KernelChoice(
-        problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}), kernel=get("kernel"),
+        problem=problem_from_columns(get), kernel=get("kernel"),
         config=get_kernel(get("kernel")).config_from_dict(get("config")),
         candidates=candidates, provenance=provenance)
     return StoredChoice(get("device_kind"), choice, utc(get("created_at")),

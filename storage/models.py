@@ -6,22 +6,26 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.results import KEY_FIELDS, TEXT_LIMITS
+from storage.results import KEY_FIELDS, NO_SOFTCAP, NO_WINDOW, TEXT_LIMITS
 
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
+# A window, a softcap (any value) or segment ids are never answered by a problem without them
+# (kernel.table.nearest_entry), so the family holds them; a softcap's value is outside it.
+FEATURE_COLUMNS = ("window_left", "window_right", "segmented")
 FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
-                  "mode")
-KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "platform")
+                  "mode", *FEATURE_COLUMNS)
+KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "softcap",
+               "platform")
 # The index order is storage's; the key's fields are storage.results.KEY_FIELDS'.
 assert sorted(KEY_COLUMNS) == sorted(KEY_FIELDS), "the unique key must be the stored key"
 # A kernel choice's key: the device and the problem (no kernel: the choice names it).
-CHOICE_FAMILY_COLUMNS = ("device_kind", "dtype", "head_dim", "causal", "mode")
+CHOICE_FAMILY_COLUMNS = ("device_kind", "dtype", "head_dim", "causal", "mode", *FEATURE_COLUMNS)
 CHOICE_KEY_COLUMNS = (*CHOICE_FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len",
-                      "platform")
+                      "softcap", "platform")
 
 
 class Base(DeclarativeBase):
@@ -42,6 +46,11 @@ class _ProblemColumns:
     dtype: Mapped[str] = mapped_column(String(16))
     causal: Mapped[bool]
     mode: Mapped[str] = mapped_column(String(16))
+    # No window, no softcap: NO_WINDOW, NO_SOFTCAP (storage.results.problem_columns).
+    window_left: Mapped[int] = mapped_column(Integer, server_default=str(NO_WINDOW))
+    window_right: Mapped[int] = mapped_column(Integer, server_default=str(NO_WINDOW))
+    softcap: Mapped[float] = mapped_column(Float, server_default=str(NO_SOFTCAP))
+    segmented: Mapped[bool] = mapped_column(server_default=false())
 
 
 class _ProvenanceColumns:

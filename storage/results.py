@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -69,11 +69,43 @@ class ConfigKey:
         return {**{name: getattr(self, name) for name in KEY_TEXT_FIELDS},
                 **self.problem.to_dict()}
 
+    def columns(self) -> dict[str, Any]:
+        """As stored: the kernel and device fields, then ``problem_columns`` (``KEY_FIELDS``)."""
+        return {**{name: getattr(self, name) for name in KEY_TEXT_FIELDS},
+                **problem_columns(self.problem)}
 
-# The key's own text fields (before its problem): with the problem's fields, the one
+
+# A problem as stored: its fields, the window as two columns. "None" is stored as a value no
+# problem has (NO_WINDOW, NO_SOFTCAP), not as NULL: SQL unique keys treat NULLs as distinct, so
+# a nullable key column would let two rows hold the same key.
+WINDOW_COLUMNS = ("window_left", "window_right")
+NO_WINDOW = -1
+NO_SOFTCAP = 0.0
+PROBLEM_COLUMNS = tuple(column for f in dataclasses.fields(Problem)
+                        for column in (WINDOW_COLUMNS if f.name == "window" else (f.name,)))
+
+
+def problem_columns(problem: Problem) -> dict[str, Any]:
+    """A problem's column values (``PROBLEM_COLUMNS``), in their order."""
+    values = problem.to_dict()
+    values.update(zip(WINDOW_COLUMNS, problem.window or (NO_WINDOW, NO_WINDOW), strict=True),
+                  softcap=NO_SOFTCAP if problem.softcap is None else problem.softcap)
+    return {name: values[name] for name in PROBLEM_COLUMNS}
+
+
+def problem_from_columns(get: Callable[[str], Any]) -> Problem:
+    """The problem of a row, from its column getter (the inverse of ``problem_columns``)."""
+    values = {name: get(name) for name in PROBLEM_COLUMNS}
+    window = tuple(values.pop(name) for name in WINDOW_COLUMNS)
+    softcap = values.pop("softcap")
+    return Problem(**values, window=None if window[0] == NO_WINDOW else window,
+                   softcap=None if softcap == NO_SOFTCAP else softcap)
+
+
+# The key's own text fields (before its problem): with the problem's columns, the one
 # declaration of what a result is stored and looked up under.
 KEY_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(ConfigKey) if f.name != "problem")
-KEY_FIELDS = (*KEY_TEXT_FIELDS, *(f.name for f in dataclasses.fields(Problem)))
+KEY_FIELDS = (*KEY_TEXT_FIELDS, *PROBLEM_COLUMNS)
 
 
 # The longest value each text field may hold (the column sizes of storage.models).

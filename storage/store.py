@@ -40,6 +40,7 @@ from storage.models import (
 )
 from storage.results import (
     MEASUREMENT_FIELDS,
+    NO_SOFTCAP,
     PROVENANCE_FIELDS,
     ConfigKey,
     Entry,
@@ -49,6 +50,8 @@ from storage.results import (
     StorageError,
     TunedResult,
     installed_kernel_version,
+    problem_columns,
+    problem_from_columns,
 )
 from storage.schema import schema_problem, upgrade
 from storage.settings import StorageSettings
@@ -59,7 +62,6 @@ FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
 CHOICE_FILTER_FIELDS = (*CHOICE_KEY_COLUMNS, "kernel", "method")
 FAMILY_CACHE_SIZE = 64  # families of nearest-match candidates kept (SQLite); full: cleared
 PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
-_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem))
 _TABLE = TunedConfigRow.__table__
 _CHOICES = KernelChoiceRow.__table__
 
@@ -79,12 +81,21 @@ _BY_ID = _select_where(("id",))
 _CANDIDATE_COLUMNS = [*(_TABLE.c[name] for name in ("id", "batch", "q_heads", "kv_heads",
                                                     "q_len", "kv_len")),
                       cast(_TABLE.c.config, String).label("config")]
-_FAMILY = _select_where(FAMILY_COLUMNS, _CANDIDATE_COLUMNS).order_by(
-    _TABLE.c.q_len, _TABLE.c.id)
-_FAMILY_ON_PLATFORM = _select_where((*FAMILY_COLUMNS, "platform"), _CANDIDATE_COLUMNS).order_by(
-    _TABLE.c.q_len, _TABLE.c.id)
+
+
+def _capped(table: Any, capped: bool) -> Any:
+    """Rows with a softcap (of any value: the nearest rule ignores it), or without one."""
+    return table.c.softcap != NO_SOFTCAP if capped else table.c.softcap == NO_SOFTCAP
+
+
+# Nearest-match candidates per (on a given platform, capped).
+_FAMILY = {(on_platform, capped): _select_where(
+    (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS, _CANDIDATE_COLUMNS)
+    .where(_capped(_TABLE, capped)).order_by(_TABLE.c.q_len, _TABLE.c.id)
+    for on_platform in (False, True) for capped in (False, True)}
 _CHOICE_EXACT = _select_where(CHOICE_KEY_COLUMNS[:-1], (_CHOICES,), _CHOICES)  # any platform
-_CHOICE_FAMILY = _select_where(CHOICE_FAMILY_COLUMNS, (_CHOICES,), _CHOICES)
+_CHOICE_FAMILY = {capped: _select_where(CHOICE_FAMILY_COLUMNS, (_CHOICES,), _CHOICES)
+                  .where(_capped(_CHOICES, capped)) for capped in (False, True)}
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,8 @@ class LookupRequest:
         values = {"kernel": self.kernel,
                   "kernel_version": self.kernel_version or installed_kernel_version(self.kernel),
                   "device_kind": self.device_kind, "platform": self.platform}
-        return {name: values[name] if name in values else getattr(self.problem, name)
-                for name in names}
+        values.update(problem_columns(self.problem))
+        return {name: values[name] for name in names}
 
 
 @dataclass(frozen=True)
@@ -121,7 +132,7 @@ def _utc(value: datetime) -> datetime:
 def _columns(result: TunedResult) -> dict[str, Any]:
     columns = {"kernel": result.kernel, "kernel_version": result.kernel_version,
                "device_kind": result.device_kind, "platform": result.platform,
-               **result.problem.to_dict(), "config": result.config.to_dict(),
+               **problem_columns(result.problem), "config": result.config.to_dict(),
                **result.measurements()}
     if result.speedup is None and result.median_ms and result.default_median_ms is not None:
         speedup = result.default_median_ms / result.median_ms
@@ -145,7 +156,7 @@ def _result(row: Any) -> TunedResult:
     return TunedResult(
         kernel=get("kernel"), kernel_version=get("kernel_version"),
         device_kind=get("device_kind"), platform=get("platform"),
-        problem=Problem(**{name: get(name) for name in _PROBLEM_FIELDS}),
+        problem=problem_from_columns(get),
         config=get_kernel(get("kernel")).config_from_dict(get("config")),
         **{name: get(name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)})
 
@@ -181,10 +192,11 @@ class _Shape(NamedTuple):
 
 class _Family:
     """The nearest-match candidates of one family (same kernel, device, dtype, head_dim,
-    causal, mode), sorted by q_len. ``nearest`` visits them in order of the q_len term of
-    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound
-    exceeds the best legal distance found, so a lookup reads a few q_len neighbourhoods, not
-    the family; legality is checked once per distinct config."""
+    causal, mode, window, segment ids, softcap or none), sorted by q_len. ``nearest`` visits
+    them in order of the q_len term of ``shape_distance`` (a lower bound of the whole
+    distance) and stops once that bound exceeds the best legal distance found, so a lookup
+    reads a few q_len neighbourhoods, not the family; legality is checked once per distinct
+    config."""
 
     def __init__(self, rows: Sequence[Any]) -> None:
         self.rows = rows  # (id, batch, q_heads, kv_heads, q_len, kv_len, config), by q_len, id
@@ -444,8 +456,8 @@ class Store:
                                                platform)])[0]
 
     def lookup_many(self, requests: Sequence[LookupRequest]) -> list[tuple[Entry, Match] | None]:
-        """``lookup`` for many keys on one connection; each family of candidates (same kernel,
-        device, dtype, head_dim, causal, mode) is read at most once, and on SQLite kept until
+        """``lookup`` for many keys on one connection; each family of candidates (``_Family``)
+        is read at most once, and on SQLite kept until
         the next commit to the database (``data_version``)."""
         out: list[tuple[Entry, Match] | None] = []
         version = self.data_version()  # before reading, so a later write is not masked
@@ -461,10 +473,11 @@ class Store:
                     continue
                 family_names = (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS
                 params = request.params(family_names)
-                family_key = tuple(params.values())
+                capped = request.problem.softcap is not None
+                family_key = (*params.values(), capped)
                 family = families.get(family_key) or self._cached_family(family_key, version)
                 if family is None:
-                    query = _FAMILY_ON_PLATFORM if on_platform else _FAMILY
+                    query = _FAMILY[on_platform, capped]
                     family = _Family(connection.execute(query, params).all())
                     self._cache_family(family_key, version, family)
                 families[family_key] = family
@@ -559,7 +572,7 @@ class Store:
         families: dict[tuple[Any, ...], list[StoredChoice]] = {}
         with self.engine.connect() as connection:
             for device_kind, problem in requests:
-                values = {"device_kind": device_kind, **problem.to_dict()}
+                values = {"device_kind": device_kind, **problem_columns(problem)}
                 exact = connection.execute(
                     _CHOICE_EXACT, {name: values[name] for name in CHOICE_KEY_COLUMNS[:-1]}
                 ).mappings().first()
@@ -567,10 +580,12 @@ class Store:
                     out.append((stored_choice(_getter(exact), _utc), "exact"))
                     continue
                 params = {name: values[name] for name in CHOICE_FAMILY_COLUMNS}
-                family_key = tuple(params.values())
+                capped = problem.softcap is not None
+                family_key = (*params.values(), capped)
                 if family_key not in families:
+                    query = _CHOICE_FAMILY[capped]
                     families[family_key] = [stored_choice(_getter(row), _utc) for row in
-                                            connection.execute(_CHOICE_FAMILY, params).mappings()]
+                                            connection.execute(query, params).mappings()]
                 family = families[family_key]
                 nearest = nearest_choice(problem, [stored.choice for stored in family])
                 out.append(next(((stored, "nearest") for stored in family

@@ -55,7 +55,12 @@ def problem_flags(problem: Problem) -> list[str]:
     fields = problem.to_dict()
     flags = [f"--{name.replace('_', '-')}={fields[name]}" for name in
              ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype", "mode")]
-    return [*flags, "--causal" if fields["causal"] else "--no-causal"]
+    flags.append("--causal" if fields["causal"] else "--no-causal")
+    if problem.window is not None:
+        flags.append(f"--window={problem.window[0]},{problem.window[1]}")
+    if problem.softcap is not None:
+        flags.append(f"--softcap={problem.softcap}")
+    return [*flags, *(["--segmented"] if problem.segmented else [])]
 
 
 def pytest_configure(config: pytest.Config) -> None:

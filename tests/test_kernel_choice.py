@@ -45,7 +45,7 @@ SMALL = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=
 
 
 def choice_params(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
-    fields = problem.to_dict()
+    fields = {name: value for name, value in problem.to_dict().items() if value is not None}
     return {"device_kind": device_kind, **fields, "causal": str(fields["causal"]).lower()}
 
 
@@ -393,7 +393,8 @@ def test_a_choice_stored_before_schema_0006_reads_within_noise_as_unrecorded(
         choices = Table("autotune_kernel_choices", MetaData(), autoload_with=store.engine)
         with store.engine.begin() as connection:
             connection.execute(choices.insert().values(
-                device_kind="cpu", platform="cpu", **SMALL.to_dict(), kernel="xla",
+                device_kind="cpu", platform="cpu", kernel="xla",
+                **{name: value for name, value in SMALL.to_dict().items() if name in choices.c},
                 kernel_version="1", config={}, candidates={"xla": {"median_ms": 1.0,
                                                                    "iqr_ms": 0.1}},
                 timing="wallclock", created_at=now, updated_at=now))

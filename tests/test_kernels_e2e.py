@@ -39,7 +39,7 @@ PROBLEMS = {
 
 
 def lookup_params(kernel: str, problem: Problem) -> dict[str, Any]:
-    fields = problem.to_dict()
+    fields = {name: value for name, value in problem.to_dict().items() if value is not None}
     return {"kernel": kernel, "device_kind": "cpu", **fields,
             "causal": str(fields["causal"]).lower()}
 

@@ -366,8 +366,9 @@ def test_upgrade_keeps_rows_and_adds_timing_and_roofline(empty_db_url: str) -> N
         configs = Table("autotune_configs", MetaData(), autoload_with=store.engine)
         now = datetime.datetime.now(datetime.UTC)
         with store.engine.begin() as connection:
+            columns = {name: v for name, v in old.key.columns().items() if name in configs.c}
             connection.execute(configs.insert().values(
-                **old.key.to_dict(), config=old.config.to_dict(), median_ms=2.0,
+                **columns, config=old.config.to_dict(), median_ms=2.0,
                 method="device", created_at=now, updated_at=now))
     upgrade(empty_db_url)
     with Store(empty_db_url) as store:

@@ -56,7 +56,7 @@ def parse_json_lines(stdout: str) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 
 def lookup_params(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
-    fields = problem.to_dict()
+    fields = {name: value for name, value in problem.to_dict().items() if value is not None}
     return {"kernel": "flash", "device_kind": device_kind, **fields,
             "causal": str(fields["causal"]).lower()}
 

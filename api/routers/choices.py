@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from api.deps import StoreDep, batch_requests
 from api.schemas import (
+    NEAREST_FAMILY,
     BatchChoiceRequest,
     BatchChoiceResponse,
     ChoiceKey,
@@ -29,8 +30,8 @@ router = APIRouter(prefix="/v1/choices", tags=["choices"], route_class=StrictJso
 
 def _miss_detail(device_kind: str, problem: Problem) -> str:
     return (f"no kernel choice on {device_kind!r} fits {problem.label()} (no exact one, and "
-            "none with the same dtype, head_dim, causal and mode whose config is legal for "
-            "it); make one with `autotune tune --kernels ...` or import a table")
+            f"none {NEAREST_FAMILY} whose config is legal for it); make one with "
+            "`autotune tune --kernels ...` or import a table")
 
 
 def _answer(stored: StoredChoice, match: str) -> dict[str, Any]:
@@ -44,7 +45,8 @@ def _answer(stored: StoredChoice, match: str) -> dict[str, Any]:
             responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
 def lookup(key: Annotated[ChoiceKey, Query()], store: StoreDep) -> Any:
     """The kernel chosen for exactly this problem on this device kind, else the nearest
-    problem's choice (same dtype, head_dim, causal, mode) whose config is legal here."""
+    problem's choice (same dtype, head_dim, causal, mode, window, softcap or none, segment ids
+    or none) whose config is legal here."""
     device_kind, problem = key.to_choice_request()
     found = store.lookup_choices([(device_kind, problem)])[0]
     if found is None:
@@ -74,6 +76,7 @@ def list_choices(
     mode: Annotated[Mode | None, Query()] = None,
     causal: Annotated[bool | None, Query()] = None,
     head_dim: Annotated[int | None, Query(ge=1, le=1 << 20)] = None,
+    segmented: Annotated[bool | None, Query()] = None,
     method: Annotated[Method | None, Query()] = None,
     offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -81,7 +84,8 @@ def list_choices(
     """Stored kernel choices matching every given filter, oldest first, a page at a time."""
     filters = {name: value for name, value in {
         "device_kind": device_kind, "platform": platform, "kernel": kernel, "dtype": dtype,
-        "mode": mode, "causal": causal, "head_dim": head_dim, "method": method}.items()
+        "mode": mode, "causal": causal, "head_dim": head_dim, "segmented": segmented,
+        "method": method}.items()
         if value is not None}
     choices, total = store.list_choices(filters, offset=offset, limit=limit)
     return {"items": [stored.to_dict() for stored in choices], "total": total,

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from api.deps import CacheDep, MetricsDep, StoreDep, Writer, batch_requests
 from api.schemas import (
+    NEAREST_FAMILY,
     BatchLookupRequest,
     BatchLookupResponse,
     ConfigPage,
@@ -29,8 +30,8 @@ router = APIRouter(prefix="/v1/configs", tags=["configs"],
 
 def _miss_detail(request: LookupRequest) -> str:
     return (f"no tuned config for kernel {request.kernel!r} on {request.device_kind!r} fits "
-            f"{request.problem.label()} (no exact entry, and no entry with the same dtype, "
-            "head_dim, causal and mode whose config is legal for it); tune it with "
+            f"{request.problem.label()} (no exact entry, and no entry {NEAREST_FAMILY} whose "
+            "config is legal for it); tune it with "
             "`autotune tune` or import a table")
 
 

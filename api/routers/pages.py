@@ -29,6 +29,7 @@ from api.schemas import Dtype, ProblemFields, Text, Version
 from kernel import AutotuneError
 from kernel.problem import DTYPES
 from storage import ConfigKey, Store
+from storage.results import KEY_TEXT_FIELDS
 from storage.models import TunedConfigRow
 
 router = APIRouter(include_in_schema=False)
@@ -122,9 +123,8 @@ def _html_errors(page: Callable[[Request, Store], HTMLResponse]
 
 
 def detail_link(key: ConfigKey) -> str:
-    fields = {name: str(value).lower() if isinstance(value, bool) else value
-              for name, value in key.to_dict().items()}
-    return "/configs/detail?" + urlencode(fields)
+    fields = [(name, getattr(key, name)) for name in KEY_TEXT_FIELDS]
+    return "/configs/detail?" + urlencode([*fields, *key.problem.query_params()])
 
 
 @router.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
@@ -151,7 +151,9 @@ def index(request: Request, store: StoreDep) -> HTMLResponse:
 def detail(request: Request, store: StoreDep) -> HTMLResponse:
     """One stored config by its full key, with the plots of its tuning study."""
     try:
-        key = DetailKey.model_validate(dict(request.query_params))
+        query = request.query_params
+        key = DetailKey.model_validate({name: query.getlist(name) if name == "window" else value
+                                        for name, value in query.items()})
         problem = key.to_problem()
     except ValidationError as error:
         return _invalid(request, "Invalid config key", error,
