@@ -30,8 +30,9 @@ class FlashKernel(TunableKernel):
     name: ClassVar[str] = "flash"
     version: ClassVar[str] = "1"
     description: ClassVar[str] = ("Our Pallas flash attention for TPU: grouped-query, causal, "
-                                  "tiled forward, dK/dV and dQ kernels, each streaming its operands "
-                                  "through a 1-4 deep in-kernel pipeline")
+                                  "sliding-window (blocks outside it skipped), soft-capped; "
+                                  "tiled forward, dK/dV and dQ kernels, each streaming its "
+                                  "operands through a 1-4 deep in-kernel pipeline")
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[FlashConfig]] = FlashConfig
@@ -61,9 +62,10 @@ class FlashKernel(TunableKernel):
     def attention(self, problem: Problem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
         from kernel.backends.flash import pallas
+        from kernel.backends.flash.blocks import Reach
 
-        return lambda q, k, v: pallas.flash_attention(q, k, v, problem.causal, sm_scale,
-                                                      config_for)
+        logits = pallas.Logits(sm_scale, Reach.of(problem), problem.softcap)
+        return lambda q, k, v: pallas.flash_attention(q, k, v, logits, config_for)
 
     def discover(self) -> FlashKernel:
         from kernel.backends.flash.depths import supported_pipeline_depths

@@ -34,9 +34,14 @@ DEFAULT_DEPTHS: tuple[int, ...] = tuple(range(1, MAX_PROBED_DEPTH + 1))
 
 def problem_violations(problem: Problem) -> list[Violation]:
     """A sequence axis that no TPU block tiles (``seq_len``); the kv axis also needs a compute
-    block of at most ``MAX_COMPUTE_BLOCK``."""
-    return (sequence_violations(problem.q_len, "q_len")
-            + sequence_violations(problem.kv_len, "kv_len", MAX_COMPUTE_BLOCK))
+    block of at most ``MAX_COMPUTE_BLOCK``. Segment ids (packed sequences) are not implemented
+    (``segment_ids``); windows and soft-capping are."""
+    out = (sequence_violations(problem.q_len, "q_len")
+           + sequence_violations(problem.kv_len, "kv_len", MAX_COMPUTE_BLOCK))
+    if problem.segmented:
+        out.append(Violation("segment_ids", "the flash kernel does not take segment ids "
+                             "(packed sequences); use the splash or xla kernel"))
+    return out
 
 
 def static_violations(

@@ -1,0 +1,156 @@
+"""The flash kernel's sliding windows and soft-capping (TPU interpret mode on CPU), through the
+backend: forward and all three gradients against a float64 reference, block skipping (the
+blocks counted, and unseen blocks of NaN that would poison a computed block), and the rule
+refusing segment ids."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel.backends.flash import KERNEL
+from kernel.backends.flash.blocks import Reach, block_counts
+from kernel.backends.flash.config import FlashConfig
+from kernel.contract import attention_mask, reference_attention
+from kernel.problem import Problem
+from kernel.tolerance import relative_error
+
+BLOCKS_128 = FlashConfig(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,
+                         block_kv_dkv=128, block_q_dq=128, block_kv_dq=128)
+# Unequal tiles per kernel: a 256-key forward block computed in two 128-key sub-blocks.
+MIXED = FlashConfig(block_q=128, block_kv=256, block_kv_compute=128, block_q_dkv=256,
+                    block_kv_dkv=128, block_q_dq=128, block_kv_dq=256)
+TOLERANCE = 2e-5  # f32 kernel against float64: a summation order apart
+
+
+def _problem(q_len=384, kv_len=384, heads=(2, 1), **features) -> Problem:
+    return Problem(batch=1, q_heads=heads[0], kv_heads=heads[1], q_len=q_len, kv_len=kv_len,
+                   head_dim=64, dtype="float32", mode="fwd_bwd", **features)
+
+
+def _inputs(problem: Problem, seed: int = 0) -> list[jax.Array]:
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    shapes = [(problem.batch, heads, length, problem.head_dim) for heads, length in (
+        (problem.q_heads, problem.q_len), (problem.kv_heads, problem.kv_len),
+        (problem.kv_heads, problem.kv_len), (problem.q_heads, problem.q_len))]
+    return [jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes)]
+
+
+def _flash(problem: Problem, config: FlashConfig, sm_scale: float, q, k, v, d_out):
+    """(output, (dq, dk, dv)) of the flash backend, compiled once."""
+    attend = KERNEL.attention(problem, lambda mode: config, sm_scale)
+
+    def run(q, k, v, d_out):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(d_out)
+
+    # The interpret-mode kernels are large XLA programs; LLVM's -O0 halves their compile time.
+    args = (q, k, v, d_out)
+    return jax.jit(run).trace(*args).lower().compile(
+        {"xla_backend_optimization_level": 0})(*args)
+
+
+def _float64_reference(problem: Problem, sm_scale: float, q, k, v, d_out):
+    """(output, (dq, dk, dv)) of reference_attention in float64."""
+    with jax.enable_x64(True):
+        q, k, v, d_out = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, d_out))
+        out, vjp = jax.vjp(lambda q, k, v: reference_attention(
+            q, k, v, causal=problem.causal, sm_scale=sm_scale, window=problem.window,
+            softcap=problem.softcap), q, k, v)
+        return np.asarray(out), tuple(np.asarray(g) for g in vjp(d_out))
+
+
+CASES = [
+    pytest.param(_problem(causal=True, window=(130, 0)), BLOCKS_128, 0.125, id="local-causal"),
+    pytest.param(_problem(q_len=256, kv_len=512, window=(100, 60)), MIXED, 0.125,
+                 id="window-L,R-full-q<kv"),
+    pytest.param(_problem(q_len=256, kv_len=256, causal=True, window=(0, 0), heads=(2, 2)),
+                 MIXED, 0.125,
+                 id="window0-causal-own-key-only"),
+    pytest.param(_problem(kv_len=256, window=(1000, 1000)), BLOCKS_128, 0.125,
+                 id="window-wider-than-sequence"),
+    pytest.param(_problem(q_len=256, kv_len=256, heads=(4, 1), softcap=3.0), MIXED, 1.0,
+                 id="softcap-mqa"),
+    pytest.param(_problem(q_len=512, kv_len=256, causal=True, window=(50, 0), softcap=5.0),
+                 MIXED, 0.5,
+                 id="softcap-window-q>kv-rows-seeing-no-key"),
+]
+
+
+@pytest.mark.parametrize("problem, config, sm_scale", CASES)
+def test_forward_and_gradients_match_float64(problem, config, sm_scale):
+    assert not KERNEL.violations(problem, config, "v5e")
+    inputs = _inputs(problem)
+    out, grads = _flash(problem, config, sm_scale, *inputs)
+    want, want_grads = _float64_reference(problem, sm_scale, *inputs)
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
+        error = relative_error(got, expected)
+        assert error <= TOLERANCE, f"{name}: relative error {error:.3g} > {TOLERANCE}"
+
+
+def test_blocks_outside_the_window_are_not_computed():
+    """NaN keys and values before query block 2's window, and NaN queries and output
+    gradients in query block 0: a kernel computing a masked block pair with them gets NaN
+    (0 * NaN), so the rows, gradients and keys beyond their reach stay finite only if every
+    kernel (forward, dQ, dK/dV) skips those blocks."""
+    problem = _problem(q_len=512, kv_len=512, causal=True, window=(128, 0))
+    q, k, v, d_out = _inputs(problem)
+    want, (want_dq, _, _) = _float64_reference(problem, 0.125, q, k, v, d_out)
+    k, v = (x.at[:, :, :128].set(jnp.nan) for x in (k, v))
+    out, (dq, _, _) = _flash(problem, BLOCKS_128, 0.125, q, k, v, d_out)
+    # queries 256.. see keys 128.. only
+    assert relative_error(out[:, :, 256:], want[:, :, 256:]) <= TOLERANCE
+    assert relative_error(dq[:, :, 256:], want_dq[:, :, 256:]) <= TOLERANCE
+    q, d_out = (x.at[:, :, :128].set(jnp.nan) for x in (q, d_out))
+    _, (_, dk, dv) = _flash(problem, BLOCKS_128, 0.125, q, k, v, d_out)
+    assert np.isfinite(np.asarray(dk[:, :, 256:])).all()  # keys 256.. are seen by queries 256..
+    assert np.isfinite(np.asarray(dv[:, :, 256:])).all()
+
+
+def _mask_tiles(problem: Problem, rows: int, cols: int) -> int:
+    """Tiles of the reference mask (``rows`` x ``cols``) holding a visible pair: what an ideal
+    kernel computes."""
+    mask = np.asarray(attention_mask(problem.q_len, problem.kv_len, causal=problem.causal,
+                                     window=problem.window))[0, 0]
+    tiles = mask.reshape(problem.q_len // rows, rows, problem.kv_len // cols, cols)
+    return int(tiles.any(axis=(1, 3)).sum())
+
+
+@pytest.mark.parametrize("features", [
+    {}, {"causal": True}, {"causal": True, "window": (512, 0)}, {"window": (300, 100)},
+    {"causal": True, "window": (0, 0)}, {"window": (5000, 5000)},
+])
+def test_block_counts_are_the_tiles_the_mask_touches(features):
+    problem = _problem(q_len=1024, kv_len=2048, heads=(1, 1), **features)
+    counts = block_counts(problem, MIXED)
+    assert counts["fwd"]["computed"] == _mask_tiles(problem, 128, 128)
+    assert counts["dq"]["computed"] == _mask_tiles(problem, 128, 256)
+    assert counts["dkv"]["computed"] == _mask_tiles(problem, 256, 128)
+    # the forward loads 256-key blocks, each computed as two 128-key sub-blocks
+    assert counts["fwd"]["loaded"] * 2 >= counts["fwd"]["computed"]
+
+
+def test_a_local_window_loads_and_computes_fewer_blocks_than_causal():
+    causal = block_counts(_problem(q_len=1024, kv_len=1024, causal=True), BLOCKS_128)
+    local = block_counts(_problem(q_len=1024, kv_len=1024, causal=True, window=(128, 0)),
+                         BLOCKS_128)
+    # 8 query blocks by 8 key blocks, 2 heads: causal 36 block pairs each, a 128-key window
+    # 1 + 7 * 2 (the diagonal block and the one before it)
+    assert {kernel: counts["computed"] for kernel, counts in causal.items()} == dict.fromkeys(
+        ("fwd", "dq", "dkv"), 2 * 36)
+    assert {kernel: counts["loaded"] for kernel, counts in local.items()} == dict.fromkeys(
+        ("fwd", "dq", "dkv"), 2 * 15)
+
+
+def test_reach_masks_nothing_for_full_attention_or_a_window_wider_than_the_sequence():
+    assert not Reach.of(_problem()).masks
+    assert not Reach.of(_problem(window=(384, 384))).masks
+    assert Reach.of(_problem(window=(383, 384))).masks_left
+
+
+def test_segment_ids_are_refused_naming_the_kernels_that_take_them():
+    (violation,) = KERNEL.problem_violations(_problem(segmented=True))
+    assert violation.rule == "segment_ids"
+    assert "splash" in violation.message and "xla" in violation.message
