@@ -3,7 +3,8 @@
 Layout ``[batch, heads, seq, head_dim]``; K/V may have fewer heads than Q (grouped-query
 attention). Causal and sliding-window masks are a :class:`~kernel.backends.flash.blocks.Reach`:
 each kernel loads only the run of blocks it sees and computes only block pairs that
-``Reach.sees``; logits may be soft-capped (``softcap * tanh(logits / softcap)``). The kernels are chosen when lowering, per platform: Mosaic for TPU (so
+``Reach.sees``; logits may be soft-capped (``softcap * tanh(logits / softcap)``). The kernels
+are chosen when lowering, per platform: Mosaic for TPU (so
 ``jax.export`` or an ahead-of-time compile for TPU on a CPU host gets the real kernels), TPU
 interpret mode on a CPU (a correctness oracle, not a speed proxy).
 """
@@ -378,7 +379,8 @@ def _backward_dkv(q, k, v, d_out, cols, config: FlashConfig, logits: Logits):
     batch, kv_heads, kv_len, head_dim = k.shape
     bkv = config.block_kv_dkv
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
-    kernel = functools.partial(_dkv_kernel, logits=logits, group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
+    kernel = functools.partial(_dkv_kernel, logits=logits, group=q.shape[1] // kv_heads,
+                               block_q=config.block_q_dkv,
                                depth=config.pipeline_depth_dkv)
     return _pallas_call(
         kernel,
@@ -419,7 +421,8 @@ def _backward_dq(q, k, v, d_out, cols, config: FlashConfig, logits: Logits):
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q_dq
     q_spec = _q_block_spec(bq, head_dim)
-    kernel = functools.partial(_dq_kernel, logits=logits, group=q_heads // k.shape[1], block_kv=config.block_kv_dq,
+    kernel = functools.partial(_dq_kernel, logits=logits, group=q_heads // k.shape[1],
+                               block_kv=config.block_kv_dq,
                                depth=config.pipeline_depth_dq)
     return _pallas_call(
         kernel,
