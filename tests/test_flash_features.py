@@ -1,9 +1,15 @@
 """The flash kernel's sliding windows and soft-capping (TPU interpret mode on CPU), through the
 backend: forward and all three gradients against a float64 reference, block skipping (the
 blocks counted, and unseen blocks of NaN that would poison a computed block), and the rule
-refusing segment ids."""
+refusing segment ids; the Mosaic compile of the new kernels; the window bench's counts."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +28,7 @@ BLOCKS_128 = FlashConfig(block_q=128, block_kv=128, block_kv_compute=128, block_
 # Unequal tiles per kernel: a 256-key forward block computed in two 128-key sub-blocks.
 MIXED = FlashConfig(block_q=128, block_kv=256, block_kv_compute=128, block_q_dkv=256,
                     block_kv_dkv=128, block_q_dq=128, block_kv_dq=256)
+ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 2e-5  # f32 kernel against float64: a summation order apart
 
 
@@ -154,3 +161,26 @@ def test_segment_ids_are_refused_naming_the_kernels_that_take_them():
     (violation,) = KERNEL.problem_violations(_problem(segmented=True))
     assert violation.rule == "segment_ids"
     assert "splash" in violation.message and "xla" in violation.message
+
+
+def test_window_and_softcap_kernels_compile_for_a_tpu():
+    """Mosaic lowers and compiles the window masks, the block runs' traced bounds and the
+    soft cap (deviceless, for v5e), both ways."""
+    from kernel.aot import compile_for_target
+
+    flash = KERNEL.discover()
+    problem = dataclasses.replace(_problem(q_len=1024, kv_len=1024, window=(200, 100),
+                                           softcap=30.0), dtype="bfloat16")
+    assert compile_for_target(flash, problem, flash.default_config(problem, "v5e"), "v5e") > 0
+
+
+def test_window_bench_counts_the_blocks_each_kernel_computes(tmp_path):
+    out = tmp_path / "window.json"
+    subprocess.run([sys.executable, "bench/window.py", "--seq", "2048", "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    rows = {(row["kernel"], row["pass"]): row for row in json.loads(out.read_text())["rows"]}
+    # 4 blocks of 512 queries and keys, 8 heads: causal 10 block pairs each; a 512-key window
+    # the diagonal and the block before it, 1 + 3 * 2
+    assert (rows["flash", "fwd"]["causal"], rows["flash", "fwd"]["window"]) == (80, 56)
+    assert (rows["splash", "fwd"]["causal"], rows["splash", "fwd"]["window"]) == (80, 56)
+    assert {"dq", "dkv"} <= {name for kernel, name in rows if kernel == "splash"}

@@ -100,6 +100,18 @@ NARROW_LANES = 2 * LANES
 # Their f32 matmul products (dK, dV, dQ: block x head_dim) stayed within it in 11 compiles with
 # d 128-512 and 2048-row blocks (tightest: dQ d512 2048x128 bf16, 2.33 of 2.5 MiB counted).
 BACKWARD_DS_SPILL_TILES = 1.0
+# Windows and soft-capping add no input, output or scratch, only step temporaries: a window
+# masked on both sides a second key-position comparison, a soft cap its tanh (kept live in the
+# backward for the cap's derivative). Not yet measured on a TPU (none to compile against when
+# they were added), so each counts a whole f32 logits tile more, spilled like the others: an
+# upper bound, as the precheck needs; bench/precheck.py can tighten it.
+FEATURE_SPILL_TILES = 1.0
+
+
+def _feature_tiles(problem: Problem) -> float:
+    """Logits tiles of step temporaries that a window or a soft cap adds (see above)."""
+    two_sided = problem.window is not None and not problem.causal
+    return FEATURE_SPILL_TILES * (two_sided + (problem.softcap is not None))
 
 
 def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 0) -> int:
@@ -120,6 +132,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     (most of the rejected configs that compile anyway are such).
     """
     d, isz, depth = problem.head_dim, problem.itemsize, config.pipeline_depth
+    features = _feature_tiles(problem)
     bq, bkv, bkc = config.block_q, config.block_kv, config.block_kv_compute
     row_stat = tile_bytes(bq, LANES, 4)  # lane-replicated f32 per-row value
     spill_tiles = NARROW_SPILL_TILES if bkc <= NARROW_LANES else SPILL_TILES
@@ -128,8 +141,10 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + 2 * depth * tile_bytes(bkv, d, isz)  # streamed k and v buffers
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
-        # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES)
-        + _spill_bytes(bq, bkc, spill_tiles, extra=tile_bytes(bq, d, 4))
+        # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES), and the
+        # temporaries of a window or soft cap
+        + _spill_bytes(bq, bkc, spill_tiles,
+                       extra=tile_bytes(bq, d, 4) + int(features * tile_bytes(bq, bkc, 4)))
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * row_stat  # softmax statistics (m, l) output window, saved for the backward
@@ -140,7 +155,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             fwd += 2 * tile_bytes(bq, d, isz) + tile_bytes(bq, d, 4)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
-        bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES
+        bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES + features
         qk, kk, depth_dkv = config.block_q_dkv, config.block_kv_dkv, config.pipeline_depth_dkv
         estimate["dkv"] = (
             2 * depth_dkv * tile_bytes(qk, d, isz)  # streamed q, do buffers
