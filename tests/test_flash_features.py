@@ -1,7 +1,7 @@
-"""The flash kernel's sliding windows and soft-capping (TPU interpret mode on CPU), through the
-backend: forward and all three gradients against a float64 reference, block skipping (the
-blocks counted, and unseen blocks of NaN that would poison a computed block), and the rule
-refusing segment ids; the Mosaic compile of the new kernels; the window bench's counts."""
+"""The flash kernel's sliding windows, soft-capping and segment ids (TPU interpret mode on
+CPU), through the backend: forward and all three gradients against a float64 reference, block
+skipping (the blocks counted, and unseen blocks of NaN that would poison a computed block);
+the Mosaic compile of the new kernels; the window bench's counts."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 2e-5  # f32 kernel against float64: a summation order apart
 
 
-def _problem(q_len=384, kv_len=384, heads=(2, 1), **features) -> Problem:
-    return Problem(batch=1, q_heads=heads[0], kv_heads=heads[1], q_len=q_len, kv_len=kv_len,
+def _problem(q_len=384, kv_len=384, heads=(2, 1), batch=1, **features) -> Problem:
+    return Problem(batch=batch, q_heads=heads[0], kv_heads=heads[1], q_len=q_len, kv_len=kv_len,
                    head_dim=64, dtype="float32", mode="fwd_bwd", **features)
 
 
@@ -45,28 +45,37 @@ def _inputs(problem: Problem, seed: int = 0) -> list[jax.Array]:
     return [jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes)]
 
 
-def _flash(problem: Problem, config: FlashConfig, sm_scale: float, q, k, v, d_out):
+def _flash(problem: Problem, config: FlashConfig, sm_scale: float, q, k, v, d_out,
+           segment_ids=()):
     """(output, (dq, dk, dv)) of the flash backend, compiled once."""
     attend = KERNEL.attention(problem, lambda mode: config, sm_scale)
 
-    def run(q, k, v, d_out):
-        out, vjp = jax.vjp(attend, q, k, v)
+    def run(q, k, v, d_out, *segment_ids):
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *segment_ids), q, k, v)
         return out, vjp(d_out)
 
     # The interpret-mode kernels are large XLA programs; LLVM's -O0 halves their compile time.
-    args = (q, k, v, d_out)
+    args = (q, k, v, d_out, *segment_ids)
     return jax.jit(run).trace(*args).lower().compile(
         {"xla_backend_optimization_level": 0})(*args)
 
 
-def _float64_reference(problem: Problem, sm_scale: float, q, k, v, d_out):
+def _float64_reference(problem: Problem, sm_scale: float, q, k, v, d_out, segment_ids=()):
     """(output, (dq, dk, dv)) of reference_attention in float64."""
     with jax.enable_x64(True):
         q, k, v, d_out = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, d_out))
         out, vjp = jax.vjp(lambda q, k, v: reference_attention(
-            q, k, v, causal=problem.causal, sm_scale=sm_scale, window=problem.window,
-            softcap=problem.softcap), q, k, v)
+            q, k, v, *segment_ids, causal=problem.causal, sm_scale=sm_scale,
+            window=problem.window, softcap=problem.softcap), q, k, v)
         return np.asarray(out), tuple(np.asarray(g) for g in vjp(d_out))
+
+
+def _packed(lengths: list[list[int]], ids: list[list[int]] | None = None) -> jax.Array:
+    """Segment ids [batch, len] packing segments of ``lengths`` per row (ids 1, 2, .. unless
+    given)."""
+    return jnp.asarray([np.repeat(row_ids or np.arange(1, len(row) + 1), row)
+                        for row, row_ids in zip(lengths, ids or [None] * len(lengths))],
+                       jnp.int32)
 
 
 CASES = [
@@ -86,12 +95,37 @@ CASES = [
 ]
 
 
+# Two rows packed differently, each ending in a padding segment (id 0 in both q and kv, as
+# MaxText pads: padding attends to padding); segments cross block boundaries.
+PACKED_384 = _packed([[100, 200, 50, 34], [300, 84]], [[1, 2, 3, 0], [1, 0]])
+SEGMENT_CASES = [
+    pytest.param(_problem(batch=2, causal=True, segmented=True), BLOCKS_128,
+                 (PACKED_384, PACKED_384), id="segments-causal-gqa-padding"),
+    pytest.param(_problem(batch=2, causal=True, window=(60, 0), softcap=5.0, segmented=True),
+                 BLOCKS_128, (PACKED_384, PACKED_384), id="segments-window-softcap"),
+    # q padding id -1 is no key's: those queries see nothing (zeros); kv padding likewise unseen
+    pytest.param(_problem(batch=1, q_len=256, kv_len=512, segmented=True), MIXED,
+                 (_packed([[100, 120, 36]], [[1, 2, -1]]), _packed([[300, 100, 112]],
+                                                                   [[1, 2, -2]])),
+                 id="segments-full-q<kv-padding-sees-nothing"),
+]
+
+
 @pytest.mark.parametrize("problem, config, sm_scale", CASES)
 def test_forward_and_gradients_match_float64(problem, config, sm_scale):
+    _check(problem, config, sm_scale)
+
+
+@pytest.mark.parametrize("problem, config, segment_ids", SEGMENT_CASES)
+def test_segment_ids_match_float64(problem, config, segment_ids):
+    _check(problem, config, 0.125, segment_ids)
+
+
+def _check(problem: Problem, config: FlashConfig, sm_scale: float, segment_ids=()):
     assert not KERNEL.violations(problem, config, "v5e")
     inputs = _inputs(problem)
-    out, grads = _flash(problem, config, sm_scale, *inputs)
-    want, want_grads = _float64_reference(problem, sm_scale, *inputs)
+    out, grads = _flash(problem, config, sm_scale, *inputs, segment_ids)
+    want, want_grads = _float64_reference(problem, sm_scale, *inputs, segment_ids)
     for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
         error = relative_error(got, expected)
         assert error <= TOLERANCE, f"{name}: relative error {error:.3g} > {TOLERANCE}"
@@ -157,21 +191,21 @@ def test_reach_masks_nothing_for_full_attention_or_a_window_wider_than_the_seque
     assert Reach.of(_problem(window=(383, 384))).masks_left
 
 
-def test_segment_ids_are_refused_naming_the_kernels_that_take_them():
-    (violation,) = KERNEL.problem_violations(_problem(segmented=True))
-    assert violation.rule == "segment_ids"
-    assert "splash" in violation.message and "xla" in violation.message
+def test_window_softcap_and_segment_kernels_compile_for_a_tpu():
+    """Mosaic lowers and compiles the window masks, the block runs' traced bounds, the soft
+    cap and the segment-id blocks (deviceless, for v5e), both ways."""
+    from jax.sharding import SingleDeviceSharding
 
-
-def test_window_and_softcap_kernels_compile_for_a_tpu():
-    """Mosaic lowers and compiles the window masks, the block runs' traced bounds and the
-    soft cap (deviceless, for v5e), both ways."""
-    from kernel.aot import compile_for_target
+    from kernel.aot import input_specs, topology_device
 
     flash = KERNEL.discover()
     problem = dataclasses.replace(_problem(q_len=1024, kv_len=1024, window=(200, 100),
-                                           softcap=30.0), dtype="bfloat16")
-    assert compile_for_target(flash, problem, flash.default_config(problem, "v5e"), "v5e") > 0
+                                           softcap=30.0, segmented=True), dtype="bfloat16")
+    attend = flash.attention(problem, lambda mode: flash.default_config(problem, "v5e"), 0.1)
+    grads = jax.grad(lambda *args: attend(*args).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    device = topology_device("v5e")
+    ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=SingleDeviceSharding(device))
+    jax.jit(grads).trace(*input_specs(problem, device), ids, ids).lower().compile()
 
 
 def test_window_bench_counts_the_blocks_each_kernel_computes(tmp_path):

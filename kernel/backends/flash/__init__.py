@@ -30,7 +30,8 @@ class FlashKernel(TunableKernel):
     name: ClassVar[str] = "flash"
     version: ClassVar[str] = "1"
     description: ClassVar[str] = ("Our Pallas flash attention for TPU: grouped-query, causal, "
-                                  "sliding-window (blocks outside it skipped), soft-capped; "
+                                  "sliding-window (blocks outside it skipped), soft-capped, "
+                                  "segmented (packed sequences); "
                                   "tiled forward, dK/dV and dQ kernels, each streaming its "
                                   "operands through a 1-4 deep in-kernel pipeline")
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
@@ -65,7 +66,10 @@ class FlashKernel(TunableKernel):
         from kernel.backends.flash.blocks import Reach
 
         logits = pallas.Logits(sm_scale, Reach.of(problem), problem.softcap)
-        return lambda q, k, v: pallas.flash_attention(q, k, v, logits, config_for)
+        def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
+            return pallas.flash_attention(q, k, v, segment_ids or None, logits, config_for)
+
+        return attend
 
     def discover(self) -> FlashKernel:
         from kernel.backends.flash.depths import supported_pipeline_depths

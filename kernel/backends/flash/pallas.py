@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernel.backends.flash.blocks import Reach
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import ConfigFor
-from kernel.rules import LANES
+from kernel.rules import LANES, SUBLANES
 
 # Masked logits and the running max's start: the most negative finite f32, so every finite
 # logit is at least as large (a fixed value like -1e30 loses to smaller visible logits, which then
@@ -39,24 +39,26 @@ STATS = 2  # softmax statistics the forward saves per query row: the max m and t
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, logits: Logits,
-                    config_for: ConfigFor) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments | None,
+                    logits: Logits, config_for: ConfigFor) -> jax.Array:
     """Softmax(``logits``) v with Pallas kernels both ways; ``config_for(mode)`` gives
     the config at trace time: ``"fwd"`` for a plain call, ``"fwd_bwd"`` (its backward tiles)
-    when differentiated. A query that sees no key gets zeros."""
-    return _forward(q, k, v, config_for("fwd"), logits, save_stats=False)[0]
+    when differentiated. ``segments``: (q ids [batch, q_len], kv ids [batch, kv_len]) or None;
+    a query sees keys of its own segment only. A query that sees no key gets zeros."""
+    return _forward(q, k, v, segments, config_for("fwd"), logits, save_stats=False)[0]
 
 
-def _flash_fwd(q, k, v, logits, config_for):
+def _flash_fwd(q, k, v, segments, logits, config_for):
     # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
-    out, stats, out_low = _forward(q, k, v, config_for("fwd_bwd"), logits, save_stats=True)
+    out, stats, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
+                                   save_stats=True)
     # stats lanes 0, 1: the row max m and sum l
-    return out, (q, k, v, out, out_low, stats[..., :STATS])
+    return out, (q, k, v, segments, out, out_low, stats[..., :STATS])
 
 
 def _flash_bwd(logits, config_for, residuals, d_out):
-    q, k, v, out, out_low, stats = residuals
+    q, k, v, segments, out, out_low, stats = residuals
     config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     # With the f32 output (bf16: its rounded part plus the remainder), not the output rounded
@@ -72,15 +74,48 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     # A row that saw no key (m still MASK_VALUE) keeps 1/l = 0: its P is 0, not 0 * inf.
     inv_l = jnp.where(stats[..., 0] > MASK_VALUE, 1.0 / stats[..., 1], 0.0)
     cols = jnp.stack([stats[..., 0], inv_l, delta], axis=-1)
-    dk, dv = _backward_dkv(q, k, v, d_out, cols, config, logits)
-    dq = _backward_dq(q, k, v, d_out, cols, config, logits)
-    return dq, dk, dv
+    dk, dv = _backward_dkv(q, k, v, d_out, cols, segments, config, logits)
+    dq = _backward_dq(q, k, v, d_out, cols, segments, config, logits)
+    return dq, dk, dv, None  # segment ids: integers, no cotangent
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 # --- kernels ---------------------------------------------------------------------------------
+
+Segments = tuple[jax.Array, jax.Array]  # (q ids [batch, q_len], kv ids [batch, kv_len])
+
+
+def _segment_layouts(segments: Segments | None) -> list[jax.Array]:
+    """The segment ids as the kernels read them, as splash lays them out: q ids lane-replicated
+    [batch, q_len, 128] (a block is whole vregs, like the row statistics), kv ids
+    sublane-replicated [batch, 8, kv_len] (a block row broadcasts down the query rows). None:
+    no inputs."""
+    if segments is None:
+        return []
+    q_ids, kv_ids = (ids.astype(jnp.int32) for ids in segments)
+    return [jnp.broadcast_to(q_ids[:, :, None], (*q_ids.shape, LANES)),
+            jnp.broadcast_to(kv_ids[:, None, :], (kv_ids.shape[0], SUBLANES, kv_ids.shape[1]))]
+
+
+def _same_segment(q_ids_ref, kv_ids_ref, start, cols: int) -> jax.Array | None:
+    """(rows, cols) True where the query's segment is the key's; keys ``start ..`` of the kv
+    ids block. None without segment ids."""
+    if q_ids_ref is None:
+        return None
+    return _lanes(q_ids_ref[...], cols) == kv_ids_ref[0:1, pl.ds(start, cols)]
+
+
+def _segment_refs(refs: tuple, segmented: bool) -> tuple:
+    """((q ids, kv ids) refs or (None, None), the refs after them) of a kernel's refs."""
+    return (refs[:2], refs[2:]) if segmented else ((None, None), refs)
+
+
+def _segment_specs(q_ids: pl.BlockSpec, kv_ids: pl.BlockSpec, segmented: bool) -> list:
+    """The in_specs of the segment ids, when given."""
+    return [q_ids, kv_ids] if segmented else []
+
 
 @dataclass(frozen=True)
 class Logits:
@@ -106,9 +141,10 @@ class Logits:
             return ds
         return ds * (1.0 - jnp.square(s / self.softcap))
 
-    def visible(self, shape: tuple[int, int], row0, col0) -> jax.Array | None:
-        """True where a query (row) sees a key (column); None when every query sees every key
-        (no mask to apply)."""
+    def visible(self, shape: tuple[int, int], row0, col0,
+                same_segment: jax.Array | None = None) -> jax.Array | None:
+        """True where a query (row) sees a key (column): in reach, and in its segment when
+        ``same_segment`` is given; None when every query sees every key (no mask)."""
         rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
         cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
         sides = []
@@ -116,6 +152,8 @@ class Logits:
             sides.append(cols <= rows + self.reach.right)
         if self.reach.masks_left:
             sides.append(cols >= rows - self.reach.left)
+        if same_segment is not None:
+            sides.append(same_segment)
         return functools.reduce(operator.and_, sides) if sides else None
 
 
@@ -142,7 +180,7 @@ def _dot_f32(x: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.A
     return dot(high) + dot((x - high.astype(jnp.float32)).astype(y.dtype))
 
 
-def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0):
+def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0, same_segment=None):
     """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
     whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
     computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
@@ -150,7 +188,7 @@ def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0):
     (through the soft cap's derivative when capped)."""
     s = logits.of(q, k)
     p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
-    mask = logits.visible(p.shape, q0, k0)
+    mask = logits.visible(p.shape, q0, k0, same_segment)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
@@ -227,23 +265,33 @@ def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
         *args, tpu=functools.partial(call, False), cpu=functools.partial(call, True))
 
 
-def _stream_kv(body, k_hbm, v_hbm, reach: Reach, *, group: int, block_q: int, block_kv: int,
-               depth: int) -> None:
+def _stream_kv(body, k_hbm, v_hbm, kv_ids_hbm, reach: Reach, *, group: int, block_q: int,
+               block_kv: int, depth: int) -> None:
     """Streams the run of K/V blocks the grid's query block sees (``Reach.kv_blocks``: blocks
     above the causal diagonal or outside the window are never fetched: the pipeline's grid
-    starts and ends with the run) through ``body(k_ref, v_ref, kv_block)``; the grid of the
-    calling kernel is (batch, q_head, q_block)."""
-    head_dim = k_hbm.shape[3]
+    starts and ends with the run), with their kv segment ids when given, through
+    ``body(k_ref, v_ref, kv_ids_ref or None, kv_block)``; the grid of the calling kernel is
+    (batch, q_head, q_block)."""
+    head_dim, batch = k_hbm.shape[3], pl.program_id(0)
     first, count = reach.kv_blocks(pl.program_id(2) * block_q, block_q, block_kv,
                                    k_hbm.shape[2] // block_kv, _TRACED_OPS)
     kv_head = _div(pl.program_id(1), group)
-    stream(lambda k_ref, v_ref: body(k_ref, v_ref, pl.program_id(0) + first), (count,),
-           [k_hbm.at[pl.program_id(0), kv_head], v_hbm.at[pl.program_id(0), kv_head]],
-           [(block_kv, head_dim)] * 2, [lambda j: (j + first, 0)] * 2, depth)
+    operands = [k_hbm.at[batch, kv_head], v_hbm.at[batch, kv_head]]
+    blocks = [(block_kv, head_dim)] * 2
+    if kv_ids_hbm is not None:
+        operands.append(kv_ids_hbm.at[batch])
+        blocks.append((SUBLANES, block_kv))
+
+    def step(k_ref, v_ref, kv_ids_ref=None):
+        body(k_ref, v_ref, kv_ids_ref, pl.program_id(0) + first)
+
+    index_maps = [lambda j: (j + first, 0)] * 2 + [lambda j: (0, j + first)]
+    stream(step, (count,), operands, blocks, index_maps[:len(operands)], depth)
 
 
-def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, group: int, block_kv: int,
-                    block_kv_compute: int, depth: int, save_stats: bool):
+def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool, group: int,
+                    block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
+    (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
     *outs, m_ref, l_ref, acc_ref = refs
     o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
@@ -252,12 +300,13 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, group: int, bloc
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def step(k_ref, v_ref, kv_block):
+    def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def compute(start):
             k = k_ref[pl.ds(start, block_kv_compute), :]
             v = v_ref[pl.ds(start, block_kv_compute), :]
             s = logits.of(q_ref[...], k)
-            mask = logits.visible(s.shape, q0, kv_block * block_kv + start)
+            mask = logits.visible(s.shape, q0, kv_block * block_kv + start,
+                                  _same_segment(q_ids_ref, kv_ids_ref, start, block_kv_compute))
             if mask is not None:
                 s = jnp.where(mask, s, MASK_VALUE)
             m_prev = m_ref[...]  # (block_q, 128): stats stay lane-replicated, whole vregs
@@ -279,7 +328,7 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, group: int, bloc
         # Bounds the live f32 logits to (block_q, block_kv_compute) per iteration.
         lax.fori_loop(0, block_kv // block_kv_compute, sub_block, 0)
 
-    _stream_kv(step, k_hbm, v_hbm, logits.reach, group=group, block_q=block_q,
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, logits.reach, group=group, block_q=block_q,
                block_kv=block_kv, depth=depth)
     # A row whose every computed logit was masked (m still MASK_VALUE) saw no key: zeros. Any
     # other row's masked terms were scaled away by alpha = exp(MASK_VALUE - m) = 0.
@@ -299,7 +348,13 @@ def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
 
 
-def _forward(q, k, v, config: FlashConfig, logits: Logits, save_stats: bool):
+def _q_ids_spec(block_q: int) -> pl.BlockSpec:
+    """A (block_q, 128) window of the lane-replicated q segment ids on a (batch, q_head,
+    q_block) grid."""
+    return pl.BlockSpec((None, block_q, LANES), lambda b, h, i: (b, i, 0))
+
+
+def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats: bool):
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q
     q_spec = _q_block_spec(bq, head_dim)
@@ -313,13 +368,15 @@ def _forward(q, k, v, config: FlashConfig, logits: Logits, save_stats: bool):
             out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
             out_specs.append(q_spec)
     kernel = functools.partial(
-        _forward_kernel, logits=logits, group=q_heads // k.shape[1],
+        _forward_kernel, logits=logits, segmented=segments is not None,
+        group=q_heads // k.shape[1],
         block_kv=config.block_kv, block_kv_compute=config.block_kv_compute,
         depth=config.pipeline_depth, save_stats=save_stats)
     outs = _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, _IN_HBM, _IN_HBM],
+        in_specs=[q_spec, _IN_HBM, _IN_HBM,
+                  *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
@@ -327,14 +384,15 @@ def _forward(q, k, v, config: FlashConfig, logits: Logits, save_stats: bool):
                         pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
         semantics=("parallel", "parallel", "parallel"),
         name="flash_fwd",
-    )(q, k, v)
+    )(q, k, v, *_segment_layouts(segments))
     if not save_stats:
         return outs[0], None, None
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
-                logits: Logits, group: int, block_q: int, depth: int):
+def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, segmented: bool,
+                group: int, block_q: int, depth: int):
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = _segment_refs(refs, segmented)
     block_kv, head_dim = k_ref.shape
     k0 = pl.program_id(2) * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
@@ -345,7 +403,7 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, d
     first, count = seen_by.kv_blocks(k0, block_kv, block_q, q_hbm.shape[2] // block_q,
                                      _TRACED_OPS)
 
-    def step(q_ref, do_ref, cols_ref):
+    def step(q_ref, do_ref, cols_ref, q_ids_ref=None):
         q0 = (pl.program_id(1) + first) * block_q  # of the Q/dO pipeline
 
         def run():
@@ -356,7 +414,8 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, d
             # but round differently from the forward's, so P no longer matches the saved m and
             # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
             q, do = q_ref[...], do_ref[...]
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...], logits, q0, k0)
+            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...], logits, q0, k0,
+                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                            preferred_element_type=jnp.float32)
             dk_acc[...] += _dot_f32(ds, q, _TN)
@@ -365,72 +424,78 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, d
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
 
     head0 = pl.program_id(1) * group
-    stream(step, (group, count),
-           [ref.at[pl.program_id(0)] for ref in (q_hbm, do_hbm, cols_hbm)],
-           [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1)],
-           [lambda g, i: (head0 + g, i + first, 0)] * 3, depth)
+    streamed = [q_hbm, do_hbm, cols_hbm] + ([q_ids_hbm] if segmented else [])
+    blocks = [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1), (block_q, LANES)]
+    index_maps = [lambda g, i: (head0 + g, i + first, 0)] * 3 + [lambda g, i: (i + first, 0)]
+    stream(step, (group, count), [ref.at[pl.program_id(0)] for ref in streamed],
+           blocks[:len(streamed)], index_maps[:len(streamed)], depth)
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, cols, config: FlashConfig, logits: Logits):
+def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
     bkv = config.block_kv_dkv
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
-    kernel = functools.partial(_dkv_kernel, logits=logits, group=q.shape[1] // kv_heads,
-                               block_q=config.block_q_dkv,
+    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segments is not None,
+                               group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
                                depth=config.pipeline_depth_dkv)
+    kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
-        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec],
+        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
+                  *_segment_specs(_IN_HBM, kv_ids_spec, segments is not None)],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dkv",
-    )(q, d_out, cols, k, v)
+    )(q, d_out, cols, k, v, *_segment_layouts(segments))
 
 
-def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, dq_ref, dq_acc, *, logits: Logits,
+def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
                group: int, block_kv: int, depth: int):
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
     q0 = pl.program_id(2) * block_q
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    def step(k_ref, v_ref, kv_block):
+    def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def run():
             k = k_ref[...]
             _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...], logits,
-                                  q0, kv_block * block_kv)
+                                  q0, kv_block * block_kv,
+                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dq_acc[...] += _dot_f32(ds, k)
 
         _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
                    logits.reach)
 
-    _stream_kv(step, k_hbm, v_hbm, logits.reach, group=group, block_q=block_q,
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, logits.reach, group=group, block_q=block_q,
                block_kv=block_kv, depth=depth)
     dq_ref[...] = (dq_acc[...] * logits.sm_scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, d_out, cols, config: FlashConfig, logits: Logits):
+def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
     """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q_dq
     q_spec = _q_block_spec(bq, head_dim)
-    kernel = functools.partial(_dq_kernel, logits=logits, group=q_heads // k.shape[1],
-                               block_kv=config.block_kv_dq,
+    kernel = functools.partial(_dq_kernel, logits=logits, segmented=segments is not None,
+                               group=q_heads // k.shape[1], block_kv=config.block_kv_dq,
                                depth=config.pipeline_depth_dq)
     return _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM],
+        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM,
+                  *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dq",
-    )(q, d_out, cols, k, v)
+    )(q, d_out, cols, k, v, *_segment_layouts(segments))

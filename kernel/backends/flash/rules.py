@@ -15,6 +15,7 @@ from kernel.problem import Problem
 from kernel.rules import (
     LANES,
     MAX_COMPUTE_BLOCK,
+    SUBLANES,
     Violation,
     block_values,
     block_violations,
@@ -34,14 +35,9 @@ DEFAULT_DEPTHS: tuple[int, ...] = tuple(range(1, MAX_PROBED_DEPTH + 1))
 
 def problem_violations(problem: Problem) -> list[Violation]:
     """A sequence axis that no TPU block tiles (``seq_len``); the kv axis also needs a compute
-    block of at most ``MAX_COMPUTE_BLOCK``. Segment ids (packed sequences) are not implemented
-    (``segment_ids``); windows and soft-capping are."""
-    out = (sequence_violations(problem.q_len, "q_len")
-           + sequence_violations(problem.kv_len, "kv_len", MAX_COMPUTE_BLOCK))
-    if problem.segmented:
-        out.append(Violation("segment_ids", "the flash kernel does not take segment ids "
-                             "(packed sequences); use the splash or xla kernel"))
-    return out
+    block of at most ``MAX_COMPUTE_BLOCK``. Windows, soft-capping and segment ids all run."""
+    return (sequence_violations(problem.q_len, "q_len")
+            + sequence_violations(problem.kv_len, "kv_len", MAX_COMPUTE_BLOCK))
 
 
 def static_violations(
@@ -102,16 +98,31 @@ NARROW_LANES = 2 * LANES
 BACKWARD_DS_SPILL_TILES = 1.0
 # Windows and soft-capping add no input, output or scratch, only step temporaries: a window
 # masked on both sides a second key-position comparison, a soft cap its tanh (kept live in the
-# backward for the cap's derivative). Not yet measured on a TPU (none to compile against when
-# they were added), so each counts a whole f32 logits tile more, spilled like the others: an
-# upper bound, as the precheck needs; bench/precheck.py can tighten it.
+# backward for the cap's derivative), segment ids their (block_q, keys) int32 comparison.
+# Not yet measured on a TPU (none to compile against when they were added), so each counts a
+# whole f32 logits tile more, spilled like the others: an upper bound, as the precheck needs;
+# bench/precheck.py can tighten it. Segment ids also add input blocks (see _segment_bytes).
 FEATURE_SPILL_TILES = 1.0
 
 
 def _feature_tiles(problem: Problem) -> float:
-    """Logits tiles of step temporaries that a window or a soft cap adds (see above)."""
+    """Logits tiles of step temporaries that a window, a soft cap or segment ids add."""
     two_sided = problem.window is not None and not problem.causal
-    return FEATURE_SPILL_TILES * (two_sided + (problem.softcap is not None))
+    used = two_sided + (problem.softcap is not None) + problem.segmented
+    return FEATURE_SPILL_TILES * used
+
+
+def _segment_bytes(problem: Problem, rows: int, cols: int, depth: int, *, streamed: str) -> int:
+    """VMEM of the segment-id blocks a kernel holds for ``rows`` queries and ``cols`` keys: q
+    ids lane-replicated (rows, 128) int32, kv ids sublane-replicated (8, cols) int32; the side
+    that follows the kernel's grid is a double-buffered window, the streamed side ``depth``
+    buffers (``streamed``: "kv" or "q")."""
+    if not problem.segmented:
+        return 0
+    q_ids, kv_ids = tile_bytes(rows, LANES, 4), tile_bytes(SUBLANES, cols, 4)
+    if streamed == "kv":
+        return 2 * q_ids + depth * kv_ids
+    return depth * q_ids + 2 * kv_ids
 
 
 def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 0) -> int:
@@ -142,9 +153,10 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
         # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES), and the
-        # temporaries of a window or soft cap
+        # temporaries of a window, soft cap or segment ids
         + _spill_bytes(bq, bkc, spill_tiles,
                        extra=tile_bytes(bq, d, 4) + int(features * tile_bytes(bq, bkc, 4)))
+        + _segment_bytes(problem, bq, bkv, depth, streamed="kv")
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * row_stat  # softmax statistics (m, l) output window, saved for the backward
@@ -165,6 +177,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
+            + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
@@ -174,6 +187,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq accumulator
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
+            + _segment_bytes(problem, qq, kq, config.pipeline_depth_dq, streamed="kv")
         )
     return estimate
 
