@@ -19,6 +19,7 @@ import pytest
 from kernel.backends.flash import KERNEL
 from kernel.backends.flash.blocks import Reach, block_counts
 from kernel.backends.flash.config import FlashConfig
+from kernel.backends.flash.rules import vmem_estimate
 from kernel.contract import attention_mask, reference_attention
 from kernel.problem import Problem
 from kernel.tolerance import relative_error
@@ -191,21 +192,29 @@ def test_reach_masks_nothing_for_full_attention_or_a_window_wider_than_the_seque
     assert Reach.of(_problem(window=(383, 384))).masks_left
 
 
-def test_window_softcap_and_segment_kernels_compile_for_a_tpu():
+def test_window_softcap_and_segment_kernels_compile_for_a_tpu_within_the_estimate():
     """Mosaic lowers and compiles the window masks, the block runs' traced bounds, the soft
-    cap and the segment-id blocks (deviceless, for v5e), both ways."""
+    cap and the segment-id blocks (deviceless, for v5e), both ways, under a scoped VMEM limit
+    of the estimate (which counts the segment-id blocks)."""
     from jax.sharding import SingleDeviceSharding
 
     from kernel.aot import input_specs, topology_device
 
     flash = KERNEL.discover()
-    problem = dataclasses.replace(_problem(q_len=1024, kv_len=1024, window=(200, 100),
-                                           softcap=30.0, segmented=True), dtype="bfloat16")
-    attend = flash.attention(problem, lambda mode: flash.default_config(problem, "v5e"), 0.1)
+    problem = Problem(batch=1, q_heads=2, kv_heads=1, q_len=4096, kv_len=4096, head_dim=128,
+                      dtype="bfloat16", mode="fwd_bwd", window=(700, 300), softcap=30.0,
+                      segmented=True)
+    config = FlashConfig(block_q=1024, block_kv=1024, block_kv_compute=512, block_q_dkv=1024,
+                         block_kv_dkv=1024, block_q_dq=1024, block_kv_dq=1024)
+    estimate = vmem_estimate(problem, config)
+    unsegmented = vmem_estimate(dataclasses.replace(problem, segmented=False), config)
+    assert all(estimate[name] > unsegmented[name] for name in estimate)
+    attend = flash.attention(problem, lambda mode: config, 0.1)
     grads = jax.grad(lambda *args: attend(*args).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     device = topology_device("v5e")
-    ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=SingleDeviceSharding(device))
-    jax.jit(grads).trace(*input_specs(problem, device), ids, ids).lower().compile()
+    ids = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=SingleDeviceSharding(device))
+    jax.jit(grads).trace(*input_specs(problem, device), ids, ids).lower().compile(
+        {"xla_tpu_scoped_vmem_limit_kib": -(-max(estimate.values()) // 1024)})
 
 
 def test_window_bench_counts_the_blocks_each_kernel_computes(tmp_path):
