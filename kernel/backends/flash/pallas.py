@@ -3,10 +3,11 @@
 Layout ``[batch, heads, seq, head_dim]``; K/V may have fewer heads than Q (grouped-query
 attention). Causal and sliding-window masks are a :class:`~kernel.backends.flash.blocks.Reach`:
 each kernel loads only the run of blocks it sees and computes only block pairs that
-``Reach.sees``; logits may be soft-capped (``softcap * tanh(logits / softcap)``). The kernels
-are chosen when lowering, per platform: Mosaic for TPU (so
-``jax.export`` or an ahead-of-time compile for TPU on a CPU host gets the real kernels), TPU
-interpret mode on a CPU (a correctness oracle, not a speed proxy).
+``Reach.sees``; logits may be soft-capped (``softcap * tanh(logits / softcap)``); segment ids
+(packed sequences) mask element-wise, their blocks read beside q and K/V. The kernels are
+chosen when lowering, per platform: Mosaic for TPU (so ``jax.export`` or an ahead-of-time
+compile for TPU on a CPU host gets the real kernels), TPU interpret mode on a CPU (a
+correctness oracle, not a speed proxy).
 """
 
 from __future__ import annotations
