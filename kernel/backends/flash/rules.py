@@ -96,20 +96,24 @@ NARROW_LANES = 2 * LANES
 # Their f32 matmul products (dK, dV, dQ: block x head_dim) stayed within it in 11 compiles with
 # d 128-512 and 2048-row blocks (tightest: dQ d512 2048x128 bf16, 2.33 of 2.5 MiB counted).
 BACKWARD_DS_SPILL_TILES = 1.0
-# Windows and soft-capping add no input, output or scratch, only step temporaries: a window
-# masked on both sides a second key-position comparison, a soft cap its tanh (kept live in the
-# backward for the cap's derivative), segment ids their (block_q, keys) int32 comparison.
-# Not yet measured on a TPU (none to compile against when they were added), so each counts a
-# whole f32 logits tile more, spilled like the others: an upper bound, as the precheck needs;
-# bench/precheck.py can tighten it. Segment ids also add input blocks (see _segment_bytes).
-FEATURE_SPILL_TILES = 1.0
+# Windows, soft-capping and segment ids add step temporaries, spilled like the others: a
+# window masked on both sides a second key-position comparison, segment ids an int32
+# comparison, a soft cap its tanh (kept live in the backward for the cap's derivative), in
+# logits tiles. Measured (v5e, libtpu deviceless, gradient of b1 h2/1 4096 d128 bf16 at
+# 1024-blocks, depth 2: the scoped limit it compiles under, 256 KiB steps): full 11.7 MiB, a
+# (700, 300) window 11.5, segment ids 12.6 (their id blocks, counted by _segment_bytes: 1.06),
+# a soft cap 15.4 (0.9 tiles of 4 MiB), all three 16.5. The comparisons get a quarter tile
+# of margin each, the soft cap a whole tile. Segment ids also add input blocks.
+WINDOW_SPILL_TILES = 0.25
+SEGMENT_SPILL_TILES = 0.25
+SOFTCAP_SPILL_TILES = 1.0
 
 
 def _feature_tiles(problem: Problem) -> float:
     """Logits tiles of step temporaries that a window, a soft cap or segment ids add."""
     two_sided = problem.window is not None and not problem.causal
-    used = two_sided + (problem.softcap is not None) + problem.segmented
-    return FEATURE_SPILL_TILES * used
+    return (WINDOW_SPILL_TILES * two_sided + SEGMENT_SPILL_TILES * problem.segmented
+            + SOFTCAP_SPILL_TILES * (problem.softcap is not None))
 
 
 def _segment_bytes(problem: Problem, rows: int, cols: int, depth: int, *, streamed: str) -> int:
