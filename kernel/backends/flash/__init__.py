@@ -30,8 +30,10 @@ class FlashKernel(TunableKernel):
     name: ClassVar[str] = "flash"
     version: ClassVar[str] = "1"
     description: ClassVar[str] = ("Our Pallas flash attention for TPU: grouped-query, causal, "
-                                  "tiled forward, dK/dV and dQ kernels, each streaming its operands "
-                                  "through a 1-4 deep in-kernel pipeline")
+                                  "sliding-window (blocks outside it skipped), soft-capped, "
+                                  "segmented (packed sequences); "
+                                  "tiled forward, dK/dV and dQ kernels, each streaming its "
+                                  "operands through a 1-4 deep in-kernel pipeline")
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[FlashConfig]] = FlashConfig
@@ -61,9 +63,13 @@ class FlashKernel(TunableKernel):
     def attention(self, problem: Problem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
         from kernel.backends.flash import pallas
+        from kernel.backends.flash.blocks import Reach
 
-        return lambda q, k, v: pallas.flash_attention(q, k, v, problem.causal, sm_scale,
-                                                      config_for)
+        logits = pallas.Logits(sm_scale, Reach.of(problem), problem.softcap)
+        def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
+            return pallas.flash_attention(q, k, v, segment_ids or None, logits, config_for)
+
+        return attend
 
     def discover(self) -> FlashKernel:
         from kernel.backends.flash.depths import supported_pipeline_depths

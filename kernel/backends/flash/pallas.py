@@ -1,15 +1,22 @@
 """Flash attention for TPU in Pallas (Mosaic): forward, dK/dV and dQ kernels tiled by a config.
 
 Layout ``[batch, heads, seq, head_dim]``; K/V may have fewer heads than Q (grouped-query
-attention). The kernels are chosen when lowering, per platform: Mosaic for TPU (so
-``jax.export`` or an ahead-of-time compile for TPU on a CPU host gets the real kernels), TPU
-interpret mode on a CPU (a correctness oracle, not a speed proxy).
+attention). Causal and sliding-window masks are a :class:`~kernel.backends.flash.blocks.Reach`:
+each kernel loads only the run of blocks it sees and computes only block pairs that
+``Reach.sees``; logits may be soft-capped (``softcap * tanh(logits / softcap)``); segment ids
+(packed sequences) mask element-wise, their blocks read beside q and K/V. The kernels are
+chosen when lowering, per platform: Mosaic for TPU (so ``jax.export`` or an ahead-of-time
+compile for TPU on a CPU host gets the real kernels), TPU interpret mode on a CPU (a
+correctness oracle, not a speed proxy).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import operator
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel.backends.flash.blocks import Reach
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import ConfigFor
-from kernel.rules import LANES
+from kernel.rules import LANES, SUBLANES
 
 # Masked logits and the running max's start: the most negative finite f32, so every finite
 # logit is at least as large (a fixed value like -1e30 loses to smaller visible logits, which then
@@ -32,25 +40,26 @@ STATS = 2  # softmax statistics the forward saves per query row: the max m and t
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, sm_scale: float,
-                    config_for: ConfigFor) -> jax.Array:
-    """Softmax(``sm_scale`` q kᵀ) v with Pallas kernels both ways; ``config_for(mode)`` gives
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments | None,
+                    logits: Logits, config_for: ConfigFor) -> jax.Array:
+    """Softmax(``logits``) v with Pallas kernels both ways; ``config_for(mode)`` gives
     the config at trace time: ``"fwd"`` for a plain call, ``"fwd_bwd"`` (its backward tiles)
-    when differentiated."""
-    return _forward(q, k, v, config_for("fwd"), causal, sm_scale, save_stats=False)[0]
+    when differentiated. ``segments``: (q ids [batch, q_len], kv ids [batch, kv_len]) or None;
+    a query sees keys of its own segment only. A query that sees no key gets zeros."""
+    return _forward(q, k, v, segments, config_for("fwd"), logits, save_stats=False)[0]
 
 
-def _flash_fwd(q, k, v, causal, sm_scale, config_for):
+def _flash_fwd(q, k, v, segments, logits, config_for):
     # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
-    out, stats, out_low = _forward(q, k, v, config_for("fwd_bwd"), causal, sm_scale,
+    out, stats, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
                                    save_stats=True)
     # stats lanes 0, 1: the row max m and sum l
-    return out, (q, k, v, out, out_low, stats[..., :STATS])
+    return out, (q, k, v, segments, out, out_low, stats[..., :STATS])
 
 
-def _flash_bwd(causal, sm_scale, config_for, residuals, d_out):
-    q, k, v, out, out_low, stats = residuals
+def _flash_bwd(logits, config_for, residuals, d_out):
+    q, k, v, segments, out, out_low, stats = residuals
     config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     # With the f32 output (bf16: its rounded part plus the remainder), not the output rounded
@@ -63,16 +72,91 @@ def _flash_bwd(causal, sm_scale, config_for, residuals, d_out):
     # Per query row: m, 1/l and delta. P = exp(S - m) / l, as the forward normalised it; a single
     # saved logsumexp m + log l would be rounded to the ulp of m (large for large logits), an
     # error every recomputed probability shares.
-    cols = jnp.stack([stats[..., 0], 1.0 / stats[..., 1], delta], axis=-1)
-    dk, dv = _backward_dkv(q, k, v, d_out, cols, config, causal, sm_scale)
-    dq = _backward_dq(q, k, v, d_out, cols, config, causal, sm_scale)
-    return dq, dk, dv
+    # A row that saw no key (m still MASK_VALUE) keeps 1/l = 0: its P is 0, not 0 * inf.
+    inv_l = jnp.where(stats[..., 0] > MASK_VALUE, 1.0 / stats[..., 1], 0.0)
+    cols = jnp.stack([stats[..., 0], inv_l, delta], axis=-1)
+    dk, dv = _backward_dkv(q, k, v, d_out, cols, segments, config, logits)
+    dq = _backward_dq(q, k, v, d_out, cols, segments, config, logits)
+    return dq, dk, dv, None  # segment ids: integers, no cotangent
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 # --- kernels ---------------------------------------------------------------------------------
+
+Segments = tuple[jax.Array, jax.Array]  # (q ids [batch, q_len], kv ids [batch, kv_len])
+
+
+def _segment_layouts(segments: Segments | None) -> list[jax.Array]:
+    """The segment ids as the kernels read them, as splash lays them out: q ids lane-replicated
+    [batch, q_len, 128] (a block is whole vregs, like the row statistics), kv ids
+    sublane-replicated [batch, 8, kv_len] (a block row broadcasts down the query rows). None:
+    no inputs."""
+    if segments is None:
+        return []
+    q_ids, kv_ids = (ids.astype(jnp.int32) for ids in segments)
+    return [jnp.broadcast_to(q_ids[:, :, None], (*q_ids.shape, LANES)),
+            jnp.broadcast_to(kv_ids[:, None, :], (kv_ids.shape[0], SUBLANES, kv_ids.shape[1]))]
+
+
+def _same_segment(q_ids_ref, kv_ids_ref, start, cols: int) -> jax.Array | None:
+    """(rows, cols) True where the query's segment is the key's; keys ``start ..`` of the kv
+    ids block. None without segment ids."""
+    if q_ids_ref is None:
+        return None
+    return _lanes(q_ids_ref[...], cols) == kv_ids_ref[0:1, pl.ds(start, cols)]
+
+
+def _segment_refs(refs: tuple, segmented: bool) -> tuple:
+    """((q ids, kv ids) refs or (None, None), the refs after them) of a kernel's refs."""
+    return (refs[:2], refs[2:]) if segmented else ((None, None), refs)
+
+
+def _segment_specs(q_ids: pl.BlockSpec, kv_ids: pl.BlockSpec, segmented: bool) -> list:
+    """The in_specs of the segment ids, when given."""
+    return [q_ids, kv_ids] if segmented else []
+
+
+@dataclass(frozen=True)
+class Logits:
+    """How the kernels form logits: ``sm_scale`` q kᵀ, soft-capped when ``softcap`` is set,
+    masked outside ``reach`` (hashable: a static argument of the custom VJP)."""
+
+    sm_scale: float
+    reach: Reach
+    softcap: float | None = None
+
+    def of(self, q: jax.Array, k: jax.Array) -> jax.Array:
+        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; the scale
+        is applied in f32, not to bf16 q."""
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * self.sm_scale
+        if self.softcap is None:
+            return s
+        return self.softcap * jnp.tanh(s / self.softcap)
+
+    def capped_grad(self, s: jax.Array, ds: jax.Array) -> jax.Array:
+        """dS with respect to the uncapped logits, given ``ds`` for the capped ``s``:
+        d/dx softcap tanh(x / softcap) = 1 - tanh², and tanh = s / softcap."""
+        if self.softcap is None:
+            return ds
+        return ds * (1.0 - jnp.square(s / self.softcap))
+
+    def visible(self, shape: tuple[int, int], row0, col0,
+                same_segment: jax.Array | None = None) -> jax.Array | None:
+        """True where a query (row) sees a key (column): in reach, and in its segment when
+        ``same_segment`` is given; None when every query sees every key (no mask)."""
+        rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
+        cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+        sides = []
+        if self.reach.masks_right:
+            sides.append(cols <= rows + self.reach.right)
+        if self.reach.masks_left:
+            sides.append(cols >= rows - self.reach.left)
+        if same_segment is not None:
+            sides.append(same_segment)
+        return functools.reduce(operator.and_, sides) if sides else None
+
 
 def _lanes(x: jax.Array, n: int) -> jax.Array:
     """Widens a lane-replicated (rows, 128) value to (rows, n)."""
@@ -97,24 +181,19 @@ def _dot_f32(x: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.A
     return dot(high) + dot((x - high.astype(jnp.float32)).astype(y.dtype))
 
 
-def _causal_mask(shape: tuple[int, int], row0, col0) -> jax.Array:
-    """True where key position (column) <= query position (row)."""
-    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
-    return cols <= rows
-
-
-def _probs_and_ds(q, k, v, do, cols, *, sm_scale: float, causal: bool, q0, k0):
+def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0, same_segment=None):
     """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
     whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
     computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
-    exp(S - m) / l from the (block_q, 3) ``cols`` (m, 1/l, delta), dS = P (dO V^T - delta)."""
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+    exp(S - m) / l from the (block_q, 3) ``cols`` (m, 1/l, delta), dS = P (dO V^T - delta)
+    (through the soft cap's derivative when capped)."""
+    s = logits.of(q, k)
     p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
-    if causal:
-        p = jnp.where(_causal_mask(p.shape, q0, k0), p, 0.0)
+    mask = logits.visible(p.shape, q0, k0, same_segment)
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    return p, p * (dp - cols[:, 2:3])
+    return p, logits.capped_grad(s, p * (dp - cols[:, 2:3]))
 
 
 def _div(index, divisor: int):
@@ -125,9 +204,16 @@ def _div(index, divisor: int):
     return lax.div(index, jnp.asarray(divisor, index.dtype))
 
 
-def _last_kv_block(q_block, block_q: int, block_kv: int):
-    """Index of the last kv block that a causal query block attends to."""
-    return _div((q_block + 1) * block_q - 1, block_kv)
+# The block arithmetic of kernel.backends.flash.blocks on traced grid indices.
+_TRACED_OPS = SimpleNamespace(minimum=jnp.minimum, maximum=jnp.maximum, div=_div)
+
+
+def _when_seen(seen, compute, reach: Reach) -> None:
+    """``compute()``, under ``pl.when(seen)`` when some block pair can be unseen."""
+    if reach.masks:
+        pl.when(seen)(compute)
+    else:
+        compute()
 
 
 # A TPU to trace the in-kernel pipelines for when none is attached (see _pipeline_target).
@@ -180,43 +266,49 @@ def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
         *args, tpu=functools.partial(call, False), cpu=functools.partial(call, True))
 
 
-def _stream_kv(body, k_hbm, v_hbm, q_block, *, group: int, block_q: int, block_kv: int,
-               causal: bool, depth: int) -> None:
-    """Streams the K/V blocks a query block attends to (causal: up to the diagonal, no more)
-    through ``body(k_ref, v_ref)``; the grid of the calling kernel is (batch, q_head,
-    q_block)."""
-    head_dim, num_kv_blocks = k_hbm.shape[3], k_hbm.shape[2] // block_kv
-    if causal:
-        num_kv_blocks = jnp.minimum(_last_kv_block(q_block, block_q, block_kv) + 1,
-                                    num_kv_blocks)
+def _stream_kv(body, k_hbm, v_hbm, kv_ids_hbm, reach: Reach, *, group: int, block_q: int,
+               block_kv: int, depth: int) -> None:
+    """Streams the run of K/V blocks the grid's query block sees (``Reach.kv_blocks``: blocks
+    above the causal diagonal or outside the window are never fetched: the pipeline's grid
+    starts and ends with the run), with their kv segment ids when given, through
+    ``body(k_ref, v_ref, kv_ids_ref or None, kv_block)``; the grid of the calling kernel is
+    (batch, q_head, q_block)."""
+    head_dim, batch = k_hbm.shape[3], pl.program_id(0)
+    first, count = reach.kv_blocks(pl.program_id(2) * block_q, block_q, block_kv,
+                                   k_hbm.shape[2] // block_kv, _TRACED_OPS)
     kv_head = _div(pl.program_id(1), group)
-    stream(body, (num_kv_blocks,), [k_hbm.at[pl.program_id(0), kv_head],
-                                    v_hbm.at[pl.program_id(0), kv_head]],
-           [(block_kv, head_dim)] * 2, [lambda j: (j, 0)] * 2, depth)
+    operands = [k_hbm.at[batch, kv_head], v_hbm.at[batch, kv_head]]
+    blocks = [(block_kv, head_dim)] * 2
+    if kv_ids_hbm is not None:
+        operands.append(kv_ids_hbm.at[batch])
+        blocks.append((SUBLANES, block_kv))
+
+    def step(k_ref, v_ref, kv_ids_ref=None):
+        body(k_ref, v_ref, kv_ids_ref, pl.program_id(0) + first)
+
+    index_maps = [lambda j: (j + first, 0)] * 2 + [lambda j: (0, j + first)]
+    stream(step, (count,), operands, blocks, index_maps[:len(operands)], depth)
 
 
-def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, causal: bool, sm_scale: float, group: int,
+def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool, group: int,
                     block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
+    (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
     *outs, m_ref, l_ref, acc_ref = refs
     o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
-    q_block = pl.program_id(2)
+    q0 = pl.program_id(2) * block_q
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def step(k_ref, v_ref):
-        kv_block = pl.program_id(0)  # of the K/V pipeline
-
-        def compute(sub):
-            start = pl.multiple_of(sub * block_kv_compute, block_kv_compute)
+    def step(k_ref, v_ref, kv_ids_ref, kv_block):
+        def compute(start):
             k = k_ref[pl.ds(start, block_kv_compute), :]
             v = v_ref[pl.ds(start, block_kv_compute), :]
-            # Logits in f32 on the MXU; the scale is applied in f32, not to bf16 q.
-            s = lax.dot_general(q_ref[...], k, _NT,
-                                preferred_element_type=jnp.float32) * sm_scale
-            if causal:
-                mask = _causal_mask(s.shape, q_block * block_q, kv_block * block_kv + start)
+            s = logits.of(q_ref[...], k)
+            mask = logits.visible(s.shape, q0, kv_block * block_kv + start,
+                                  _same_segment(q_ids_ref, kv_ids_ref, start, block_kv_compute))
+            if mask is not None:
                 s = jnp.where(mask, s, MASK_VALUE)
             m_prev = m_ref[...]  # (block_q, 128): stats stay lane-replicated, whole vregs
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -228,19 +320,20 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, causal: bool, sm_scale: float, g
             acc_ref[...] = acc_ref[...] * _lanes(alpha, head_dim) + pv
 
         def sub_block(sub, carry):
-            if causal:  # skip compute sub-blocks wholly above the diagonal
-                first_key = kv_block * block_kv + sub * block_kv_compute
-                pl.when(first_key <= (q_block + 1) * block_q - 1)(lambda: compute(sub))
-            else:
-                compute(sub)
+            # A loaded block may still hold sub-blocks no query sees: skip their compute.
+            start = pl.multiple_of(sub * block_kv_compute, block_kv_compute)
+            seen = logits.reach.sees(q0, block_q, kv_block * block_kv + start, block_kv_compute)
+            _when_seen(seen, lambda: compute(start), logits.reach)
             return carry
 
         # Bounds the live f32 logits to (block_q, block_kv_compute) per iteration.
         lax.fori_loop(0, block_kv // block_kv_compute, sub_block, 0)
 
-    _stream_kv(step, k_hbm, v_hbm, q_block, group=group, block_q=block_q, block_kv=block_kv,
-               causal=causal, depth=depth)
-    inv_l = 1.0 / l_ref[...]  # every row sees key 0, so l > 0
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, logits.reach, group=group, block_q=block_q,
+               block_kv=block_kv, depth=depth)
+    # A row whose every computed logit was masked (m still MASK_VALUE) saw no key: zeros. Any
+    # other row's masked terms were scaled away by alpha = exp(MASK_VALUE - m) = 0.
+    inv_l = jnp.where(m_ref[...] > MASK_VALUE, 1.0 / l_ref[...], 0.0)
     out = acc_ref[...] * _lanes(inv_l, head_dim)
     o_ref[...] = out.astype(o_ref.dtype)
     if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
@@ -256,7 +349,13 @@ def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
 
 
-def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_stats: bool):
+def _q_ids_spec(block_q: int) -> pl.BlockSpec:
+    """A (block_q, 128) window of the lane-replicated q segment ids on a (batch, q_head,
+    q_block) grid."""
+    return pl.BlockSpec((None, block_q, LANES), lambda b, h, i: (b, i, 0))
+
+
+def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats: bool):
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q
     q_spec = _q_block_spec(bq, head_dim)
@@ -270,13 +369,15 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_s
             out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
             out_specs.append(q_spec)
     kernel = functools.partial(
-        _forward_kernel, causal=causal, sm_scale=sm_scale, group=q_heads // k.shape[1],
+        _forward_kernel, logits=logits, segmented=segments is not None,
+        group=q_heads // k.shape[1],
         block_kv=config.block_kv, block_kv_compute=config.block_kv_compute,
         depth=config.pipeline_depth, save_stats=save_stats)
     outs = _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, _IN_HBM, _IN_HBM],
+        in_specs=[q_spec, _IN_HBM, _IN_HBM,
+                  *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
@@ -284,25 +385,27 @@ def _forward(q, k, v, config: FlashConfig, causal: bool, sm_scale: float, save_s
                         pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
         semantics=("parallel", "parallel", "parallel"),
         name="flash_fwd",
-    )(q, k, v)
+    )(q, k, v, *_segment_layouts(segments))
     if not save_stats:
         return outs[0], None, None
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
-                causal: bool, sm_scale: float, group: int, block_q: int, depth: int):
+def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, segmented: bool,
+                group: int, block_q: int, depth: int):
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = _segment_refs(refs, segmented)
     block_kv, head_dim = k_ref.shape
-    kv_block = pl.program_id(2)
+    k0 = pl.program_id(2) * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-    num_q_blocks = q_hbm.shape[2] // block_q
-    first = 0
-    if causal:  # query blocks wholly above the diagonal contribute nothing: start after them
-        first = jnp.minimum(_div(kv_block * block_kv, block_q), num_q_blocks - 1)
+    # Only the run of query blocks that see this kv block is streamed (none above the causal
+    # diagonal or outside the window is fetched).
+    seen_by = logits.reach.transposed()
+    first, count = seen_by.kv_blocks(k0, block_kv, block_q, q_hbm.shape[2] // block_q,
+                                     _TRACED_OPS)
 
-    def step(q_ref, do_ref, cols_ref):
-        q_block = pl.program_id(1) + first  # of the Q/dO pipeline
+    def step(q_ref, do_ref, cols_ref, q_ids_ref=None):
+        q0 = (pl.program_id(1) + first) * block_q  # of the Q/dO pipeline
 
         def run():
             # P and dS as the forward and the dQ kernel compute them (queries x keys), then
@@ -312,83 +415,88 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, dk_ref, dv_ref, dk_acc, d
             # but round differently from the forward's, so P no longer matches the saved m and
             # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
             q, do = q_ref[...], do_ref[...]
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...],
-                                  sm_scale=sm_scale, causal=causal, q0=q_block * block_q,
-                                  k0=kv_block * block_kv)
+            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...], logits, q0, k0,
+                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                            preferred_element_type=jnp.float32)
             dk_acc[...] += _dot_f32(ds, q, _TN)
 
-        if causal:  # a kv block past the last query (kv_len > q_len) still gets one step
-            pl.when((q_block + 1) * block_q - 1 >= kv_block * block_kv)(run)
-        else:
-            run()
+        # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
+        _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
 
     head0 = pl.program_id(1) * group
-    stream(step, (group, num_q_blocks - first),
-           [ref.at[pl.program_id(0)] for ref in (q_hbm, do_hbm, cols_hbm)],
-           [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1)],
-           [lambda g, i: (head0 + g, i + first, 0)] * 3, depth)
-    dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
+    streamed = [q_hbm, do_hbm, cols_hbm] + ([q_ids_hbm] if segmented else [])
+    blocks = [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1), (block_q, LANES)]
+    index_maps = [lambda g, i: (head0 + g, i + first, 0)] * 3 + [lambda g, i: (i + first, 0)]
+    stream(step, (group, count), [ref.at[pl.program_id(0)] for ref in streamed],
+           blocks[:len(streamed)], index_maps[:len(streamed)], depth)
+    dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, cols, config: FlashConfig, causal: bool, sm_scale: float):
+def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
     bkv = config.block_kv_dkv
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
-    kernel = functools.partial(_dkv_kernel, causal=causal, sm_scale=sm_scale,
+    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segments is not None,
                                group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
                                depth=config.pipeline_depth_dkv)
+    kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
-        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec],
+        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
+                  *_segment_specs(_IN_HBM, kv_ids_spec, segments is not None)],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dkv",
-    )(q, d_out, cols, k, v)
+    )(q, d_out, cols, k, v, *_segment_layouts(segments))
 
 
-def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, dq_ref, dq_acc, *, causal: bool,
-               sm_scale: float, group: int, block_kv: int, depth: int):
+def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
+               group: int, block_kv: int, depth: int):
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
-    q_block = pl.program_id(2)
+    q0 = pl.program_id(2) * block_q
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    def step(k_ref, v_ref):
-        kv_block = pl.program_id(0)  # of the K/V pipeline
-        k = k_ref[...]
-        _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...],
-                              sm_scale=sm_scale, causal=causal, q0=q_block * block_q,
-                              k0=kv_block * block_kv)
-        dq_acc[...] += _dot_f32(ds, k)
+    def step(k_ref, v_ref, kv_ids_ref, kv_block):
+        def run():
+            k = k_ref[...]
+            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...], logits,
+                                  q0, kv_block * block_kv,
+                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
+            dq_acc[...] += _dot_f32(ds, k)
 
-    _stream_kv(step, k_hbm, v_hbm, q_block, group=group, block_q=block_q, block_kv=block_kv,
-               causal=causal, depth=depth)
-    dq_ref[...] = (dq_acc[...] * sm_scale).astype(dq_ref.dtype)
+        _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
+                   logits.reach)
+
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, logits.reach, group=group, block_q=block_q,
+               block_kv=block_kv, depth=depth)
+    dq_ref[...] = (dq_acc[...] * logits.sm_scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, d_out, cols, config: FlashConfig, causal: bool, sm_scale: float):
+def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
     """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q_dq
     q_spec = _q_block_spec(bq, head_dim)
-    kernel = functools.partial(_dq_kernel, causal=causal, sm_scale=sm_scale,
+    kernel = functools.partial(_dq_kernel, logits=logits, segmented=segments is not None,
                                group=q_heads // k.shape[1], block_kv=config.block_kv_dq,
                                depth=config.pipeline_depth_dq)
     return _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM],
+        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM,
+                  *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dq",
-    )(q, d_out, cols, k, v)
+    )(q, d_out, cols, k, v, *_segment_layouts(segments))

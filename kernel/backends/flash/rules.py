@@ -15,6 +15,7 @@ from kernel.problem import Problem
 from kernel.rules import (
     LANES,
     MAX_COMPUTE_BLOCK,
+    SUBLANES,
     Violation,
     block_values,
     block_violations,
@@ -34,7 +35,7 @@ DEFAULT_DEPTHS: tuple[int, ...] = tuple(range(1, MAX_PROBED_DEPTH + 1))
 
 def problem_violations(problem: Problem) -> list[Violation]:
     """A sequence axis that no TPU block tiles (``seq_len``); the kv axis also needs a compute
-    block of at most ``MAX_COMPUTE_BLOCK``."""
+    block of at most ``MAX_COMPUTE_BLOCK``. Windows, soft-capping and segment ids all run."""
     return (sequence_violations(problem.q_len, "q_len")
             + sequence_violations(problem.kv_len, "kv_len", MAX_COMPUTE_BLOCK))
 
@@ -95,6 +96,37 @@ NARROW_LANES = 2 * LANES
 # Their f32 matmul products (dK, dV, dQ: block x head_dim) stayed within it in 11 compiles with
 # d 128-512 and 2048-row blocks (tightest: dQ d512 2048x128 bf16, 2.33 of 2.5 MiB counted).
 BACKWARD_DS_SPILL_TILES = 1.0
+# Windows, soft-capping and segment ids add step temporaries, spilled like the others: a
+# window masked on both sides a second key-position comparison, segment ids an int32
+# comparison, a soft cap its tanh (kept live in the backward for the cap's derivative), in
+# logits tiles. Measured (v5e, libtpu deviceless, gradient of b1 h2/1 4096 d128 bf16 at
+# 1024-blocks, depth 2: the scoped limit it compiles under, 256 KiB steps): full 11.7 MiB, a
+# (700, 300) window 11.5, segment ids 12.6 (their id blocks, counted by _segment_bytes: 1.06),
+# a soft cap 15.4 (0.9 tiles of 4 MiB), all three 16.5. The comparisons get a quarter tile
+# of margin each, the soft cap a whole tile. Segment ids also add input blocks.
+WINDOW_SPILL_TILES = 0.25
+SEGMENT_SPILL_TILES = 0.25
+SOFTCAP_SPILL_TILES = 1.0
+
+
+def _feature_tiles(problem: Problem) -> float:
+    """Logits tiles of step temporaries that a window, a soft cap or segment ids add."""
+    two_sided = problem.window is not None and not problem.causal
+    return (WINDOW_SPILL_TILES * two_sided + SEGMENT_SPILL_TILES * problem.segmented
+            + SOFTCAP_SPILL_TILES * (problem.softcap is not None))
+
+
+def _segment_bytes(problem: Problem, rows: int, cols: int, depth: int, *, streamed: str) -> int:
+    """VMEM of the segment-id blocks a kernel holds for ``rows`` queries and ``cols`` keys: q
+    ids lane-replicated (rows, 128) int32, kv ids sublane-replicated (8, cols) int32; the side
+    that follows the kernel's grid is a double-buffered window, the streamed side ``depth``
+    buffers (``streamed``: "kv" or "q")."""
+    if not problem.segmented:
+        return 0
+    q_ids, kv_ids = tile_bytes(rows, LANES, 4), tile_bytes(SUBLANES, cols, 4)
+    if streamed == "kv":
+        return 2 * q_ids + depth * kv_ids
+    return depth * q_ids + 2 * kv_ids
 
 
 def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 0) -> int:
@@ -115,6 +147,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     (most of the rejected configs that compile anyway are such).
     """
     d, isz, depth = problem.head_dim, problem.itemsize, config.pipeline_depth
+    features = _feature_tiles(problem)
     bq, bkv, bkc = config.block_q, config.block_kv, config.block_kv_compute
     row_stat = tile_bytes(bq, LANES, 4)  # lane-replicated f32 per-row value
     spill_tiles = NARROW_SPILL_TILES if bkc <= NARROW_LANES else SPILL_TILES
@@ -123,8 +156,11 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + 2 * depth * tile_bytes(bkv, d, isz)  # streamed k and v buffers
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
-        # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES)
-        + _spill_bytes(bq, bkc, spill_tiles, extra=tile_bytes(bq, d, 4))
+        # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES), and the
+        # temporaries of a window, soft cap or segment ids
+        + _spill_bytes(bq, bkc, spill_tiles,
+                       extra=tile_bytes(bq, d, 4) + int(features * tile_bytes(bq, bkc, 4)))
+        + _segment_bytes(problem, bq, bkv, depth, streamed="kv")
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * row_stat  # softmax statistics (m, l) output window, saved for the backward
@@ -135,7 +171,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             fwd += 2 * tile_bytes(bq, d, isz) + tile_bytes(bq, d, 4)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
-        bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES
+        bwd_tiles = SPILL_TILES + BACKWARD_DS_SPILL_TILES + features
         qk, kk, depth_dkv = config.block_q_dkv, config.block_kv_dkv, config.pipeline_depth_dkv
         estimate["dkv"] = (
             2 * depth_dkv * tile_bytes(qk, d, isz)  # streamed q, do buffers
@@ -145,6 +181,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
+            + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
@@ -154,6 +191,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq accumulator
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
+            + _segment_bytes(problem, qq, kq, config.pipeline_depth_dq, streamed="kv")
         )
     return estimate
 
