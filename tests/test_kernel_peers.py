@@ -402,12 +402,13 @@ def test_upstream_refuses_x64_naming_the_fix(kernel_name):
     assert not kernel.problem_violations(problem)
 
 
-@pytest.mark.parametrize("feature", ["segment_ids", "bias", "logits_soft_cap",
+@pytest.mark.parametrize("feature", ["q_segment_ids", "bias", "attn_logits_soft_cap",
                                      "sliding_window", "dropout_rate"])
 def test_unsupported_features_fail_with_a_clear_error(feature):
     q = jnp.ones((1, 1, 128, 64), jnp.float32)
     with pytest.raises(TypeError, match=f"unsupported keyword argument '{feature}'.*takes "
-                                        "only q, k, v, causal, sm_scale, config and layout"):
+                                        "only q, k, v, causal, sm_scale, window, "
+                                        "logits_soft_cap, segment_ids, config and layout"):
         flash_attention(q, q, q, **{feature: None})
     fields = {**Problem(1, 1, 1, 128, 128, 64, "float32").to_dict(), feature: 1}
     with pytest.raises(ProblemError, match=f"unknown problem field.*{feature}"):

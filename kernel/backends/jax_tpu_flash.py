@@ -37,6 +37,7 @@ from kernel.rules import (
     Violation,
     block_values,
     block_violations,
+    feature_violations,
     key_lane_violations,
     largest_at_most,
     sequence_violations,
@@ -167,7 +168,8 @@ class JaxTpuFlashKernel(TunableKernel):
         if problem.head_dim > LANES and problem.head_dim % LANES:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be at most "
                                  f"{LANES} or a multiple of {LANES} for this kernel"))
-        return out + x64_violations()
+        return (out + x64_violations()
+                + feature_violations(problem, self.name, frozenset({"segment_ids"})))
 
     def space_params(self, problem: Problem) -> Params:
         q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
@@ -235,10 +237,11 @@ class JaxTpuFlashKernel(TunableKernel):
 
         sizes = upstream.BlockSizes(**config.to_dict())
 
-        def attend(q, k, v):  # noqa: ANN001, ANN202
+        def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
             k, v = repeat_kv_heads(problem, k, v)
-            return upstream.flash_attention(q, k, v, causal=problem.causal, sm_scale=scale,
-                                            block_sizes=sizes)
+            ids = upstream.SegmentIds(*segment_ids) if segment_ids else None
+            return upstream.flash_attention(q, k, v, segment_ids=ids, causal=problem.causal,
+                                            sm_scale=scale, block_sizes=sizes)
 
         return attend
 
@@ -261,7 +264,7 @@ def _on_platform(fn: AttentionFn) -> AttentionFn:
     must contain its own gradient: a branch's custom VJP is traced outside it."""
     from jax import lax
 
-    return lambda q, k, v: lax.platform_dependent(q, k, v, tpu=fn, default=_interpreted(fn))
+    return lambda *args: lax.platform_dependent(*args, tpu=fn, default=_interpreted(fn))
 
 
 KERNEL = JaxTpuFlashKernel()
