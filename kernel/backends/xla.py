@@ -76,10 +76,11 @@ class XlaKernel(TunableKernel):
         config_for("fwd")  # nothing to read, but an explicit config is still checked
 
         def attend(q: Any, k: Any, v: Any, *segment_ids: Any) -> Any:
-            if problem.softcap is not None:
-                return reference_attention(q, k, v, *segment_ids, causal=problem.causal,
+            if problem.softcap is not None:  # f32: bf16 probabilities put dK 5x off (peers)
+                wide = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in (q, k, v))
+                return reference_attention(*wide, *segment_ids, causal=problem.causal,
                                            sm_scale=sm_scale, window=problem.window,
-                                           softcap=problem.softcap)
+                                           softcap=problem.softcap).astype(q.dtype)
             ids = dict(zip(("q_segment_ids", "kv_segment_ids"), segment_ids))
             mask = attention_mask(problem.q_len, problem.kv_len, **ids) if ids else None
             out = jax.nn.dot_product_attention(
