@@ -169,7 +169,6 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
                         f"{type(segment_ids).__name__}")
     import jax.numpy as jnp
 
-    out = []
     for name, ids, axis in (("q_segment_ids", segment_ids[0], "q_len"),
                             ("kv_segment_ids", segment_ids[1], "kv_len")):
         shape = (problem.batch, getattr(problem, axis))
@@ -181,8 +180,7 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"segment_ids: {name} must be integers (one id per document), got "
                             f"dtype {_dtype(ids)}; cast them")
-        out.append(jnp.asarray(ids, jnp.int32))
-    return tuple(out)
+    return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
 
 
 def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Target,
