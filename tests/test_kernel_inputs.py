@@ -332,3 +332,21 @@ def test_a_platform_kernel_that_lacks_a_feature_falls_back_to_xla(problem):
     else:
         assert pick.kernel.name == "xla" and pick.by.startswith("fallback") and (
             "[window] kernel 'jax_tpu_flash' does not implement a sliding window" in pick.by)
+
+
+def test_the_capture_records_a_calls_features(fresh_resolver):
+    """A Gemma-2-style local layer's training step, traced abstractly: the captured problem
+    (both modes) carries its window and soft cap. (Segment ids: once the platform's kernel,
+    which a capture resolves, takes them; the routing tests above show they are recorded.)"""
+    import kernel
+
+    fresh_resolver()
+    q, kv = _sds((2, 4, 256, 64)), _sds((2, 2, 256, 64))
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, causal=True, window=(127, 0), logits_soft_cap=50.0).sum()
+
+    with kernel.capture() as problems:
+        jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    assert [(p.mode, p.window, p.softcap, p.segmented) for p in problems] == [
+        ("fwd_bwd", (127, 0), 50.0, False)]  # a differentiated call: its training problem
