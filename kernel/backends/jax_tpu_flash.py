@@ -6,7 +6,9 @@ the query heads with ``jnp.repeat`` before the call, so a GQA problem moves ``gr
 more K/V through the kernel than ``flash`` does); ``sm_scale`` defaults to 1.0 upstream, here it
 is ``head_dim ** -0.5``; no ``interpret`` argument (on CPU the call is traced inside
 ``pltpu.force_tpu_interpret_mode``, chosen per platform when lowering, so an ahead-of-time
-compile for TPU on a CPU host still gets the Mosaic kernels).
+compile for TPU on a CPU host still gets the Mosaic kernels). Segment ids go to upstream's
+``SegmentIds`` natively; it has no window or soft cap, refused by rule (``window``,
+``softcap``).
 
 Pure Python at import; jax loads in ``build``.
 """
