@@ -37,7 +37,7 @@ from autotune.timing import (
 )
 from autotune.trials import Measurement
 from kernel import Problem, TunableKernel
-from kernel.aot import input_specs
+from kernel.aot import example_inputs
 from kernel.tolerance import MAX_RELATIVE_ERROR
 from kernel.tolerance import relative_error as output_error
 from present.text import first_line
@@ -139,9 +139,9 @@ class Measurer:
             # that fails the gate, however fast.
             self.tolerance = MAX_RELATIVE_ERROR[self.problem.dtype]
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
-        keys = jax.random.split(jax.random.key(self.seed), 3)
-        self.inputs = [jax.device_put(jax.random.normal(key, spec.shape, spec.dtype), self.device)
-                       for key, spec in zip(keys, input_specs(self.problem), strict=True)]
+        # q, k, v, and a segmented problem's representative packing (example_inputs)
+        self.inputs = [jax.device_put(x, self.device)
+                       for x in example_inputs(self.problem, self.seed)]
         self.expected = jax.jit(self.kernel.reference(self.problem))(*self.inputs)
 
     def config(self, params: dict[str, Any]) -> Config:

@@ -25,21 +25,25 @@ LAYOUTS = ("BHSD", "BSHD")
 # axis looks like a [batch, seq, heads, head_dim] array: refused unless the layout is given.
 MOST_PLAUSIBLE_HEADS = 256
 # Attention features of other APIs (jax.nn, tokamax, upstream's kernels) that no backend here
-# implements, named in the error when a caller passes them.
+# implements, or that this wrapper takes under another name, named in the error when a caller
+# passes them.
 UNSUPPORTED_FEATURES = {
-    "segment_ids": "segment ids", "q_segment_ids": "segment ids",
-    "kv_segment_ids": "segment ids", "bias": "an attention bias", "ab": "an attention bias",
-    "mask": "a mask other than causal", "logits_soft_cap": "logit soft-capping",
-    "sliding_window": "sliding-window attention", "local_window_size": "sliding-window attention",
-    "dropout_rate": "dropout", "query_seq_lengths": "sequence lengths",
-    "key_value_seq_lengths": "sequence lengths",
+    "q_segment_ids": "pass segment_ids=(q_segment_ids, kv_segment_ids)",
+    "kv_segment_ids": "pass segment_ids=(q_segment_ids, kv_segment_ids)",
+    "bias": "an attention bias", "ab": "an attention bias",
+    "mask": "a mask other than causal, window and segments",
+    "sliding_window": "pass window=(left, right)", "local_window_size": "pass window=(left, right)",
+    "attn_logits_soft_cap": "pass logits_soft_cap", "dropout_rate": "dropout",
+    "query_seq_lengths": "sequence lengths (pass segment_ids, padding a segment of its own)",
+    "key_value_seq_lengths": "sequence lengths (pass segment_ids, padding a segment of its own)",
     "implementation": "an implementation (the tuned kernel choice picks it)",
 }
 
 
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
-                    sm_scale: float | None = None, config: Any = None, layout: str | None = None,
-                    **unsupported: Any) -> Any:
+                    sm_scale: float | None = None, window: tuple[int, int] | None = None,
+                    logits_soft_cap: float | None = None, segment_ids: Any = None,
+                    config: Any = None, layout: str | None = None, **unsupported: Any) -> Any:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable.
 
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
@@ -51,6 +55,15 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     position, top-left aligned (query i sees keys j <= i). ``sm_scale`` defaults to
     ``head_dim ** -0.5``.
 
+    ``window=(left, right)``: query i sees keys ``i - left`` to ``i + right`` (as
+    ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
+    0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
+    ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
+    ``[batch, kv_len]`` (cast to int32); a query sees the keys of its own segment only (packed
+    sequences). A query that sees no key at all gets zeros from ``xla`` (and the reference).
+    Each is part of the problem: only a kernel that runs it is picked (see the README's
+    table), and tuning measures it.
+
     Without ``config``, the backend is the one the kernel choice for this problem, device and
     mode names (pinned table > lookup service; ``fwd_bwd`` when differentiated; when it cannot
     run here, the choice's next best candidate that can, else ``xla``), and its config is
@@ -59,8 +72,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     on a TPU, or ``AUTOTUNE_TPU_KERNEL`` which also disables choices there, and, interpreted,
     on a CPU; upstream's Pallas Triton kernel on a GPU), or ``xla`` where that cannot run the
     problem. With an explicit ``config`` (one of its configs, checked against its rules), it
-    is the platform's backend. Any other keyword (segment ids, bias, soft-cap, sliding
-    window, dropout, ...) raises ``TypeError`` naming it as unsupported.
+    is the platform's backend, which must run the problem's features. Any other keyword
+    (bias, a mask, dropout, ...) raises ``TypeError`` naming it as unsupported.
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
@@ -71,16 +84,19 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
 
         _check_arrays(q, k, v, layout)
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, config=config,
-                              layout="BHSD")
+        out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
+                              logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
+                              config=config, layout="BHSD")
         return jnp.swapaxes(out, 1, 2)
     problem = _problem(q, k, v, causal, checked=layout == "BHSD")
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a Python float (static), got {sm_scale!r}")
-    if not (math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    _check_positive("sm_scale", sm_scale)
+    if logits_soft_cap is not None:
+        _check_positive("logits_soft_cap", logits_soft_cap)
+    ids = _segment_ids(segment_ids, problem)
+    problem = dataclasses.replace(problem, window=window, softcap=logits_soft_cap,
+                                  segmented=bool(ids))
     platform, device_kind = _default_device()
     if platform not in PLATFORMS:
         raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
@@ -91,7 +107,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         backend = resolver.platform_kernel(platform)
         backend.check_problem(problem)
         config_for = _explicit(backend, problem, config, target, platform)
-        return backend.attention(problem, config_for, float(sm_scale))(q, k, v)
+        return backend.attention(problem, config_for, float(sm_scale))(q, k, v, *ids)
 
     call = Call()
 
@@ -111,7 +127,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                                                     target, pick.by))
         return backend.attention(problem, config_for, float(sm_scale))
 
-    return by_mode(attend)(q, k, v)
+    return by_mode(attend)(q, k, v, *ids)
 
 
 def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableKernel,
@@ -130,8 +146,41 @@ def _unsupported_message(unsupported: dict[str, Any]) -> str:
                       for name in unsupported)
     plural = "s" if len(unsupported) > 1 else ""
     return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
-            "q, k, v, causal, sm_scale, config and layout (causal masking is the only mask); "
+            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config and layout; "
             "drop the argument, or use an attention implementation that supports it")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    """Raises naming ``name`` unless ``value`` is a positive finite Python number (static)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float (static), got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+
+
+def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
+    """``segment_ids`` as ``(q_segment_ids, kv_segment_ids)`` int32 arrays of the problem's
+    shapes (``()`` for None); anything else raises naming the argument and the fix."""
+    if segment_ids is None:
+        return ()
+    if (isinstance(segment_ids, (str, bytes)) or not hasattr(segment_ids, "__len__")
+            or len(segment_ids) != 2):
+        raise TypeError("segment_ids must be a pair (q_segment_ids, kv_segment_ids), got "
+                        f"{type(segment_ids).__name__}")
+    import jax.numpy as jnp
+
+    for name, ids, axis in (("q_segment_ids", segment_ids[0], "q_len"),
+                            ("kv_segment_ids", segment_ids[1], "kv_len")):
+        shape = (problem.batch, getattr(problem, axis))
+        if not (hasattr(ids, "shape") and hasattr(ids, "dtype")):
+            raise TypeError(f"segment_ids: {name} must be a jax array, got {type(ids).__name__}")
+        if tuple(ids.shape) != shape:
+            raise ValueError(f"segment_ids: {name} must have shape [batch, {axis}] = {shape}, "
+                             f"got {tuple(ids.shape)}")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"segment_ids: {name} must be integers (one id per document), got "
+                            f"dtype {_dtype(ids)}; cast them")
+    return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
 
 
 def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Target,
@@ -157,19 +206,22 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
                           local_window_size: Any = None, implementation: Any = None) -> Any:
     """``jax.nn.dot_product_attention``'s signature and layout (``[batch, seq, heads,
     head_dim]``, or ``[seq, heads, head_dim]``) on :func:`flash_attention`: a drop-in for the
-    calls it supports (``scale``, ``is_causal``); any other argument given raises naming it.
-    ``implementation`` must stay None: the kernel is the tuned choice's."""
+    calls it supports (``scale``, ``is_causal``, ``local_window_size``: an int ``w`` is ``(w,
+    w)``, as there); any other argument given raises naming it. ``implementation`` must stay
+    None: the kernel is the tuned choice's."""
     given = {name: value for name, value in (
         ("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
-        ("key_value_seq_lengths", key_value_seq_lengths),
-        ("local_window_size", local_window_size), ("implementation", implementation))
+        ("key_value_seq_lengths", key_value_seq_lengths), ("implementation", implementation))
         if value is not None}
     if given:
         raise TypeError(_unsupported_message(given))
     batched = getattr(query, "ndim", 4) == 4
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
-    out = flash_attention(query, key, value, causal=is_causal, sm_scale=scale, layout="BSHD")
+    if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
+        local_window_size = (local_window_size, local_window_size)
+    out = flash_attention(query, key, value, causal=is_causal, sm_scale=scale,
+                          window=local_window_size, layout="BSHD")
     return out if batched else out[0]
 
 

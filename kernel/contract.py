@@ -49,15 +49,17 @@ def measured_fn(problem: Problem, attend: AttentionFn, *,
     """What the tuner measures for ``problem.mode``: ``attend`` itself (``fwd``), or the
     gradients of ``sum(attend(q, k, v))`` with respect to q, k and v (``fwd_bwd``).
     ``forward_only`` (``fwd_bwd``): just the forward pass as training runs it (``jax.vjp``,
-    saving the residuals), without the backward kernels."""
+    saving the residuals), without the backward kernels. Segment ids, for a segmented problem,
+    follow q, k and v, and are not differentiated."""
     import jax
     import jax.numpy as jnp
 
     if problem.mode == "fwd":
         return attend
     if forward_only:
-        return lambda q, k, v: jax.vjp(attend, q, k, v)
-    return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        return lambda q, k, v, *ids: jax.vjp(lambda q, k, v: attend(q, k, v, *ids), q, k, v)
+    return jax.grad(lambda q, k, v, *ids: attend(q, k, v, *ids).astype(jnp.float32).sum(),
+                    argnums=(0, 1, 2))
 
 
 def by_mode(attend_for: Callable[[str], AttentionFn],

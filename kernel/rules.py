@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kernel.problem import Problem
 from kernel.targets import MiB, Target
 
 LANES = 128  # TPU vector registers are (8 sublanes x 128 lanes); VMEM tiles pad to them.
@@ -141,3 +142,27 @@ def x64_violations() -> list[Violation]:
     return [Violation("x64", "upstream's kernel does not trace under jax_enable_x64 (its index "
                       "arithmetic mixes int32 and int64); use the flash kernel, or disable x64 "
                       "for this call (with jax.enable_x64(False): ...)")]
+
+
+# The attention features beyond causal masking a problem may use (kernel.problem's window,
+# softcap and segmented), as rule names, with what each is called in a message.
+FEATURES = {"window": "a sliding window", "softcap": "logit soft-capping",
+            "segment_ids": "segment ids (packed sequences)"}
+# The kernels that run every feature, named as the fix when one is refused.
+ALL_FEATURE_KERNELS = "splash (TPU, interpreted elsewhere) or xla (everywhere)"
+
+
+def problem_features(problem: Problem) -> list[str]:
+    """The :data:`FEATURES` ``problem`` uses."""
+    used = {"window": problem.window is not None, "softcap": problem.softcap is not None,
+            "segment_ids": problem.segmented}
+    return [feature for feature in FEATURES if used[feature]]
+
+
+def feature_violations(problem: Problem, kernel: str,
+                       supported: frozenset[str] = frozenset()) -> list[Violation]:
+    """One violation per feature ``problem`` uses that kernel ``kernel`` does not run (only
+    ``supported`` run), named by the feature and naming the kernels that run it."""
+    return [Violation(feature, f"kernel {kernel!r} does not implement {FEATURES[feature]}; "
+                      f"use {ALL_FEATURE_KERNELS}")
+            for feature in problem_features(problem) if feature not in supported]

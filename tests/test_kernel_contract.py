@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kernel import ConfigError, Problem, TunableKernel, device_target, get_kernel, kernel_names
-from kernel.aot import input_specs, topology_device
+from kernel.aot import example_inputs, input_specs, packed_segment_ids, topology_device
 from kernel.contract import AttentionFn, measured_fn
 from kernel.registry import KERNELS
 from kernel.targets import GPU_TARGET
@@ -44,9 +44,7 @@ def _target(kernel: TunableKernel) -> str:
 
 
 def _inputs(problem: Problem) -> list[jax.Array]:
-    keys = jax.random.split(jax.random.key(0), 3)
-    return [jax.random.normal(key, spec.shape, spec.dtype)
-            for key, spec in zip(keys, input_specs(problem), strict=True)]
+    return example_inputs(problem)  # what the tuner measures
 
 
 def _max_error(got, want) -> float:
@@ -290,3 +288,49 @@ def test_the_wrapper_gradient_keeps_the_mosaic_kernels_on_a_tpu(name):
         text = jax.export.export(jax.jit(measured_fn(problem, attend)),
                                  platforms=["tpu"])(*specs).mlir_module()
     assert text.count("@tpu_custom_call") >= 3  # the forward, dK/dV and dQ kernels
+
+
+# --- windows, soft caps and segment ids: what the tuner measures them with --------------------
+
+def test_the_tuners_packing_is_deterministic_documents_and_a_padding_tail():
+    problem = _problem(batch=3, q_len=256, kv_len=512, segmented=True)
+    q_ids, kv_ids = packed_segment_ids(problem)
+    assert q_ids.shape == (3, 256) and kv_ids.shape == (3, 512) and q_ids.dtype == np.int32
+    assert (kv_ids[:, :256] == q_ids).all()  # positions shared, top-left aligned
+    for row in kv_ids:
+        runs = [int(i) for i in row[np.r_[True, row[1:] != row[:-1]]]]
+        assert runs == [1, 2, 3, 4, 0] and (row[-32:] == 0).all()  # 4 documents, 1/16 padding
+    assert len({tuple(row) for row in kv_ids}) == 3  # each row drawn on its own
+    assert all((a == b).all() for a, b in zip(packed_segment_ids(problem), (q_ids, kv_ids)))
+    specs = input_specs(problem)
+    assert [(s.shape, s.dtype) for s in specs[3:]] == [((3, 256), np.int32), ((3, 512), np.int32)]
+
+
+# Each feature alone is in test_kernel_peers' FEATURE_CASES: here segment ids (which
+# upstream's TPU kernel runs too) and all three at once.
+FEATURES = {"segment_ids": dict(segmented=True),
+            "all": dict(causal=False, window=(40, 16), softcap=2.0, segmented=True)}
+
+
+@pytest.mark.smoke  # splash's and upstream's feature arguments, on jax 0.10.2 to 0.12
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "flash"])  # flash: test_flash_features
+@pytest.mark.parametrize("features", FEATURES)
+def test_a_featured_build_passes_the_tuners_gate_which_catches_an_ignored_feature(
+        name, features):
+    """Each kernel claiming a feature measures (``build``) within the gate's bound of the
+    reference, on the tuner's inputs (the packing for segment ids); a kernel that ignored the
+    feature would fail the gate on those inputs. One that does not claim it names the rule."""
+    kernel = get_kernel(name)
+    problem = _problem("fwd_bwd", **FEATURES[features])
+    refused = {v.rule for v in kernel.problem_violations(problem)} & {
+        "window", "softcap", "segment_ids"}
+    if refused or "cpu" not in kernel.targets:
+        assert refused or name == "cudnn", name
+        return
+    args = _inputs(problem)
+    want = jax.jit(_f32(kernel.reference(problem)))(*args)
+    got = _run(_f32(kernel.build(problem, kernel.default_config(problem))), args)
+    assert _max_error(got, want) <= TOLERANCE[problem.dtype]
+    plain = _problem("fwd_bwd", causal=problem.causal)
+    ignored = jax.jit(_f32(kernel.reference(plain)))(*args[:3])
+    assert _max_error(ignored, want) > 10 * TOLERANCE[problem.dtype]

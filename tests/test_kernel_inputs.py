@@ -67,9 +67,34 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "causal must be a Python bool"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"config": FlashConfig(block_kv=192, block_kv_compute=192)},
      ConfigError, "[block_divides] block_kv=192 does not divide kv_len=256"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"window": (-1, 4)}, ValueError,
+     "window left side must be between 0 and"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"window": 128}, ValueError,
+     "window must be a (left, right) pair of key counts, got 128"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 0.0}, ValueError,
+     "logits_soft_cap must be positive and finite, got 0.0"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": float("nan")}, ValueError,
+     "logits_soft_cap must be positive and finite, got nan"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": float("inf")}, ValueError,
+     "logits_soft_cap must be positive and finite, got inf"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": "50"}, TypeError,
+     "logits_soft_cap must be a Python float (static), got '50'"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": _sds((1, 256), jnp.int32)}, TypeError,
+     "segment_ids must be a pair (q_segment_ids, kv_segment_ids), got ShapeDtypeStruct"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (_sds((1, 256), jnp.int32),
+                                                _sds((1, 128), jnp.int32))}, ValueError,
+     "segment_ids: kv_segment_ids must have shape [batch, kv_len] = (1, 256), got (1, 128)"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (_sds((256,), jnp.int32),
+                                                _sds((1, 256), jnp.int32))}, ValueError,
+     "segment_ids: q_segment_ids must have shape [batch, q_len] = (1, 256), got (256,)"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (_sds((1, 256)), _sds((1, 256)))}, TypeError,
+     "segment_ids: q_segment_ids must be integers (one id per document), got dtype float32"),
 ], ids=["rank-q", "rank-k", "float16", "int32", "mixed-dtypes", "kv-shapes", "batch",
         "head-dim", "heads", "no-legal-block", "no-compute-block", "config-type",
-        "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config"])
+        "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config",
+        "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
+        "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
+        "segment-ids-float"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
@@ -236,3 +261,92 @@ print(sorted({m.split('.')[0] for m in sys.modules}
     result = _python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# --- windows, soft caps and segment ids: the problem, and the kernel that runs it ------------
+
+FEATURED = Problem(1, 2, 1, 128, 128, 64, "float32", causal=True)
+WINDOWED = FEATURED.__class__(**{**FEATURED.to_dict(), "window": (32, 0)})
+SEGMENTED = FEATURED.__class__(**{**FEATURED.to_dict(), "segmented": True})
+CAPPED = FEATURED.__class__(**{**FEATURED.to_dict(), "causal": False, "softcap": 20.0})
+
+
+def _choice_table(tmp_path, problem: Problem, ranked: list[str]) -> str:
+    """A pinned table whose one kernel choice for ``problem`` ranks ``ranked``."""
+    from kernel.table import TABLE_SCHEMA_VERSION
+
+    table = {"schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash", "kernel_version": "1",
+             "device_kind": "cpu", "entries": [], "choices": [{
+                 "problem": problem.to_dict(), "kernel": ranked[0], "config": {},
+                 "candidates": {name: {"median_ms": float(i + 1), "iqr_ms": 0.0}
+                                for i, name in enumerate(ranked)}}]}
+    path = tmp_path / "choice.json"
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
+def _featured_call(problem: Problem):
+    """``flash_attention`` on ``problem`` (jitted), its features as arguments, and its error
+    against the reference."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (1, 2, 128, 64), F32)
+    k, v = (jax.random.normal(key, (1, 1, 128, 64), F32) for key in keys[1:])
+    ids = jnp.asarray([[1] * 50 + [2] * 60 + [0] * 18])
+    segment_ids = (ids, ids) if problem.segmented else None
+    got = jax.jit(lambda q, k, v: flash_attention(
+        q, k, v, causal=problem.causal, window=problem.window,
+        logits_soft_cap=problem.softcap, segment_ids=segment_ids))(q, k, v)
+    want = reference_attention(q, k, v, *(segment_ids or ()), causal=problem.causal,
+                               window=problem.window, softcap=problem.softcap)
+    return float(jnp.max(jnp.abs(got - want)))
+
+
+@pytest.mark.parametrize(("problem", "ranked", "runs", "rule"), [
+    # upstream's TPU kernel has no window, pallas_gpu no segment ids: the next best runs
+    (WINDOWED, ["jax_tpu_flash", "splash"], "splash", "[window]"),
+    (SEGMENTED, ["pallas_gpu", "jax_tpu_flash"], "jax_tpu_flash", "[segment_ids]"),
+    # none ranked can: the always-safe xla
+    (CAPPED, ["pallas_gpu", "jax_tpu_flash"], "xla", "[softcap]"),
+], ids=["window", "segment-ids", "soft-cap"])
+def test_a_featured_call_runs_the_next_best_kernel_that_implements_it(
+        fresh_resolver, tmp_path, problem, ranked, runs, rule):
+    fresh_resolver(table_paths=(_choice_table(tmp_path, problem, ranked),))
+    assert _featured_call(problem) < 1e-5
+    [(key, source)] = plain_sources(resolution_sources()).items()
+    assert key[0] == runs and "next best" in source and rule in source, source
+    assert (key[2].window, key[2].softcap, key[2].segmented) == (
+        problem.window, problem.softcap, problem.segmented)  # what the capture records
+
+
+@pytest.mark.parametrize("problem", [WINDOWED, SEGMENTED], ids=["window", "segment-ids"])
+def test_a_platform_kernel_that_lacks_a_feature_falls_back_to_xla(problem):
+    """Without a choice, AUTOTUNE_TPU_KERNEL's kernel runs on a TPU unless it cannot run the
+    problem: upstream's TPU kernel runs segment ids natively, not windows."""
+    from kernel.resolve import Resolver
+    from kernel.targets import device_target
+
+    resolver = Resolver(ResolverSettings(tpu_kernel="jax_tpu_flash"))
+    pick = resolver.pick(problem, "TPU v5 lite", "tpu", device_target("tpu", "TPU v5 lite"))
+    if not problem.window:
+        assert (pick.kernel.name, pick.by) == ("jax_tpu_flash", "")
+    else:
+        assert pick.kernel.name == "xla" and pick.by.startswith("fallback") and (
+            "[window] kernel 'jax_tpu_flash' does not implement a sliding window" in pick.by)
+
+
+def test_the_capture_records_a_calls_features(fresh_resolver):
+    """A Gemma-2-style local layer's training step, traced abstractly: the captured problem
+    (both modes) carries its window and soft cap. (Segment ids: once the platform's kernel,
+    which a capture resolves, takes them; the routing tests above show they are recorded.)"""
+    import kernel
+
+    fresh_resolver()
+    q, kv = _sds((2, 4, 256, 64)), _sds((2, 2, 256, 64))
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, causal=True, window=(127, 0), logits_soft_cap=50.0).sum()
+
+    with kernel.capture() as problems:
+        jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    assert [(p.mode, p.window, p.softcap, p.segmented) for p in problems] == [
+        ("fwd_bwd", (127, 0), 50.0, False)]  # a differentiated call: its training problem

@@ -16,8 +16,16 @@ forward one, which bf16 rounding alone exceeds). A kernel that cannot run a prob
 (``problem_violations``) skips with its reason, one that runs only on another device (cuDNN)
 skips saying so. An upstream kernel less accurate than a peer's tolerance is a documented
 limitation of that backend (``KNOWN_LIMITS``: a strict xfail, raised only when exactly the
-named tensors miss, with the measured figure). Features outside the contract (segment ids,
-bias, soft-cap, sliding window, dropout) must fail with a clear error.
+named tensors miss, with the measured figure). Features outside the contract (bias, dropout,
+other masks) must fail with a clear error.
+
+The peers' cases of the contract's features (``FEATURE_CASES``: tokamax's local attention
+mask, tanh clipping and padding mask; JAX splash tests' local masks, segment ids and soft
+caps, with windows of 0 and wider than the sequence) run on every CPU-capable kernel that
+claims the feature (its ``problem_violations`` accept it), against float64
+``reference_attention``; ours has its own in ``tests/test_flash_features.py``. As tokamax
+does, a query that sees no key is left out of the comparison (its output multiplied by 0
+in the kernel and the truth alike).
 
 Sampled for CI time (about 3 minutes on two loaded cores), deterministically: every case of
 the peers' single tests, and two in three of each product parameterization (``PRODUCTS``),
@@ -44,6 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernel import ConfigError, Problem, ProblemError, flash_attention, get_kernel, kernel_names
 from kernel.aot import input_specs
+from kernel.contract import attention_mask, reference_attention
 from kernel.registry import DEFAULT_KERNEL
 from kernel.tolerance import MAX_RELATIVE_ERROR, float64_attention, relative_error
 
@@ -63,10 +72,22 @@ class Case:
     extra_batch: int = 0  # a leading vmapped batch dimension of this size
     configs: int = 0  # also this many other configs of the kernel's space
     random_cotangent: bool = False  # tokamax's (standard normal); else sum(output), JAX's
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    # Per batch row, (q, kv) segments as (id, length) runs; None: unsegmented.
+    segments: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] | None = None
 
     @property
     def problem(self) -> Problem:
-        return Problem(*self.shape, self.dtype, self.causal, "fwd_bwd")
+        return Problem(*self.shape, self.dtype, self.causal, "fwd_bwd", window=self.window,
+                       softcap=self.softcap, segmented=self.segments is not None)
+
+    def segment_ids(self) -> tuple[jax.Array, ...]:
+        """``(q_segment_ids, kv_segment_ids)`` int32 of the case's runs; ``()`` unsegmented."""
+        if self.segments is None:
+            return ()
+        return tuple(jnp.asarray([np.repeat(*np.transpose(row[side])) for row in self.segments],
+                                 jnp.int32) for side in (0, 1))
 
     @property
     def rtol_out(self) -> float:
@@ -137,6 +158,50 @@ CASES = {
     "jax-mgpu-bwd-mha-d256": Case((1, 4, 4, 256, 256, 256), **MGPU_BWD),
 }
 
+
+def _same(*runs: tuple[int, int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """One batch row whose queries and keys share the segment runs ``(id, length)``."""
+    return (runs, runs)
+
+
+# JAX's splash tests (tpu_splash_attention_kernel_test.py): uniform inputs, output at atol 3e-3
+# rtol 3e-3, gradients at test_splash_attention_bwd's atol 2e-2 rtol 3e-2; 1024-4096 tokens
+# scaled down to 256; segment ids of up to 4 boundaries (ids 0, 1, ...), soft caps in [1, 50].
+SPLASH = dict(uniform=True, atol=3e-3, atol_grads=(2e-2,) * 3, rtol=3e-2)
+FEATURE_CASES = {
+    # tokamax test_local_attention_mask: causal, window_size 128 (keys i - 127..i), 1024
+    # tokens scaled to 256
+    "tk-local-attention-mask": _tk((1, 2, 2, 256, 256, 64), causal=True, window=(127, 0)),
+    # tokamax test_tanh_clipping (logits_soft_cap 10, atol 2e-6)
+    "tk-tanh-clipping": _tk((1, 2, 2, 256, 256, 64), softcap=10.0, atol=2e-6),
+    # tokamax test_padding_mask: q valid 456 and 987, k valid 123 and 999 of 1024, scaled to
+    # 256; padded queries see no key (left out), padded keys are seen by none
+    "tk-padding-mask": _tk((2, 2, 2, 256, 256, 64), segments=(
+        (((1, 114), (0, 142)), ((1, 31), (2, 225))),
+        (((1, 247), (0, 9)), ((1, 250), (2, 6))))),
+    # splash LocalMask (left, right) drawn in [0, seq] or None (unbounded: wider than the
+    # sequence), on full self attention
+    "jax-splash-local-37-5": Case((1, 2, 2, 256, 256, 64), window=(37, 5), **SPLASH),
+    "jax-splash-local-0-0": Case((1, 2, 2, 256, 256, 64), window=(0, 0), **SPLASH),
+    "jax-splash-local-wider-than-sequence": Case((1, 2, 2, 256, 256, 64), window=(300, 1000),
+                                                 **SPLASH),
+    # the issue's: a causal window of 0 (each query sees its own key only)
+    "jax-splash-causal-window-0": Case((1, 2, 2, 256, 256, 64), causal=True, window=(0, 0),
+                                       **SPLASH),
+    "jax-splash-segmented": Case((2, 4, 1, 256, 256, 64), segments=(
+        _same((0, 37), (1, 63), (2, 80), (3, 76)), _same((0, 200), (1, 56))), **SPLASH),
+    "jax-splash-segmented-causal-soft-cap": Case(
+        (1, 2, 2, 256, 256, 64), causal=True, softcap=1.5,
+        segments=(_same((0, 100), (1, 120), (2, 36)),), **SPLASH),
+    "jax-splash-soft-cap-50-bf16": Case((1, 2, 1, 256, 256, 64), "bfloat16", softcap=50.0,
+                                        **SPLASH),
+    # a Gemma-2 local layer in small: causal window, soft cap, packed rows with a padding tail
+    "gemma2-local-packed": Case((1, 2, 1, 256, 256, 64), causal=True, window=(63, 0),
+                                softcap=5.0, segments=(_same((1, 90), (2, 130), (0, 36)),),
+                                **SPLASH),
+}
+
+
 # (case, kernel) -> (why the tensors miss the tolerance, with the figure measured on CPU; those
 # tensors). Upstream kernels only.
 _FUSED_BF16 = ("in bf16 dq {} and dk {} the tolerance where XLA and ours pass: its backward "
@@ -191,12 +256,12 @@ def _excess(got, want, atol: float, rtol: float) -> float:
 
 
 def _out_and_grads(kernel, problem: Problem, config, sm_scale: float, inputs, d_out,
-                   extra_batch: int):
+                   extra_batch: int, segment_ids=()):
     """(out, dq, dk, dv) of ``kernel`` for the cotangent ``d_out``, under jit."""
     attend = kernel.attention(problem, lambda mode: config, sm_scale)
 
     def run(q, k, v, d_out):
-        out, vjp = jax.vjp(attend, q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *segment_ids), q, k, v)
         return (out, *vjp(d_out))
 
     fn = jax.vmap(run) if extra_batch else run
@@ -402,13 +467,79 @@ def test_upstream_refuses_x64_naming_the_fix(kernel_name):
     assert not kernel.problem_violations(problem)
 
 
-@pytest.mark.parametrize("feature", ["segment_ids", "bias", "logits_soft_cap",
+@pytest.mark.parametrize("feature", ["q_segment_ids", "bias", "attn_logits_soft_cap",
                                      "sliding_window", "dropout_rate"])
 def test_unsupported_features_fail_with_a_clear_error(feature):
     q = jnp.ones((1, 1, 128, 64), jnp.float32)
     with pytest.raises(TypeError, match=f"unsupported keyword argument '{feature}'.*takes "
-                                        "only q, k, v, causal, sm_scale, config and layout"):
+                                        "only q, k, v, causal, sm_scale, window, "
+                                        "logits_soft_cap, segment_ids, config and layout"):
         flash_attention(q, q, q, **{feature: None})
     fields = {**Problem(1, 1, 1, 128, 128, 64, "float32").to_dict(), feature: 1}
     with pytest.raises(ProblemError, match=f"unknown problem field.*{feature}"):
         Problem.from_dict(fields)
+
+
+# --- the peers' cases of windows, soft caps and segment ids -----------------------------------
+
+def _feature_truth(problem: Problem, inputs, d_out, sm_scale: float, segment_ids):
+    """(out, dq, dk, dv) of ``reference_attention`` in float64."""
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(np.asarray(x, np.float64)) for x in inputs)
+        out, vjp = jax.vjp(lambda q, k, v: reference_attention(
+            q, k, v, *segment_ids, causal=problem.causal, sm_scale=sm_scale,
+            window=problem.window, softcap=problem.softcap), q, k, v)
+        return [np.asarray(x) for x in (out, *vjp(jnp.asarray(d_out)))]
+
+
+def _claiming(case_id: str) -> list[str]:
+    """The CPU-capable kernels but ours whose rules accept the case's features."""
+    return [name for name in _runnable_problem(FEATURE_CASES[case_id].problem)
+            if name != DEFAULT_KERNEL]
+
+
+def _runnable_problem(problem: Problem) -> list[str]:
+    return [name for name in kernel_names() if "cpu" in get_kernel(name).targets
+            and not get_kernel(name).problem_violations(problem)]
+
+
+@pytest.mark.parametrize(("case_id", "kernel_name"), [
+    _param(case_id, name, case_id) for case_id in FEATURE_CASES
+    for name in _claiming(case_id)])
+def test_peer_feature_case(case_id, kernel_name):
+    case = FEATURE_CASES[case_id]
+    problem, kernel = case.problem, get_kernel(kernel_name)
+    sm_scale = problem.head_dim ** -0.5
+    inputs, d_out = _inputs(case)
+    segment_ids = case.segment_ids()
+    # as tokamax: a query that sees no key is left out (its output times 0)
+    seen = np.asarray(attention_mask(problem.q_len, problem.kv_len, causal=problem.causal,
+                                     window=problem.window, q_segment_ids=segment_ids[0]
+                                     if segment_ids else None, kv_segment_ids=segment_ids[1]
+                                     if segment_ids else None).any(axis=-1, keepdims=True))
+    d_out = d_out * seen
+    truth = _feature_truth(problem, inputs, d_out, sm_scale, segment_ids)
+    got = _out_and_grads(kernel, problem, kernel.default_config(problem), sm_scale, inputs,
+                         d_out, 0, segment_ids)
+    atols = (case.atol, *(case.atol_grads or (2 * case.atol,) * 3))
+    rtols = (case.rtol_out, case.rtol_grads)
+    missed = {}
+    for i, (name, value, want) in enumerate(zip(TENSORS, got, truth)):
+        if i == 0:
+            value, want = np.asarray(value, np.float64) * seen, want * seen
+        excess = _excess(value, want, atols[i], rtols[min(i, 1)])
+        if excess > 1:
+            missed[name] = f"{name} {excess:.2f}x the tolerance"
+    _verdict(case_id, kernel_name, missed)
+
+
+def test_xla_and_splash_claim_every_feature_case():
+    """The always-safe kernel and splash run every feature; upstream's TPU kernel its segment
+    ids only; the GPU kernels none (so their cases above are exactly these)."""
+    for case_id, case in FEATURE_CASES.items():
+        claiming = set(_claiming(case_id))
+        assert {"xla", "splash"} <= claiming, case_id
+        windowed = case.window is not None or case.softcap is not None
+        assert ("jax_tpu_flash" in claiming) == (case.segments is not None and not windowed), \
+            case_id
+        assert "pallas_gpu" not in claiming

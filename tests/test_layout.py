@@ -65,8 +65,7 @@ def test_bad_layout_arguments_are_named(kwargs, message):
         kernel.flash_attention(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("argument", ["bias", "mask", "query_seq_lengths",
-                                      "local_window_size", "implementation"])
+@pytest.mark.parametrize("argument", ["bias", "mask", "query_seq_lengths", "implementation"])
 def test_dot_product_attention_names_what_it_does_not_support(argument):
     q, k, v = _bshd()
     with pytest.raises(TypeError, match=f"'{argument}'"):

@@ -6,7 +6,9 @@ the query heads with ``jnp.repeat`` before the call, so a GQA problem moves ``gr
 more K/V through the kernel than ``flash`` does); ``sm_scale`` defaults to 1.0 upstream, here it
 is ``head_dim ** -0.5``; no ``interpret`` argument (on CPU the call is traced inside
 ``pltpu.force_tpu_interpret_mode``, chosen per platform when lowering, so an ahead-of-time
-compile for TPU on a CPU host still gets the Mosaic kernels).
+compile for TPU on a CPU host still gets the Mosaic kernels). Segment ids go to upstream's
+``SegmentIds`` natively; it has no window or soft cap, refused by rule (``window``,
+``softcap``).
 
 Pure Python at import; jax loads in ``build``.
 """
@@ -37,6 +39,7 @@ from kernel.rules import (
     Violation,
     block_values,
     block_violations,
+    feature_violations,
     key_lane_violations,
     largest_at_most,
     sequence_violations,
@@ -167,7 +170,8 @@ class JaxTpuFlashKernel(TunableKernel):
         if problem.head_dim > LANES and problem.head_dim % LANES:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be at most "
                                  f"{LANES} or a multiple of {LANES} for this kernel"))
-        return out + x64_violations()
+        return (out + x64_violations()
+                + feature_violations(problem, self.name, frozenset({"segment_ids"})))
 
     def space_params(self, problem: Problem) -> Params:
         q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
@@ -235,10 +239,11 @@ class JaxTpuFlashKernel(TunableKernel):
 
         sizes = upstream.BlockSizes(**config.to_dict())
 
-        def attend(q, k, v):  # noqa: ANN001, ANN202
+        def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
             k, v = repeat_kv_heads(problem, k, v)
-            return upstream.flash_attention(q, k, v, causal=problem.causal, sm_scale=scale,
-                                            block_sizes=sizes)
+            ids = upstream.SegmentIds(*segment_ids) if segment_ids else None
+            return upstream.flash_attention(q, k, v, segment_ids=ids, causal=problem.causal,
+                                            sm_scale=scale, block_sizes=sizes)
 
         return attend
 
@@ -261,7 +266,7 @@ def _on_platform(fn: AttentionFn) -> AttentionFn:
     must contain its own gradient: a branch's custom VJP is traced outside it."""
     from jax import lax
 
-    return lambda q, k, v: lax.platform_dependent(q, k, v, tpu=fn, default=_interpreted(fn))
+    return lambda *args: lax.platform_dependent(*args, tpu=fn, default=_interpreted(fn))
 
 
 KERNEL = JaxTpuFlashKernel()

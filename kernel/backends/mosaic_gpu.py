@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 from kernel.config import IntConfig
 from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, per_mode
 from kernel.problem import Problem
-from kernel.rules import Violation
+from kernel.rules import Violation, feature_violations
 from kernel.targets import GPU_PLATFORMS, GPU_TARGET, Target
 
 BLOCK_QUANTUM = 64  # wgmma's M tile and the (8, 64) TMA tiling: every block a multiple of 64
@@ -207,7 +207,7 @@ class MosaicGpuKernel(TunableKernel):
             out.append(Violation("causal_backward", "upstream's backward has no causal mask "
                                  "(jax 0.10.2-0.12); tune mode fwd, or use cudnn or "
                                  "pallas_gpu for causal training"))
-        return out
+        return out + feature_violations(problem, self.name)  # upstream has none of them
 
     def _device_violations(self, problem: Problem) -> list[Violation]:
         """What the discovered device cannot run: not Hopper, or causal on a CUDA runtime

@@ -46,7 +46,7 @@ from kernel.contract import (
     repeat_kv_heads,
 )
 from kernel.problem import Problem
-from kernel.rules import Violation, x64_violations
+from kernel.rules import Violation, feature_violations, x64_violations
 from kernel.targets import GPU_TARGET, Target
 
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
@@ -160,7 +160,9 @@ class PallasGpuKernel(TunableKernel):
                                  f"{problem.kv_len} have no power-of-two blocks that split them "
                                  "into equally many blocks (the fused backward walks both on "
                                  "one grid axis); pad them to a power-of-two ratio"))
-        return out + x64_violations()
+        # Upstream's segment ids are one array for queries and keys alike, and it has no
+        # window or soft cap: all three refused.
+        return out + x64_violations() + feature_violations(problem, self.name)
 
     def space_params(self, problem: Problem) -> Params:
         params: Params = {

@@ -9,7 +9,12 @@ How it is called (``_attend``):
   ``group_size`` times more K/V through the kernel; the MQA entry point takes one K/V head
   only (``kv_heads=1`` is the MHA entry point's special case).
 - Causal: splash's ``CausalMask`` per query head (:func:`splash_mask`, the one place masks are
-  built); splash skips the fully masked blocks.
+  built); splash skips the fully masked blocks. A window: its ``LocalMask`` (``(left, 0)`` when
+  causal), whose blocks outside the window are skipped likewise.
+- Soft-capping: splash's ``attn_logits_soft_cap``, applied to the scaled logits. Segment ids:
+  splash's ``SegmentIds`` per batch row. A query that sees no key at all (ids absent from the
+  keys, or a window past the last key) gets splash's masked average, not the reference's
+  zeros: packings where each query sees its own segment avoid it.
 - Batch: ``jax.vmap`` over splash's ``[heads, seq, head_dim]`` kernel; ``sm_scale``: splash has
   none, so q is scaled before the call (as MaxText does).
 - Interpret mode on a CPU, chosen per platform when lowering (``lax.platform_dependent``), so
@@ -246,13 +251,19 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def splash_mask(problem: Problem) -> Any:
-    """Splash's mask for ``problem``, one per query head: causal (query i sees keys up to i,
-    as ``jax.nn.dot_product_attention``'s ``is_causal``) or full. The one place masks are
-    built, so local windows and segments join here."""
+    """Splash's mask for ``problem``, one per query head: a window (``LocalMask``: keys i -
+    left..i + right, the right side 0 when causal), causal (query i sees keys up to i, as
+    ``jax.nn.dot_product_attention``'s ``is_causal``) or full. The one place masks are built;
+    segment ids are splash's separate ``SegmentIds`` argument."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     shape = (problem.q_len, problem.kv_len)
-    head = masks.CausalMask(shape) if problem.causal else masks.FullMask(shape)
+    if problem.window is not None:
+        head = masks.LocalMask(shape, problem.window, offset=0)
+    elif problem.causal:
+        head = masks.CausalMask(shape)
+    else:
+        head = masks.FullMask(shape)
     return masks.MultiHeadMask([head] * problem.q_heads)
 
 
@@ -272,11 +283,15 @@ def _attend(problem: Problem, config: SplashConfig, sm_scale: float,
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     splash = sk.make_splash_mha(splash_mask(problem), block_sizes=block_sizes(config),
-                                head_shards=1, q_seq_shards=1, interpret=interpret)
+                                attn_logits_soft_cap=problem.softcap, head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
 
-    def attend(q, k, v):  # noqa: ANN001, ANN202
+    def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
         scaled = (q * sm_scale).astype(q.dtype)
-        return jax.vmap(splash)(scaled, k, v)
+        if not segment_ids:
+            return jax.vmap(splash)(scaled, k, v)
+        return jax.vmap(lambda q, k, v, q_ids, kv_ids: splash(
+            q, k, v, segment_ids=sk.SegmentIds(q_ids, kv_ids)))(scaled, k, v, *segment_ids)
 
     return attend
 
@@ -285,11 +300,11 @@ def _on_platform(problem: Problem, config: SplashConfig, sm_scale: float) -> Att
     """Splash compiled with Mosaic on a TPU, interpreted elsewhere."""
     from jax import lax
 
-    def run(interpret: bool, q, k, v):  # noqa: ANN001, ANN202
-        return _attend(problem, config, sm_scale, interpret)(q, k, v)
+    def run(interpret: bool, *args):  # noqa: ANN001, ANN002, ANN202
+        return _attend(problem, config, sm_scale, interpret)(*args)
 
-    return lambda q, k, v: lax.platform_dependent(
-        q, k, v, tpu=functools.partial(run, False), default=functools.partial(run, True))
+    return lambda *args: lax.platform_dependent(
+        *args, tpu=functools.partial(run, False), default=functools.partial(run, True))
 
 
 KERNEL = SplashKernel()

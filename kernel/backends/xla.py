@@ -5,6 +5,13 @@
 Pure Python at import; jax loads in ``attention``. Grouped-query K/V heads are broadcast by
 ``dot_product_attention`` itself; the layout is transposed to its ``[batch, seq, heads,
 head_dim]`` and back.
+
+Features: ``xla`` runs all three, a window as ``local_window_size``, segment ids as a boolean
+``mask`` (``kernel.contract.attention_mask``), and soft-capping, which ``jax.nn`` lacks,
+through :func:`kernel.contract.reference_attention` (plain jnp). A query that sees no key
+gets zeros, as the reference's. ``cudnn`` runs what cuDNN's fused attention takes natively:
+a window on a causal problem (its sliding window is left-only); soft-capping and segment ids
+are refused by rule.
 """
 
 from __future__ import annotations
@@ -13,9 +20,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kernel.config import IntConfig
-from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
+from kernel.contract import (
+    AttentionFn,
+    ConfigFor,
+    Params,
+    TunableKernel,
+    attention_mask,
+    reference_attention,
+)
 from kernel.problem import Problem
-from kernel.rules import Violation
+from kernel.rules import Violation, feature_violations
 from kernel.targets import GPU_TARGET, TPU_TARGETS, Target
 
 CUDNN_DTYPES = ("bfloat16",)  # cuDNN's fused attention takes half precision, not float32
@@ -61,11 +75,24 @@ class XlaKernel(TunableKernel):
 
         config_for("fwd")  # nothing to read, but an explicit config is still checked
 
-        def attend(q: Any, k: Any, v: Any) -> Any:
-            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-            out = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=problem.causal,
-                                               implementation=self.implementation)
-            return jnp.swapaxes(out, 1, 2)
+        def attend(q: Any, k: Any, v: Any, *segment_ids: Any) -> Any:
+            if problem.softcap is not None:  # f32: bf16 probabilities put dK 5x off (peers)
+                wide = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in (q, k, v))
+                return reference_attention(*wide, *segment_ids, causal=problem.causal,
+                                           sm_scale=sm_scale, window=problem.window,
+                                           softcap=problem.softcap).astype(q.dtype)
+            ids = dict(zip(("q_segment_ids", "kv_segment_ids"), segment_ids))
+            mask = attention_mask(problem.q_len, problem.kv_len, **ids) if ids else None
+            out = jax.nn.dot_product_attention(
+                *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), mask=mask, scale=sm_scale,
+                is_causal=problem.causal, local_window_size=problem.window,
+                implementation=self.implementation)
+            out = jnp.swapaxes(out, 1, 2)
+            if problem.window is None and not ids:
+                return out
+            seen = attention_mask(problem.q_len, problem.kv_len, causal=problem.causal,
+                                  window=problem.window, **ids).any(axis=-1, keepdims=True)
+            return jnp.where(seen, out, 0).astype(out.dtype)  # a query that sees no key: zeros
 
         return attend
 
@@ -87,7 +114,10 @@ class CudnnKernel(XlaKernel):
         if problem.head_dim > CUDNN_MAX_HEAD_DIM or problem.head_dim % 8:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be a multiple "
                                  f"of 8 and at most {CUDNN_MAX_HEAD_DIM} for cuDNN"))
-        return out
+        if problem.window is not None and not problem.causal:
+            out.append(Violation("window", f"cuDNN's sliding window is causal (left only), but "
+                                 f"{problem.label()} is not causal; use splash or xla"))
+        return out + feature_violations(problem, self.name, frozenset({"window"}))
 
 
 KERNEL = XlaKernel()
