@@ -196,7 +196,6 @@ def test_window_softcap_and_segment_kernels_compile_for_a_tpu_within_the_estimat
     """Mosaic lowers and compiles the window masks, the block runs' traced bounds, the soft
     cap and the segment-id blocks (deviceless, for v5e), both ways, under a scoped VMEM limit
     of the estimate (which counts the segment-id blocks)."""
-    from jax.sharding import SingleDeviceSharding
 
     from kernel.aot import input_specs, topology_device
 
@@ -212,8 +211,8 @@ def test_window_softcap_and_segment_kernels_compile_for_a_tpu_within_the_estimat
     attend = flash.attention(problem, lambda mode: config, 0.1)
     grads = jax.grad(lambda *args: attend(*args).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     device = topology_device("v5e")
-    ids = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=SingleDeviceSharding(device))
-    jax.jit(grads).trace(*input_specs(problem, device), ids, ids).lower().compile(
+    # input_specs gives a segmented problem's two id arrays after q, k and v
+    jax.jit(grads).trace(*input_specs(problem, device)).lower().compile(
         {"xla_tpu_scoped_vmem_limit_kib": -(-max(estimate.values()) // 1024)})
 
 
