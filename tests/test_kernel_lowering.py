@@ -14,6 +14,7 @@ import pytest
 import kernel
 from kernel import ConfigError, FlashConfig, Problem
 from kernel.backends.flash import pallas
+from kernel.backends.flash.blocks import Reach
 from kernel.backends.flash.depths import pipeline_depth_lowers, supported_pipeline_depths
 from kernel.backends.flash.config import DEPTH_FIELDS
 from kernel.backends.flash.rules import MAX_PROBED_DEPTH
@@ -147,15 +148,17 @@ def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
 
 
 def _traced_kernels(config: FlashConfig) -> dict[str, str]:
-    """The jaxpr (text) of each kernel traced with ``config`` for PROBLEM."""
+    """The jaxpr (text) of each kernel traced with ``config`` for PROBLEM (causal, unsegmented)."""
     q, k, v = _specs(PROBLEM)
     cols = jax.ShapeDtypeStruct((*q.shape[:3], pallas.STATS + 1), jnp.float32)
+    logits = pallas.Logits(0.1, Reach.of(PROBLEM))
     calls = {
-        "fwd": (lambda q, k, v: pallas._forward(q, k, v, config, True, 0.1, False)[0], (q, k, v)),
-        "dkv": (lambda q, k, v, do, cols: pallas._backward_dkv(q, k, v, do, cols, config, True,
-                                                               0.1), (q, k, v, q, cols)),
-        "dq": (lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, config, True,
-                                                             0.1), (q, k, v, q, cols)),
+        "fwd": (lambda q, k, v: pallas._forward(q, k, v, None, config, logits, False)[0],
+                (q, k, v)),
+        "dkv": (lambda q, k, v, do, cols: pallas._backward_dkv(q, k, v, do, cols, None, config,
+                                                               logits), (q, k, v, q, cols)),
+        "dq": (lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, None, config,
+                                                             logits), (q, k, v, q, cols)),
     }
     return {name: str(jax.make_jaxpr(call)(*args)) for name, (call, args) in calls.items()}
 
