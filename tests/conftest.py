@@ -38,9 +38,10 @@ TOKEN = "test-token-" + uuid.uuid4().hex
 
 def run_cli(*args: str, env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Runs ``autotune ARGS`` in a subprocess and returns it (never raises on exit status)."""
+    """Runs ``autotune ARGS`` in a subprocess and returns it (never raises on exit status). A
+    crash of the interpreter prints its Python stack to the captured stderr (faulthandler)."""
     return subprocess.run([*AUTOTUNE, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
 
 
 def plain_sources(sources: dict[Any, str]) -> dict[Any, str]:
