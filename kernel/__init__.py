@@ -23,8 +23,8 @@ from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
 from kernel.resolve import use_table
 from kernel.rules import Violation
-from kernel.scope import tables
-from kernel.scoped import resolution_sources
+from kernel.table_scope import tables
+from kernel.scoped_resolver import resolution_sources
 from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 

@@ -15,7 +15,7 @@ from typing import Any
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem
-from kernel.scoped import active_resolver
+from kernel.scoped_resolver import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode

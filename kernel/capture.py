@@ -9,10 +9,11 @@ The mode is settled per call, not per resolution: the wrapper resolves a call's 
 when JAX traces it (``kernel.contract.by_mode``), and where JAX traces a primal before
 differentiating it (``lax.scan``, ``jax.checkpoint``) one call resolves ``fwd`` and then
 ``fwd_bwd``. Only the last runs, so a call that resolved ``fwd_bwd`` is a ``fwd_bwd``
-problem. Traces cached before the block are not reused inside it (:func:`kernel.scope.
-retracing`), so a function traced earlier is captured all the same. Inside the block the
-wrapper traces each call with its default config, quietly (:mod:`kernel.scoped`): a capture
-asks no table or service and leaves the process's resolutions as they were.
+problem. Traces cached before the block are not reused inside it
+(:func:`kernel.table_scope.retracing`), so a function traced earlier is captured all the same.
+Inside the block the wrapper traces each call with its default config, quietly
+(:mod:`kernel.scoped_resolver`): a capture asks no table or service and leaves the process's
+resolutions as they were.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 
 from kernel.misses import note as note_miss
 from kernel.problem import Problem
-from kernel.scope import fresh_key, retracing
+from kernel.table_scope import fresh_key, retracing
 from kernel.shapesfile import save_shapes
 
 

@@ -17,8 +17,8 @@ DEFAULT_KERNEL = flash.KERNEL.name
 
 KERNELS: Mapping[str, TunableKernel] = MappingProxyType({
     backend.name: backend
-    for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, pallas_gpu.KERNEL, splash.KERNEL, xla.KERNEL,
-                    xla.CUDNN, mosaic_gpu.KERNEL)
+    for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, pallas_gpu.KERNEL, splash.KERNEL,
+                    xla.KERNEL, xla.CUDNN, mosaic_gpu.KERNEL)
 })
 
 

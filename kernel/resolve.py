@@ -200,7 +200,7 @@ class Resolver:
 
     def pin(self, table: LookupTable, name: str) -> None:
         """Pins a loaded table under ``name`` (pinned again, the name's table is replaced):
-        ``use_table``'s, or a ``kernel.tables`` block's (:mod:`kernel.scoped`)."""
+        ``use_table``'s, or a ``kernel.tables`` block's (:mod:`kernel.scoped_resolver`)."""
         with self._lock:
             self._tables[name] = table
             for cache in (self._cache, self._picks, self._choice_configs, self._indexes):

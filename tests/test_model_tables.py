@@ -12,7 +12,7 @@ import pytest
 
 import kernel
 from kernel import LookupTable, Problem, TableEntry, get_kernel, get_target
-from kernel.scoped import active_resolver
+from kernel.scoped_resolver import active_resolver
 from kernel.table import KernelChoice, KernelTiming
 
 FLASH = get_kernel("flash")

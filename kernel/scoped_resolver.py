@@ -22,7 +22,7 @@ from typing import Any
 from kernel.capture import capturing
 from kernel.problem import Problem
 from kernel.resolve import Key, KernelPick, Resolution, Resolver, get_resolver
-from kernel.scope import Block, active_blocks
+from kernel.table_scope import Block, active_blocks
 from kernel.targets import Target
 
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("autotune_quiet", default=False)
