@@ -313,7 +313,7 @@ FEATURES = {"segment_ids": dict(segmented=True),
 
 
 @pytest.mark.smoke  # splash's and upstream's feature arguments, on jax 0.10.2 to 0.12
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "flash"])  # flash: test_flash_features
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("features", FEATURES)
 def test_a_featured_build_passes_the_tuners_gate_which_catches_an_ignored_feature(
         name, features):

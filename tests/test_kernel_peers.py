@@ -493,9 +493,8 @@ def _feature_truth(problem: Problem, inputs, d_out, sm_scale: float, segment_ids
 
 
 def _claiming(case_id: str) -> list[str]:
-    """The CPU-capable kernels but ours whose rules accept the case's features."""
-    return [name for name in _runnable_problem(FEATURE_CASES[case_id].problem)
-            if name != DEFAULT_KERNEL]
+    """The CPU-capable kernels whose rules accept the case's features."""
+    return _runnable_problem(FEATURE_CASES[case_id].problem)
 
 
 def _runnable_problem(problem: Problem) -> list[str]:
