@@ -125,7 +125,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
 
         observe(call, moded, backend.name, *_source(resolver, moded, device_kind, backend,
                                                     target, pick.by))
-        return backend.attention(problem, config_for, float(sm_scale))
+        return backend.attention(moded, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v, *ids)
 

@@ -20,7 +20,7 @@ PROBLEM = Problem(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_di
                   dtype="float32", causal=True, mode="fwd_bwd")
 CPU_KERNELS = [name for name in kernel_names() if "cpu" in get_kernel(name).targets]
 # A fresh process pins the table and differentiates, as a user's training step does; it
-# prints which kernel ran and how it was picked (the one key it resolved).
+# prints which kernel ran, the key's mode and how it was picked (the one key it resolved).
 TRAIN = """
 import sys, jax, jax.numpy as jnp, kernel
 kernel.use_table(sys.argv[1])
@@ -31,8 +31,8 @@ got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
 ref = lambda q, k, v: kernel.reference_attention(q, k, v, causal=True).sum()
 want = jax.grad(ref, argnums=(0, 1, 2))(q, kv, kv)
 error = max(float(jnp.max(jnp.abs(g - w))) for g, w in zip(got, want))
-[(name, how)] = [(k[0], v) for k, v in kernel.resolution_sources().items()]
-print(name, error, how, sep="|")
+[(name, mode, how)] = [(k[0], k[2].mode, v) for k, v in kernel.resolution_sources().items()]
+print(name, error, mode, how, sep="|")
 """
 
 
@@ -40,7 +40,8 @@ def _train(table: Path) -> tuple[str, float, str]:
     run = subprocess.run([sys.executable, "-c", TRAIN, str(table)], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    name, error, how = run.stdout.strip().splitlines()[-1].split("|")
+    name, error, mode, how = run.stdout.strip().splitlines()[-1].split("|")
+    assert mode == "fwd_bwd", (name, mode)  # the key a training step resolved, as it ran
     return name, float(error), how
 
 

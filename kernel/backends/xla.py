@@ -73,7 +73,7 @@ class XlaKernel(TunableKernel):
         import jax
         import jax.numpy as jnp
 
-        config_for("fwd")  # nothing to read, but an explicit config is still checked
+        config_for(problem.mode)  # nothing to read, but an explicit config is still checked
 
         def attend(q: Any, k: Any, v: Any, *segment_ids: Any) -> Any:
             if problem.softcap is not None:  # f32: bf16 probabilities put dK 5x off (peers)
