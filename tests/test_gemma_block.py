@@ -132,4 +132,5 @@ def test_the_readme_block_tunes_exports_and_resolves_from_table_and_service(tmp_
         from_service = _fresh_sources({"AUTOTUNE_URL": server.url})
     assert set(from_service) == tuned
     assert all(how.startswith("service") and how.endswith(
-        "kernel: chosen (exact choice from service)") for how in from_service.values()), from_service
+        "kernel: chosen (exact choice from service)")
+        for how in from_service.values()), from_service
