@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
 
+MAX_LANDSCAPE_BYTES = 256 << 20  # decompressed
+CHUNK_BYTES = 1 << 20
+
+
 class LandscapeError(AutotuneError):
     """A landscape file is missing or malformed; the message names the file and the problem."""
 
@@ -40,9 +44,11 @@ class Landscape:
     params: dict[str, list[Any]]
     records: dict[Key, dict[str, Any]]  # config key (params order) -> record
 
-    @property
+    @cached_property
     def space(self) -> Space:
-        return Space(self.params, lambda config: self.key(config) in self.records)
+        """The declared params; the legal configs are the records (walked, never the product
+        of the params: a sparse landscape declares far more combinations than it measured)."""
+        return Space(self.params, legal=self.records)
 
     def key(self, config: Config) -> Key:
         return tuple(config[name] for name in self.params)
@@ -101,8 +107,7 @@ class Landscape:
 def load_landscape(path: str | Path) -> Landscape:
     path = Path(path)
     try:
-        with gzip.open(path, "rt") as f:
-            doc = json.load(f)
+        doc = json.loads(_decompressed(path))
     except FileNotFoundError:
         raise LandscapeError(f"landscape file {path} does not exist; pass the path of a "
                              "*.json.gz landscape (see bench/landscapes/README.md)") from None
@@ -144,6 +149,22 @@ def load_landscape(path: str | Path) -> Landscape:
     except ValueError as exc:
         raise LandscapeError(f"{path}: {exc}") from None
     return land
+
+
+def _decompressed(path: Path) -> bytes:
+    """The file's gzip content, read in chunks and refused past ``MAX_LANDSCAPE_BYTES`` (a
+    1 MB file can inflate to gigabytes)."""
+    chunks, size = [], 0
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            size += len(chunk)
+            if size > MAX_LANDSCAPE_BYTES:
+                raise LandscapeError(
+                    f"{path} decompresses to more than {MAX_LANDSCAPE_BYTES >> 20} MiB, the "
+                    "limit for a landscape (the bundled ones inflate to under 5 MiB); "
+                    "pass a landscape file, not an archive of something else")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # Trials that hold a config but never claimed it: an illegal proposal, a config taken by

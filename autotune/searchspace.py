@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from optuna.distributions import CategoricalDistribution
@@ -31,8 +31,13 @@ class Space:
     """
 
     def __init__(
-        self, params: Mapping[str, Sequence[Any]], is_legal: Callable[[Config], bool] | None = None
+        self, params: Mapping[str, Sequence[Any]], is_legal: Callable[[Config], bool] | None = None,
+        *, legal: Iterable[Key] | None = None,
     ) -> None:
+        """``legal``: the keys of every legal config, where they are known as a list (a measured
+        landscape's records): then ``is_legal`` is membership, and drawing or listing legal
+        configs walks that list, never the product of the values (a sparse landscape may
+        declare 1e10 combinations for a few records)."""
         if not params:
             raise ValueError("a search space needs at least one parameter")
         for name, values in params.items():
@@ -49,6 +54,11 @@ class Space:
                                for name, values in self._values.items()}
         self._is_legal = is_legal or (lambda config: True)
         self._legal: list[Config] | None = None
+        if legal is not None:
+            self._legal = [dict(zip(self._values, key, strict=True)) for key in sorted(
+                set(legal), key=lambda k: tuple(map(tuple.index, self._values.values(), k)))]
+            keys = {self.key(config) for config in self._legal}
+            self._is_legal = lambda config: self.key(config) in keys
 
     @property
     def names(self) -> list[str]:
@@ -92,8 +102,9 @@ class Space:
     def legal_configs(self) -> list[Config] | None:
         """Every legal config in the order of :meth:`configs`, listed once per space; None for
         a space of more than ``ENUMERATE_MAX`` combinations (measured landscapes: 10k-83k;
-        flash fwd_bwd: 373k), where listing them would take too long."""
-        if self.size > ENUMERATE_MAX:
+        flash fwd_bwd: 373k), where listing them would take too long, unless ``legal`` gave
+        them."""
+        if self._legal is None and self.size > ENUMERATE_MAX:
             return None
         if self._legal is None:
             self._legal = [c for c in self.configs() if self.is_legal(c)]

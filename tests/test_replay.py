@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autotune.cli import app
-from autotune.landscape import load_landscape
+from autotune.landscape import MAX_LANDSCAPE_BYTES, load_landscape
 from tests.test_search import write_landscape
 
 LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
@@ -184,3 +184,31 @@ def test_replay_refuses_a_malformed_landscape(tmp_path, params, time_ms, message
         {"config": {"a": 1}, "status": "ok", "time_ms": time_ms}]})
     result = CliRunner().invoke(app, ["replay", str(path)])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "grid"])
+def test_replay_of_a_sparse_landscape_walks_its_records(tmp_path, sampler):
+    """2 records among 20^8 = 2.56e10 declared combinations: the legal configs are the records,
+    drawn and listed from them (enumerating the combinations would take hours)."""
+    params = {f"p{i}": list(range(20)) for i in range(8)}
+    records = [{"config": dict.fromkeys(params, value), "status": "ok", "time_ms": 1.0 + value}
+               for value in (0, 1)]
+    path = _write_doc(tmp_path / "sparse.json.gz", {"params": params, "records": records})
+    out = _replay(str(path), "--budget", "5", "--sampler", sampler)
+    assert (out["measured"], out["stop_reason"], out["best_time_ms"]) == (2, "exhausted", 1.0)
+
+
+def test_replay_refuses_a_landscape_that_inflates_past_the_limit(tmp_path):
+    """A gzip bomb (a few hundred KB inflating past MAX_LANDSCAPE_BYTES) is refused in one
+    line, read in chunks up to the limit, never whole."""
+    path = tmp_path / "bomb.json.gz"
+    zeros = bytes(1 << 20)
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(b'{"params": {"a": [1]}, "records": [], "pad": "')
+        for _ in range((MAX_LANDSCAPE_BYTES >> 20) + 1):
+            f.write(zeros)
+    assert path.stat().st_size < 2 << 20
+    result = CliRunner().invoke(app, ["replay", str(path)])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert "decompresses to more than 256 MiB" in line

@@ -10,7 +10,7 @@ from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial
 
 from autotune.samplers.forest import ForestSurrogate
-from autotune.samplers.plain_tpe import PlainTPEView
+from autotune.samplers.plain_tpe import STALL, PlainTPEView
 from autotune.searchspace import Config, Key, Space
 from autotune.trials import LIVE, OK, SEED_ATTR, is_measurement, trial_status
 
@@ -61,7 +61,9 @@ class EngineSampler(BaseSampler):
     def __init__(self, space: Space, mode: str, seed: int | None) -> None:
         self._space = space
         self._rand = random.Random(seed)
-        self._grid = space.configs() if mode == "grid" else None
+        listed = space.legal_configs() if mode == "grid" else None  # in configs() order
+        self._grid = (None if mode != "grid" else iter(listed) if listed is not None
+                      else space.configs())
         self._tpe = PlainTPEView(space, seed) if mode == "tpe" else None
         self._forest = ForestSurrogate(space, seed) if mode == "tpe" else None
         self._seed = seed
@@ -95,7 +97,7 @@ class EngineSampler(BaseSampler):
                 if space.key(config) not in taken and space.is_legal(config):
                     return config
             return None
-        if self._tpe is None or self._forest is None:
+        if self._tpe is None or self._forest is None or _sparse(space):
             return space.random_legal(self._rand, taken)
         own = sorted((t for t in others if is_measurement(t) and not t.user_attrs.get(SEED_ATTR)),
                      key=lambda t: t.number)
@@ -140,3 +142,12 @@ class EngineSampler(BaseSampler):
         self._restarted_at = measured
         seed = None if self._seed is None else self._seed + 1000 * self.restarts  # fresh stream
         self._tpe = PlainTPEView(self._space, seed, known=known)
+
+
+def _sparse(space: Space) -> bool:
+    """Whether the legal configs are listed and so few among the combinations that plain TPE,
+    proposing over the combinations, would expect under one legal config in the ``STALL``
+    free proposals it may spend (a sparse landscape: 2 records of 2.56e10 combinations):
+    then each would cost ``STALL`` asks, and the models learn nothing from illegal ones."""
+    listed = space.legal_configs()
+    return listed is not None and len(listed) * STALL < space.size
