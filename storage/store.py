@@ -55,6 +55,7 @@ from storage.results import (
 )
 from storage.schema import schema_problem, upgrade
 from storage.settings import StorageSettings
+from storage.unreadable import Rows, UnreadableRows
 
 Match = Literal["exact", "nearest"]
 _T = TypeVar("_T")
@@ -166,6 +167,11 @@ def _entry(row: Any) -> Entry:
     return Entry(_result(row), _utc(get("created_at")), _utc(get("updated_at")))
 
 
+def _choice(row: Any) -> StoredChoice:
+    """A stored kernel choice from a table row (ORM object or Core row mapping)."""
+    return stored_choice(_getter(row), _utc)
+
+
 def _best(entries: Sequence[Entry]) -> Entry | None:
     """The fastest of several platforms' entries for one key (usually there is one)."""
     best = None
@@ -198,9 +204,10 @@ class _Family:
     reads a few q_len neighbourhoods, not the family; legality is checked once per distinct
     config."""
 
-    def __init__(self, rows: Sequence[Any]) -> None:
+    def __init__(self, rows: Sequence[Any], unreadable: UnreadableRows) -> None:
         self.rows = rows  # (id, batch, q_heads, kv_heads, q_len, kv_len, config), by q_len, id
         self.q_lens = [row[4] for row in rows]
+        self.unreadable = unreadable  # a config this build cannot read is no candidate
 
     def nearest(self, problem: Problem, kernel: str) -> tuple[int, str] | None:
         """The id and config JSON of the closest candidate whose config
@@ -227,9 +234,11 @@ class _Family:
             if best is not None and (distance, row_id) >= best[:2]:
                 continue
             if config not in legal:
-                candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()),
-                                       rules.config_from_dict(json.loads(config)))
-                legal[config] = nearest_entry(problem, [candidate], kernel) is not None
+                decoded = self.unreadable.read(_TABLE.name, row_id, lambda: rules.config_from_dict(
+                    json.loads(config)))
+                candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()), decoded)
+                legal[config] = decoded is not None and nearest_entry(
+                    problem, [candidate], kernel) is not None
             if legal[config]:
                 best = (distance, row_id, config)
         return None if best is None else best[1:]
@@ -252,6 +261,7 @@ class Store:
         # family key -> (data version, nearest-match candidates); see lookup_many
         self._families: dict[tuple[Any, ...], tuple[int, _Family]] = {}
         self._checked_version: tuple[Any, ...] | None = None  # what passed quick_check
+        self.unreadable = UnreadableRows()  # rows met that this build cannot read
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -352,7 +362,7 @@ class Store:
                 setattr(row, name, value)
             row.updated_at = now
         session.flush()
-        return stored_choice(_getter(row), _utc)
+        return _choice(row)
 
     def import_table(self, table: LookupTable, force: bool = False) -> list[PublishOutcome]:
         """Publishes every entry of ``table``, and its kernel choices, in one transaction:
@@ -445,7 +455,15 @@ class Store:
         with self.engine.connect() as connection:
             row = connection.execute(_EXACT_ON_PLATFORM, request.params(KEY_COLUMNS)) \
                 .mappings().one_or_none()
-        return _entry(row) if row else None
+        return self._read_entry(row) if row else None
+
+    def _read_entry(self, row: Mapping[str, Any]) -> Entry | None:
+        """The entry of a row, or None if this build cannot read it (``storage.unreadable``)."""
+        return self.unreadable.read(_TABLE.name, row["id"], lambda: _entry(row))
+
+    def _read_choice(self, row: Mapping[str, Any]) -> StoredChoice | None:
+        """As ``_read_entry``, for a kernel choice's row."""
+        return self.unreadable.read(_CHOICES.name, row["id"], lambda: _choice(row))
 
     def lookup(self, kernel: str, device_kind: str, problem: Problem, *,
                kernel_version: str | None = None,
@@ -467,9 +485,10 @@ class Store:
                 on_platform = request.platform is not None
                 exact_query = _EXACT_ON_PLATFORM if on_platform else _EXACT
                 names = KEY_COLUMNS if on_platform else KEY_COLUMNS[:-1]
-                rows = connection.execute(exact_query, request.params(names)).mappings().all()
-                if rows:
-                    out.append((_best([_entry(row) for row in rows]), "exact"))
+                rows = connection.execute(exact_query, request.params(names)).mappings()
+                exact = _best([entry for row in rows if (entry := self._read_entry(row))])
+                if exact is not None:
+                    out.append((exact, "exact"))
                     continue
                 family_names = (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS
                 params = request.params(family_names)
@@ -478,7 +497,7 @@ class Store:
                 family = families.get(family_key) or self._cached_family(family_key, version)
                 if family is None:
                     query = _FAMILY[on_platform, capped]
-                    family = _Family(connection.execute(query, params).all())
+                    family = _Family(connection.execute(query, params).all(), self.unreadable)
                     self._cache_family(family_key, version, family)
                 families[family_key] = family
                 nearest = family.nearest(request.problem, request.kernel)
@@ -535,20 +554,20 @@ class Store:
                            choices=tuple(stored.choice for stored in choices))
 
     def list(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
-             limit: int | None = 100) -> tuple[Sequence[Entry], int]:
+             limit: int | None = 100) -> tuple[Rows[Entry], int]:
         """Entries matching ``filters`` (column = value; see FILTER_FIELDS) in insertion
-        order, a page of them, and how many match in all."""
+        order, a page of them, and how many rows match in all. The page leaves out the rows
+        this build cannot read (``Rows.skipped`` says why; see ``storage.unreadable``)."""
         return self._page(_TABLE, FILTER_FIELDS, _entry, filters, offset, limit)
 
     def list_choices(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
-                     limit: int | None = 100) -> tuple[Sequence[StoredChoice], int]:
+                     limit: int | None = 100) -> tuple[Rows[StoredChoice], int]:
         """Kernel choices matching ``filters`` (see CHOICE_FILTER_FIELDS), as ``list``."""
-        return self._page(_CHOICES, CHOICE_FILTER_FIELDS,
-                          lambda row: stored_choice(_getter(row), _utc), filters, offset, limit)
+        return self._page(_CHOICES, CHOICE_FILTER_FIELDS, _choice, filters, offset, limit)
 
     def _page(self, table: Any, known: Sequence[str], convert: Callable[[Any], _T],
               filters: Mapping[str, Any] | None, offset: int,
-              limit: int | None) -> tuple[list[_T], int]:
+              limit: int | None) -> tuple[Rows[_T], int]:
         filters = dict(filters or {})
         unknown = sorted(set(filters) - set(known))
         if unknown:
@@ -560,7 +579,8 @@ class Store:
         count = select(func.count()).select_from(table).where(*where)
         with self.engine.connect() as connection:
             total = connection.scalar(count) or 0
-            items = [convert(row) for row in connection.execute(page).mappings()]
+            items = self.unreadable.read_all(table.name, connection.execute(page).mappings(),
+                                             convert)
         return items, total
 
     def lookup_choices(self, requests: Sequence[tuple[str, Problem]]
@@ -573,19 +593,20 @@ class Store:
         with self.engine.connect() as connection:
             for device_kind, problem in requests:
                 values = {"device_kind": device_kind, **problem_columns(problem)}
-                exact = connection.execute(
+                exact_rows = connection.execute(
                     _CHOICE_EXACT, {name: values[name] for name in CHOICE_KEY_COLUMNS[:-1]}
-                ).mappings().first()
+                ).mappings()
+                exact = next(filter(None, map(self._read_choice, exact_rows)), None)
                 if exact is not None:
-                    out.append((stored_choice(_getter(exact), _utc), "exact"))
+                    out.append((exact, "exact"))
                     continue
                 params = {name: values[name] for name in CHOICE_FAMILY_COLUMNS}
                 capped = problem.softcap is not None
                 family_key = (*params.values(), capped)
                 if family_key not in families:
                     query = _CHOICE_FAMILY[capped]
-                    families[family_key] = [stored_choice(_getter(row), _utc) for row in
-                                            connection.execute(query, params).mappings()]
+                    families[family_key] = self.unreadable.read_all(
+                        _CHOICES.name, connection.execute(query, params).mappings(), _choice)
                 family = families[family_key]
                 nearest = nearest_choice(problem, [stored.choice for stored in family])
                 out.append(next(((stored, "nearest") for stored in family

@@ -342,3 +342,99 @@ def test_a_report_with_a_foreign_study_and_a_huge_median_is_written(sqlite_db_ur
     done = run_cli("report", "--db", sqlite_db_url, "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "is not one autotune" in out.read_text()
+
+
+# --- A4: rows written by a newer build ---
+
+NEWER = "cpu-newer"  # the device kind of the rows in newer_rows_db
+
+
+def _copy_row(connection: object, table: str, row_id: int, **changes: str) -> None:
+    """Inserts a copy of row ``row_id`` of ``table`` with the columns in ``changes`` set to
+    SQL expressions (of the copied row's columns)."""
+    columns = [row[1] for row in connection.execute(f"PRAGMA table_info({table})")
+               if row[1] != "id"]
+    values = [changes.get(name, name) for name in columns]
+    connection.execute(f"INSERT INTO {table} ({', '.join(columns)}) SELECT {', '.join(values)} "
+                       f"FROM {table} WHERE id = ?", (row_id,))
+
+
+@pytest.fixture
+def newer_rows_db(sqlite_db_url: str) -> str:
+    """A database where a newer build wrote, next to one readable config and one readable
+    choice (q_len 256), a config and a choice of a kernel this build does not know and a
+    config and a choice with a config field it does not know (q_len 512 and 1024)."""
+    import sqlite3
+
+    from kernel import LookupTable
+    from storage import Store
+
+    with Store(sqlite_db_url) as store:
+        store.publish(small_result(device_kind=NEWER))
+        store.import_table(LookupTable.from_dict(choice_table(NEWER, {})))
+    with sqlite3.connect(sqlite_db_url.removeprefix("sqlite:///")) as connection:
+        for table in ("autotune_configs", "autotune_kernel_choices"):
+            _copy_row(connection, table, 1, kernel="'newer'", q_len="512", kv_len="512")
+            _copy_row(connection, table, 1, config="json_set(config, '$.block_z', 8)",
+                      q_len="1024", kv_len="1024")
+    return sqlite_db_url
+
+
+def test_rows_of_a_newer_build_are_skipped_with_one_warning_each(start_server,
+                                                                  newer_rows_db: str) -> None:
+    """Lists count the unreadable rows, lookups in their family answer from the readable
+    ones; before the fix, each of these was a 422."""
+    server = start_server(newer_rows_db)
+    problem = {"batch": 1, "q_heads": 2, "kv_heads": 2, "head_dim": 64, "dtype": "float32",
+               "causal": "false", "mode": "fwd"}
+    near = {**problem, "device_kind": NEWER, "q_len": 2048, "kv_len": 2048}
+    for _ in range(2):  # warned once per row, not per request
+        configs = httpx.get(f"{server.url}/v1/configs", params={"device_kind": NEWER})
+        assert configs.status_code == 200, configs.text
+        assert [configs.json()[k] for k in ("total", "skipped")] == [3, 2]
+        assert [item["key"]["q_len"] for item in configs.json()["items"]] == [256]
+        choices = httpx.get(f"{server.url}/v1/choices", params={"device_kind": NEWER})
+        assert choices.status_code == 200, choices.text
+        assert [choices.json()[k] for k in ("total", "skipped")] == [3, 2]
+        index = httpx.get(f"{server.url}/", params={"device_kind": NEWER})
+        assert index.status_code == 200, index.text
+        assert "skipped 2 rows written by a newer build" in index.text
+        table = httpx.get(f"{server.url}/v1/tables/{NEWER}")
+        assert table.status_code == 200, table.text
+        assert [len(table.json()[k]) for k in ("entries", "choices")] == [1, 1]
+        for q_len in (512, 1024, 2048):  # exact keys of unreadable rows, a nearest one
+            key = {**near, "q_len": q_len, "kv_len": q_len}
+            choice = httpx.get(f"{server.url}/v1/choices/lookup", params=key)
+            assert choice.status_code == 200, choice.text
+            assert (choice.json()["match"], choice.json()["problem"]["q_len"]) == ("nearest", 256)
+            config = httpx.get(f"{server.url}/v1/configs/lookup", params=key)
+            assert config.status_code == 200, config.text
+            assert (config.json()["match"], config.json()["key"]["q_len"]) == ("nearest", 256)
+        batch = httpx.post(f"{server.url}/v1/choices/lookup:batch", json={"keys": [
+            {**near, "causal": False}]})
+        assert batch.status_code == 200, batch.text
+        assert batch.json()["results"][0]["kernel"] == "flash"
+    warnings = [line for line in server.log.read_text().splitlines()
+                if "written by a newer build" in line]
+    assert len(warnings) == 4, warnings
+    assert sum("unknown kernel 'newer'" in line for line in warnings) == 2
+    assert sum("'block_z'" in line for line in warnings) == 2
+
+
+@pytest.mark.parametrize("command", [["stale"], ["report", "-o", "report.html"],
+                                     ["export", "--device-kind", NEWER, "-o", "table.json"]])
+def test_commands_skip_rows_of_a_newer_build_in_one_line(newer_rows_db: str, tmp_path: Path,
+                                                         command: list[str]) -> None:
+    """Before the fix, each command ended in a traceback."""
+    args = [str(tmp_path / arg) if arg.endswith((".html", ".json")) else arg for arg in command]
+    done = run_cli(*args, "--db", newer_rows_db, *(
+        ["--output-dir", str(tmp_path)] if command == ["stale"] else []))
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    skipped = [line for line in done.stderr.splitlines() if "newer build" in line]
+    # stale reads the configs; report the configs and choices; export flash's configs (not the
+    # unknown kernel's) and the choices
+    count = {"stale": 2, "report": 4, "export": 3}[command[0]]
+    assert skipped == [f"warning: skipped {count} rows written by a newer build (unknown "
+                       "config field(s) ['block_z'] for FlashConfig, unknown kernel 'newer'); "
+                       "upgrade flash-autotune to read them"], done.stderr
