@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from kernel import DEFAULT_KERNEL, AutotuneError, LookupTable, Problem, TableEntry, get_kernel
-from kernel.table import KernelChoice, nearest_choice, nearest_entry, shape_distance
+from kernel.table import KernelChoice, nearest_entry, shape_distance
 from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
 from storage.engine import (
     WRITE_OPTIONS,
@@ -76,12 +76,16 @@ def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,),
 
 _EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
 _EXACT_ON_PLATFORM = _select_where(KEY_COLUMNS)
-_BY_ID = _select_where(("id",))
-# Nearest-match candidates: sizes and the config's JSON text, decoded only when visited (no
-# full rows; read through the key's index).
-_CANDIDATE_COLUMNS = [*(_TABLE.c[name] for name in ("id", "batch", "q_heads", "kv_heads",
-                                                    "q_len", "kv_len")),
-                      cast(_TABLE.c.config, String).label("config")]
+_BY_ID = {table.name: _select_where(("id",), (table,), table) for table in (_TABLE, _CHOICES)}
+
+
+def _candidate_columns(table: Any) -> list[Any]:
+    """Nearest-match candidates: sizes, the kernel and the config's JSON text, decoded only
+    when visited (no full rows; read through the key's index)."""
+    return [*(table.c[name] for name in ("id", "batch", "q_heads", "kv_heads", "q_len",
+                                         "kv_len", "kernel")),
+            cast(table.c.config, String).label("config")]
+
 
 
 def _capped(table: Any, capped: bool) -> Any:
@@ -91,12 +95,15 @@ def _capped(table: Any, capped: bool) -> Any:
 
 # Nearest-match candidates per (on a given platform, capped).
 _FAMILY = {(on_platform, capped): _select_where(
-    (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS, _CANDIDATE_COLUMNS)
+    (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS,
+    _candidate_columns(_TABLE), _TABLE)
     .where(_capped(_TABLE, capped)).order_by(_TABLE.c.q_len, _TABLE.c.id)
     for on_platform in (False, True) for capped in (False, True)}
 _CHOICE_EXACT = _select_where(CHOICE_KEY_COLUMNS[:-1], (_CHOICES,), _CHOICES)  # any platform
-_CHOICE_FAMILY = {capped: _select_where(CHOICE_FAMILY_COLUMNS, (_CHOICES,), _CHOICES)
-                  .where(_capped(_CHOICES, capped)) for capped in (False, True)}
+_CHOICE_FAMILY = {capped: _select_where(CHOICE_FAMILY_COLUMNS, _candidate_columns(_CHOICES),
+                                        _CHOICES)
+                  .where(_capped(_CHOICES, capped)).order_by(_CHOICES.c.q_len, _CHOICES.c.id)
+                  for capped in (False, True)}
 
 
 @dataclass(frozen=True)
@@ -197,24 +204,26 @@ class _Shape(NamedTuple):
 
 
 class _Family:
-    """The nearest-match candidates of one family (same kernel, device, dtype, head_dim,
-    causal, mode, window, segment ids, softcap or none), sorted by q_len. ``nearest`` visits
-    them in order of the q_len term of ``shape_distance`` (a lower bound of the whole
-    distance) and stops once that bound exceeds the best legal distance found, so a lookup
-    reads a few q_len neighbourhoods, not the family; legality is checked once per distinct
-    config."""
+    """The nearest-match candidates of one family (configs: same kernel, device, dtype,
+    head_dim, causal, mode, window, segment ids, softcap or none; kernel choices: the same
+    but any kernel), sorted by q_len. ``nearest`` visits them in order of the q_len term of
+    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound exceeds
+    the best legal distance found, so a lookup reads a few q_len neighbourhoods, not the
+    family; legality is checked once per distinct kernel and config."""
 
-    def __init__(self, rows: Sequence[Any], unreadable: UnreadableRows) -> None:
-        self.rows = rows  # (id, batch, q_heads, kv_heads, q_len, kv_len, config), by q_len, id
+    def __init__(self, rows: Sequence[Any], table: str, unreadable: UnreadableRows) -> None:
+        # (id, batch, q_heads, kv_heads, q_len, kv_len, kernel, config JSON), by q_len, id
+        self.rows = rows
         self.q_lens = [row[4] for row in rows]
-        self.unreadable = unreadable  # a config this build cannot read is no candidate
+        self.table = table
+        self.unreadable = unreadable  # a kernel or config this build cannot read: no candidate
 
-    def nearest(self, problem: Problem, kernel: str) -> tuple[int, str] | None:
-        """The id and config JSON of the closest candidate whose config
-        ``kernel.table.nearest_entry`` takes for ``problem`` (ties: the oldest), or None."""
-        rules = get_kernel(kernel)
-        legal: dict[str, bool] = {}
-        best: tuple[float, int, str] | None = None
+    def nearest(self, problem: Problem) -> tuple[int, str, str] | None:
+        """The id, kernel and config JSON of the closest candidate whose kernel is registered
+        and whose config ``kernel.table.nearest_entry`` takes for ``problem`` (ties: the
+        oldest), or None."""
+        legal: dict[tuple[str, str], bool] = {}
+        best: tuple[float, int, str, str] | None = None
         right = bisect.bisect_left(self.q_lens, problem.q_len)
         left = right - 1
 
@@ -228,20 +237,24 @@ class _Family:
                 index, right = right, right + 1
             if best is not None and bound(index) > best[0]:
                 break  # every row not yet visited is at least this far
-            row_id, *sizes, config = self.rows[index]
+            row_id, *sizes, kernel, config = self.rows[index]
             shape = _Shape(*sizes)
             distance = shape_distance(problem, shape)  # type: ignore[arg-type]
             if best is not None and (distance, row_id) >= best[:2]:
                 continue
-            if config not in legal:
-                decoded = self.unreadable.read(_TABLE.name, row_id, lambda: rules.config_from_dict(
-                    json.loads(config)))
-                candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()), decoded)
-                legal[config] = decoded is not None and nearest_entry(
-                    problem, [candidate], kernel) is not None
-            if legal[config]:
-                best = (distance, row_id, config)
+            if (kernel, config) not in legal:
+                legal[kernel, config] = self._legal(problem, row_id, shape, kernel, config)
+            if legal[kernel, config]:
+                best = (distance, row_id, kernel, config)
         return None if best is None else best[1:]
+
+    def _legal(self, problem: Problem, row_id: int, shape: _Shape, kernel: str,
+               config: str) -> bool:
+        """Whether the candidate's config, decoded, passes ``kernel.table.nearest_entry``."""
+        decoded = self.unreadable.read(self.table, row_id, lambda: get_kernel(
+            kernel).config_from_dict(json.loads(config)))
+        candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()), decoded)
+        return decoded is not None and nearest_entry(problem, [candidate], kernel) is not None
 
 
 class Store:
@@ -491,25 +504,39 @@ class Store:
                     out.append((exact, "exact"))
                     continue
                 family_names = (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS
-                params = request.params(family_names)
                 capped = request.problem.softcap is not None
-                family_key = (*params.values(), capped)
-                family = families.get(family_key) or self._cached_family(family_key, version)
-                if family is None:
-                    query = _FAMILY[on_platform, capped]
-                    family = _Family(connection.execute(query, params).all(), self.unreadable)
-                    self._cache_family(family_key, version, family)
-                families[family_key] = family
-                nearest = family.nearest(request.problem, request.kernel)
-                row = None if nearest is None else connection.execute(
-                    _BY_ID, {"id": nearest[0]}).mappings().one()
-                if row is not None and row["config"] != json.loads(nearest[1]):
-                    # Replaced since the family was read: look it up again, uncached.
-                    self._families.clear()
-                    out.extend(self.lookup_many([request]))
-                    continue
-                out.append(None if row is None else (_entry(row), "nearest"))
+                row = self._nearest_row(connection, _TABLE, _FAMILY[on_platform, capped],
+                                        request.params(family_names), request.problem,
+                                        version, families)
+                entry = None if row is None else self._read_entry(row)
+                out.append(None if entry is None else (entry, "nearest"))
         return out
+
+    def _nearest_row(self, connection: Any, table: Any, query: Any, params: dict[str, Any],
+                     problem: Problem, version: int | None,
+                     families: dict[tuple[Any, ...], _Family]) -> Mapping[str, Any] | None:
+        """The row of ``table`` nearest ``problem`` whose config is legal for it
+        (``_Family.nearest``), or None. The family (``query`` with ``params``) is read once
+        per call (``families``) and on SQLite kept until the next commit (``version``)."""
+        key = (table.name, *params.values(), problem.softcap is not None)
+        family = families.get(key) or self._cached_family(key, version)
+        if family is None:
+            family = _Family(connection.execute(query, params).all(), table.name,
+                             self.unreadable)
+            self._cache_family(key, version, family)
+        families[key] = family
+        nearest = family.nearest(problem)
+        if nearest is None:
+            return None
+        row_id, kernel, config = nearest
+        row = connection.execute(_BY_ID[table.name], {"id": row_id}).mappings().one()
+        if (row["kernel"], row["config"]) != (kernel, json.loads(config)):
+            # Replaced since the family was read: read it again, uncached.
+            self._families.clear()
+            families.pop(key)
+            return self._nearest_row(connection, table, query, params, problem, None,
+                                     families)
+        return row
 
     def _cached_family(self, key: tuple[Any, ...], version: int | None) -> _Family | None:
         cached = self._families.get(key)
@@ -586,10 +613,12 @@ class Store:
     def lookup_choices(self, requests: Sequence[tuple[str, Problem]]
                        ) -> list[tuple[StoredChoice, Match] | None]:
         """The kernel choice per ``(device_kind, problem)``: the one stored for exactly the
-        problem, else the nearest whose config is legal for it (``kernel.table.
-        nearest_choice``); None when nothing fits. Each family is read at most once."""
+        problem, else the nearest whose kernel is registered and whose config is legal for it
+        (the rule of ``kernel.table.nearest_choice``); None when nothing fits. Families are
+        read and kept as by ``lookup_many``."""
         out: list[tuple[StoredChoice, Match] | None] = []
-        families: dict[tuple[Any, ...], list[StoredChoice]] = {}
+        version = self.data_version()  # before reading, so a later write is not masked
+        families: dict[tuple[Any, ...], _Family] = {}
         with self.engine.connect() as connection:
             for device_kind, problem in requests:
                 values = {"device_kind": device_kind, **problem_columns(problem)}
@@ -601,14 +630,9 @@ class Store:
                     out.append((exact, "exact"))
                     continue
                 params = {name: values[name] for name in CHOICE_FAMILY_COLUMNS}
-                capped = problem.softcap is not None
-                family_key = (*params.values(), capped)
-                if family_key not in families:
-                    query = _CHOICE_FAMILY[capped]
-                    families[family_key] = self.unreadable.read_all(
-                        _CHOICES.name, connection.execute(query, params).mappings(), _choice)
-                family = families[family_key]
-                nearest = nearest_choice(problem, [stored.choice for stored in family])
-                out.append(next(((stored, "nearest") for stored in family
-                                 if stored.choice is nearest), None) if nearest else None)
+                row = self._nearest_row(connection, _CHOICES,
+                                        _CHOICE_FAMILY[problem.softcap is not None], params,
+                                        problem, version, families)
+                stored = None if row is None else self._read_choice(row)
+                out.append(None if stored is None else (stored, "nearest"))
         return out

@@ -438,3 +438,96 @@ def test_commands_skip_rows_of_a_newer_build_in_one_line(newer_rows_db: str, tmp
     assert skipped == [f"warning: skipped {count} rows written by a newer build (unknown "
                        "config field(s) ['block_z'] for FlashConfig, unknown kernel 'newer'); "
                        "upgrade flash-autotune to read them"], done.stderr
+
+
+# --- A1: nearest choice lookups read a few neighbours, not every stored choice ---
+
+
+def _featured_choices() -> tuple[list[object], list[object]]:
+    """Kernel choices of several families and kernels (flash configs of 512-row blocks are
+    illegal below 512 tokens), and problems to ask for, most of which none has."""
+    import dataclasses
+
+    from kernel import FlashConfig, get_kernel
+    from kernel.problem import Problem
+    from kernel.table import KernelChoice, KernelTiming
+
+    base = Problem(batch=1, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_dim=128,
+                   causal=True)
+    features = [{}, {"window": (256, 0)}, {"window": (512, 0)}, {"softcap": 30.0},
+                {"segmented": True}]
+    choices, asked = [], []
+    for fields in features:
+        for q_len, batch, blocks in ((256, 1, 128), (512, 2, 512), (1024, 1, 512),
+                                     (4096, 4, 128), (4096, 1, 128)):
+            problem = dataclasses.replace(base, q_len=q_len, kv_len=q_len, batch=batch,
+                                          **fields)
+            flash = KernelChoice(problem, "flash", FlashConfig(block_q=blocks, block_kv=blocks),
+                                 {"flash": KernelTiming(1.0)})
+            xla = KernelChoice(problem, "xla", get_kernel("xla").default_config(problem),
+                               {"xla": KernelTiming(1.0)})
+            choices.append(xla if q_len == 4096 and batch == 1 else flash)
+        for q_len in (128, 256, 384, 2048, 8192):
+            asked.append(dataclasses.replace(base, q_len=q_len, kv_len=q_len, **fields))
+    asked.append(dataclasses.replace(base, softcap=50.0))  # any softcap value answers
+    asked.append(dataclasses.replace(base, window=(128, 0)))  # a family none has
+    return choices, asked
+
+
+def test_nearest_choices_follow_the_table_resolvers_rule(store) -> None:
+    """The store answers as ``kernel.table.find_choice`` over the same choices: the same
+    family (window exactly, softcap or none, segment ids or none), the closest legal config,
+    the oldest of equals."""
+    from kernel.table import find_choice
+
+    choices, asked = _featured_choices()
+    for choice in choices:
+        store.publish_choice("cpu", choice)
+    found = store.lookup_choices([("cpu", problem) for problem in asked])
+    expected = [find_choice(problem, choices) for problem in asked]
+    assert [None if f is None else (f[0].choice, f[1]) for f in found] == expected
+    answers = [e for e in expected if e is not None]
+    assert {e[1] for e in answers} == {"exact", "nearest"}
+    assert {e[0].kernel for e in answers} == {"flash", "xla"}
+    assert len(answers) < len(expected)  # some ask a family none has
+
+
+def test_a_nearest_choice_lookup_decodes_a_few_rows_not_the_family(sqlite_db_url) -> None:
+    """With 600 choices in one family, 50 nearest lookups (one request each) decode a few
+    rows each; before the fix each decoded the whole family. A write is seen at once."""
+    import dataclasses
+
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from kernel.table import KernelChoice, KernelTiming
+    from storage import Store
+    from storage.unreadable import UnreadableRows
+
+    class CountingRows(UnreadableRows):
+        decoded = 0
+
+        def read(self, table: str, row_id: int, decode: Callable[[], object]) -> object:
+            CountingRows.decoded += 1
+            return super().read(table, row_id, decode)
+
+    config = FlashConfig(block_q=128, block_kv=128)
+    base = Problem(batch=1, q_heads=8, kv_heads=8, q_len=128, kv_len=128, head_dim=64)
+    with Store(sqlite_db_url) as store:
+        for batch in range(1, 7):
+            for k in range(1, 101):
+                problem = dataclasses.replace(base, batch=batch, q_len=128 * k, kv_len=128 * k)
+                store.publish_choice("cpu", KernelChoice(problem, "flash", config,
+                                                         {"flash": KernelTiming(1.0)}))
+    with Store(sqlite_db_url) as store:
+        store.unreadable = CountingRows()
+        for k in range(1, 51):
+            asked = dataclasses.replace(base, batch=7, q_len=128 * k, kv_len=128 * k)
+            [(stored, match)] = store.lookup_choices([("cpu", asked)])
+            assert (match, stored.choice.problem.q_len) == ("nearest", 128 * k)
+        assert CountingRows.decoded <= 50 * 3, CountingRows.decoded
+        closer = dataclasses.replace(base, batch=7, q_len=128 * 60, kv_len=128 * 60)
+        store.publish_choice("cpu", KernelChoice(closer, "flash", config,
+                                                 {"flash": KernelTiming(2.0)}))
+        asked = dataclasses.replace(closer, batch=8)
+        [(stored, _)] = store.lookup_choices([("cpu", asked)])
+        assert stored.choice.problem == closer
