@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -342,6 +343,72 @@ def test_a_report_with_a_foreign_study_and_a_huge_median_is_written(sqlite_db_ur
     done = run_cli("report", "--db", sqlite_db_url, "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "is not one autotune" in out.read_text()
+
+
+
+def test_simultaneous_views_after_a_write_draw_the_choice_chart_once(
+        sqlite_db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 views of one detail page at once, after a write, over HTTP to a real uvicorn in
+    this process (so that draws can be counted): the views that waited for the drawing lock
+    take the first view's drawing. Without the cache look-up once the lock is held, each
+    view drew it again (about 40 draws)."""
+    import threading
+
+    import uvicorn
+
+    import present.plots
+    from api.main import create_app
+    from api.routers.pages import detail_link
+    from api.settings import ApiSettings
+    from kernel.table import KernelTiming
+    from storage import Store
+
+    drawn = []
+    draw = present.plots.choice_image
+
+    def counted(choice: object) -> dict[str, str]:
+        drawn.append(choice)
+        time.sleep(0.5)  # a large chart: every view arrives while the first one draws
+        return draw(choice)
+
+    monkeypatch.setattr(present.plots, "choice_image", counted)
+    choice = _choice_of({"flash": KernelTiming(1.0, 0.1), "xla": KernelTiming(2.0, 0.1)})
+    with Store(sqlite_db_url) as store:
+        entry = store.publish(small_result(device_kind="cpu")).entry
+        store.publish_choice("cpu", choice)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(ApiSettings(db_url=sqlite_db_url)),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    serving = threading.Thread(target=server.run)
+    serving.start()
+    try:
+        while not server.started:
+            assert serving.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        page = f"http://127.0.0.1:{port}{detail_link(entry.result.key)}"
+        assert httpx.get(page, timeout=60).status_code == 200
+        with Store(sqlite_db_url) as store:  # a write: the cached drawing is out of date
+            store.publish_choice("cpu", _choice_of({
+                "flash": KernelTiming(1.0, 0.1), "xla": KernelTiming(3.0, 0.1)}))
+        del drawn[:]
+        start = threading.Barrier(40)
+        statuses = []
+
+        def view() -> None:
+            start.wait()
+            statuses.append(httpx.get(page, timeout=120).status_code)
+
+        views = [threading.Thread(target=view) for _ in range(40)]
+        for thread in views:
+            thread.start()
+        for thread in views:
+            thread.join()
+    finally:
+        server.should_exit = True
+        serving.join()
+    assert statuses == [200] * 40
+    assert len(drawn) <= 2, f"drawn {len(drawn)} times"
+    assert drawn[0].candidates["xla"].median_ms == 3.0  # the choice as written
 
 
 # --- A4: rows written by a newer build ---
