@@ -87,7 +87,6 @@ def _candidate_columns(table: Any) -> list[Any]:
             cast(table.c.config, String).label("config")]
 
 
-
 def _capped(table: Any, capped: bool) -> Any:
     """Rows with a softcap (of any value: the nearest rule ignores it), or without one."""
     return table.c.softcap != NO_SOFTCAP if capped else table.c.softcap == NO_SOFTCAP
