@@ -255,11 +255,16 @@ class ListQuery(_Strict):
         return self.model_dump(exclude_none=True, exclude={"offset", "limit"})
 
 
+SKIPPED = Field(description="Rows of this page left out: written by a newer build (a kernel "
+                "or config field this one does not know); the server logs each once.")
+
+
 class ConfigPage(BaseModel):
     items: list[EntryOut]
     total: int
     offset: int
     limit: int
+    skipped: int = SKIPPED
 
 
 class ImportResponse(BaseModel):
@@ -326,6 +331,7 @@ class ChoicePage(BaseModel):
     total: int
     offset: int
     limit: int
+    skipped: int = SKIPPED
 
 
 class ErrorResponse(BaseModel):

@@ -13,21 +13,31 @@ per-call cost of a cached resolution in ``kernel.resolve.Resolver``.
 
 Targets: throughput at 32 clients >= 0.6 of the baseline; p50 < 2 ms with one client;
 cached resolution < 5 us.
+
+``--nearest`` instead times nearest-match lookups over HTTP on a database of ``--entries``
+tuned configs and as many kernel choices of one family: one choice lookup of a shape none
+has, and a batch of 100 such keys, each as a ratio to the same lookup of configs (the
+baseline) in the same run.
+
+    python bench/lookup.py --nearest [--entries 10000] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -229,12 +239,97 @@ def serve_bare(port: int, body_path: str) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, access_log=False, log_level="info")
 
 
+def seed_family(url: str, count: int) -> None:
+    """``count`` tuned configs and as many kernel choices (flash, 128-row blocks) of one
+    family (bf16, head_dim 128, not causal, fwd): batch, heads, groups and lengths vary."""
+    from kernel import FlashConfig, LookupTable, Problem, get_kernel
+    from kernel.table import KernelChoice, KernelTiming, TableEntry
+    from storage import Store, upgrade
+
+    upgrade(url)
+    shapes = itertools.islice(itertools.product(
+        (1, 2, 4, 8, 16, 32, 64, 128), (8, 16, 32, 64, 128), (1, 2, 4, 8),
+        [128 * k for k in range(1, 65)]), count)
+    problems = [Problem(batch=batch, q_heads=heads, kv_heads=heads // group, q_len=q_len,
+                        kv_len=q_len, head_dim=128) for batch, heads, group, q_len in shapes]
+    config = FlashConfig(block_q=128, block_kv=128)
+    table = LookupTable("flash", get_kernel("flash").version, DEVICE, entries=tuple(
+        TableEntry(problem, config, time_ms=1.0) for problem in problems), choices=tuple(
+        KernelChoice(problem, "flash", config, {"flash": KernelTiming(1.0, 0.1)})
+        for problem in problems))
+    with Store(url) as store:
+        store.import_table(table)
+
+
+def nearest_keys(count: int) -> list[dict[str, object]]:
+    """``count`` problems of the seeded family that none stored has (batch 3)."""
+    from kernel import Problem
+
+    return [Problem(batch=3, q_heads=16, kv_heads=8, q_len=128 * k, kv_len=128 * k,
+                    head_dim=128).to_dict() for k in range(1, count + 1)]
+
+
+def median_s(call: Callable[[int], httpx.Response], rounds: int) -> float:
+    """The median seconds of ``call(round)`` over ``rounds``; each must answer 200 nearest."""
+    times = []
+    for round_ in range(rounds):
+        began = time.perf_counter()
+        response = call(round_)
+        times.append(time.perf_counter() - began)
+        assert response.status_code == 200, response.text
+        assert "nearest" in response.text, response.text[:200]
+    return statistics.median(times)
+
+
+def bench_nearest(entries: int, rounds: int) -> None:
+    """Nearest choice lookups against nearest config lookups, over HTTP, in one run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"sqlite:///{tmp}/bench.db"
+        seed_family(url, entries)
+        port = free_port()
+        server = start([AUTOTUNE, "serve", "--db", url, "--port", str(port)],
+                       f"http://127.0.0.1:{port}/readyz", env={"AUTOTUNE_API_TOKEN": "x"})
+        keys = [{"device_kind": DEVICE, **key} for key in nearest_keys(100)]
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+                def one(path: str) -> Callable[[int], httpx.Response]:
+                    # a new key each round: the configs' response cache never answers
+                    return lambda round_: client.get(path, params={
+                        name: value for name, value in keys[round_ % len(keys)].items()
+                        if value is not None})
+
+                def batch(path: str) -> Callable[[int], httpx.Response]:
+                    return lambda _: client.post(path, json={"keys": keys})
+
+                times = {"one config": median_s(one("/v1/configs/lookup"), rounds),
+                         "one choice": median_s(one("/v1/choices/lookup"), rounds),
+                         "batch of 100 configs": median_s(
+                             batch("/v1/configs/lookup:batch"), rounds),
+                         "batch of 100 choices": median_s(
+                             batch("/v1/choices/lookup:batch"), rounds)}
+        finally:
+            server.terminate()
+            server.wait()
+    print(f"nearest lookups over HTTP, {entries} configs and {entries} choices in one family, "
+          f"median of {rounds} rounds")
+    for name, seconds in times.items():
+        print(f"{name:>21}: {seconds:8.4f} s")
+    ratios = {"one": times["one choice"] / times["one config"],
+              "batch": times["batch of 100 choices"] / times["batch of 100 configs"]}
+    print(f"choices / configs: one lookup {ratios['one']:.2f}, batch of 100 "
+          f"{ratios['batch']:.2f}")
+    print(json.dumps({"seconds": times, "choice_over_config": ratios}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="per server and load")
     parser.add_argument("--rounds", type=int, default=6, help="alternations per load")
     parser.add_argument("--clients", default="1,32")
-    parser.add_argument("--entries", type=int, default=200)
+    parser.add_argument("--entries", type=int, default=None,
+                        help="stored entries (default 200; with --nearest 10000)")
+    parser.add_argument("--nearest", action="store_true",
+                        help="time nearest choice lookups against nearest config lookups")
     parser.add_argument("--uncached", action="store_true",
                         help="also run a server with the lookup cache off")
     parser.add_argument("--serve-bare", nargs=2, metavar=("PORT", "BODY"), help=argparse.SUPPRESS)
@@ -242,6 +337,10 @@ def main() -> None:
     if args.serve_bare:
         serve_bare(int(args.serve_bare[0]), args.serve_bare[1])
         return
+    if args.nearest:
+        bench_nearest(args.entries or 10_000, args.rounds)
+        return
+    args.entries = args.entries or 200
     cpus = os.sched_getaffinity(0)
     if len(cpus) > 1:  # keep the load generator off the servers' CPU
         os.sched_setaffinity(0, cpus - {SERVER_CPU})

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from kernel import DEFAULT_KERNEL, AutotuneError, LookupTable, Problem, TableEntry, get_kernel
-from kernel.table import KernelChoice, nearest_choice, nearest_entry, shape_distance
+from kernel.table import KernelChoice, nearest_entry, shape_distance
 from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
 from storage.engine import (
     WRITE_OPTIONS,
@@ -55,6 +55,7 @@ from storage.results import (
 )
 from storage.schema import schema_problem, upgrade
 from storage.settings import StorageSettings
+from storage.unreadable import Rows, UnreadableRows
 
 Match = Literal["exact", "nearest"]
 _T = TypeVar("_T")
@@ -75,12 +76,15 @@ def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,),
 
 _EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
 _EXACT_ON_PLATFORM = _select_where(KEY_COLUMNS)
-_BY_ID = _select_where(("id",))
-# Nearest-match candidates: sizes and the config's JSON text, decoded only when visited (no
-# full rows; read through the key's index).
-_CANDIDATE_COLUMNS = [*(_TABLE.c[name] for name in ("id", "batch", "q_heads", "kv_heads",
-                                                    "q_len", "kv_len")),
-                      cast(_TABLE.c.config, String).label("config")]
+_BY_ID = {table.name: _select_where(("id",), (table,), table) for table in (_TABLE, _CHOICES)}
+
+
+def _candidate_columns(table: Any) -> list[Any]:
+    """Nearest-match candidates: sizes, the kernel and the config's JSON text, decoded only
+    when visited (no full rows; read through the key's index)."""
+    return [*(table.c[name] for name in ("id", "batch", "q_heads", "kv_heads", "q_len",
+                                         "kv_len", "kernel")),
+            cast(table.c.config, String).label("config")]
 
 
 def _capped(table: Any, capped: bool) -> Any:
@@ -90,12 +94,15 @@ def _capped(table: Any, capped: bool) -> Any:
 
 # Nearest-match candidates per (on a given platform, capped).
 _FAMILY = {(on_platform, capped): _select_where(
-    (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS, _CANDIDATE_COLUMNS)
+    (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS,
+    _candidate_columns(_TABLE), _TABLE)
     .where(_capped(_TABLE, capped)).order_by(_TABLE.c.q_len, _TABLE.c.id)
     for on_platform in (False, True) for capped in (False, True)}
 _CHOICE_EXACT = _select_where(CHOICE_KEY_COLUMNS[:-1], (_CHOICES,), _CHOICES)  # any platform
-_CHOICE_FAMILY = {capped: _select_where(CHOICE_FAMILY_COLUMNS, (_CHOICES,), _CHOICES)
-                  .where(_capped(_CHOICES, capped)) for capped in (False, True)}
+_CHOICE_FAMILY = {capped: _select_where(CHOICE_FAMILY_COLUMNS, _candidate_columns(_CHOICES),
+                                        _CHOICES)
+                  .where(_capped(_CHOICES, capped)).order_by(_CHOICES.c.q_len, _CHOICES.c.id)
+                  for capped in (False, True)}
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,11 @@ def _entry(row: Any) -> Entry:
     return Entry(_result(row), _utc(get("created_at")), _utc(get("updated_at")))
 
 
+def _choice(row: Any) -> StoredChoice:
+    """A stored kernel choice from a table row (ORM object or Core row mapping)."""
+    return stored_choice(_getter(row), _utc)
+
+
 def _best(entries: Sequence[Entry]) -> Entry | None:
     """The fastest of several platforms' entries for one key (usually there is one)."""
     best = None
@@ -191,23 +203,26 @@ class _Shape(NamedTuple):
 
 
 class _Family:
-    """The nearest-match candidates of one family (same kernel, device, dtype, head_dim,
-    causal, mode, window, segment ids, softcap or none), sorted by q_len. ``nearest`` visits
-    them in order of the q_len term of ``shape_distance`` (a lower bound of the whole
-    distance) and stops once that bound exceeds the best legal distance found, so a lookup
-    reads a few q_len neighbourhoods, not the family; legality is checked once per distinct
-    config."""
+    """The nearest-match candidates of one family (configs: same kernel, device, dtype,
+    head_dim, causal, mode, window, segment ids, softcap or none; kernel choices: the same
+    but any kernel), sorted by q_len. ``nearest`` visits them in order of the q_len term of
+    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound exceeds
+    the best legal distance found, so a lookup reads a few q_len neighbourhoods, not the
+    family; legality is checked once per distinct kernel and config."""
 
-    def __init__(self, rows: Sequence[Any]) -> None:
-        self.rows = rows  # (id, batch, q_heads, kv_heads, q_len, kv_len, config), by q_len, id
+    def __init__(self, rows: Sequence[Any], table: str, unreadable: UnreadableRows) -> None:
+        # (id, batch, q_heads, kv_heads, q_len, kv_len, kernel, config JSON), by q_len, id
+        self.rows = rows
         self.q_lens = [row[4] for row in rows]
+        self.table = table
+        self.unreadable = unreadable  # a kernel or config this build cannot read: no candidate
 
-    def nearest(self, problem: Problem, kernel: str) -> tuple[int, str] | None:
-        """The id and config JSON of the closest candidate whose config
-        ``kernel.table.nearest_entry`` takes for ``problem`` (ties: the oldest), or None."""
-        rules = get_kernel(kernel)
-        legal: dict[str, bool] = {}
-        best: tuple[float, int, str] | None = None
+    def nearest(self, problem: Problem) -> tuple[int, str, str] | None:
+        """The id, kernel and config JSON of the closest candidate whose kernel is registered
+        and whose config ``kernel.table.nearest_entry`` takes for ``problem`` (ties: the
+        oldest), or None."""
+        legal: dict[tuple[str, str], bool] = {}
+        best: tuple[float, int, str, str] | None = None
         right = bisect.bisect_left(self.q_lens, problem.q_len)
         left = right - 1
 
@@ -221,18 +236,24 @@ class _Family:
                 index, right = right, right + 1
             if best is not None and bound(index) > best[0]:
                 break  # every row not yet visited is at least this far
-            row_id, *sizes, config = self.rows[index]
+            row_id, *sizes, kernel, config = self.rows[index]
             shape = _Shape(*sizes)
             distance = shape_distance(problem, shape)  # type: ignore[arg-type]
             if best is not None and (distance, row_id) >= best[:2]:
                 continue
-            if config not in legal:
-                candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()),
-                                       rules.config_from_dict(json.loads(config)))
-                legal[config] = nearest_entry(problem, [candidate], kernel) is not None
-            if legal[config]:
-                best = (distance, row_id, config)
+            if (kernel, config) not in legal:
+                legal[kernel, config] = self._legal(problem, row_id, shape, kernel, config)
+            if legal[kernel, config]:
+                best = (distance, row_id, kernel, config)
         return None if best is None else best[1:]
+
+    def _legal(self, problem: Problem, row_id: int, shape: _Shape, kernel: str,
+               config: str) -> bool:
+        """Whether the candidate's config, decoded, passes ``kernel.table.nearest_entry``."""
+        decoded = self.unreadable.read(self.table, row_id, lambda: get_kernel(
+            kernel).config_from_dict(json.loads(config)))
+        candidate = TableEntry(dataclasses.replace(problem, **shape._asdict()), decoded)
+        return decoded is not None and nearest_entry(problem, [candidate], kernel) is not None
 
 
 class Store:
@@ -252,6 +273,7 @@ class Store:
         # family key -> (data version, nearest-match candidates); see lookup_many
         self._families: dict[tuple[Any, ...], tuple[int, _Family]] = {}
         self._checked_version: tuple[Any, ...] | None = None  # what passed quick_check
+        self.unreadable = UnreadableRows()  # rows met that this build cannot read
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -352,7 +374,7 @@ class Store:
                 setattr(row, name, value)
             row.updated_at = now
         session.flush()
-        return stored_choice(_getter(row), _utc)
+        return _choice(row)
 
     def import_table(self, table: LookupTable, force: bool = False) -> list[PublishOutcome]:
         """Publishes every entry of ``table``, and its kernel choices, in one transaction:
@@ -445,7 +467,15 @@ class Store:
         with self.engine.connect() as connection:
             row = connection.execute(_EXACT_ON_PLATFORM, request.params(KEY_COLUMNS)) \
                 .mappings().one_or_none()
-        return _entry(row) if row else None
+        return self._read_entry(row) if row else None
+
+    def _read_entry(self, row: Mapping[str, Any]) -> Entry | None:
+        """The entry of a row, or None if this build cannot read it (``storage.unreadable``)."""
+        return self.unreadable.read(_TABLE.name, row["id"], lambda: _entry(row))
+
+    def _read_choice(self, row: Mapping[str, Any]) -> StoredChoice | None:
+        """As ``_read_entry``, for a kernel choice's row."""
+        return self.unreadable.read(_CHOICES.name, row["id"], lambda: _choice(row))
 
     def lookup(self, kernel: str, device_kind: str, problem: Problem, *,
                kernel_version: str | None = None,
@@ -467,30 +497,45 @@ class Store:
                 on_platform = request.platform is not None
                 exact_query = _EXACT_ON_PLATFORM if on_platform else _EXACT
                 names = KEY_COLUMNS if on_platform else KEY_COLUMNS[:-1]
-                rows = connection.execute(exact_query, request.params(names)).mappings().all()
-                if rows:
-                    out.append((_best([_entry(row) for row in rows]), "exact"))
+                rows = connection.execute(exact_query, request.params(names)).mappings()
+                exact = _best([entry for row in rows if (entry := self._read_entry(row))])
+                if exact is not None:
+                    out.append((exact, "exact"))
                     continue
                 family_names = (*FAMILY_COLUMNS, "platform") if on_platform else FAMILY_COLUMNS
-                params = request.params(family_names)
                 capped = request.problem.softcap is not None
-                family_key = (*params.values(), capped)
-                family = families.get(family_key) or self._cached_family(family_key, version)
-                if family is None:
-                    query = _FAMILY[on_platform, capped]
-                    family = _Family(connection.execute(query, params).all())
-                    self._cache_family(family_key, version, family)
-                families[family_key] = family
-                nearest = family.nearest(request.problem, request.kernel)
-                row = None if nearest is None else connection.execute(
-                    _BY_ID, {"id": nearest[0]}).mappings().one()
-                if row is not None and row["config"] != json.loads(nearest[1]):
-                    # Replaced since the family was read: look it up again, uncached.
-                    self._families.clear()
-                    out.extend(self.lookup_many([request]))
-                    continue
-                out.append(None if row is None else (_entry(row), "nearest"))
+                row = self._nearest_row(connection, _TABLE, _FAMILY[on_platform, capped],
+                                        request.params(family_names), request.problem,
+                                        version, families)
+                entry = None if row is None else self._read_entry(row)
+                out.append(None if entry is None else (entry, "nearest"))
         return out
+
+    def _nearest_row(self, connection: Any, table: Any, query: Any, params: dict[str, Any],
+                     problem: Problem, version: int | None,
+                     families: dict[tuple[Any, ...], _Family]) -> Mapping[str, Any] | None:
+        """The row of ``table`` nearest ``problem`` whose config is legal for it
+        (``_Family.nearest``), or None. The family (``query`` with ``params``) is read once
+        per call (``families``) and on SQLite kept until the next commit (``version``)."""
+        key = (table.name, *params.values(), problem.softcap is not None)
+        family = families.get(key) or self._cached_family(key, version)
+        if family is None:
+            family = _Family(connection.execute(query, params).all(), table.name,
+                             self.unreadable)
+            self._cache_family(key, version, family)
+        families[key] = family
+        nearest = family.nearest(problem)
+        if nearest is None:
+            return None
+        row_id, kernel, config = nearest
+        row = connection.execute(_BY_ID[table.name], {"id": row_id}).mappings().one()
+        if (row["kernel"], row["config"]) != (kernel, json.loads(config)):
+            # Replaced since the family was read: read it again, uncached.
+            self._families.clear()
+            families.pop(key)
+            return self._nearest_row(connection, table, query, params, problem, None,
+                                     families)
+        return row
 
     def _cached_family(self, key: tuple[Any, ...], version: int | None) -> _Family | None:
         cached = self._families.get(key)
@@ -535,20 +580,20 @@ class Store:
                            choices=tuple(stored.choice for stored in choices))
 
     def list(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
-             limit: int | None = 100) -> tuple[Sequence[Entry], int]:
+             limit: int | None = 100) -> tuple[Rows[Entry], int]:
         """Entries matching ``filters`` (column = value; see FILTER_FIELDS) in insertion
-        order, a page of them, and how many match in all."""
+        order, a page of them, and how many rows match in all. The page leaves out the rows
+        this build cannot read (``Rows.skipped`` says why; see ``storage.unreadable``)."""
         return self._page(_TABLE, FILTER_FIELDS, _entry, filters, offset, limit)
 
     def list_choices(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
-                     limit: int | None = 100) -> tuple[Sequence[StoredChoice], int]:
+                     limit: int | None = 100) -> tuple[Rows[StoredChoice], int]:
         """Kernel choices matching ``filters`` (see CHOICE_FILTER_FIELDS), as ``list``."""
-        return self._page(_CHOICES, CHOICE_FILTER_FIELDS,
-                          lambda row: stored_choice(_getter(row), _utc), filters, offset, limit)
+        return self._page(_CHOICES, CHOICE_FILTER_FIELDS, _choice, filters, offset, limit)
 
     def _page(self, table: Any, known: Sequence[str], convert: Callable[[Any], _T],
               filters: Mapping[str, Any] | None, offset: int,
-              limit: int | None) -> tuple[list[_T], int]:
+              limit: int | None) -> tuple[Rows[_T], int]:
         filters = dict(filters or {})
         unknown = sorted(set(filters) - set(known))
         if unknown:
@@ -560,34 +605,33 @@ class Store:
         count = select(func.count()).select_from(table).where(*where)
         with self.engine.connect() as connection:
             total = connection.scalar(count) or 0
-            items = [convert(row) for row in connection.execute(page).mappings()]
+            items = self.unreadable.read_all(table.name, connection.execute(page).mappings(),
+                                             convert)
         return items, total
 
     def lookup_choices(self, requests: Sequence[tuple[str, Problem]]
                        ) -> list[tuple[StoredChoice, Match] | None]:
         """The kernel choice per ``(device_kind, problem)``: the one stored for exactly the
-        problem, else the nearest whose config is legal for it (``kernel.table.
-        nearest_choice``); None when nothing fits. Each family is read at most once."""
+        problem, else the nearest whose kernel is registered and whose config is legal for it
+        (the rule of ``kernel.table.nearest_choice``); None when nothing fits. Families are
+        read and kept as by ``lookup_many``."""
         out: list[tuple[StoredChoice, Match] | None] = []
-        families: dict[tuple[Any, ...], list[StoredChoice]] = {}
+        version = self.data_version()  # before reading, so a later write is not masked
+        families: dict[tuple[Any, ...], _Family] = {}
         with self.engine.connect() as connection:
             for device_kind, problem in requests:
                 values = {"device_kind": device_kind, **problem_columns(problem)}
-                exact = connection.execute(
+                exact_rows = connection.execute(
                     _CHOICE_EXACT, {name: values[name] for name in CHOICE_KEY_COLUMNS[:-1]}
-                ).mappings().first()
+                ).mappings()
+                exact = next(filter(None, map(self._read_choice, exact_rows)), None)
                 if exact is not None:
-                    out.append((stored_choice(_getter(exact), _utc), "exact"))
+                    out.append((exact, "exact"))
                     continue
                 params = {name: values[name] for name in CHOICE_FAMILY_COLUMNS}
-                capped = problem.softcap is not None
-                family_key = (*params.values(), capped)
-                if family_key not in families:
-                    query = _CHOICE_FAMILY[capped]
-                    families[family_key] = [stored_choice(_getter(row), _utc) for row in
-                                            connection.execute(query, params).mappings()]
-                family = families[family_key]
-                nearest = nearest_choice(problem, [stored.choice for stored in family])
-                out.append(next(((stored, "nearest") for stored in family
-                                 if stored.choice is nearest), None) if nearest else None)
+                row = self._nearest_row(connection, _CHOICES,
+                                        _CHOICE_FAMILY[problem.softcap is not None], params,
+                                        problem, version, families)
+                stored = None if row is None else self._read_choice(row)
+                out.append(None if stored is None else (stored, "nearest"))
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -342,3 +343,258 @@ def test_a_report_with_a_foreign_study_and_a_huge_median_is_written(sqlite_db_ur
     done = run_cli("report", "--db", sqlite_db_url, "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "is not one autotune" in out.read_text()
+
+
+
+def test_simultaneous_views_after_a_write_draw_the_choice_chart_once(
+        sqlite_db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 views of one detail page at once, after a write, over HTTP to a real uvicorn in
+    this process (so that draws can be counted): the views that waited for the drawing lock
+    take the first view's drawing. Without the cache look-up once the lock is held, each
+    view drew it again (about 40 draws)."""
+    import threading
+
+    import uvicorn
+
+    import present.plots
+    from api.main import create_app
+    from api.routers.pages import detail_link
+    from api.settings import ApiSettings
+    from kernel.table import KernelTiming
+    from storage import Store
+
+    drawn = []
+    draw = present.plots.choice_image
+
+    def counted(choice: object) -> dict[str, str]:
+        drawn.append(choice)
+        time.sleep(0.5)  # a large chart: every view arrives while the first one draws
+        return draw(choice)
+
+    monkeypatch.setattr(present.plots, "choice_image", counted)
+    choice = _choice_of({"flash": KernelTiming(1.0, 0.1), "xla": KernelTiming(2.0, 0.1)})
+    with Store(sqlite_db_url) as store:
+        entry = store.publish(small_result(device_kind="cpu")).entry
+        store.publish_choice("cpu", choice)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(ApiSettings(db_url=sqlite_db_url)),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    serving = threading.Thread(target=server.run)
+    serving.start()
+    try:
+        while not server.started:
+            assert serving.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        page = f"http://127.0.0.1:{port}{detail_link(entry.result.key)}"
+        assert httpx.get(page, timeout=60).status_code == 200
+        with Store(sqlite_db_url) as store:  # a write: the cached drawing is out of date
+            store.publish_choice("cpu", _choice_of({
+                "flash": KernelTiming(1.0, 0.1), "xla": KernelTiming(3.0, 0.1)}))
+        del drawn[:]
+        start = threading.Barrier(40)
+        statuses = []
+
+        def view() -> None:
+            start.wait()
+            statuses.append(httpx.get(page, timeout=120).status_code)
+
+        views = [threading.Thread(target=view) for _ in range(40)]
+        for thread in views:
+            thread.start()
+        for thread in views:
+            thread.join()
+    finally:
+        server.should_exit = True
+        serving.join()
+    assert statuses == [200] * 40
+    assert len(drawn) <= 2, f"drawn {len(drawn)} times"
+    assert drawn[0].candidates["xla"].median_ms == 3.0  # the choice as written
+
+
+# --- A4: rows written by a newer build ---
+
+NEWER = "cpu-newer"  # the device kind of the rows in newer_rows_db
+
+
+def _copy_row(connection: object, table: str, row_id: int, **changes: str) -> None:
+    """Inserts a copy of row ``row_id`` of ``table`` with the columns in ``changes`` set to
+    SQL expressions (of the copied row's columns)."""
+    columns = [row[1] for row in connection.execute(f"PRAGMA table_info({table})")
+               if row[1] != "id"]
+    values = [changes.get(name, name) for name in columns]
+    connection.execute(f"INSERT INTO {table} ({', '.join(columns)}) SELECT {', '.join(values)} "
+                       f"FROM {table} WHERE id = ?", (row_id,))
+
+
+@pytest.fixture
+def newer_rows_db(sqlite_db_url: str) -> str:
+    """A database where a newer build wrote, next to one readable config and one readable
+    choice (q_len 256), a config and a choice of a kernel this build does not know and a
+    config and a choice with a config field it does not know (q_len 512 and 1024)."""
+    import sqlite3
+
+    from kernel import LookupTable
+    from storage import Store
+
+    with Store(sqlite_db_url) as store:
+        store.publish(small_result(device_kind=NEWER))
+        store.import_table(LookupTable.from_dict(choice_table(NEWER, {})))
+    with sqlite3.connect(sqlite_db_url.removeprefix("sqlite:///")) as connection:
+        for table in ("autotune_configs", "autotune_kernel_choices"):
+            _copy_row(connection, table, 1, kernel="'newer'", q_len="512", kv_len="512")
+            _copy_row(connection, table, 1, config="json_set(config, '$.block_z', 8)",
+                      q_len="1024", kv_len="1024")
+    return sqlite_db_url
+
+
+def test_rows_of_a_newer_build_are_skipped_with_one_warning_each(start_server,
+                                                                  newer_rows_db: str) -> None:
+    """Lists count the unreadable rows, lookups in their family answer from the readable
+    ones; before the fix, each of these was a 422."""
+    server = start_server(newer_rows_db)
+    problem = {"batch": 1, "q_heads": 2, "kv_heads": 2, "head_dim": 64, "dtype": "float32",
+               "causal": "false", "mode": "fwd"}
+    near = {**problem, "device_kind": NEWER, "q_len": 2048, "kv_len": 2048}
+    for _ in range(2):  # warned once per row, not per request
+        configs = httpx.get(f"{server.url}/v1/configs", params={"device_kind": NEWER})
+        assert configs.status_code == 200, configs.text
+        assert [configs.json()[k] for k in ("total", "skipped")] == [3, 2]
+        assert [item["key"]["q_len"] for item in configs.json()["items"]] == [256]
+        choices = httpx.get(f"{server.url}/v1/choices", params={"device_kind": NEWER})
+        assert choices.status_code == 200, choices.text
+        assert [choices.json()[k] for k in ("total", "skipped")] == [3, 2]
+        index = httpx.get(f"{server.url}/", params={"device_kind": NEWER})
+        assert index.status_code == 200, index.text
+        assert "skipped 2 rows written by a newer build" in index.text
+        table = httpx.get(f"{server.url}/v1/tables/{NEWER}")
+        assert table.status_code == 200, table.text
+        assert [len(table.json()[k]) for k in ("entries", "choices")] == [1, 1]
+        for q_len in (512, 1024, 2048):  # exact keys of unreadable rows, a nearest one
+            key = {**near, "q_len": q_len, "kv_len": q_len}
+            choice = httpx.get(f"{server.url}/v1/choices/lookup", params=key)
+            assert choice.status_code == 200, choice.text
+            assert (choice.json()["match"], choice.json()["problem"]["q_len"]) == ("nearest", 256)
+            config = httpx.get(f"{server.url}/v1/configs/lookup", params=key)
+            assert config.status_code == 200, config.text
+            assert (config.json()["match"], config.json()["key"]["q_len"]) == ("nearest", 256)
+        batch = httpx.post(f"{server.url}/v1/choices/lookup:batch", json={"keys": [
+            {**near, "causal": False}]})
+        assert batch.status_code == 200, batch.text
+        assert batch.json()["results"][0]["kernel"] == "flash"
+    warnings = [line for line in server.log.read_text().splitlines()
+                if "written by a newer build" in line]
+    assert len(warnings) == 4, warnings
+    assert sum("unknown kernel 'newer'" in line for line in warnings) == 2
+    assert sum("'block_z'" in line for line in warnings) == 2
+
+
+@pytest.mark.parametrize("command", [["stale"], ["report", "-o", "report.html"],
+                                     ["export", "--device-kind", NEWER, "-o", "table.json"]])
+def test_commands_skip_rows_of_a_newer_build_in_one_line(newer_rows_db: str, tmp_path: Path,
+                                                         command: list[str]) -> None:
+    """Before the fix, each command ended in a traceback."""
+    args = [str(tmp_path / arg) if arg.endswith((".html", ".json")) else arg for arg in command]
+    done = run_cli(*args, "--db", newer_rows_db, *(
+        ["--output-dir", str(tmp_path)] if command == ["stale"] else []))
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    skipped = [line for line in done.stderr.splitlines() if "newer build" in line]
+    # stale reads the configs; report the configs and choices; export flash's configs (not the
+    # unknown kernel's) and the choices
+    count = {"stale": 2, "report": 4, "export": 3}[command[0]]
+    assert skipped == [f"warning: skipped {count} rows written by a newer build (unknown "
+                       "config field(s) ['block_z'] for FlashConfig, unknown kernel 'newer'); "
+                       "upgrade flash-autotune to read them"], done.stderr
+
+
+# --- A1: nearest choice lookups read a few neighbours, not every stored choice ---
+
+
+def _featured_choices() -> tuple[list[object], list[object]]:
+    """Kernel choices of several families and kernels (flash configs of 512-row blocks are
+    illegal below 512 tokens), and problems to ask for, most of which none has."""
+    import dataclasses
+
+    from kernel import FlashConfig, get_kernel
+    from kernel.problem import Problem
+    from kernel.table import KernelChoice, KernelTiming
+
+    base = Problem(batch=1, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_dim=128,
+                   causal=True)
+    features = [{}, {"window": (256, 0)}, {"window": (512, 0)}, {"softcap": 30.0},
+                {"segmented": True}]
+    choices, asked = [], []
+    for fields in features:
+        for q_len, batch, blocks in ((256, 1, 128), (512, 2, 512), (1024, 1, 512),
+                                     (4096, 4, 128), (4096, 1, 128)):
+            problem = dataclasses.replace(base, q_len=q_len, kv_len=q_len, batch=batch,
+                                          **fields)
+            flash = KernelChoice(problem, "flash", FlashConfig(block_q=blocks, block_kv=blocks),
+                                 {"flash": KernelTiming(1.0)})
+            xla = KernelChoice(problem, "xla", get_kernel("xla").default_config(problem),
+                               {"xla": KernelTiming(1.0)})
+            choices.append(xla if q_len == 4096 and batch == 1 else flash)
+        for q_len in (128, 256, 384, 2048, 8192):
+            asked.append(dataclasses.replace(base, q_len=q_len, kv_len=q_len, **fields))
+    asked.append(dataclasses.replace(base, softcap=50.0))  # any softcap value answers
+    asked.append(dataclasses.replace(base, window=(128, 0)))  # a family none has
+    return choices, asked
+
+
+def test_nearest_choices_follow_the_table_resolvers_rule(store) -> None:
+    """The store answers as ``kernel.table.find_choice`` over the same choices: the same
+    family (window exactly, softcap or none, segment ids or none), the closest legal config,
+    the oldest of equals."""
+    from kernel.table import find_choice
+
+    choices, asked = _featured_choices()
+    for choice in choices:
+        store.publish_choice("cpu", choice)
+    found = store.lookup_choices([("cpu", problem) for problem in asked])
+    expected = [find_choice(problem, choices) for problem in asked]
+    assert [None if f is None else (f[0].choice, f[1]) for f in found] == expected
+    answers = [e for e in expected if e is not None]
+    assert {e[1] for e in answers} == {"exact", "nearest"}
+    assert {e[0].kernel for e in answers} == {"flash", "xla"}
+    assert len(answers) < len(expected)  # some ask a family none has
+
+
+def test_a_nearest_choice_lookup_decodes_a_few_rows_not_the_family(sqlite_db_url) -> None:
+    """With 600 choices in one family, 50 nearest lookups (one request each) decode a few
+    rows each; before the fix each decoded the whole family. A write is seen at once."""
+    import dataclasses
+
+    from kernel import FlashConfig
+    from kernel.problem import Problem
+    from kernel.table import KernelChoice, KernelTiming
+    from storage import Store
+    from storage.unreadable import UnreadableRows
+
+    class CountingRows(UnreadableRows):
+        decoded = 0
+
+        def read(self, table: str, row_id: int, decode: Callable[[], object]) -> object:
+            CountingRows.decoded += 1
+            return super().read(table, row_id, decode)
+
+    config = FlashConfig(block_q=128, block_kv=128)
+    base = Problem(batch=1, q_heads=8, kv_heads=8, q_len=128, kv_len=128, head_dim=64)
+    with Store(sqlite_db_url) as store:
+        for batch in range(1, 7):
+            for k in range(1, 101):
+                problem = dataclasses.replace(base, batch=batch, q_len=128 * k, kv_len=128 * k)
+                store.publish_choice("cpu", KernelChoice(problem, "flash", config,
+                                                         {"flash": KernelTiming(1.0)}))
+    with Store(sqlite_db_url) as store:
+        store.unreadable = CountingRows()
+        for k in range(1, 51):
+            asked = dataclasses.replace(base, batch=7, q_len=128 * k, kv_len=128 * k)
+            [(stored, match)] = store.lookup_choices([("cpu", asked)])
+            assert (match, stored.choice.problem.q_len) == ("nearest", 128 * k)
+        assert CountingRows.decoded <= 50 * 3, CountingRows.decoded
+        closer = dataclasses.replace(base, batch=7, q_len=128 * 60, kv_len=128 * 60)
+        store.publish_choice("cpu", KernelChoice(closer, "flash", config,
+                                                 {"flash": KernelTiming(2.0)}))
+        asked = dataclasses.replace(closer, batch=8)
+        [(stored, _)] = store.lookup_choices([("cpu", asked)])
+        assert stored.choice.problem == closer

@@ -89,4 +89,4 @@ def list_choices(
         if value is not None}
     choices, total = store.list_choices(filters, offset=offset, limit=limit)
     return {"items": [stored.to_dict() for stored in choices], "total": total,
-            "offset": offset, "limit": limit}
+            "offset": offset, "limit": limit, "skipped": len(choices.skipped)}

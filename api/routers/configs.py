@@ -90,4 +90,4 @@ def list_configs(query: Annotated[ListQuery, Query()], store: StoreDep) -> dict[
     """Stored entries matching every given filter, oldest first, a page at a time."""
     entries, total = store.list(query.filters(), offset=query.offset, limit=query.limit)
     return {"items": [entry.to_dict() for entry in entries], "total": total,
-            "offset": query.offset, "limit": query.limit}
+            "offset": query.offset, "limit": query.limit, "skipped": len(entries.skipped)}

@@ -29,8 +29,9 @@ from api.schemas import Dtype, ProblemFields, Text, Version
 from kernel import AutotuneError
 from kernel.problem import DTYPES
 from storage import ConfigKey, Store
-from storage.results import KEY_TEXT_FIELDS
 from storage.models import TunedConfigRow
+from storage.results import KEY_TEXT_FIELDS
+from storage.unreadable import skipped_note
 
 router = APIRouter(include_in_schema=False)
 log = logging.getLogger(__name__)
@@ -143,7 +144,8 @@ def index(request: Request, store: StoreDep) -> HTMLResponse:
                ("kernel", "kernel", _distinct(store, TunedConfigRow.kernel)),
                ("dtype", "dtype", list(DTYPES))]
     return _page(request, "index.html", filters=filters, selects=selects, total=total,
-                 entries=[(entry, detail_link(entry.result.key)) for entry in entries])
+                 entries=[(entry, detail_link(entry.result.key)) for entry in entries],
+                 skipped=entries.skipped, skipped_note=skipped_note)
 
 
 @router.get("/configs/detail", response_class=HTMLResponse)

@@ -73,6 +73,21 @@ def open_store(db: str | None) -> Store:
     return store
 
 
+@contextmanager
+def reading_store(db: str | None) -> Iterator[Store]:
+    """``open_store`` for a command that reads stored rows, its database errors one line
+    each (``database_errors``). Rows this build cannot read (written by a newer build) are
+    skipped, and summed up in one warning line at the end rather than one per row."""
+    from storage.unreadable import skipped_note
+
+    with open_store(db) as store, database_errors(store.url):
+        store.unreadable.log_each = False
+        yield store
+        note = skipped_note(store.unreadable.reasons())
+        if note:
+            typer.echo(f"warning: {note}", err=True)
+
+
 def ensure_schema(db_url: str) -> None:
     """Creates the tables in a database that has none, and refuses one that does not take
     writes (exit 1); an out-of-date schema is left for ``autotune db upgrade`` (``open_store``

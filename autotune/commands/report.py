@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.commands.db import DbOption, database_errors, open_store
+from autotune.commands.db import DbOption, reading_store
 from autotune.files import write_atomically
 from kernel.problem import DTYPES, MODES
 
@@ -39,7 +39,7 @@ def report(
 
     from autotune.report import ReportError, render
 
-    with open_store(db) as store, database_errors(store.url):
+    with reading_store(db) as store:
         try:
             html = render(store, filters)
         except ReportError as error:

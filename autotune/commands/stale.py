@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.commands.db import DbOption, database_errors, open_store
+from autotune.commands.db import DbOption, reading_store
 from kernel import Problem, get_kernel, kernel_names
 
 
@@ -48,7 +48,7 @@ def stale(
     from kernel.resolve import installed_versions
     from storage import shown_url
 
-    with open_store(db) as store, database_errors(store.url):
+    with reading_store(db) as store:
         url = shown_url(store.url)
         secret = url != store.url  # a password, masked in ``url``
         entries, _ = store.list(limit=None)

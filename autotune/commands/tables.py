@@ -9,7 +9,14 @@ from typing import Annotated
 
 import typer
 
-from autotune.commands.db import DbOption, database_errors, ensure_schema, open_store, resolve_url
+from autotune.commands.db import (
+    DbOption,
+    database_errors,
+    ensure_schema,
+    open_store,
+    reading_store,
+    resolve_url,
+)
 from autotune.files import write_atomically
 from autotune.problem_options import KernelOption
 from kernel import DEFAULT_KERNEL, LookupTable, TableError
@@ -28,7 +35,7 @@ def export_table(
 ) -> None:
     """Write the tuned configs of one device kind, and its kernel choices, as a lookup table to
     pin in a model build."""
-    with open_store(db) as store, database_errors(store.url):
+    with reading_store(db) as store:
         if device_kind is None:
             kinds = store.device_kinds(kernel)
             if not kinds:
