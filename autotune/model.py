@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -114,15 +113,15 @@ def _say_kept(problem: Problem, json_output: bool) -> None:
 
 
 def _table_of(store: Store, device_kind: str, problems: Sequence[Problem]) -> LookupTable:
-    """The device's table cut to ``problems``: their kernel choices, and the entries of the
-    kernel chosen most often."""
+    """The device's table cut to ``problems``: their kernel choices, and each kernel's
+    entries for them."""
     wanted = set(problems)
-    choices = [found[0].choice for found in
-               store.lookup_choices([(device_kind, p) for p in problems])
-               if found is not None and found[1] == "exact"]
-    kernels = Counter(choice.kernel for choice in choices)
-    kernel = kernels.most_common(1)[0][0] if kernels else local_kernels()[0]
-    table = store.export_table(device_kind, kernel)
+
+    def cut(table: LookupTable) -> LookupTable:
+        return dataclasses.replace(table, entries=tuple(
+            e for e in table.entries if e.problem in wanted))
+
+    table = store.export_table(device_kind)
     return dataclasses.replace(
-        table, entries=tuple(e for e in table.entries if e.problem in wanted),
-        choices=tuple(c for c in table.choices if c.problem in wanted))
+        cut(table), choices=tuple(c for c in table.choices if c.problem in wanted),
+        others=tuple(cut(other) for other in table.others))

@@ -406,7 +406,7 @@ class Resolver:
         table's on a tie), among the tables of this kernel's installed version."""
         if not self._tables:
             return None, "no table pinned"
-        tables = [t for t in self._tables.values()
+        tables = [t for pinned in self._tables.values() for t in pinned.kernel_tables()
                   if (t.kernel, t.device_kind) == (kernel.name, device_kind)]
         if tables and all(t.kernel_version != kernel.version for t in tables):
             return None, (f"the pinned tables of {kernel.name} on {device_kind!r} are of "

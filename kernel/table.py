@@ -190,13 +190,26 @@ class LookupTable:
     jax_version: str | None = None
     schema_version: int = TABLE_SCHEMA_VERSION
     choices: tuple[KernelChoice, ...] = ()  # kernel choices on ``device_kind`` (any kernel)
+    # The entries of the other kernels its choices name, one table each (no choices), so that
+    # a pinned table runs every choice it holds, and each choice's next best candidates, at
+    # their tuned configs on nearby shapes too. Optional: a build that predates it reads the
+    # table without them.
+    others: tuple[LookupTable, ...] = ()
+
+    def kernel_tables(self) -> tuple[LookupTable, ...]:
+        """This table and its ``others``: the entries of each kernel it carries."""
+        return (self, *self.others)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(schema_version=self.schema_version, kernel=self.kernel,
-                    kernel_version=self.kernel_version, device_kind=self.device_kind,
-                    jax_version=self.jax_version,
-                    entries=[entry.to_dict() for entry in self.entries],
-                    choices=[choice.to_dict() for choice in self.choices])
+        table = dict(schema_version=self.schema_version, kernel=self.kernel,
+                     kernel_version=self.kernel_version, device_kind=self.device_kind,
+                     jax_version=self.jax_version,
+                     entries=[entry.to_dict() for entry in self.entries],
+                     choices=[choice.to_dict() for choice in self.choices])
+        if self.others:
+            table["others"] = [{name: other.to_dict()[name] for name in _OTHER_FIELDS}
+                               for other in self.others]
+        return table
 
     @classmethod
     def from_dict(cls, data: Any) -> LookupTable:
@@ -228,7 +241,7 @@ class LookupTable:
             raise TableError("table field 'choices' must be a list")
         choices = _parse_each(raw_choices, "choice", KernelChoice.from_dict)
         return cls(**header, entries=entries, jax_version=data.get("jax_version"),
-                   choices=choices)
+                   choices=choices, others=_others(data, version, header["device_kind"]))
 
     @classmethod
     def load(cls, path: str | Path) -> LookupTable:
@@ -282,6 +295,31 @@ def read_table_bytes(path: str | Path) -> bytes:
         raise TableError(f"table {path} is over the {MAX_TABLE_BYTES // MiB} MiB a lookup "
                          "table may have")
     return data
+
+
+_OTHER_FIELDS = ("kernel", "kernel_version", "jax_version", "entries")
+
+
+def _others(data: dict[str, Any], version: int, device_kind: str) -> tuple[LookupTable, ...]:
+    """The ``others`` of a table: each kernel's entries on the table's device kind. A kernel
+    this build does not register is left out (a table from a newer build), as the resolver
+    leaves out a choice's unknown kernel."""
+    raw = data.get("others", [])
+    if not isinstance(raw, list):
+        raise TableError("table field 'others' must be a list")
+    others = []
+    for i, other in enumerate(raw):
+        if not isinstance(other, dict):
+            raise TableError(f"others[{i}] must be a JSON object, got {type(other).__name__}")
+        if other.get("kernel") not in KERNELS:
+            continue
+        try:
+            others.append(LookupTable.from_dict(
+                {**{name: other.get(name) for name in _OTHER_FIELDS},
+                 "schema_version": version, "device_kind": device_kind}))
+        except AutotuneError as error:
+            raise TableError(f"others[{i}]: {error}") from None
+    return tuple(others)
 
 
 def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:

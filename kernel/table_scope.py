@@ -89,7 +89,8 @@ def fresh_key() -> int:
 
 def _scoped(item: LookupTable | str | os.PathLike[str]) -> ScopedTable:
     if isinstance(item, LookupTable):
-        return ScopedTable(item, f"{item.kernel} table on {item.device_kind}", _serial(item))
+        kernels = "+".join(t.kernel for t in item.kernel_tables() if t.entries) or item.kernel
+        return ScopedTable(item, f"{kernels} table on {item.device_kind}", _serial(item))
     if isinstance(item, (str, os.PathLike)):
         table = _load(Path(item))
         return ScopedTable(table, str(item), _serial(table))

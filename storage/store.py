@@ -17,7 +17,15 @@ from sqlalchemy import String, bindparam, cast, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from kernel import DEFAULT_KERNEL, AutotuneError, LookupTable, Problem, TableEntry, get_kernel
+from kernel import (
+    DEFAULT_KERNEL,
+    AutotuneError,
+    LookupTable,
+    Problem,
+    TableEntry,
+    get_kernel,
+    kernel_names,
+)
 from kernel.table import KernelChoice, nearest_entry, shape_distance
 from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
 from storage.engine import (
@@ -382,16 +390,18 @@ class Store:
         ResultError names the first bad one. The outcomes are the entries'.
         """
         results = []
-        for index, table_entry in enumerate(table.entries):
-            try:
-                result = TunedResult.from_table_entry(
-                    table_entry, kernel=table.kernel, kernel_version=table.kernel_version,
-                    device_kind=table.device_kind)
-                result.check_legal()
-            except (ResultError, TypeError) as error:
-                raise ResultError(f"entry {index} ({table_entry.problem.label()}): {error}") \
-                    from None
-            results.append(result)
+        for kernel_table in table.kernel_tables():
+            for index, table_entry in enumerate(kernel_table.entries):
+                try:
+                    result = TunedResult.from_table_entry(
+                        table_entry, kernel=kernel_table.kernel,
+                        kernel_version=kernel_table.kernel_version,
+                        device_kind=table.device_kind)
+                    result.check_legal()
+                except (ResultError, TypeError) as error:
+                    raise ResultError(f"{kernel_table.kernel} entry {index} "
+                                      f"({table_entry.problem.label()}): {error}") from None
+                results.append(result)
         for index, choice in enumerate(table.choices):
             try:
                 check_choice(table.device_kind, choice)
@@ -558,26 +568,44 @@ class Store:
             return [HistoryEntry(_result(row), row.reason, _utc(row.archived_at))
                     for row in session.scalars(query)]
 
-    def device_kinds(self, kernel: str = DEFAULT_KERNEL) -> list[str]:
-        query = select(TunedConfigRow.device_kind).where(TunedConfigRow.kernel == kernel) \
-            .distinct().order_by(TunedConfigRow.device_kind)
+    def device_kinds(self, kernel: str | None = DEFAULT_KERNEL) -> list[str]:
+        """The device kinds with tuned configs of ``kernel`` (None: of any kernel)."""
+        query = select(TunedConfigRow.device_kind).distinct().order_by(
+            TunedConfigRow.device_kind)
+        if kernel is not None:
+            query = query.where(TunedConfigRow.kernel == kernel)
         with self.engine.connect() as connection:
             return list(connection.scalars(query))
 
-    def export_table(self, device_kind: str, kernel: str = DEFAULT_KERNEL,
+    def export_table(self, device_kind: str, kernel: str | None = None,
                      kernel_version: str | None = None) -> LookupTable:
-        """Every entry of one kernel (version) on one device kind, as a lookup table.
+        """The tuned entries on one device kind and every kernel choice there, as a lookup
+        table: of ``kernel`` (at ``kernel_version``, default the installed one) alone, or, for
+        None, of the default kernel, with (``others``) those of every other kernel a choice
+        names, at their installed versions, so that a pinned table runs each choice it holds.
         ConfigError for a kernel not in this build (its table could not be imported)."""
+        choices, _ = self.list_choices({"device_kind": device_kind}, limit=None)
+        table = dataclasses.replace(
+            self._kernel_table(device_kind, kernel or DEFAULT_KERNEL, kernel_version),
+            choices=tuple(stored.choice for stored in choices))
+        if kernel is not None:
+            return table
+        named = {name for stored in choices for name in stored.choice.ranked()}
+        others = (self._kernel_table(device_kind, name, None)
+                  for name in sorted(named & set(kernel_names()) - {table.kernel}))
+        return dataclasses.replace(table, others=tuple(t for t in others if t.entries))
+
+    def _kernel_table(self, device_kind: str, kernel: str,
+                      kernel_version: str | None) -> LookupTable:
+        """The entries of one kernel (version) on one device kind, as a table without choices."""
         kernel = get_kernel(kernel).name
         version = kernel_version or installed_kernel_version(kernel)
         entries, _ = self.list({"kernel": kernel, "kernel_version": version,
                                 "device_kind": device_kind}, limit=None)
         jax_versions = {entry.result.jax_version for entry in entries}
-        choices, _ = self.list_choices({"device_kind": device_kind}, limit=None)
         return LookupTable(kernel=kernel, kernel_version=version, device_kind=device_kind,
                            entries=tuple(entry.result.to_table_entry() for entry in entries),
-                           jax_version=jax_versions.pop() if len(jax_versions) == 1 else None,
-                           choices=tuple(stored.choice for stored in choices))
+                           jax_version=jax_versions.pop() if len(jax_versions) == 1 else None)
 
     def list(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
              limit: int | None = 100) -> tuple[Rows[Entry], int]:

@@ -193,3 +193,54 @@ def test_a_write_that_fails_half_way_leaves_the_old_file(sqlite_db_url: str, tmp
     assert_clean_failure(done, 1, f"cannot write {out}")
     assert out.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_export_carries_every_kernel_a_choice_names(sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 46 item 9: with no --kernel, the table holds the configs of each kernel a stored
+    choice names (here splash, beside flash's), so a pinned table runs that choice at its tuned
+    config on a shape it borrows; --kernel still exports one kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernel
+    from kernel import LookupTable, get_kernel
+    from kernel.table import KernelChoice, KernelTiming
+
+    seed(sqlite_db_url, device_kind="cpu")
+    splash = get_kernel("splash")
+    tuned = Problem(batch=1, q_heads=2, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
+                    dtype="float32", causal=True)
+    config = splash.default_config(tuned).replace(block_kv_compute=256)
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind="cpu", median_ms=1.0, default_median_ms=2.0,
+                                  problem=tuned, config=config, trials=4, method="replay",
+                                  kernel="splash"))
+        store.publish_choice("cpu", KernelChoice(
+            tuned, "splash", config, {"splash": KernelTiming(1.0, 0.1)},
+            {"kernel_version": splash.version}))
+    path = tmp_path / "table.json"
+    done = run_cli("export", "-o", str(path), "--db", sqlite_db_url)
+    assert done.returncode == 0, done.stderr
+    assert "(2 flash, 1 splash)" in done.stdout
+    table = LookupTable.load(path)
+    assert [(t.kernel, len(t.entries)) for t in table.kernel_tables()] == [("flash", 2),
+                                                                          ("splash", 1)]
+    borrowed = dict(tuned.to_dict(), q_len=1024, kv_len=1024)
+    q = jax.ShapeDtypeStruct((1, 2, 1024, 128), jnp.float32)
+    with kernel.tables(path):
+        jax.eval_shape(lambda q: kernel.flash_attention(q, q, q, causal=True), q)
+        sources = kernel.resolution_sources()
+    [(key, how)] = sources.items()
+    assert key[0] == "splash" and key[2] == Problem.from_dict(borrowed), sources
+    assert f"nearest (from {tuned.label()}), config {config.label()}" in how, how
+
+    only = tmp_path / "flash.json"
+    done = run_cli("export", "-o", str(only), "--kernel", "flash", "--db", sqlite_db_url)
+    assert done.returncode == 0, done.stderr
+    assert LookupTable.load(only).others == ()
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    done = run_cli("import", str(path), "--db", fresh)
+    assert done.returncode == 0, done.stderr
+    with Store(fresh) as store:
+        assert sorted(e.result.kernel for e in store.list(limit=None)[0]) == [
+            "flash", "flash", "splash"]

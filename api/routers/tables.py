@@ -11,7 +11,7 @@ from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Respons
 from api.deps import StoreDep, Writer
 from api.schemas import TEXT_PATTERN, ErrorResponse, ImportResponse, Text, Version
 from api.strict_json import StrictJsonRoute
-from kernel import DEFAULT_KERNEL, LookupTable
+from kernel import LookupTable
 
 router = APIRouter(prefix="/v1/tables", tags=["tables"], route_class=StrictJsonRoute)
 
@@ -24,17 +24,20 @@ router = APIRouter(prefix="/v1/tables", tags=["tables"], route_class=StrictJsonR
 def export_table(
     store: StoreDep,
     device_kind: Annotated[str, Path(max_length=128, pattern=TEXT_PATTERN)],
-    kernel: Annotated[Text, Query()] = DEFAULT_KERNEL,
-    kernel_version: Annotated[Version | None, Query()] = None,
+    kernel: Annotated[Text | None, Query(
+        description="Only this kernel's configs (default: the default kernel's, and those of "
+                    "every kernel a stored choice names)")] = None,
+    kernel_version: Annotated[Version | None, Query(
+        description="Kernel version of `kernel` (default: the installed one)")] = None,
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
 ) -> Response:
-    """Every tuned config of ``kernel`` on ``device_kind``, and every kernel choice there,
-    ready to pin in a model build."""
+    """Every tuned config on ``device_kind`` (of ``kernel``, or of every kernel its choices
+    name), and every kernel choice there, ready to pin in a model build."""
     table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
     if not table.entries and not table.choices:
         known = store.device_kinds(kernel)
         raise HTTPException(status.HTTP_404_NOT_FOUND,
-                            f"no tuned configs of kernel {kernel!r} version "
+                            f"no tuned configs of kernel {table.kernel!r} version "
                             f"{table.kernel_version!r} on device kind {device_kind!r}; "
                             f"device kinds with configs: {known}")
     body = json.dumps(table.to_dict(), sort_keys=True).encode()

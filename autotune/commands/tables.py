@@ -18,8 +18,8 @@ from autotune.commands.db import (
     resolve_url,
 )
 from autotune.files import write_atomically
-from autotune.problem_options import KernelOption
-from kernel import DEFAULT_KERNEL, LookupTable, TableError
+from autotune.problem_options import known_kernel
+from kernel import LookupTable, TableError
 
 
 def export_table(
@@ -28,9 +28,13 @@ def export_table(
     device_kind: Annotated[str | None, typer.Option(
         help="Device kind as JAX reports it, e.g. 'TPU v5 lite' (default: the only one stored).",
         show_default=False)] = None,
-    kernel: KernelOption = DEFAULT_KERNEL,
+    kernel: Annotated[str | None, typer.Option(
+        callback=known_kernel, show_default=False,
+        help="Only this kernel's configs (default: the default kernel's, and those of every "
+             "kernel a stored choice names, so that the table runs each choice).")] = None,
     kernel_version: Annotated[str | None, typer.Option(
-        help="Kernel version (default: the installed kernel's).", show_default=False)] = None,
+        help="Kernel version of --kernel (default: the installed kernel's).",
+        show_default=False)] = None,
     db: DbOption = None,
 ) -> None:
     """Write the tuned configs of one device kind, and its kernel choices, as a lookup table to
@@ -39,8 +43,8 @@ def export_table(
         if device_kind is None:
             kinds = store.device_kinds(kernel)
             if not kinds:
-                typer.echo(f"error: nothing to export: the database holds no tuned configs of "
-                           f"{kernel!r}", err=True)
+                typer.echo("error: nothing to export: the database holds no tuned configs"
+                           + (f" of {kernel!r}" if kernel else ""), err=True)
                 raise typer.Exit(1)
             if len(kinds) != 1:
                 typer.echo(f"error: pass --device-kind; the database has configs for {kinds}",
@@ -49,16 +53,17 @@ def export_table(
             device_kind = kinds[0]
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
     if not table.entries and not table.choices:
-        typer.echo(f"error: no tuned configs of {kernel!r} version {table.kernel_version!r} on "
-                   f"{device_kind!r}", err=True)
+        typer.echo(f"error: no tuned configs of {table.kernel!r} version "
+                   f"{table.kernel_version!r} on {device_kind!r}", err=True)
         raise typer.Exit(1)
     try:
         write_atomically(output, (json.dumps(table.to_dict(), indent=2) + "\n").encode())
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"wrote {len(table.entries)} entries and {len(table.choices)} kernel choices "
-               f"for {device_kind!r} to {output}")
+    counts = ", ".join(f"{len(t.entries)} {t.kernel}" for t in table.kernel_tables())
+    typer.echo(f"wrote entries ({counts}) and {len(table.choices)} kernel choices for "
+               f"{device_kind!r} to {output}")
 
 
 def import_table(
