@@ -32,7 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 import autotune.claims as claims
 from autotune.samplers import SamplerName, create_sampler
 from autotune.samplers.engine import EngineSampler
-from autotune.samplers.plain_tpe import STALL
+from autotune.samplers.plain_tpe import STALL, quiet_create_study
 from autotune.searchspace import Config, Key, Space
 from autotune.trials import (
     FINISHED,
@@ -186,8 +186,8 @@ def search(
         raise ValueError(f"trials must be >= 0, got {trials}")
     optuna_storage = storage if isinstance(storage, BaseStorage) else get_storage(storage)
     engine = create_sampler(sampler, space, seed)
-    study = optuna.create_study(storage=optuna_storage, study_name=study_name,
-                                direction="minimize", sampler=engine, load_if_exists=True)
+    study = quiet_create_study(storage=optuna_storage, study_name=study_name,
+                               direction="minimize", sampler=engine, load_if_exists=True)
     declared = study.user_attrs.get("params")
     if declared is None:
         study.set_user_attr("params", space.params)

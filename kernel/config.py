@@ -113,5 +113,7 @@ class IntConfig:
     def replace(self, **changes: ConfigValue) -> Self:
         return dataclasses.replace(self, **changes)
 
-    def label(self) -> str:
+    def label(self, mode: str = "fwd_bwd") -> str:
+        """A short name of the config; ``mode="fwd"`` leaves out what only the backward
+        uses (backends that have one override this)."""
         return " ".join(f"{k}={v}" for k, v in self.to_dict().items())

@@ -67,8 +67,9 @@ class Resolution:
     match: str = ""
     origin: Problem | None = None
 
-    def describe(self) -> str:
-        """Where the config came from and which it is, with how a choice picked the kernel:
+    def describe(self, mode: str = "fwd_bwd") -> str:
+        """Where the config came from and which it is (its fields ``mode`` uses), with how a
+        choice picked the kernel:
         ``table, exact, config q256 ...``, ``table (stale: jax 0.9.0 ...), nearest (from b1
         h8/8 q512 ...), config ...``, ``default, config ...; kernel: next best (...)``."""
         parts = [f"{self.source} (stale: {self.stale})" if self.stale else self.source]
@@ -76,7 +77,7 @@ class Resolution:
             parts.append(f"nearest (from {self.origin.label()})")
         elif self.match:
             parts.append(self.match)
-        parts.append(f"config {self.config.label()}")
+        parts.append(f"config {self.config.label(mode)}")
         described = ", ".join(parts)
         return f"{described}; kernel: {self.kernel_by}" if self.kernel_by else described
 
@@ -369,7 +370,7 @@ class Resolver:
         """How each key seen so far was resolved (:meth:`Resolution.describe`)."""
         with self._lock:  # another thread may be resolving a new key
             resolved = list(self._cache.items())
-        return {key: resolution.describe() for key, resolution in resolved}
+        return {key: resolution.describe(key[2].mode) for key, resolution in resolved}
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:

@@ -94,13 +94,14 @@ class ScopedResolver:
         with self._lock:
             answered = dict(self._answered)
         return {**self.outer.sources(),
-                **{key: self._described(resolution) for key, resolution in answered.items()}}
+                **{key: self._described(resolution, key[2].mode)
+                   for key, resolution in answered.items()}}
 
     def _named(self, text: str) -> str:
         return text.replace("in pinned table", f"in scoped table {self.name!r}")
 
-    def _described(self, resolution: Resolution) -> str:
-        text = self._named(resolution.describe())
+    def _described(self, resolution: Resolution, mode: str) -> str:
+        text = self._named(resolution.describe(mode))
         return (f"scoped table {self.name!r}{text[len('table'):]}"
                 if resolution.source == "table" else text)
 

@@ -7,6 +7,8 @@ its upstream default (1.0) fails. A new backend needs no change here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 import subprocess
 import sys
@@ -334,3 +336,21 @@ def test_a_featured_build_passes_the_tuners_gate_which_catches_an_ignored_featur
     plain = _problem("fwd_bwd", causal=problem.causal)
     ignored = jax.jit(_f32(kernel.reference(plain)))(*args[:3])
     assert _max_error(ignored, want) > 10 * TOLERANCE[problem.dtype]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_forward_label_names_no_field_only_the_backward_searches(name):
+    """Issue 46 item 11: a ``fwd`` result's label shows only what the forward uses: changing a
+    field that only a ``fwd_bwd`` search varies leaves ``label("fwd")`` as it was, and changes
+    the ``fwd_bwd`` label."""
+    kernel = get_kernel(name)
+    problem = _problem("fwd_bwd", q_len=512, kv_len=512, head_dim=128)
+    forward = kernel.space_params(dataclasses.replace(problem, mode="fwd"))
+    backward_only = {field: values for field, values in kernel.space_params(problem).items()
+                     if field not in forward or len(forward[field]) == 1 < len(values)}
+    default = kernel.default_config(problem, _target(kernel))
+    for field, values in backward_only.items():
+        other = default.replace(**{field: next(v for v in values if v != getattr(default,
+                                                                                 field))})
+        assert other.label("fwd") == default.label("fwd"), field
+        assert other.label("fwd_bwd") != default.label("fwd_bwd"), field

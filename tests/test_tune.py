@@ -224,6 +224,19 @@ def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(tmp_path: Pat
         (FLASH.version, old["study"]), ("2", new["study"])}
 
 
+def test_a_tune_prints_no_optuna_log_and_a_forward_result_no_backward_fields(
+        tmp_path: Path) -> None:
+    """Issue 46 item 11: Optuna's ``A new study created`` line is not ours to print, and a
+    ``fwd`` result's config shows only the fields the forward uses."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1", "--db",
+                   db, env={"COLUMNS": "250"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "A new study created" not in done.stdout + done.stderr
+    [best] = [line for line in done.stdout.splitlines() if " best " in line]
+    assert " depth" in best and "dkv" not in best and " dq" not in best, best
+
+
 def test_a_study_name_of_another_timing_method_is_refused(tmp_path: Path) -> None:
     """Times taken by another timing method are not comparable: ``--study`` reused with
     another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials."""
@@ -268,7 +281,7 @@ def test_demo_on_a_database_holding_a_faster_result_checks_the_served_config(
                                   median_ms=1e-6, method="interpret"))
     done = run_cli("demo", "--trials", "2", "--db", db, env={"COLUMNS": "250"}, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "stored: kept" in done.stdout and f"config {stored.label()}" in done.stdout
+    assert "stored: kept" in done.stdout and f"config {stored.label('fwd')}" in done.stdout
 
 
 def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(

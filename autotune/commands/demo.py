@@ -72,9 +72,9 @@ def demo(
         store.close()
     default = ("the default failed" if summary.default_time_ms is None
                else f"default {summary.default_time_ms:.3f} ms")
-    console.print(f"winner {summary.best_config.label()}: {summary.best_time_ms:.3f} ms vs "
-                  f"{default} on {summary.device_kind} ({summary.method}); "
-                  f"stored: {summary.publish}")
+    console.print(f"winner {summary.best_config.label(DEMO_PROBLEM.mode)}: "
+                  f"{summary.best_time_ms:.3f} ms vs {default} on {summary.device_kind} "
+                  f"({summary.method}); stored: {summary.publish}")
     if summary.method == "interpret":
         console.print("(interpret mode: the TPU kernel emulated on a CPU; these times and "
                       "their ratio are no device figure)")
@@ -91,8 +91,8 @@ def demo(
         server.terminate()
         server.wait(timeout=15)
     console.print(f"kernel.flash_attention traced {DEMO_PROBLEM.label()}: config "
-                  f"{config.label()} from [bold]{source}[/]; max error vs XLA reference "
-                  f"{error:.2e}")
+                  f"{config.label(DEMO_PROBLEM.mode)} from [bold]{source}[/]; max error vs XLA "
+                  f"reference {error:.2e}")
     if source != "service" or published is None or config != published[0].result.config:
         console.print("[red]the traced config is not the one the service published[/]")
         raise typer.Exit(1)

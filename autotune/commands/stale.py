@@ -72,7 +72,7 @@ def stale(
             continue
         groups.setdefault((result.kernel, result.device_kind), {})[result.problem] = None
         table.add_row(*map(escape, (result.kernel, result.device_kind, result.problem.label(),
-                                    result.config.label(), changes)))
+                                    result.config.label(result.problem.mode), changes)))
     if other_versions:
         console.print(f"left out: {other_versions} stale config(s) of other kernel versions "
                       "than the installed ones (a re-tune publishes under the installed "

@@ -242,7 +242,7 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
     Console().print(
         f"[bold]{summary['kernel']} {problem.label()}[/] on {escape(summary['device_kind'])} "
         f"device {summary['device_index']} ({summary['method']}, timed by {summary['timing']}): "
-        f"best {best.label()} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
+        f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
         f"{summary['measured']} measured, failures {escape(str(summary['failures'] or 'none'))}"
         f"; published: {summary['publish']}"
         + (f" (study {escape(repr(summary['study']))})" if summary["study"] else ""))

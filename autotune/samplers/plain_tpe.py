@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import optuna
 from optuna.samplers import TPESampler
@@ -27,6 +28,17 @@ def tpe_sampler(seed: int | None) -> TPESampler:
         return TPESampler(seed=seed, multivariate=True, constant_liar=True)
 
 
+def quiet_create_study(**kwargs: Any) -> optuna.Study:
+    """``optuna.create_study(**kwargs)`` without Optuna's ``A new study created ...`` line
+    (our commands say what they search); Optuna's verbosity is restored after."""
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return optuna.create_study(**kwargs)
+    finally:
+        optuna.logging.set_verbosity(level)
+
+
 class PlainTPEView:
     """Plain TPE as it would run on this study, kept in this worker's memory.
 
@@ -42,12 +54,7 @@ class PlainTPEView:
 
     def __init__(self, space: Space, seed: int | None, known: Iterable[Key] = ()) -> None:
         self._space = space
-        level = optuna.logging.get_verbosity()
-        optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study" line for a view
-        try:
-            self._study = optuna.create_study(direction="minimize", sampler=tpe_sampler(seed))
-        finally:
-            optuna.logging.set_verbosity(level)
+        self._study = quiet_create_study(direction="minimize", sampler=tpe_sampler(seed))
         self._told: set[Key] = set(known)  # measured configs this view does not model
         self._asked: dict[Key, optuna.Trial] = {}
 

@@ -74,9 +74,11 @@ class JaxTpuFlashConfig(IntConfig):
     block_k_dq: int = UPSTREAM_DEFAULT
     block_q_dq: int = UPSTREAM_DEFAULT
 
-    def label(self) -> str:
-        return (f"b{self.block_b} q{self.block_q} k{self.block_k_major}/{self.block_k} "
-                f"dkv{self.block_q_major_dkv}/{self.block_q_dkv}x"
+    def label(self, mode: str = "fwd_bwd") -> str:
+        forward = f"b{self.block_b} q{self.block_q} k{self.block_k_major}/{self.block_k}"
+        if mode == "fwd":
+            return forward
+        return (f"{forward} dkv{self.block_q_major_dkv}/{self.block_q_dkv}x"
                 f"{self.block_k_major_dkv}/{self.block_k_dkv} "
                 f"dq{self.block_q_dq}x{self.block_k_major_dq}/{self.block_k_dq}")
 

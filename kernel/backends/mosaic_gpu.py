@@ -87,9 +87,11 @@ class MosaicGpuConfig(IntConfig):
     block_q_dq: int = 64
     block_kv_dq: int = 64
 
-    def label(self) -> str:
-        return (f"q{self.block_q} kv{self.block_kv} s{self.max_concurrent_steps} "
-                f"dkv{self.block_q_dkv}x{self.block_kv_dkv} dq{self.block_q_dq}x"
+    def label(self, mode: str = "fwd_bwd") -> str:
+        forward = f"q{self.block_q} kv{self.block_kv} s{self.max_concurrent_steps}"
+        if mode == "fwd":
+            return forward
+        return (f"{forward} dkv{self.block_q_dkv}x{self.block_kv_dkv} dq{self.block_q_dq}x"
                 f"{self.block_kv_dq} wg{self.compute_wgs_bwd}")
 
 

@@ -98,9 +98,11 @@ class PallasGpuConfig(IntConfig):
     num_warps: int = 4
     num_stages: int = 2
 
-    def label(self) -> str:
-        return (f"q{self.block_q} k{self.block_k} dkv{self.block_q_dkv}x{self.block_kv_dkv} "
-                f"dq{self.block_q_dq}x{self.block_kv_dq} w{self.num_warps} s{self.num_stages}")
+    def label(self, mode: str = "fwd_bwd") -> str:
+        backward = "" if mode == "fwd" else (f"dkv{self.block_q_dkv}x{self.block_kv_dkv} "
+                                             f"dq{self.block_q_dq}x{self.block_kv_dq} ")
+        return (f"q{self.block_q} k{self.block_k} {backward}w{self.num_warps} "
+                f"s{self.num_stages}")
 
 
 _FWD_AXES = (("block_q", "q_len"), ("block_k", "kv_len"))

@@ -73,13 +73,15 @@ class SplashConfig(IntConfig):
     k_layout: Layout = "HEAD_DIM_MINOR"
     v_layout: Layout = "HEAD_DIM_MINOR"
 
-    def label(self) -> str:
-        dq = "fused" if self.use_fused_bwd_kernel else f"dq{self.block_q_dq}x{self.block_kv_dq}"
+    def label(self, mode: str = "fwd_bwd") -> str:
         layouts = "".join("s" if getattr(self, f"{x}_layout") == "SEQ_MINOR" else "h"
                           for x in "qkv")
-        return (f"q{self.block_q} kv{self.block_kv}/{self.block_kv_compute} "
-                f"dkv{self.block_q_dkv}x{self.block_kv_dkv}/{self.block_kv_dkv_compute} "
-                f"{dq} layout {layouts}")
+        forward = f"q{self.block_q} kv{self.block_kv}/{self.block_kv_compute}"
+        if mode == "fwd":
+            return f"{forward} layout {layouts}"
+        dq = "fused" if self.use_fused_bwd_kernel else f"dq{self.block_q_dq}x{self.block_kv_dq}"
+        return (f"{forward} dkv{self.block_q_dkv}x{self.block_kv_dkv}/"
+                f"{self.block_kv_dkv_compute} {dq} layout {layouts}")
 
 
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "q_layout", "k_layout", "v_layout")

@@ -40,7 +40,7 @@ CUDNN_MAX_HEAD_DIM = 128
 class XlaConfig(IntConfig):
     """No tunable field: XLA (or cuDNN) picks its own tiling."""
 
-    def label(self) -> str:
+    def label(self, mode: str = "fwd_bwd") -> str:
         return "default"
 
 

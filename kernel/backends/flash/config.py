@@ -46,13 +46,14 @@ class FlashConfig(IntConfig):
                 f"({self.block_kv})"
             )
 
-    def label(self) -> str:
-        return (
-            f"q{self.block_q} kv{self.block_kv}/{self.block_kv_compute} "
-            f"depth{self.pipeline_depth} dkv{self.block_q_dkv}x{self.block_kv_dkv}"
-            f"/depth{self.pipeline_depth_dkv} dq{self.block_q_dq}x{self.block_kv_dq}"
-            f"/depth{self.pipeline_depth_dq}"
-        )
+    def label(self, mode: str = "fwd_bwd") -> str:
+        forward = f"q{self.block_q} kv{self.block_kv}/{self.block_kv_compute} " \
+                  f"depth{self.pipeline_depth}"
+        if mode == "fwd":
+            return forward
+        return (f"{forward} dkv{self.block_q_dkv}x{self.block_kv_dkv}/depth"
+                f"{self.pipeline_depth_dkv} dq{self.block_q_dq}x{self.block_kv_dq}/depth"
+                f"{self.pipeline_depth_dq}")
 
 
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "pipeline_depth")
