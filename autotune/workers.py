@@ -79,6 +79,7 @@ class _Worker:
     phase: str = "starting"
     stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))
     row: Any = None  # its task in the progress display
+    measured: int = 0  # configs it measured, over every problem it searched
 
     def send(self, **command: Any) -> None:
         try:
@@ -185,6 +186,15 @@ class WorkerPool:
             worker.task, worker.phase = None, "idle"
         self._show(worker)
 
+    def _show_done(self) -> None:
+        """Every row ends ``done``, counting the configs its device measured (not ``idle``)."""
+        if self.progress is None:
+            return
+        for worker in self.workers:
+            self.progress.update(worker.row, description="", total=max(worker.measured, 1),
+                                 completed=worker.measured,
+                                 status=f"done: {worker.measured} measured")
+
     def _alive(self) -> list[_Worker]:
         return [w for w in self.workers if w.process.returncode is None]
 
@@ -209,6 +219,7 @@ class WorkerPool:
             task.measured = max(task.measured, event["measured"])
         elif kind == "trial":
             task.measured += 1
+            worker.measured += 1
             best = event["best_ms"]
             if best is not None and (task.best_ms is None or best < task.best_ms):
                 task.best_ms = best
@@ -305,6 +316,7 @@ class WorkerPool:
                     self._died(worker)
                 else:
                     self._handle(worker, event)
+            self._show_done()
         except KeyboardInterrupt:
             self._stop(signal.SIGINT)
             left = sum(not p.done for p in self.problems)

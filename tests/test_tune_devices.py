@@ -8,6 +8,7 @@ has nothing left to measure. The environment a TPU or GPU worker gets is checked
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import time
@@ -202,3 +203,18 @@ def test_a_kernel_choice_runs_on_two_workers(tmp_path: Path) -> None:
                                                               "float32"))])
         tuned = {entry.result.kernel for entry in store.list({}, limit=None)[0]}
     assert stored.choice.kernel == summary["chosen_kernel"] and tuned == {"flash", "xla"}
+
+
+def test_the_workers_rows_end_done_with_their_counts(tmp_path: Path) -> None:
+    """Issue 46 item 11: once every problem is published, each device's row reads ``done``
+    with the configs it measured (was ``0/4 ... idle``)."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "64",
+                   "--q-heads", "1", "--dtype", "float32", "--trials", "10", "--devices", "2",
+                   "--db", db, env={"COLUMNS": "200"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in (done.stdout + done.stderr).splitlines()
+            if line.startswith("device ")]
+    counts = [int(re.search(r"done: (\d+) measured", row).group(1)) for row in rows]
+    assert len(rows) == 2 and sum(counts) == 4, rows  # the space's 4 legal configs
+    assert not any("idle" in row for row in rows), rows
