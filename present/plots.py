@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import textwrap
 from collections.abc import Callable
 
 import matplotlib
@@ -25,6 +26,7 @@ from present.studies import StudyData, failure_letter
 from present.text import first_line
 from storage.studies import OK
 
+LABEL_WIDTH = 30  # characters per line of a config label on an axis
 PLOTS = ("landscape", "convergence", "confirmation", "failures")
 MAX_CHOICE_BARS = 20  # candidates a choice's chart draws (fastest first); the rest counted
 _DPI = 100
@@ -161,7 +163,11 @@ def confirmation_figure(data: StudyData) -> Figure:
     """Every confirmation sample of the confirmed configs (box and dots), the default and the
     winner marked, so their spread is as visible as their medians."""
     items = list(data.confirmation)
-    figure = _figure(6.4, 0.9 + 0.55 * len(items))
+    # A fwd_bwd config's label runs to 70 characters: on one line it left the axes no width
+    # (matplotlib: "constrained_layout not applied because axes sizes collapsed to zero").
+    labels = [textwrap.fill(c.label, LABEL_WIDTH) for c in items]
+    lines = sum(label.count("\n") + 1 for label in labels)
+    figure = _figure(6.4, 0.9 + 0.55 * max(len(items), 0.6 * lines))
     ax = figure.subplots()
     positions = np.arange(1, len(items) + 1)
     boxes = ax.boxplot([c.samples_ms for c in items], positions=positions,
@@ -175,7 +181,7 @@ def confirmation_figure(data: StudyData) -> Figure:
         jitter = rng.uniform(-0.15, 0.15, len(item.samples_ms))
         ax.scatter(item.samples_ms, position + jitter, s=16, color=color, zorder=3,
                    edgecolors="black", linewidths=0.4)
-    ax.set_yticks(positions, [c.label for c in items], fontsize=8)
+    ax.set_yticks(positions, labels, fontsize=8)
     ax.set_xlabel("time per call (ms), one dot per confirmation round")
     ax.grid(axis="x", alpha=0.3)
     return figure

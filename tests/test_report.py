@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -33,6 +34,7 @@ from present.plots import (
     choice_figure,
     confirmation_figure,
     convergence_figure,
+    data_uri,
     failures_figure,
     landscape_figure,
 )
@@ -382,3 +384,17 @@ def test_optuna_dashboard_shows_the_study(dashboard: str) -> None:
             assert int(value) in declared[name], (name, value)
         attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
         assert attrs["status"] == "ok" and float(attrs["compile_s"]) > 0
+
+
+def test_a_fwd_bwd_confirmation_draws_without_a_layout_warning(failing: StudyData) -> None:
+    """Issue 46 item 11: a fwd_bwd config's 70-character label on one line left the
+    confirmation axes no width, and matplotlib warned on every report (constrained_layout not
+    applied); labels are wrapped and the figure grows with their lines."""
+    backward = {"block_q_dkv": 256, "block_kv_dkv": 256, "pipeline_depth_dkv": 2,
+                "block_q_dq": 256, "block_kv_dq": 256, "pipeline_depth_dq": 2}
+    data = dataclasses.replace(failing, confirmation=tuple(
+        dataclasses.replace(c, params={**c.params, **backward}) for c in failing.confirmation))
+    assert max(len(c.label) for c in data.confirmation) > 70
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert data_uri(confirmation_figure(data)).startswith("data:image/png")
