@@ -30,3 +30,20 @@ def classify_compile_error(message: str) -> Status:
     """``vmem_oom`` when the compiler ran out of VMEM, else ``compile_error``."""
     return Status.VMEM_OOM if _VMEM_OOM.search(message) else Status.COMPILE_ERROR
 
+
+
+# "... allocating on stack for %splash_mha_fwd_no_residuals.1 = ... Scoped allocation with size
+# 16.54M and limit 16.00M ...": the kernel (XLA instruction) and the bytes it asked for.
+_SCOPED_ALLOCATION = re.compile(r"allocating on stack for %(\S+) = .*?Scoped allocation with "
+                                r"size ([\d.]+)([KMG])", re.DOTALL)
+_UNIT_BYTES = {"K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def scoped_vmem_allocation(message: str) -> tuple[str, int] | None:
+    """The kernel and the scoped VMEM bytes it needed, from a ``CompileTimeScopedVmemOom``
+    compiler error; None for any other message."""
+    found = _SCOPED_ALLOCATION.search(message)
+    if not found:
+        return None
+    kernel, size, unit = found.groups()
+    return kernel, round(float(size) * _UNIT_BYTES[unit])

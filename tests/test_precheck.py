@@ -13,7 +13,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from autotune.failures import Status, classify_compile_error
+from autotune.failures import Status, classify_compile_error, scoped_vmem_allocation
 from autotune.precheck import Agreement, PrecheckResult, candidates, precheck, vmem_limited
 from kernel import FlashConfig, Problem, get_kernel, get_target
 from kernel.aot import compile_for_target
@@ -43,6 +43,17 @@ def test_classify_compile_error_reads_both_vmem_messages():
                                   "unsupported shape") == Status.COMPILE_ERROR
     assert classify_compile_error("RESOURCE_EXHAUSTED: out of HBM memory") \
         == Status.COMPILE_ERROR
+
+
+def test_scoped_vmem_allocation_reads_the_kernel_and_its_bytes():
+    message = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in "
+               "memory space vmem while allocating on stack for %splash_mha_fwd_no_residuals.1 "
+               "= (f32[1024,128]{1,0:T(8,128)}) custom-call(%copy-done.3), ... Scoped "
+               "allocation with size 16.54M and limit 16.00M exceeded scoped vmem limit by 552K.")
+    assert scoped_vmem_allocation(message) == ("splash_mha_fwd_no_residuals.1",
+                                               round(16.54 * 1024**2))
+    assert scoped_vmem_allocation("Ran out of memory in memory space vmem. Used 275.35M of "
+                                  "128.00M vmem") is None
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -34,6 +34,7 @@ from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, per_m
 from kernel.problem import Problem
 from kernel.rules import (
     LANES,
+    SUBLANES,
     UnrolledScratch,
     Violation,
     block_values,
@@ -127,7 +128,13 @@ SCRATCH = UnrolledScratch(base=2, per_step=0.4, max_steps=8)
 def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     """Estimated peak VMEM bytes of each splash kernel (``fwd``, ``dkv``, ``dq``; ``dkv`` also
     computes dQ when fused): its double-buffered windows, its scratch and the f32 logits tiles
-    of its compute block. Meant as an upper bound."""
+    of its compute block. Meant as an upper bound.
+
+    The backward kernels get the row statistics lane-major: splash broadcasts ``logsumexp``
+    and ``di`` to ``(8, q_len)`` for dK/dV (blocks ``(8, rows)``) and passes them as
+    ``(1, q_len)`` to dQ (``(1, rows)``, padded to 8 sublanes), and the causal mask's
+    ``q_sequence`` is ``(8, rows)`` int32 in dK/dV, ``(rows, 128)`` in dQ: a block of 4096
+    query rows costs 128 KiB per buffer there, not the 2 MiB of a ``(rows, 128)`` f32 tile."""
     d, isz, c = problem.head_dim, problem.itemsize, config
     stat = tile_bytes(c.block_q, LANES, 4)  # (rows, 128) f32 row statistic / q_sequence
 
@@ -142,7 +149,7 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
         dkv = (2 * io(qd) + 2 * io(kd)  # q, do; k, v
-               + 2 * 2 * tile_bytes(qd, LANES, 4)  # logsumexp, di
+               + 3 * 2 * tile_bytes(SUBLANES, qd, 4)  # logsumexp, di, q_sequence: (8, rows)
                + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
                + SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
         if c.use_fused_bwd_kernel:
@@ -151,7 +158,9 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
         if not c.use_fused_bwd_kernel:
             qq, kq = c.block_q_dq, c.block_kv_dq
             estimate["dq"] = (2 * io(qq) + 2 * io(kq) + io(qq)  # q, do; k, v; dq
-                              + 2 * 2 * tile_bytes(qq, LANES, 4) + tile_bytes(qq, d, 4)
+                              + 2 * 2 * tile_bytes(1, qq, 4)  # logsumexp, di: (1, rows)
+                              + 2 * tile_bytes(qq, LANES, 4)  # q_sequence: (rows, 128)
+                              + tile_bytes(qq, d, 4)  # dq scratch
                               + SCRATCH.bytes(qq, kq, 1))
     return estimate
 

@@ -1,0 +1,100 @@
+"""Each kernel's scoped VMEM allocation per config, measured deviceless, against the estimate.
+
+``bench/precheck.py`` gives the compiler's verdict at a target's limit; this gives the bytes
+behind it, so the estimate can be compared with the allocation itself. Each sampled candidate
+(estimate-rejected ones included; bench/precheck.py's problem) is compiled with a scoped VMEM
+limit of 1 KiB, which the first kernel overflows with a ``CompileTimeScopedVmemOom`` naming its
+allocation; the limit is raised past it and the compile repeated until it succeeds. A kernel
+that fits a limit raised for another is not reported (it needs less). A config fits the target
+when its largest allocation is within the target's limit.
+
+    python bench/vmem_sizes.py --kernel splash --targets v5e v6e --seq-len 8192 \\
+        --sample-every 40 [--modes fwd fwd_bwd] [--out sizes.jsonl]
+
+Prints one line per config (MiB measured per kernel, the estimate's verdict, the compiler's)
+and per (target, mode): sampled, fit, overflow, admitted, precision and recall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from autotune.failures import Status, scoped_vmem_allocation
+from autotune.precheck import Agreement, Candidate, PrecheckResult, candidates
+from kernel import Problem, TunableKernel, get_kernel, get_target
+from kernel.aot import compile_for_target
+from kernel.targets import MiB
+
+sys.path.insert(0, str(Path(__file__).parent))
+from precheck import problem  # noqa: E402  (bench/precheck.py's problem)
+
+LIMIT_STEP_KIB = 16  # raise the limit this far past a reported allocation
+
+
+def allocations(kernel: TunableKernel, prob: Problem, candidate: Candidate,
+                target: str) -> dict[str, int]:
+    """Scoped VMEM bytes per kernel that overflowed a rising limit (module docstring)."""
+    limit_kib, sizes = 1, {}
+    while True:
+        try:
+            compile_for_target(kernel, prob, candidate.config, target,
+                               {"xla_tpu_scoped_vmem_limit_kib": limit_kib},
+                               forward_only=candidate.forward_only)
+            return sizes
+        except Exception as error:  # noqa: BLE001 (any compiler failure is reported)
+            found = scoped_vmem_allocation(str(error))
+            if found is None:
+                raise
+            name, size = found
+            sizes[name] = size
+            limit_kib = size // 1024 + LIMIT_STEP_KIB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", required=True, help="the kernel to measure")
+    parser.add_argument("--targets", nargs="+", default=["v5e"])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"])
+    parser.add_argument("--seq-len", type=int, default=4096, help="query and key/value length")
+    parser.add_argument("--sample-every", type=int, default=1,
+                        help="measure every n-th candidate only (a deterministic sample)")
+    parser.add_argument("--out", type=Path, help="append every measurement here (JSON lines)")
+    args = parser.parse_args()
+
+    kernel = get_kernel(args.kernel).discover()
+    for target_name in args.targets:
+        target = get_target(target_name)
+        for mode in args.modes:
+            prob = problem(mode, args.seq_len)
+            todo = candidates(prob, target, kernel, include_rejected=True)[::args.sample_every]
+            results = []
+            for candidate in todo:
+                start = time.perf_counter()
+                sizes = allocations(kernel, prob, candidate, target_name)
+                fits = max(sizes.values(), default=0) <= target.scoped_vmem_bytes
+                results.append(PrecheckResult(
+                    candidate.config, Status.OK if fits else Status.VMEM_OOM,
+                    time.perf_counter() - start, candidate.predicted_fit))
+                mib = " ".join(f"{name} {size / MiB:.2f}" for name, size in sizes.items())
+                print(f"{target_name} {mode} {candidate.config.label()}: {mib} MiB; estimate "
+                      f"{'fits' if candidate.predicted_fit else 'rejects'}, compiler "
+                      f"{'fits' if fits else 'overflows'}", flush=True)
+                if args.out:
+                    with args.out.open("a") as out:
+                        out.write(json.dumps({"target": target_name, "mode": mode,
+                                              "forward_only": candidate.forward_only,
+                                              "allocations": sizes,
+                                              **results[-1].to_dict()}) + "\n")
+            agreement = Agreement.of(results)
+            print(f"{target_name} {mode} seq {args.seq_len}: {len(results)} sampled, "
+                  f"{agreement.compiled_ok} fit, {len(results) - agreement.compiled_ok} "
+                  f"overflow, {agreement.admitted} admitted, precision {agreement.precision}, "
+                  f"recall {agreement.recall}")
+
+
+if __name__ == "__main__":
+    main()
