@@ -232,7 +232,7 @@ def test_export_carries_every_kernel_a_choice_names(sqlite_db_url: str, tmp_path
         sources = kernel.resolution_sources()
     [(key, how)] = sources.items()
     assert key[0] == "splash" and key[2] == Problem.from_dict(borrowed), sources
-    assert f"nearest (from {tuned.label()}), config {config.label()}" in how, how
+    assert f"nearest (from {tuned.label()}), config {config.label(tuned.mode)}" in how, how
 
     only = tmp_path / "flash.json"
     done = run_cli("export", "-o", str(only), "--kernel", "flash", "--db", sqlite_db_url)
