@@ -211,7 +211,7 @@ def test_an_illegal_table_config_falls_back_once_and_the_source_says_default(tmp
             kernel.flash_attention(q, q, q)
         default = kernel.get_kernel("flash").default_config(PROBLEM)
         assert kernel.resolution_sources() == {
-            ("flash", "cpu", PROBLEM): f"default, config {default.label()}"}
+            ("flash", "cpu", PROBLEM): f"default, config {default.label(PROBLEM.mode)}"}
         [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert "pipeline_depth" in warning and "table" in warning
         assert "no table pinned" not in warning
@@ -359,7 +359,7 @@ def test_the_sources_name_the_config_and_the_tuned_problem_a_nearest_match_came_
         sources = kernel.resolution_sources()
     finally:
         reset_resolver(ResolverSettings())
-    label = FlashConfig(block_q=128).label()
+    label = FlashConfig(block_q=128).label(PROBLEM.mode)
     longer = dataclasses.replace(PROBLEM, q_len=1024, kv_len=1024)
     assert sources == {
         ("flash", "cpu", PROBLEM): f"table, exact, config {label}",

@@ -232,7 +232,7 @@ def test_export_carries_every_kernel_a_choice_names(sqlite_db_url: str, tmp_path
         sources = kernel.resolution_sources()
     [(key, how)] = sources.items()
     assert key[0] == "splash" and key[2] == Problem.from_dict(borrowed), sources
-    assert f"nearest (from {tuned.label()}), config {config.label()}" in how, how
+    assert f"nearest (from {tuned.label()}), config {config.label(tuned.mode)}" in how, how
 
     only = tmp_path / "flash.json"
     done = run_cli("export", "-o", str(only), "--kernel", "flash", "--db", sqlite_db_url)
@@ -244,3 +244,53 @@ def test_export_carries_every_kernel_a_choice_names(sqlite_db_url: str, tmp_path
     with Store(fresh) as store:
         assert sorted(e.result.kernel for e in store.list(limit=None)[0]) == [
             "flash", "flash", "splash"]
+
+
+# A fresh process traces one call of ``CHOSEN`` under AUTOTUNE_TABLE and prints how each key
+# resolved: (kernel, source) pairs as JSON.
+FRESH_TRACE = """
+import json, jax, jax.numpy as jnp, kernel
+q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
+jax.eval_shape(lambda q: kernel.flash_attention(q, q, q, causal=True), q)
+print(json.dumps([[key[0], how] for key, how in kernel.resolution_sources().items()]))
+"""
+CHOSEN = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=128,
+                 dtype="float32", causal=True)
+
+
+def test_a_default_export_pinned_in_a_fresh_process_runs_an_xla_choice(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 46 item 9: a stored choice names xla, beside configs of flash and xla; the
+    default export (no --kernel) carries both kernels' entries, and pinned by AUTOTUNE_TABLE
+    in a fresh process it runs xla for the chosen problem, saying the table chose it."""
+    import os
+    import subprocess
+    import sys
+
+    from kernel import LookupTable, get_kernel
+    from kernel.table import KernelChoice, KernelTiming
+
+    seed(sqlite_db_url, device_kind="cpu")
+    xla = get_kernel("xla")
+    config = xla.default_config(CHOSEN)
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind="cpu", median_ms=1.0, default_median_ms=1.0,
+                                  problem=CHOSEN, config=config, trials=1, method="replay",
+                                  kernel="xla"))
+        store.publish_choice("cpu", KernelChoice(
+            CHOSEN, "xla", config, {"xla": KernelTiming(1.0, 0.1), "flash": KernelTiming(2.0)},
+            {"kernel_version": xla.version}))
+    path = tmp_path / "table.json"
+    done = run_cli("export", "-o", str(path), "--db", sqlite_db_url)
+    assert done.returncode == 0, done.stderr
+    assert [(t.kernel, len(t.entries)) for t in LookupTable.load(path).kernel_tables()] == [
+        ("flash", 2), ("xla", 1)]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")},
+           "AUTOTUNE_TABLE": str(path)}
+    run = subprocess.run([sys.executable, "-c", FRESH_TRACE], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [(ran, how)] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ran == "xla", how
+    # xla has no tunable field: its one config runs ("default"); the table chose the kernel.
+    assert how == "default, config default; kernel: chosen (exact choice in pinned table)"
