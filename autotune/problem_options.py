@@ -24,7 +24,7 @@ def _window_option(value: str | None) -> tuple[int, int] | None:
     sides = value.split(",")
     if len(sides) != 2 or not all(side.strip().isdecimal() for side in sides):
         raise typer.BadParameter(f"give the keys visible before and after each query as two "
-                                 f"non-negative integers L,R (e.g. --window 4096,0), got "
+                                 f"non-negative integers L,R (e.g. --window 4095,0), got "
                                  f"{value!r}")
     return int(sides[0]), int(sides[1])
 

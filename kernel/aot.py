@@ -55,8 +55,11 @@ def input_specs(problem: Problem, device: jax.Device | None = None) -> list[jax.
 # The packing a segmented problem is tuned and checked with: each batch row holds
 # DOCUMENTS_PER_ROW documents (ids 1, 2, ...) of lengths drawn from the row's seed (cut
 # points uniform without repetition), then a padding tail of PADDING_FRACTION of the row (id 0,
-# a segment of its own, as MaxText pads packed rows). Positions are shared by queries and keys
-# (top-left aligned, as causal is): q ids are the row's first q_len, kv ids its first kv_len.
+# a segment of its own, as MaxText pads packed rows). The row is the keys' (kv_len); positions
+# are shared by queries and keys (top-left aligned, as causal is): q ids are the row's first
+# q_len, and queries past the last key continue its segment, so that every query's segment has
+# keys (a query that sees no key gets zeros from the reference, an average from some kernels,
+# which would fail their correctness gate).
 DOCUMENTS_PER_ROW = 4
 PADDING_FRACTION = 1 / 16
 
@@ -64,7 +67,7 @@ PADDING_FRACTION = 1 / 16
 def packed_segment_ids(problem: Problem, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The representative q and kv segment ids of ``problem`` (int32 ``[batch, q_len]`` and
     ``[batch, kv_len]``), deterministic in ``seed``: see :data:`DOCUMENTS_PER_ROW`."""
-    length = max(problem.q_len, problem.kv_len)
+    length = problem.kv_len
     padding = int(length * PADDING_FRACTION)
     filled = length - padding
     rows = []
@@ -75,7 +78,8 @@ def packed_segment_ids(problem: Problem, seed: int = 0) -> tuple[np.ndarray, np.
         documents = np.searchsorted(np.sort(cuts), np.arange(filled), side="right") + 1
         rows.append(np.concatenate([documents, np.zeros(padding, int)]))
     ids = np.asarray(rows, np.int32)
-    return ids[:, :problem.q_len], ids[:, :problem.kv_len]
+    past_the_keys = np.repeat(ids[:, -1:], max(problem.q_len - length, 0), axis=1)
+    return np.concatenate([ids, past_the_keys], axis=1)[:, :problem.q_len], ids
 
 
 def example_inputs(problem: Problem, seed: int = 0) -> list[jax.Array]:

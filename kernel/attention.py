@@ -60,7 +60,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
     ``[batch, kv_len]`` (cast to int32); a query sees the keys of its own segment only (packed
-    sequences). A query that sees no key at all gets zeros from ``xla`` (and the reference).
+    sequences). A query that sees no key at all gets zeros from ``flash`` and ``xla`` (as from
+    the reference), an average of the values from ``splash`` and ``jax_tpu_flash``.
     Each is part of the problem: only a kernel that runs it is picked (see the README's
     table), and tuning measures it.
 

@@ -308,6 +308,14 @@ def test_the_tuners_packing_is_deterministic_documents_and_a_padding_tail():
     assert [(s.shape, s.dtype) for s in specs[3:]] == [((3, 256), np.int32), ((3, 512), np.int32)]
 
 
+def test_the_tuners_packing_gives_every_query_keys_of_its_segment_when_queries_outnumber_keys():
+    """Queries past the last key continue its segment (the padding tail): a query with no key
+    would get splash's average where the reference gives zeros, failing the gate."""
+    q_ids, kv_ids = packed_segment_ids(_problem(batch=2, q_len=512, kv_len=256, segmented=True))
+    assert q_ids.shape == (2, 512) and (q_ids[:, :256] == kv_ids).all()
+    assert (q_ids[:, 256:] == 0).all() and (kv_ids[:, -16:] == 0).all()
+
+
 # Each feature alone is in test_kernel_peers' FEATURE_CASES: here segment ids (which
 # upstream's TPU kernel runs too) and all three at once.
 FEATURES = {"segment_ids": dict(segmented=True),

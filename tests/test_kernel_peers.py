@@ -23,9 +23,10 @@ The peers' cases of the contract's features (``FEATURE_CASES``: tokamax's local 
 mask, tanh clipping and padding mask; JAX splash tests' local masks, segment ids and soft
 caps, with windows of 0 and wider than the sequence) run on every CPU-capable kernel that
 claims the feature (its ``problem_violations`` accept it), against float64
-``reference_attention``; ours has its own in ``tests/test_flash_features.py``. As tokamax
-does, a query that sees no key is left out of the comparison (its output multiplied by 0
-in the kernel and the truth alike).
+``reference_attention``; ours has more in ``tests/test_flash_features.py``. As tokamax
+does, a query that sees no key is left out of the comparison (its output and cotangent
+multiplied by 0 in the kernel and the truth alike): splash and upstream's TPU kernel give it an
+average of the values where the reference gives zeros (``MASKED_AVERAGE``, tested apart).
 
 Sampled for CI time (about 3 minutes on two loaded cores), deterministically: every case of
 the peers' single tests, and two in three of each product parameterization (``PRODUCTS``),
@@ -532,13 +533,43 @@ def test_peer_feature_case(case_id, kernel_name):
     _verdict(case_id, kernel_name, missed)
 
 
-def test_xla_and_splash_claim_every_feature_case():
-    """The always-safe kernel and splash run every feature; upstream's TPU kernel its segment
-    ids only; the GPU kernels none (so their cases above are exactly these)."""
+def test_ours_xla_and_splash_claim_every_feature_case():
+    """Ours, the always-safe kernel and splash run every feature; upstream's TPU kernel its
+    segment ids only; the GPU kernels none (so their cases above are exactly these)."""
     for case_id, case in FEATURE_CASES.items():
         claiming = set(_claiming(case_id))
-        assert {"xla", "splash"} <= claiming, case_id
+        assert {DEFAULT_KERNEL, "xla", "splash"} <= claiming, case_id
         windowed = case.window is not None or case.softcap is not None
         assert ("jax_tpu_flash" in claiming) == (case.segments is not None and not windowed), \
             case_id
         assert "pallas_gpu" not in claiming
+
+
+# What a query that sees no key gets, per kernel (as the README says): zeros, as the
+# reference, or an average of the values (a softmax over logits that are all the kernel's mask
+# value). The feature cases leave such queries out of their comparison.
+MASKED_AVERAGE = {"splash", "jax_tpu_flash"}
+UNSEEN = {  # the second half of the queries sees no key
+    "ids": (Problem(1, 2, 2, 256, 256, 64, "float32", segmented=True),
+            (np.repeat(np.asarray([[0, 7]], np.int32), 128, axis=1), np.zeros((1, 256), np.int32))),
+    "window-past-the-last-key": (Problem(1, 2, 2, 256, 128, 64, "float32", window=(0, 0)), ()),
+}
+
+
+@pytest.mark.parametrize(("unseen", "kernel_name"), [
+    _param(unseen, name, unseen) for unseen in UNSEEN
+    for name in _runnable_problem(UNSEEN[unseen][0])])
+def test_a_query_that_sees_no_key_gets_zeros_or_the_documented_masked_average(
+        unseen, kernel_name):
+    problem, segment_ids = UNSEEN[unseen]
+    kernel = get_kernel(kernel_name)
+    q = jax.random.normal(jax.random.key(0), (1, 2, problem.q_len, 64))
+    k = q[:, :, :problem.kv_len]
+    out = np.asarray(kernel.build(problem, kernel.default_config(problem), forward_only=True)(
+        q, k, k, *segment_ids))
+    seen, unseen_rows = out[:, :, :128], out[:, :, 128:]
+    assert np.abs(seen).max() > 1
+    if kernel_name in MASKED_AVERAGE:
+        assert np.isfinite(unseen_rows).all() and np.abs(unseen_rows).max() > 0
+    else:
+        assert not unseen_rows.any()

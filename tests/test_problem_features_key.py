@@ -196,7 +196,7 @@ def test_the_problem_flags_set_the_features() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--window", "512"], "Invalid value for '--window': give the keys visible before and "
                           "after each query as two non-negative integers L,R"),
-    (["--window", "-1,0"], "--window 4096,0), got '-1,0'"),
+    (["--window", "-1,0"], "--window 4095,0), got '-1,0'"),
     (["--window", "1,2,3"], "Invalid value for '--window'"),
     (["--softcap", "0"], "Invalid value for '--softcap': give a positive finite number"),
     (["--softcap", "nan"], "Invalid value for '--softcap'"),

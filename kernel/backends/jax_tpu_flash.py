@@ -7,7 +7,8 @@ more K/V through the kernel than ``flash`` does); ``sm_scale`` defaults to 1.0 u
 is ``head_dim ** -0.5``; no ``interpret`` argument (on CPU the call is traced inside
 ``pltpu.force_tpu_interpret_mode``, chosen per platform when lowering, so an ahead-of-time
 compile for TPU on a CPU host still gets the Mosaic kernels). Segment ids go to upstream's
-``SegmentIds`` natively; it has no window or soft cap, refused by rule (``window``,
+``SegmentIds`` natively (a query whose id no key has gets an average of the values, not the
+reference's zeros, as from splash); it has no window or soft cap, refused by rule (``window``,
 ``softcap``).
 
 Pure Python at import; jax loads in ``build``.
