@@ -3,10 +3,10 @@
 Layers, each importing only those above it in this list: core types (``errors``, ``problem``,
 ``config``, ``targets``, ``rules``); the backend contract (``contract``); the backends
 (``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
-(``shapesfile``) and scoped tables (``scope``); resolution (``resolve``, then ``scoped``
-inside ``kernel.tables`` blocks); misses (``misses``) and capture (``capture``); the public
-``flash_attention`` (``attention``). Importing this package loads no jax (the backends load
-it when they run), so the service and storage use the rules freely.
+(``shapesfile``) and scoped tables (``table_scope``); resolution (``resolve``, then
+``scoped_resolver`` inside ``kernel.tables`` blocks); misses (``misses``) and capture
+(``capture``); the public ``flash_attention`` (``attention``). Importing this package loads no
+jax (the backends load it when they run), so the service and storage use the rules freely.
 Where no accelerator is attached, it keeps JAX off libtpu's TPU backend (``kernel.platforms``).
 """
 

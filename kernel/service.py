@@ -212,8 +212,8 @@ def _choice_answer(results: Any, index: int, failure: Answer) -> Answer:
 def _config_params(device_kind: str, problem: Problem,
                    kernel: TunableKernel) -> list[tuple[str, Any]]:
     """The query of ``GET /v1/configs/lookup`` (``Problem.query_params``)."""
-    return [("kernel", kernel.name), ("kernel_version", kernel.version),
-            ("device_kind", device_kind), *problem.query_params()]
+    return [*dict(kernel=kernel.name, kernel_version=kernel.version,
+                  device_kind=device_kind).items(), *problem.query_params()]
 
 
 TOO_LARGE = "lookup service reply is larger than"

@@ -297,7 +297,10 @@ def read_table_bytes(path: str | Path) -> bytes:
     return data
 
 
-_OTHER_FIELDS = ("kernel", "kernel_version", "jax_version", "entries")
+# The fields of an ``others`` item: a table's own, less those the outer table holds for all.
+_OTHER_FIELDS = tuple(field.name for field in dataclasses.fields(LookupTable)
+                      if field.name not in ("device_kind", "schema_version", "choices", "others"))
+_KERNEL_FIELD = _OTHER_FIELDS[0]  # LookupTable's first field: the kernel's name
 
 
 def _others(data: dict[str, Any], version: int, device_kind: str) -> tuple[LookupTable, ...]:
@@ -311,7 +314,7 @@ def _others(data: dict[str, Any], version: int, device_kind: str) -> tuple[Looku
     for i, other in enumerate(raw):
         if not isinstance(other, dict):
             raise TableError(f"others[{i}] must be a JSON object, got {type(other).__name__}")
-        if other.get("kernel") not in KERNELS:
+        if other.get(_KERNEL_FIELD) not in KERNELS:
             continue
         try:
             others.append(LookupTable.from_dict(

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from kernel import AutotuneError
+from kernel.errors import AutotuneError
 
-log = logging.getLogger("storage")
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 

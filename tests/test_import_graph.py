@@ -2,7 +2,8 @@
 
 Every import counts: module level, inside functions, and dotted module names loaded by string
 (``importlib.import_module``, ``find_spec``, ``importlib.resources.files``, lazy tables of dotted
-names). A bare package name in any other string (a JSON field called "kernel") is data.
+names), and, as the shared ``import_cycles.py`` counts them, a package's bare name in any string
+(a logger or a JSON field called "storage" or "kernel"): name those another way.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def _imports(module: str, path: Path) -> set[str]:
             targets.update(arg.value for arg in node.args  # a module loaded by name
                            if isinstance(arg, ast.Constant) and isinstance(arg.value, str))
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-              and "." in node.value and node.value.split(".")[0] in PACKAGES
+              and node.value.split(".")[0] in PACKAGES
               and all(part.isidentifier() for part in node.value.split("."))):
-            targets.add(node.value)  # a dotted module name, e.g. in a lazy-import table
+            targets.add(node.value)  # a module's name, e.g. in a lazy-import table
     return {owner for t in targets if (owner := _owner(t)) and owner != module}
 
 
