@@ -10,9 +10,12 @@ when its largest allocation is within the target's limit.
 
     python bench/vmem_sizes.py --kernel splash --targets v5e v6e --seq-len 8192 \\
         --sample-every 40 [--modes fwd fwd_bwd] [--out sizes.jsonl]
+    python bench/vmem_sizes.py --kernel splash --rescore bench/data/splash_vmem_*.jsonl
 
 Prints one line per config (MiB measured per kernel, the estimate's verdict, the compiler's)
-and per (target, mode): sampled, fit, overflow, admitted, precision and recall.
+and per (target, mode): sampled, fit, overflow, admitted, precision and recall. ``--rescore``
+compiles nothing: it judges the current estimate against measurements saved with ``--out``
+(``bench/data/`` keeps splash's), so a change to the estimate is checked in a second.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from autotune.failures import Status, scoped_vmem_allocation
 from autotune.precheck import Agreement, Candidate, PrecheckResult, candidates
-from kernel import Problem, TunableKernel, get_kernel, get_target
+from kernel import Problem, Target, TunableKernel, get_kernel, get_target
 from kernel.aot import compile_for_target
 from kernel.targets import MiB
 
@@ -54,6 +57,37 @@ def allocations(kernel: TunableKernel, prob: Problem, candidate: Candidate,
             limit_kib = size // 1024 + LIMIT_STEP_KIB
 
 
+def status(sizes: dict[str, int], target: Target) -> Status:
+    """The compiler's verdict at the target's limit: its largest allocation fits, or not."""
+    return Status.OK if max(sizes.values(), default=0) <= target.scoped_vmem_bytes \
+        else Status.VMEM_OOM
+
+
+def rescored(kernel: TunableKernel,
+             paths: list[Path]) -> dict[tuple[str, int, str], list[PrecheckResult]]:
+    """Saved measurements (``--out`` lines) judged by the current estimate, per (target,
+    seq_len, mode): fits when the largest allocation is within the target's limit."""
+    out: dict[tuple[str, int, str], list[PrecheckResult]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            target = get_target(row["target"])
+            config = kernel.config_from_dict(row["config"])
+            admitted = not kernel.violations(problem(row["mode"], row["seq_len"]), config, target)
+            out.setdefault((target.name, row["seq_len"], row["mode"]), []).append(PrecheckResult(
+                config, status(row["allocations"], target), 0.0, admitted))
+    return out
+
+
+def report(target_name: str, mode: str, seq_len: int, results: list[PrecheckResult]) -> None:
+    """One summary line: sampled, fit, overflow, admitted, precision and recall."""
+    agreement = Agreement.of(results)
+    print(f"{target_name} {mode} seq {seq_len}: {len(results)} sampled, "
+          f"{agreement.compiled_ok} fit, {len(results) - agreement.compiled_ok} "
+          f"overflow, {agreement.admitted} admitted, precision {agreement.precision}, "
+          f"recall {agreement.recall}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", required=True, help="the kernel to measure")
@@ -63,9 +97,15 @@ def main() -> None:
     parser.add_argument("--sample-every", type=int, default=1,
                         help="measure every n-th candidate only (a deterministic sample)")
     parser.add_argument("--out", type=Path, help="append every measurement here (JSON lines)")
+    parser.add_argument("--rescore", type=Path, nargs="+",
+                        help="judge the estimate against these saved measurements; no compiles")
     args = parser.parse_args()
 
     kernel = get_kernel(args.kernel).discover()
+    if args.rescore:
+        for (target_name, seq_len, mode), results in rescored(kernel, args.rescore).items():
+            report(target_name, mode, seq_len, results)
+        return
     for target_name in args.targets:
         target = get_target(target_name)
         for mode in args.modes:
@@ -75,25 +115,21 @@ def main() -> None:
             for candidate in todo:
                 start = time.perf_counter()
                 sizes = allocations(kernel, prob, candidate, target_name)
-                fits = max(sizes.values(), default=0) <= target.scoped_vmem_bytes
-                results.append(PrecheckResult(
-                    candidate.config, Status.OK if fits else Status.VMEM_OOM,
-                    time.perf_counter() - start, candidate.predicted_fit))
+                results.append(PrecheckResult(candidate.config, status(sizes, target),
+                                              time.perf_counter() - start,
+                                              candidate.predicted_fit))
                 mib = " ".join(f"{name} {size / MiB:.2f}" for name, size in sizes.items())
                 print(f"{target_name} {mode} {candidate.config.label()}: {mib} MiB; estimate "
                       f"{'fits' if candidate.predicted_fit else 'rejects'}, compiler "
-                      f"{'fits' if fits else 'overflows'}", flush=True)
+                      f"{'fits' if results[-1].status == Status.OK else 'overflows'}", flush=True)
                 if args.out:
                     with args.out.open("a") as out:
                         out.write(json.dumps({"target": target_name, "mode": mode,
+                                              "seq_len": args.seq_len,
                                               "forward_only": candidate.forward_only,
                                               "allocations": sizes,
                                               **results[-1].to_dict()}) + "\n")
-            agreement = Agreement.of(results)
-            print(f"{target_name} {mode} seq {args.seq_len}: {len(results)} sampled, "
-                  f"{agreement.compiled_ok} fit, {len(results) - agreement.compiled_ok} "
-                  f"overflow, {agreement.admitted} admitted, precision {agreement.precision}, "
-                  f"recall {agreement.recall}")
+            report(target_name, mode, args.seq_len, results)
 
 
 if __name__ == "__main__":

@@ -95,18 +95,20 @@ REGISTER_FILE = 256 * 1024  # a TPU core's vector registers, counted once in Mos
 @dataclass(frozen=True)
 class UnrolledScratch:
     """Mosaic's internal VMEM scratch for a compute loop unrolled over (rows, cols) f32 logits
-    tiles (f32 temporaries that do not fit the vector registers): ``base`` tiles, ``per_step``
-    more per unrolled step beyond two (counting at most ``max_steps`` steps), plus the register
-    file once. Each kernel calibrates its own on deviceless compiles."""
+    tiles (f32 temporaries that do not fit the vector registers): ``base`` tiles for the first
+    ``base_steps`` steps, ``per_step`` more per unrolled step beyond them (counting at most
+    ``max_steps`` steps), plus the register file once. Each kernel calibrates its own on
+    deviceless compiles."""
 
     base: float
     per_step: float
     max_steps: int | None = None
+    base_steps: int = 2
 
     def bytes(self, rows: int, cols: int, steps: int, copies: int = 1) -> int:
         """The scratch of ``steps`` unrolled tiles, the whole body repeated ``copies`` times."""
         live = steps if self.max_steps is None else min(steps, self.max_steps)
-        tiles = self.base + self.per_step * max(0, live - 2)
+        tiles = self.base + self.per_step * max(0, live - self.base_steps)
         return int(copies * tiles * tile_bytes(rows, cols, 4)) + REGISTER_FILE
 
 

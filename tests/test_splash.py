@@ -4,7 +4,11 @@ and how they say to fix a config; its kernels' names in a deviceless v5e compile
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -133,6 +137,27 @@ def test_each_rule_says_how_to_fix_the_config(changes, rule, fix):
 def test_the_vmem_estimate_agrees_with_the_v5e_compiler(seq, mode, changes, fits):
     problem = _problem(mode, q_len=seq, kv_len=seq, q_heads=8, kv_heads=8)
     assert SPLASH.is_legal(problem, SplashConfig().replace(**changes), "v5e") == fits
+
+
+# Each sampled config's allocations, measured deviceless by bench/vmem_sizes.py --out.
+VMEM_SIZES = sorted((Path(__file__).parent.parent / "bench/data/splash_vmem").glob("*.jsonl"))
+# The precheck goal (no false admit, recall >= 0.9) holds at these (target, seq, mode).
+GOAL = {(target, seq, mode) for target, seq in (("v5e", 2048), ("v5e", 8192), ("v6e", 2048))
+        for mode in ("fwd", "fwd_bwd")}
+
+
+def test_the_estimate_meets_the_precheck_goal_on_the_measured_allocations():
+    """bench/vmem_sizes.py --rescore judges the estimate against the saved measurements: no
+    sampled config the compiler refuses is admitted, and the goal rows' recall is >= 0.9."""
+    script = Path(__file__).parent.parent / "bench/vmem_sizes.py"
+    out = subprocess.run([sys.executable, str(script), "--kernel", "splash", "--rescore",
+                          *map(str, VMEM_SIZES)], capture_output=True, text=True, check=True)
+    rows = {(t, int(seq), mode): (precision, recall) for t, mode, seq, precision, recall
+            in re.findall(r"^(\w+) (\w+) seq (\d+): .* precision (\S+), recall (\S+)$",
+                          out.stdout, re.M)}
+    assert GOAL <= set(rows), out.stdout
+    assert all(precision in ("1.0", "None") for precision, _ in rows.values()), out.stdout
+    assert all(float(rows[key][1]) >= 0.9 for key in GOAL), out.stdout
 
 
 def test_key_blocks_fill_whole_lanes():

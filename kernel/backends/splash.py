@@ -116,19 +116,31 @@ def _dq_violations(config: SplashConfig) -> list[Violation]:
     return []
 
 
-# Mosaic's internal scratch for the f32 (rows, cols) logits tiles of a kernel's compute loop,
-# which splash unrolls (``fori_loop(..., unroll=True)``): two tiles (the logits and their
-# exponent), and 0.4 of a tile more per unrolled step beyond two, up to eight steps, plus the
-# register file once. Calibrated on deviceless v5e compiles (README's precheck table): three
-# tiles rejected a forward q2048 kv512/512 that compiles (two admit it at 15.75 of 16 MiB); a
-# forward q1024 kv4096/512 (8 steps) overflows where q2048 kv2048/128 (16 steps) fits.
-SCRATCH = UnrolledScratch(base=2, per_step=0.4, max_steps=8)
+# The VMEM model below is fitted to the allocations Mosaic reports for splash in deviceless
+# compiles (``bench/vmem_sizes.py``; the measurements are in ``bench/data/``), not derived
+# from the kernel's block specs: the compiler allocates about half of what the specs
+# double-buffer. What the measurements show:
+# - the windows of a kernel's innermost grid axis (k and v in the forward, q and dO in dK/dV)
+#   are not in its scoped allocation while HEAD_DIM_MINOR; each SEQ_MINOR ((head_dim, rows))
+#   input costs a window more and an f32 (rows, head_dim) copy, on any axis;
+# - the forward's row state (q and out windows, m, l, the accumulator, q_sequence and
+#   logsumexp) fits in what its q and out windows and m and l alone would take;
+# - the unrolled compute loop (``fori_loop(..., unroll=True)``) holds 1.25 f32 logits tiles,
+#   and more per step beyond the first: 0.3 at 128 keys (``jnp.tile`` of the row max is a
+#   no-op there), up to 9 steps; 0.4 at 256; 0.9 at 512 and wider; up to 16 steps.
+FWD_SCRATCH = {128: UnrolledScratch(base=1.25, per_step=0.3, max_steps=9, base_steps=1),
+               256: UnrolledScratch(base=1.25, per_step=0.4, max_steps=16, base_steps=1)}
+WIDE_FWD_SCRATCH = UnrolledScratch(base=1.25, per_step=0.9, max_steps=16, base_steps=1)
+# dK/dV's loop over (block_kv_dkv_compute, block_q_dkv) tiles: one tile, a quarter per step.
+DKV_SCRATCH = UnrolledScratch(base=1, per_step=0.25, base_steps=1)
+# dQ's one (block_q_dq, block_kv_dq) step: two tiles (not refitted; it over-counts, see README).
+DQ_SCRATCH = UnrolledScratch(base=2, per_step=0)
 
 
 def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     """Estimated peak VMEM bytes of each splash kernel (``fwd``, ``dkv``, ``dq``; ``dkv`` also
-    computes dQ when fused): its double-buffered windows, its scratch and the f32 logits tiles
-    of its compute block. Meant as an upper bound.
+    computes dQ when fused), as the compiler allocates it (the model above). Meant as an upper
+    bound near the targets' limits.
 
     The backward kernels get the row statistics lane-major: splash broadcasts ``logsumexp``
     and ``di`` to ``(8, q_len)`` for dK/dV (blocks ``(8, rows)``) and passes them as
@@ -141,17 +153,23 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
     def io(rows: int) -> int:  # one double-buffered (rows, d) window
         return 2 * tile_bytes(rows, d, isz)
 
-    fwd = (2 * io(c.block_q) + 2 * io(c.block_kv)  # q, out; k, v
-           + 2 * stat + 2 * stat + tile_bytes(c.block_q, d, 4)  # q_sequence; m, l, acc
-           + (2 * stat if problem.mode == "fwd_bwd" else 0)  # logsumexp output
-           + SCRATCH.bytes(c.block_q, c.block_kv_compute, c.block_kv // c.block_kv_compute))
+    def seq_minor(rows: int, *layouts: str) -> int:  # SEQ_MINOR inputs: window and f32 copy
+        return sum(io(rows) + tile_bytes(rows, d, 4) for layout in layouts
+                   if layout == "SEQ_MINOR")
+
+    steps = c.block_kv // c.block_kv_compute
+    scratch = FWD_SCRATCH.get(c.block_kv_compute, WIDE_FWD_SCRATCH)
+    fwd = (2 * io(c.block_q) + 2 * stat  # q, out; m, l (and the rest of the row state)
+           + seq_minor(c.block_q, c.q_layout) + seq_minor(c.block_kv, c.k_layout, c.v_layout)
+           + scratch.bytes(c.block_q, c.block_kv_compute, steps))
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
-        dkv = (2 * io(qd) + 2 * io(kd)  # q, do; k, v
+        dkv = (2 * io(kd) + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # k, v; dk, dv; f32 dk, dv
                + 3 * 2 * tile_bytes(SUBLANES, qd, 4)  # logsumexp, di, q_sequence: (8, rows)
-               + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # dk, dv outputs and scratch
-               + SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
+               + seq_minor(qd, c.q_layout)  # dO is never SEQ_MINOR
+               + seq_minor(kd, c.k_layout, c.v_layout)
+               + DKV_SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
         if c.use_fused_bwd_kernel:
             dkv += io(qd) + tile_bytes(qd, d, 4)  # dq output and scratch
         estimate["dkv"] = dkv
@@ -161,7 +179,8 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
                               + 2 * 2 * tile_bytes(1, qq, 4)  # logsumexp, di: (1, rows)
                               + 2 * tile_bytes(qq, LANES, 4)  # q_sequence: (rows, 128)
                               + tile_bytes(qq, d, 4)  # dq scratch
-                              + SCRATCH.bytes(qq, kq, 1))
+                              + seq_minor(qq, c.q_layout) + seq_minor(kq, c.k_layout, c.v_layout)
+                              + DQ_SCRATCH.bytes(qq, kq, 1))
     return estimate
 
 
