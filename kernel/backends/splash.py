@@ -34,6 +34,7 @@ from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, per_m
 from kernel.problem import Problem
 from kernel.rules import (
     LANES,
+    REGISTER_FILE,
     SUBLANES,
     UnrolledScratch,
     Violation,
@@ -121,16 +122,22 @@ def _dq_violations(config: SplashConfig) -> list[Violation]:
 # from the kernel's block specs: the compiler allocates about half of what the specs
 # double-buffer. What the measurements show:
 # - the windows of a kernel's innermost grid axis (k and v in the forward, q and dO in dK/dV)
-#   are not in its scoped allocation while HEAD_DIM_MINOR; each SEQ_MINOR ((head_dim, rows))
-#   input costs a window more and an f32 (rows, head_dim) copy, on any axis;
+#   are not in its scoped allocation on v5e while HEAD_DIM_MINOR, and on v6e no more than the
+#   compute's temporaries (its allocation is the larger of the two: a q128 kv4096/128 forward
+#   takes 4.02 MiB there, 0.69 on v5e); each SEQ_MINOR ((head_dim, rows)) input costs a window
+#   more and an f32 (rows, head_dim) copy, on any axis;
 # - the forward's row state (q and out windows, m, l, the accumulator, q_sequence and
 #   logsumexp) fits in what its q and out windows and m and l alone would take;
-# - the unrolled compute loop (``fori_loop(..., unroll=True)``) holds 1.25 f32 logits tiles,
-#   and more per step beyond the first: 0.3 at 128 keys (``jnp.tile`` of the row max is a
-#   no-op there), up to 9 steps; 0.4 at 256; 0.9 at 512 and wider; up to 16 steps.
-FWD_SCRATCH = {128: UnrolledScratch(base=1.25, per_step=0.3, max_steps=9, base_steps=1),
+# - the unrolled compute loop (``fori_loop(..., unroll=True)``) holds 1.25 f32 logits tiles
+#   (1.35 at 128 keys), and more per step beyond the first: 0.3 at 128 keys (``jnp.tile`` of
+#   the row max is a no-op there), up to 9 steps; 0.4 at 256; 0.9 at 512 and wider; up to 16
+#   steps.
+FWD_SCRATCH = {128: UnrolledScratch(base=1.35, per_step=0.3, max_steps=9, base_steps=1),
                256: UnrolledScratch(base=1.25, per_step=0.4, max_steps=16, base_steps=1)}
 WIDE_FWD_SCRATCH = UnrolledScratch(base=1.25, per_step=0.9, max_steps=16, base_steps=1)
+# At 128 keys with one key block over all keys, up to 13 steps count: q4096 kv4096/128 takes
+# 17.66 MiB at 4096 tokens and 13.90 at 8192 (two key blocks); q2048 kv2048/128 at 2048, 8.68.
+ONE_KV_BLOCK_SCRATCH = UnrolledScratch(base=1.35, per_step=0.3, max_steps=13, base_steps=1)
 # dK/dV's loop over (block_kv_dkv_compute, block_q_dkv) tiles: one tile, a quarter per step.
 DKV_SCRATCH = UnrolledScratch(base=1, per_step=0.25, base_steps=1)
 # dQ's one (block_q_dq, block_kv_dq) step: two tiles (not refitted; it over-counts, see README).
@@ -158,10 +165,13 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
                    if layout == "SEQ_MINOR")
 
     steps = c.block_kv // c.block_kv_compute
-    scratch = FWD_SCRATCH.get(c.block_kv_compute, WIDE_FWD_SCRATCH)
-    fwd = (2 * io(c.block_q) + 2 * stat  # q, out; m, l (and the rest of the row state)
-           + seq_minor(c.block_q, c.q_layout) + seq_minor(c.block_kv, c.k_layout, c.v_layout)
-           + scratch.bytes(c.block_q, c.block_kv_compute, steps))
+    scratch = (ONE_KV_BLOCK_SCRATCH if c.block_kv_compute == LANES and c.block_kv >= problem.kv_len
+               else FWD_SCRATCH.get(c.block_kv_compute, WIDE_FWD_SCRATCH))
+    rows = 2 * io(c.block_q) + 2 * stat  # q, out; m, l (and the rest of the row state)
+    fwd = (rows + seq_minor(c.block_q, c.q_layout)
+           + seq_minor(c.block_kv, c.k_layout, c.v_layout)
+           + max(scratch.bytes(c.block_q, c.block_kv_compute, steps),
+                 2 * io(c.block_kv) + REGISTER_FILE))  # or the k and v windows (v6e)
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
@@ -169,7 +179,8 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
                + 3 * 2 * tile_bytes(SUBLANES, qd, 4)  # logsumexp, di, q_sequence: (8, rows)
                + seq_minor(qd, c.q_layout)  # dO is never SEQ_MINOR
                + seq_minor(kd, c.k_layout, c.v_layout)
-               + DKV_SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute))
+               + max(DKV_SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute),
+                     2 * io(qd) + REGISTER_FILE))  # or the q and dO windows (v6e)
         if c.use_fused_bwd_kernel:
             dkv += io(qd) + tile_bytes(qd, d, 4)  # dq output and scratch
         estimate["dkv"] = dkv
