@@ -142,6 +142,11 @@ ONE_KV_BLOCK_SCRATCH = UnrolledScratch(base=1.35, per_step=0.3, max_steps=13, ba
 DKV_SCRATCH = UnrolledScratch(base=1, per_step=0.25, base_steps=1)
 # dQ's one (block_q_dq, block_kv_dq) step: two tiles (not refitted; it over-counts, see README).
 DQ_SCRATCH = UnrolledScratch(base=2, per_step=0)
+# The model is fitted on v5e and v6e. v5p's compiler allocates more for the forward with
+# residuals (q2048 kv128/128 at 2048 tokens: 8.00 MiB where the model says 5.60, 1.43x), and
+# v4's is unmeasured: elsewhere the estimate is scaled by this margin.
+FITTED_TARGETS = ("v5e", "v6e")
+UNFITTED_MARGIN = 1.5
 
 
 def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
@@ -254,7 +259,10 @@ class SplashKernel(TunableKernel):
             if axis == "kv_len" and value % LANES:
                 out.append(Violation("block_lanes", f"{field}={value} must be a multiple of "
                                      f"{LANES} (splash's key blocks fill whole lanes)"))
-        return out + vmem_limit_violations(vmem_estimate(problem, config), target)
+        need = vmem_estimate(problem, config)
+        if target.name not in FITTED_TARGETS:
+            need = {name: int(size * UNFITTED_MARGIN) for name, size in need.items()}
+        return out + vmem_limit_violations(need, target)
 
     def default_config(self, problem: Problem, target: Target | str = "cpu") -> SplashConfig:
         """MaxText's: every block 512, capped at its sequence axis (the largest legal block
