@@ -39,6 +39,18 @@ _SCOPED_ALLOCATION = re.compile(r"allocating on stack for %(\S+) = .*?Scoped all
 _UNIT_BYTES = {"K": 1024, "M": 1024**2, "G": 1024**3}
 
 
+# "Ran out of memory in memory space vmem. Used 19.35M of 16.00M vmem": the whole program's
+# VMEM against the chip's (v4 reports this where a later chip reports a scoped allocation).
+_PHYSICAL_USE = re.compile(r"memory space vmem\. Used ([\d.]+)([KMG]) of")
+
+
+def physical_vmem_use(message: str) -> int | None:
+    """The VMEM bytes a program needed, from an error saying it outgrew the chip's VMEM;
+    None for any other message."""
+    found = _PHYSICAL_USE.search(message)
+    return None if found is None else round(float(found[1]) * _UNIT_BYTES[found[2]])
+
+
 def scoped_vmem_allocation(message: str) -> tuple[str, int] | None:
     """The kernel and the scoped VMEM bytes it needed, from a ``CompileTimeScopedVmemOom``
     compiler error; None for any other message."""

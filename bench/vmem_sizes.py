@@ -4,13 +4,14 @@
 behind it, so the estimate can be compared with the allocation itself. Each sampled candidate
 (estimate-rejected ones included; bench/precheck.py's problem) is compiled with a scoped VMEM
 limit of 1 KiB, which the first kernel overflows with a ``CompileTimeScopedVmemOom`` naming its
-allocation; the limit is raised past it and the compile repeated until it succeeds. A kernel
-that fits a limit raised for another is not reported (it needs less). A config fits the target
-when its largest allocation is within the target's limit.
+allocation; the limit is raised past it and the compile repeated until it succeeds, or until
+the compiler says the whole program outgrew the chip's VMEM (v4), recorded as ``program``. A
+kernel that fits a limit raised for another is not reported (it needs less). A config fits the
+target when its largest allocation is within the target's limit.
 
     python bench/vmem_sizes.py --kernel splash --targets v5e v6e --seq-len 8192 \\
         --sample-every 40 [--modes fwd fwd_bwd] [--out sizes.jsonl]
-    python bench/vmem_sizes.py --kernel splash --rescore bench/data/splash_vmem_*.jsonl
+    python bench/vmem_sizes.py --kernel splash --rescore bench/data/splash_vmem/*.jsonl
 
 Prints one line per config (MiB measured per kernel, the estimate's verdict, the compiler's)
 and per (target, mode): sampled, fit, overflow, admitted, precision and recall. ``--rescore``
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from autotune.failures import Status, scoped_vmem_allocation
+from autotune.failures import Status, physical_vmem_use, scoped_vmem_allocation
 from autotune.precheck import Agreement, Candidate, PrecheckResult, candidates
 from kernel import Problem, Target, TunableKernel, get_kernel, get_target
 from kernel.aot import compile_for_target
@@ -51,7 +52,10 @@ def allocations(kernel: TunableKernel, prob: Problem, candidate: Candidate,
         except Exception as error:  # noqa: BLE001 (any compiler failure is reported)
             found = scoped_vmem_allocation(str(error))
             if found is None:
-                raise
+                program = physical_vmem_use(str(error))
+                if program is None:
+                    raise
+                return {**sizes, "program": program}  # over the chip's VMEM at any limit
             name, size = found
             sizes[name] = size
             limit_kib = size // 1024 + LIMIT_STEP_KIB

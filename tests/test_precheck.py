@@ -13,7 +13,12 @@ import json
 import pytest
 from conftest import run_cli
 
-from autotune.failures import Status, classify_compile_error, scoped_vmem_allocation
+from autotune.failures import (
+    Status,
+    classify_compile_error,
+    physical_vmem_use,
+    scoped_vmem_allocation,
+)
 from autotune.precheck import Agreement, PrecheckResult, candidates, precheck, vmem_limited
 from kernel import FlashConfig, Problem, get_kernel, get_target
 from kernel.aot import compile_for_target
@@ -54,6 +59,15 @@ def test_scoped_vmem_allocation_reads_the_kernel_and_its_bytes():
                                                round(16.54 * 1024**2))
     assert scoped_vmem_allocation("Ran out of memory in memory space vmem. Used 275.35M of "
                                   "128.00M vmem") is None
+
+
+def test_physical_vmem_use_reads_what_the_whole_program_needed():
+    """v4's compiler reports the program against the chip's VMEM, not a scoped allocation."""
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem. Used 19.35M of "
+               "16.00M vmem. Exceeded vmem capacity by 3.35M.")
+    assert physical_vmem_use(message) == round(19.35 * 1024**2)
+    assert scoped_vmem_allocation(message) is None
+    assert physical_vmem_use("... Scoped allocation with size 16.54M and limit 16.00M") is None
 
 
 @pytest.mark.parametrize("target", TARGETS)
