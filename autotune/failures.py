@@ -31,7 +31,6 @@ def classify_compile_error(message: str) -> Status:
     return Status.VMEM_OOM if _VMEM_OOM.search(message) else Status.COMPILE_ERROR
 
 
-
 # "... allocating on stack for %splash_mha_fwd_no_residuals.1 = ... Scoped allocation with size
 # 16.54M and limit 16.00M ...": the kernel (XLA instruction) and the bytes it asked for.
 _SCOPED_ALLOCATION = re.compile(r"allocating on stack for %(\S+) = .*?Scoped allocation with "

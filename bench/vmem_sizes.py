@@ -31,6 +31,7 @@ from autotune.failures import Status, physical_vmem_use, scoped_vmem_allocation
 from autotune.precheck import Agreement, Candidate, PrecheckResult, candidates
 from kernel import Problem, Target, TunableKernel, get_kernel, get_target
 from kernel.aot import compile_for_target
+from kernel.rules import vmem_limit_violations
 from kernel.targets import MiB
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,8 +64,7 @@ def allocations(kernel: TunableKernel, prob: Problem, candidate: Candidate,
 
 def status(sizes: dict[str, int], target: Target) -> Status:
     """The compiler's verdict at the target's limit: its largest allocation fits, or not."""
-    return Status.OK if max(sizes.values(), default=0) <= target.scoped_vmem_bytes \
-        else Status.VMEM_OOM
+    return Status.VMEM_OOM if vmem_limit_violations(sizes, target) else Status.OK
 
 
 def rescored(kernel: TunableKernel,

@@ -207,8 +207,8 @@ class LookupTable:
                      entries=[entry.to_dict() for entry in self.entries],
                      choices=[choice.to_dict() for choice in self.choices])
         if self.others:
-            table["others"] = [{name: other.to_dict()[name] for name in _OTHER_FIELDS}
-                               for other in self.others]
+            table["others"] = [{name: other[name] for name in _OTHER_FIELDS}
+                               for other in (kernel.to_dict() for kernel in self.others)]
         return table
 
     @classmethod
@@ -265,7 +265,7 @@ class LookupTable:
         return find_entry(problem, self.entries, self.kernel)
 
     def lookup_choice(self, problem: Problem) -> tuple[KernelChoice, str] | None:
-        """The kernel choice for exactly ``problem``, else the nearest (``nearest_choice``)."""
+        """The kernel choice for exactly ``problem``, else the nearest (``ProblemIndex``)."""
         return find_choice(problem, self.choices)
 
 
@@ -300,7 +300,6 @@ def read_table_bytes(path: str | Path) -> bytes:
 # The fields of an ``others`` item: a table's own, less those the outer table holds for all.
 _OTHER_FIELDS = tuple(field.name for field in dataclasses.fields(LookupTable)
                       if field.name not in ("device_kind", "schema_version", "choices", "others"))
-_KERNEL_FIELD = _OTHER_FIELDS[0]  # LookupTable's first field: the kernel's name
 
 
 def _others(data: dict[str, Any], version: int, device_kind: str) -> tuple[LookupTable, ...]:
@@ -314,7 +313,7 @@ def _others(data: dict[str, Any], version: int, device_kind: str) -> tuple[Looku
     for i, other in enumerate(raw):
         if not isinstance(other, dict):
             raise TableError(f"others[{i}] must be a JSON object, got {type(other).__name__}")
-        if other.get(_KERNEL_FIELD) not in KERNELS:
+        if other.get(_HEADER_TEXT[0]) not in KERNELS:  # the kernel's name
             continue
         try:
             others.append(LookupTable.from_dict(
@@ -356,7 +355,7 @@ def find_entry(problem: Problem, entries: Sequence[TableEntry],
 
 def find_choice(problem: Problem,
                 choices: Sequence[KernelChoice]) -> tuple[KernelChoice, str] | None:
-    """As :func:`find_entry`, for kernel choices (:func:`nearest_choice`)."""
+    """As :func:`find_entry`, for kernel choices (``ProblemIndex.nearest``)."""
     return ProblemIndex(choices, lambda choice: choice.kernel).find(problem)
 
 
@@ -432,10 +431,3 @@ def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
     ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None when none
     does."""
     return ProblemIndex(entries, lambda entry: kernel).nearest(problem)
-
-
-def nearest_choice(problem: Problem, choices: Iterable[KernelChoice]) -> KernelChoice | None:
-    """The choice of the closest problem of the same family (``problem_family``) whose chosen
-    kernel is registered here and whose config passes its stored-config rules for ``problem``;
-    None when none does (an unknown kernel's choice matches only exactly)."""
-    return ProblemIndex(choices, lambda choice: choice.kernel).nearest(problem)

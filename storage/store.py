@@ -641,7 +641,7 @@ class Store:
                        ) -> list[tuple[StoredChoice, Match] | None]:
         """The kernel choice per ``(device_kind, problem)``: the one stored for exactly the
         problem, else the nearest whose kernel is registered and whose config is legal for it
-        (the rule of ``kernel.table.nearest_choice``); None when nothing fits. Families are
+        (the rule of ``kernel.table.ProblemIndex.nearest``); None when nothing fits. Families are
         read and kept as by ``lookup_many``."""
         out: list[tuple[StoredChoice, Match] | None] = []
         version = self.data_version()  # before reading, so a later write is not masked
