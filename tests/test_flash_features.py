@@ -128,8 +128,18 @@ def _check(problem: Problem, config: FlashConfig, sm_scale: float, segment_ids=(
     out, grads = _flash(problem, config, sm_scale, *inputs, segment_ids)
     want, want_grads = _float64_reference(problem, sm_scale, *inputs, segment_ids)
     for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
-        error = relative_error(got, expected)
+        error = _error(got, expected, want)
         assert error <= TOLERANCE, f"{name}: relative error {error:.3g} > {TOLERANCE}"
+
+
+def _error(got, expected, out) -> float:
+    """``relative_error``; against the output's scale where the reference is exactly zero: a
+    gradient that cancels (a query that sees one key: the softmax of one logit has no
+    gradient) has no scale of its own, and the kernel's is the rounding of dP - delta."""
+    if np.any(expected):
+        return relative_error(got, expected)
+    got = np.asarray(got, np.float64)
+    return float(np.abs(got).max() / np.abs(out).max()) if np.isfinite(got).all() else np.inf
 
 
 def test_blocks_outside_the_window_are_not_computed():

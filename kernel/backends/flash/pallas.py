@@ -242,6 +242,19 @@ def stream(body, grid: tuple, operands: list, blocks: list[tuple], index_maps: l
     buffers (``pl.Buffered(depth)``: up to ``depth - 1`` blocks in flight ahead of the
     compute). A ``pallas_call`` BlockSpec lowers only depths 1 and 2; this pipeline, built
     inside the kernel, takes deeper ones."""
+    *outer, steps = grid
+    # emit_pipeline's prologue starts ``depth - 1`` copies along the grid, wrapping past its
+    # end: a grid of 2 .. depth - 2 steps starts copies of wrapped blocks that no step waits
+    # for. They are still in flight, their DMA semaphores signalled, when the kernel ends; on a
+    # TPU v5e (jax 0.10.2) that gave wrong results in that kernel and in every kernel after it
+    # in the process (pipeline_depth 4, causal: pallas-facts §10). So such a grid's last axis
+    # runs at least ``depth - 1`` steps; the extra ones map to its last real block (the same
+    # block: no copy) and skip the body.
+    if depth > 3 and not (isinstance(steps, int) and steps >= depth - 1):
+        grid = (*outer, max(steps, depth - 1) if isinstance(steps, int)
+                else jnp.maximum(steps, depth - 1))
+        index_maps = [_clamped(index_map, steps) for index_map in index_maps]
+        body = _below(body, steps, axis=len(outer))
     specs = [pl.BlockSpec(block, index_map, pipeline_mode=pl.Buffered(depth))
              for block, index_map in zip(blocks, index_maps, strict=True)]
     # emit_pipeline compares its step counters with Python ints, which jax_enable_x64 makes
@@ -249,6 +262,20 @@ def stream(body, grid: tuple, operands: list, blocks: list[tuple], index_maps: l
     # bits, as the kernel's own index arithmetic is.
     with _pipeline_target(), jax.enable_x64(False):
         pltpu.emit_pipeline(body, grid=grid, in_specs=specs)(*operands)
+
+
+def _clamped(index_map, steps):
+    """``index_map`` with its last grid index clamped to the last of ``steps`` real steps."""
+    def clamped(*indices):
+        return index_map(*indices[:-1], jnp.minimum(indices[-1], steps - 1))
+    return clamped
+
+
+def _below(body, steps, axis: int):
+    """``body`` run only at steps whose grid index on ``axis`` is below ``steps``."""
+    def guarded(*tiles):
+        pl.when(pl.program_id(axis) < steps)(lambda: body(*tiles))
+    return guarded
 
 
 _IN_HBM = pl.BlockSpec(memory_space=pl.ANY)  # an operand the kernel streams itself
