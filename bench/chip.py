@@ -1,0 +1,60 @@
+"""What the hardware tier (tests/test_tpu_tier.py) and ``bench/verify_published.py`` check on
+a chip: a config's output and three gradients against a float32 XLA reference at ``highest``
+matmul precision, and a canary (a config run again on the same inputs, bit-identical to its
+first run) that shows a chip state left corrupt by whatever ran in between."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from kernel.aot import example_inputs
+from kernel.problem import Problem
+from kernel.registry import KERNELS
+from kernel.tolerance import relative_error
+
+OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+def compiled(kernel_name: str, problem: Problem, config: Any):
+    """A function of the inputs to (out, dq, dk, dv) of one config, as numpy arrays."""
+    kernel = KERNELS[kernel_name]
+    forward = jax.jit(kernel.build(dataclasses.replace(problem, mode="fwd"), config))
+    grads = jax.jit(kernel.build(problem, config))
+    return lambda inputs: tuple(np.asarray(x) for x in (forward(*inputs), *grads(*inputs)))
+
+
+@dataclasses.dataclass
+class Bench:
+    """One fwd_bwd problem's inputs, float32 reference and canary (``canary_kernel`` at
+    ``canary_config``, run once here)."""
+
+    problem: Problem
+    inputs: list[Any]
+    reference: tuple[Any, ...]
+    canary_run: Any
+    canary: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, problem: Problem, canary_kernel: str, canary_config: Any) -> Bench:
+        inputs = example_inputs(problem)
+        kernel = KERNELS[canary_kernel]
+        with jax.default_matmul_precision("highest"):
+            f32 = [x.astype(np.float32) if x.dtype.kind == "f" else x for x in inputs]
+            reference = (kernel.reference(dataclasses.replace(problem, mode="fwd"))(*f32),
+                         *kernel.reference(problem)(*f32))
+        canary = compiled(canary_kernel, problem, canary_config)
+        return cls(problem, inputs, tuple(np.asarray(x, np.float32) for x in reference), canary,
+                   canary(inputs))
+
+    def errors(self, kernel_name: str, config: Any) -> dict[str, float]:
+        """Each output's relative error of ``config`` against the reference."""
+        got = compiled(kernel_name, self.problem, config)(self.inputs)
+        return dict(zip(OUTPUTS, (relative_error(g, w) for g, w in zip(got, self.reference))))
+
+    def canary_holds(self) -> bool:
+        again = self.canary_run(self.inputs)
+        return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(again, self.canary))

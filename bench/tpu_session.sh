@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The chip runs of issue 54 on one TPU VM, in stages (each fits one 10-minute device command;
+# the wheels of the `tune` extra ride along in .whl-tpu, see README's TPU section):
+#   bash bench/tpu_session.sh tier         # the hardware tier: $OUT/tier.json, tier.log
+#   bash bench/tpu_session.sh tune KERNEL TRIALS [tune flags]  # $OUT/tune-KERNEL.jsonl, a fresh-
+#                                            process check of its winner: verify-KERNEL.json
+# KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-chip-out}; mkdir -p "$OUT"
+SITE=/tmp/site
+if [ ! -d "$SITE" ]; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
+        --no-compile --no-cache-dir --target "$SITE" .whl-tpu/*.whl || exit 1
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+        --index-url file:///opt/pypi/simple --target /tmp/site-index matplotlib scikit-learn \
+        || exit 1
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$SITE:/tmp/site-index PYTHONUNBUFFERED=1
+PROBLEM=(--batch 4 --q-heads 16 --q-len 4096 --head-dim 128 --dtype bfloat16 --causal
+         --mode fwd_bwd)
+case "$1" in
+tier)
+    AUTOTUNE_TIER_SUMMARY=$OUT/tier.json timeout 480 python3 -m pytest -m tpu -p no:cacheprovider \
+        -q -rfE tests/test_tpu_tier.py 2>&1 | tee "$OUT/tier.log" | tail -n 40 ;;
+tune)
+    kernel=$2 trials=$3; shift 3
+    flags=(--kernel "$kernel"); [ "$kernel" = choice ] && flags=()
+    python3 -m autotune tune "${PROBLEM[@]}" "${flags[@]}" --trials "$trials" "$@" \
+        --db "sqlite:////tmp/tune-$kernel.db" --json > "$OUT/tune-$kernel.jsonl" \
+        2> "$OUT/tune-$kernel.err"
+    echo "tune exit $?"; tail -c 3000 "$OUT/tune-$kernel.jsonl"; tail -n 5 "$OUT/tune-$kernel.err"
+    python3 bench/verify_published.py "$OUT/tune-$kernel.jsonl" --out "$OUT/verify-$kernel.json" \
+        2>&1 | tail -n 30 ;;
+esac
