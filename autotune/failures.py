@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
+from kernel.errors import AutotuneError
+
 
 class Status(StrEnum):
     """Outcome of compiling or measuring one config."""
@@ -16,6 +18,14 @@ class Status(StrEnum):
     RUNTIME_ERROR = "runtime_error"
     WRONG_RESULT = "wrong_result"
     TIMEOUT = "timeout"
+    # After it, the default config's output on the gate's inputs changed bit for bit: the chip
+    # was left corrupt (a copy in flight at kernel exit, pallas-facts §10). Never published.
+    CORRUPTS_STATE = "corrupts_state"
+
+
+class ChipStateCorrupted(AutotuneError):
+    """The device's state is corrupt (:attr:`Status.CORRUPTS_STATE`): nothing more can be
+    measured in this process."""
 
 
 # What Mosaic / XLA:TPU say when a kernel's VMEM does not fit, e.g.

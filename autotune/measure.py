@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from autotune.failures import Status, classify_compile_error
+from autotune.failures import ChipStateCorrupted, Status, classify_compile_error
 from autotune.timing import (
     TimingError,
     kernel_op_matcher,
@@ -119,7 +119,12 @@ class Measurer:
     notify: Callable[[str], None] | None = None
     loop_sample_s: float = 0.02  # a loop program runs the kernel about this long per sample
     max_loop_runs: int = 1000
+    canary_every: int = 8  # configs between canary checks; also after every failed config
     timing_note: str | None = field(init=False, default=None)
+    corrupt: str | None = field(init=False, default=None)  # why the chip state is corrupt
+    _canary: tuple[Program, Any] | None = field(init=False, default=None)
+    _canary_taken: bool = field(init=False, default=False)
+    _unchecked: int = field(init=False, default=0)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
     _compiles: dict[Config, Future] = field(init=False, repr=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
@@ -192,6 +197,10 @@ class Measurer:
             self.time(program, runs=2)
 
     def __call__(self, params: dict[str, Any]) -> Measurement:
+        if self.corrupt is not None:
+            raise ChipStateCorrupted(self.corrupt)
+        if not self._canary_taken:
+            self._canary, self._canary_taken = self._canary_of(self.base), True
         config = self.config(params)
         self.prepare(params)
         with self._lock:
@@ -210,7 +219,33 @@ class Measurer:
         finally:
             with self._lock:  # drop the executable once measured: flat memory over long runs
                 self._compiles.pop(config, None)
-        return self._check_and_time(program, compile_s)
+        return self._canary_after(config, self._check_and_time(program, compile_s))
+
+    def _canary_of(self, config: Config) -> tuple[Program, Any] | None:
+        """``config``'s program and its output on the gate's inputs (None when it fails)."""
+        program, _ = self.checked(config)
+        return None if program is None else (program, self.run(program))
+
+    def _canary_after(self, config: Config, measurement: Measurement) -> Measurement:
+        """``measurement``, or ``corrupts_state`` when the canary (the default config, run
+        before the search) no longer gives its first output bit for bit: checked after a
+        failed config and every ``canary_every`` configs. A config that leaves a copy in flight
+        can be right itself and corrupt every later kernel (pallas-facts §10)."""
+        self._unchecked += 1
+        if self._canary is None or (measurement.ok and self._unchecked < self.canary_every):
+            return measurement
+        self._unchecked = 0
+        program, first = self._canary
+        again = self.run(program)
+        if all(np.array_equal(a, b, equal_nan=True) for a, b in zip(
+                jax.tree.leaves(again), jax.tree.leaves(first), strict=True)):
+            return measurement
+        self.corrupt = (
+            f"the device's state is corrupt after config {config.label(self.problem.mode)}: "
+            f"the default config's output on the same inputs changed since the search began. "
+            f"That config is recorded as corrupts_state and never published; run the same "
+            f"command again to resume the study in a fresh process")
+        return Measurement.failure(Status.CORRUPTS_STATE, error=self.corrupt)
 
     def _abandon_pool(self) -> None:
         """Leaves an overrunning compile its thread and gives later compiles a new pool, so

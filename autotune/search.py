@@ -30,6 +30,7 @@ from optuna.storages import BaseStorage, RDBStorage, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
 import autotune.claims as claims
+from autotune.failures import ChipStateCorrupted
 from autotune.samplers import SamplerName, create_sampler
 from autotune.samplers.engine import EngineSampler
 from autotune.samplers.plain_tpe import STALL, quiet_create_study
@@ -114,9 +115,12 @@ class _View:
 
 
 def _measure(measure: Measure, config: Config) -> Measurement:
-    """Calls ``measure``; an exception becomes a ``runtime_error`` measurement."""
+    """Calls ``measure``; an exception becomes a ``runtime_error`` measurement, except a
+    corrupt chip, which ends the search."""
     try:
         result = measure(dict(config))
+    except ChipStateCorrupted:
+        raise
     except Exception as exc:  # noqa: BLE001 - a failing config must not end the study
         return Measurement.failure("runtime_error", error=f"{type(exc).__name__}: {exc}")
     if not isinstance(result, Measurement):

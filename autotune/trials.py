@@ -23,7 +23,8 @@ __all__ = ["FAILURES", "FINISHED", "LIVE", "NOT_MEASURED", "OK", "SEED_ATTR", "M
            "Measurement", "OnTrial", "TrialResult", "is_measurement", "trial_result", "trial_status"]
 
 # Failure classes a measure function reports; any other non-"ok" string is accepted too.
-FAILURES = ("compile_error", "vmem_oom", "runtime_error", "wrong_result", "timeout")
+FAILURES = ("compile_error", "vmem_oom", "runtime_error", "wrong_result", "timeout",
+            "corrupts_state")
 LIVE = (*FINISHED, TrialState.RUNNING)  # trials that hold their config
 SEED_ATTR = "seed"  # user attr (True) of a trial that measures a warm-start seed
 

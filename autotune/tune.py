@@ -17,6 +17,7 @@ import jax
 import optuna
 from optuna.trial import FrozenTrial
 
+from autotune.failures import ChipStateCorrupted
 from autotune.measure import Config, Measurer, Timing
 from autotune.peaks import device_roofline
 from autotune.samplers import SamplerName
@@ -282,6 +283,12 @@ class TuneJob:
         top = _top_configs(study, base, options.confirm_top) if study else []
         timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
         failures = _failures(study) if study else {}
+        if base not in timings and study and base in _top_configs(study, base, len(study.trials)):
+            raise ChipStateCorrupted(
+                f"the default config {base.label(problem.mode)} passed the search but failed "
+                f"the confirmation on {device.device_kind}: the device's state is likely "
+                f"corrupt; nothing published; run the same command again to confirm in a "
+                f"fresh process")
         if not timings:
             raise NothingToPublish(
                 f"no config of {problem.label()} compiled, ran and passed the correctness "

@@ -18,7 +18,7 @@ from storage.studies import OK, is_measurement, trial_status
 
 # One letter per failure class in the landscape; other classes get their first letter.
 FAILURE_LETTERS = {"compile_error": "C", "vmem_oom": "V", "runtime_error": "R",
-                   "wrong_result": "W", "timeout": "T"}
+                   "wrong_result": "W", "timeout": "T", "corrupts_state": "X"}
 _ABBREVIATIONS = {"block_q": "q", "block_kv": "kv", "block_kv_compute": "kvc",
                   "pipeline_depth": "depth"}
 

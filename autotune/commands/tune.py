@@ -104,6 +104,7 @@ def tune(
 
     from autotune.choice import choose_kernel, local_kernels
     from autotune.progress import TuneProgress
+    from autotune.failures import ChipStateCorrupted
     from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.search import StudyMismatchError
     from autotune.timing import TimingError
@@ -140,6 +141,9 @@ def tune(
             except (ConfigError, TimingError, StudyMismatchError) as error:  # nothing to tune
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
+            except ChipStateCorrupted as error:  # nothing more runs right in this process
+                typer.echo(f"error: {error}", err=True)
+                raise typer.Exit(1) from None
             except NothingToPublish as error:  # the other problems are still tuned
                 typer.echo(f"error: {error}", err=True)
                 failed += 1
