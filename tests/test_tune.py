@@ -22,11 +22,12 @@ from typing import Any
 
 import httpx
 import jax
+import numpy as np
 import optuna
 import pytest
 import yaml
 
-from autotune.failures import Status, classify_compile_error
+from autotune.failures import ChipStateCorrupted, Status, classify_compile_error
 from autotune.measure import Measurer, Timing
 from autotune.search import search
 from autotune.searchspace import Space
@@ -442,6 +443,50 @@ def test_every_failure_class_is_kept_on_its_trial_and_the_study_goes_on(
     assert by_status[Status.WRONG_RESULT][0].user_attrs["compile_s"] > 0
     assert result.best is not None and result.best.config == {
         "block_q": 256, "block_kv": 256, "pipeline_depth": 2}
+
+
+# The "chip" every run of _stateful_build reads: a config at pipeline depth 1 gives its own
+# result right and then leaves it corrupt, as depth 4 did on a v5e (pallas-facts §10).
+_CHIP = {"offset": 0.0}
+
+
+def _reads_chip(out: Any) -> Any:
+    return np.asarray(out + _CHIP["offset"], out.dtype)
+
+
+def _corrupts_chip(out: Any) -> Any:
+    result = _reads_chip(out)
+    _CHIP["offset"] = 1.0
+    return result
+
+
+def _stateful_build(problem: Problem, config: FlashConfig) -> Any:
+    attend = FLASH.build(problem, config)
+    hook = _corrupts_chip if config.pipeline_depth == 1 else _reads_chip
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        out = attend(q, k, v)
+        return jax.pure_callback(hook, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+    return run
+
+
+def test_a_config_that_corrupts_the_chip_is_caught_by_the_canary_and_ends_the_search(
+        tiny_base: FlashConfig) -> None:
+    space = Space({"block_q": [128, 256], "pipeline_depth": [1, 2]})
+    storage = optuna.storages.InMemoryStorage()
+    _CHIP["offset"] = 0.0
+    measurer = Measurer(TINY, tiny_base, FLASH, build=_stateful_build, min_time_s=0.01)
+    try:
+        with pytest.raises(ChipStateCorrupted, match="run the same command again"):
+            search(space, measurer, storage=storage, study_name="canary", sampler="grid",
+                   trials=4)
+    finally:
+        measurer.close()
+    corrupting = _trials_by_status(optuna.load_study(study_name="canary", storage=storage))[
+        Status.CORRUPTS_STATE]
+    # Its own result was right: the canary, not the gate, caught it, right after it ran.
+    assert [t.params["pipeline_depth"] for t in corrupting] == [1]
+    assert "changed since the search began" in corrupting[0].user_attrs["error"]
 
 
 def test_vmem_oom_from_the_real_compiler_is_classified(tiny_base: FlashConfig) -> None:
