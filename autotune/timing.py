@@ -21,11 +21,14 @@ device event of the kernel, and ``wallclock`` on a CPU (:func:`timing_plan`).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import importlib.util
 import json
+import os
 import re
+import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +172,8 @@ def profile_runs(call: Callable[[], Any], runs: int,
                  counts: Callable[[str], bool]) -> list[float] | None:
     """Runs ``call`` ``runs`` times (each to completion) under one ``jax.profiler`` trace and
     returns :func:`run_times` of it."""
-    with tempfile.TemporaryDirectory(prefix="autotune-profile-") as logdir:
+    with tempfile.TemporaryDirectory(prefix="autotune-profile-") as logdir, \
+            _native_noise_dropped():
         jax.profiler.start_trace(logdir)
         try:
             for index in range(runs):
@@ -178,3 +182,30 @@ def profile_runs(call: Callable[[], Any], runs: int,
         finally:
             jax.profiler.stop_trace()
         return run_times(trace_events(logdir), runs, counts)
+
+
+# What the profiler's and xprof's C++ logging prints to stderr for every trace on a TPU, with
+# nothing for a user to do about it (seen with jax 0.10.2, libtpu 0.0.42.1, xprof 2.24).
+_NATIVE_NOISE = re.compile(r"No UnifiedProfileProcessor registered for tool|"
+                           r"Remapping device id")
+
+
+@contextlib.contextmanager
+def _native_noise_dropped() -> Iterator[None]:
+    """Holds what native code writes to the process's stderr (file descriptor 2, which
+    Python's ``sys.stderr`` cannot intercept) while the block runs, then writes it back
+    without the lines of :data:`_NATIVE_NOISE`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(True)
+                    if not _NATIVE_NOISE.search(line)]
+            sys.stderr.write("".join(kept))

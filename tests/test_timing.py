@@ -10,6 +10,7 @@ worked out by hand, and no roofline figure on a CPU.
 from __future__ import annotations
 
 import gzip
+import os
 import statistics
 import sys
 import time
@@ -125,6 +126,25 @@ def test_h200_traces_count_only_the_measured_executable_and_its_named_kernels(
     # Inside a command buffer a named kernel has no op event: None (the caller falls back).
     buffered = recorded("pallas_gpu-command-buffer", tmp_path)
     assert run_times(buffered, 3, kernel_op_matcher(PALLAS_GPU_OPS, ("pallas_call",))) is None
+
+
+def test_a_profile_drops_the_native_profiler_noise_and_keeps_other_native_output(capfd) -> None:
+    """The lines the profiler's C++ logging prints for every trace on a TPU (written here to
+    file descriptor 2 as native code writes them) do not reach the terminal; others do."""
+    compiled = jax.jit(matmuls).lower(X).compile()
+    lines = [b"E0000 00:00 1 tool.cc:1] No UnifiedProfileProcessor registered for tool: "
+             b"trace_viewer@\n", b"W0000 00:00 1 remap.cc:2] Remapping device id 0 to 0\n",
+             b"E0000 00:00 1 other.cc:3] a real native error\n"]
+
+    def noisy_call() -> jax.Array:
+        for line in lines:
+            os.write(2, line)
+        return compiled(X)
+
+    assert profile_runs(noisy_call, 2, kernel_op_matcher(op_names(compiled), ())) is not None
+    stderr = capfd.readouterr().err
+    assert "UnifiedProfileProcessor" not in stderr and "Remapping" not in stderr
+    assert stderr.count("a real native error") == 2
 
 
 def test_auto_plan_per_platform() -> None:
