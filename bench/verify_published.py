@@ -27,7 +27,10 @@ from kernel.tolerance import MAX_RELATIVE_ERROR  # noqa: E402
 
 def last_summary(path: Path) -> dict:
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
-    return [line for line in lines if "best_config" in line][-1]
+    summaries = [line for line in lines if "best_config" in line]
+    if not summaries:
+        sys.exit(f"{path} holds no tuning summary: nothing was published")
+    return summaries[-1]
 
 
 def verify(summary: dict) -> dict:
