@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -28,8 +29,10 @@ class TuneProgress:
         self.problem = problem
         self.kernel = kernel  # named in the bar and the JSON lines when several are tuned
         self.json_output = json_output
+        self.budget = budget
         self.failures: Counter[str] = Counter()
         self.measured = 0
+        self._pace = _Pace()
         self._progress = None if json_output else Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
@@ -54,6 +57,7 @@ class TuneProgress:
     def on_trial(self, result: TrialResult, best: TrialResult | None,
                  default_ms: float | None) -> None:
         self.measured += 1
+        self._pace.tick()
         if not result.measurement.ok:
             self.failures[result.measurement.status] += 1
         if self.json_output:
@@ -83,4 +87,24 @@ class TuneProgress:
         if self.failures:
             parts.append("failures " + " ".join(f"{k}={v}" for k, v in
                                                 sorted(self.failures.items())))
-        return ", ".join(parts)
+        parts.append(self._pace.describe(self.budget - self.measured))
+        return ", ".join(part for part in parts if part)
+
+
+class _Pace:
+    """Trials per minute of this run (a resume's earlier trials not counted) and the time
+    the rest of the budget takes at that pace."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.trials = 0
+
+    def tick(self) -> None:
+        self.trials += 1
+
+    def describe(self, left: int) -> str:
+        minutes = (time.monotonic() - self.start) / 60
+        if not self.trials or minutes <= 0:
+            return ""
+        per_minute = self.trials / minutes
+        return f"{per_minute:.1f} trials/min, ~{left / per_minute:.1f} min left"

@@ -338,6 +338,18 @@ def test_the_progress_counts_the_study_wide_budget_on_a_resume(tmp_path: Path) -
     assert first[0] is not None and resume == [first[0]]
 
 
+def test_the_progress_shows_trials_per_minute_and_the_time_left() -> None:
+    from autotune.progress import TuneProgress
+
+    progress = TuneProgress(TINY, 10)
+    assert "trials/min" not in progress._status(None, None)  # no pace before a trial
+    progress._pace.start -= 60  # three trials in the last minute, seven to go
+    for _ in range(3):
+        progress._pace.tick()
+    progress.measured = 3
+    assert "3.0 trials/min, ~2.3 min left" in progress._status(None, None)
+
+
 def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:
     """An unknown method, and ``profile`` of our kernel in interpret mode (its trace holds no
     flash_fwd event): exit 2 with the way out, and nothing published."""
