@@ -21,7 +21,7 @@ PROBLEM=(--batch 4 --q-heads 16 --q-len 4096 --head-dim 128 --dtype bfloat16 --c
          --mode fwd_bwd)
 case "$1" in
 tier)
-    AUTOTUNE_TIER_SUMMARY=$OUT/tier.json timeout 480 python3 -m pytest -m tpu -p no:cacheprovider \
+    AUTOTUNE_TIER_SUMMARY=$OUT/tier.json timeout 480 python3 -m pytest -o addopts= -m tpu -p no:cacheprovider \
         -q -rfE tests/test_tpu_tier.py 2>&1 | tee "$OUT/tier.log" | tail -n 40 ;;
 tune)
     kernel=$2 trials=$3; shift 3
