@@ -187,7 +187,7 @@ def profile_runs(call: Callable[[], Any], runs: int,
 # What the profiler's and xprof's C++ logging prints to stderr for every trace on a TPU, with
 # nothing for a user to do about it (seen with jax 0.10.2, libtpu 0.0.42.1, xprof 2.24).
 _NATIVE_NOISE = re.compile(r"No UnifiedProfileProcessor registered for tool|"
-                           r"Remapping device id")
+                           r"Unified processor not found for tool|Remapping device id")
 
 
 @contextlib.contextmanager

@@ -27,6 +27,21 @@ def compiled(kernel_name: str, problem: Problem, config: Any):
     return lambda inputs: tuple(np.asarray(x) for x in (forward(*inputs), *grads(*inputs)))
 
 
+def _reference(kernel: Any, problem: Problem, inputs: list[Any]) -> tuple[Any, ...]:
+    """(out, dq, dk, dv) of the float32 XLA reference at ``highest`` precision, one batch row
+    at a time (its logits and their gradients at 16 heads and 4096 tokens take 4 GiB each)."""
+    row = dataclasses.replace(problem, batch=1)
+    forward = jax.jit(kernel.reference(dataclasses.replace(row, mode="fwd")))
+    grads = jax.jit(kernel.reference(row))
+    rows = []
+    with jax.default_matmul_precision("highest"):
+        for b in range(problem.batch):
+            args = [x[b:b + 1].astype(np.float32) if x.dtype.kind == "f" else x[b:b + 1]
+                    for x in inputs]
+            rows.append([np.asarray(x, np.float32) for x in (forward(*args), *grads(*args))])
+    return tuple(np.concatenate(parts) for parts in zip(*rows))
+
+
 @dataclasses.dataclass
 class Bench:
     """One fwd_bwd problem's inputs, float32 reference and canary (``canary_kernel`` at
@@ -41,13 +56,8 @@ class Bench:
     @classmethod
     def of(cls, problem: Problem, canary_kernel: str, canary_config: Any) -> Bench:
         inputs = example_inputs(problem)
-        kernel = KERNELS[canary_kernel]
-        with jax.default_matmul_precision("highest"):
-            f32 = [x.astype(np.float32) if x.dtype.kind == "f" else x for x in inputs]
-            reference = (kernel.reference(dataclasses.replace(problem, mode="fwd"))(*f32),
-                         *kernel.reference(problem)(*f32))
         canary = compiled(canary_kernel, problem, canary_config)
-        return cls(problem, inputs, tuple(np.asarray(x, np.float32) for x in reference), canary,
+        return cls(problem, inputs, _reference(KERNELS[canary_kernel], problem, inputs), canary,
                    canary(inputs))
 
     def errors(self, kernel_name: str, config: Any) -> dict[str, float]:

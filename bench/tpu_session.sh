@@ -20,6 +20,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$SITE:/tmp/site-index PYTHONUN
 PROBLEM=(--batch 4 --q-heads 16 --q-len 4096 --head-dim 128 --dtype bfloat16 --causal
          --mode fwd_bwd)
 case "$1" in
+verify)  # a tune output kept from an earlier run
+    python3 bench/verify_published.py "$2" --out "$OUT/verify-$(basename "$2" .jsonl).json" \
+        2>&1 | tail -n 30 ;;
 tier)
     AUTOTUNE_TIER_SUMMARY=$OUT/tier.json timeout 480 python3 -m pytest -o addopts= -m tpu -p no:cacheprovider \
         -q -rfE tests/test_tpu_tier.py 2>&1 | tee "$OUT/tier.log" | tail -n 40 ;;
