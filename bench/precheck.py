@@ -47,8 +47,8 @@ from kernel import DEFAULT_KERNEL, Problem, get_kernel, get_target
 HEADS = 8
 
 
-def problem(mode: str, seq_len: int) -> Problem:
-    return Problem(batch=1, q_heads=HEADS, kv_heads=HEADS, q_len=seq_len, kv_len=seq_len,
+def problem(mode: str, seq_len: int, batch: int = 1, heads: int = HEADS) -> Problem:
+    return Problem(batch=batch, q_heads=heads, kv_heads=heads, q_len=seq_len, kv_len=seq_len,
                    head_dim=128, dtype="bfloat16", causal=True, mode=mode)
 
 

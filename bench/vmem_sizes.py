@@ -10,13 +10,14 @@ kernel that fits a limit raised for another is not reported (it needs less). A c
 target when its largest allocation is within the target's limit.
 
     python bench/vmem_sizes.py --kernel splash --targets v5e v6e --seq-len 8192 \\
-        --sample-every 40 [--modes fwd fwd_bwd] [--out sizes.jsonl]
+        --sample-every 40 [--batch 1 --heads 8] [--modes fwd fwd_bwd] [--out sizes.jsonl]
     python bench/vmem_sizes.py --kernel splash --rescore bench/data/splash_vmem/*.jsonl
 
 Prints one line per config (MiB measured per kernel, the estimate's verdict, the compiler's)
-and per (target, mode): sampled, fit, overflow, admitted, precision and recall. ``--rescore``
-compiles nothing: it judges the current estimate against measurements saved with ``--out``
-(``bench/data/`` keeps splash's), so a change to the estimate is checked in a second.
+and per (target, mode; batch and heads where not 1 and 8): sampled, fit, overflow, admitted,
+precision and recall. ``--rescore`` compiles nothing: it judges the current estimate against
+measurements saved with ``--out`` (``bench/data/`` keeps splash's), so a change to the
+estimate is checked in a second.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kernel.rules import vmem_limit_violations
 from kernel.targets import MiB
 
 sys.path.insert(0, str(Path(__file__).parent))
-from precheck import problem  # noqa: E402  (bench/precheck.py's problem)
+from precheck import HEADS, problem  # noqa: E402  (bench/precheck.py's problem)
 
 LIMIT_STEP_KIB = 16  # raise the limit this far past a reported allocation
 
@@ -68,25 +69,30 @@ def status(sizes: dict[str, int], target: Target) -> Status:
 
 
 def rescored(kernel: TunableKernel,
-             paths: list[Path]) -> dict[tuple[str, int, str], list[PrecheckResult]]:
+             paths: list[Path]) -> dict[tuple[str, Problem], list[PrecheckResult]]:
     """Saved measurements (``--out`` lines) judged by the current estimate, per (target,
-    seq_len, mode): fits when the largest allocation is within the target's limit."""
-    out: dict[tuple[str, int, str], list[PrecheckResult]] = {}
+    problem): fits when the largest allocation is within the target's limit. Lines without a
+    batch or heads field were measured at batch 1 and ``HEADS`` heads."""
+    out: dict[tuple[str, Problem], list[PrecheckResult]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             target = get_target(row["target"])
             config = kernel.config_from_dict(row["config"])
-            admitted = not kernel.violations(problem(row["mode"], row["seq_len"]), config, target)
-            out.setdefault((target.name, row["seq_len"], row["mode"]), []).append(PrecheckResult(
+            prob = problem(row["mode"], row["seq_len"], row.get("batch", 1),
+                           row.get("heads", HEADS))
+            admitted = not kernel.violations(prob, config, target)
+            out.setdefault((target.name, prob), []).append(PrecheckResult(
                 config, status(row["allocations"], target), 0.0, admitted))
     return out
 
 
-def report(target_name: str, mode: str, seq_len: int, results: list[PrecheckResult]) -> None:
+def report(target_name: str, prob: Problem, results: list[PrecheckResult]) -> None:
     """One summary line: sampled, fit, overflow, admitted, precision and recall."""
     agreement = Agreement.of(results)
-    print(f"{target_name} {mode} seq {seq_len}: {len(results)} sampled, "
+    shape = "" if (prob.batch, prob.q_heads) == (1, HEADS) else (
+        f" batch {prob.batch} heads {prob.q_heads}")
+    print(f"{target_name} {prob.mode} seq {prob.q_len}{shape}: {len(results)} sampled, "
           f"{agreement.compiled_ok} fit, {len(results) - agreement.compiled_ok} "
           f"overflow, {agreement.admitted} admitted, precision {agreement.precision}, "
           f"recall {agreement.recall}")
@@ -98,6 +104,8 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=["v5e"])
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"])
     parser.add_argument("--seq-len", type=int, default=4096, help="query and key/value length")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=HEADS, help="query and key/value heads")
     parser.add_argument("--sample-every", type=int, default=1,
                         help="measure every n-th candidate only (a deterministic sample)")
     parser.add_argument("--out", type=Path, help="append every measurement here (JSON lines)")
@@ -107,13 +115,13 @@ def main() -> None:
 
     kernel = get_kernel(args.kernel).discover()
     if args.rescore:
-        for (target_name, seq_len, mode), results in rescored(kernel, args.rescore).items():
-            report(target_name, mode, seq_len, results)
+        for (target_name, prob), results in rescored(kernel, args.rescore).items():
+            report(target_name, prob, results)
         return
     for target_name in args.targets:
         target = get_target(target_name)
         for mode in args.modes:
-            prob = problem(mode, args.seq_len)
+            prob = problem(mode, args.seq_len, args.batch, args.heads)
             todo = candidates(prob, target, kernel, include_rejected=True)[::args.sample_every]
             results = []
             for candidate in todo:
@@ -129,11 +137,12 @@ def main() -> None:
                 if args.out:
                     with args.out.open("a") as out:
                         out.write(json.dumps({"target": target_name, "mode": mode,
-                                              "seq_len": args.seq_len,
+                                              "seq_len": args.seq_len, "batch": args.batch,
+                                              "heads": args.heads,
                                               "forward_only": candidate.forward_only,
                                               "allocations": sizes,
                                               **results[-1].to_dict()}) + "\n")
-            report(target_name, mode, args.seq_len, results)
+            report(target_name, prob, results)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,19 @@ DQ_SCRATCH = UnrolledScratch(base=2, per_step=0)
 # 9.82 on v4, where the model says 5.60): there the estimate is scaled by at least the largest
 # ratio measured (v5p 1.43, v4 1.83).
 UNFITTED_MARGINS = {"v5p": 1.5, "v4": 2.0}
+# The sample above is batch 1, where ``jax.vmap`` leaves splash's grid as it is (a vmap of
+# size 1 is squeezed away). From batch 2 it adds a batch grid axis, and the compiler allocates
+# more per kernel (v5e, 4096 tokens, batch 4 and 16 heads unless said:
+# ``bench/data/splash_vmem/v5e_4096_chip_false_admits.jsonl``):
+# - the outputs splash uses as scratch (index map ``(0, 0)``: the forward's m, l and
+#   accumulator, dK/dV's f32 dk and dv, dQ's f32 dq) take a second buffer, and so does the
+#   forward's logsumexp residual;
+# - the innermost axis' windows count on top of the compute's temporaries (as on v6e).
+# A q512 kv4096/512 forward takes 5.35 MiB at batch 1 and 10.09 at batch 4 (+0.75 for m, l
+# and the accumulator, +4 for the k and v windows). The chip's two false admits are such:
+# dK/dV 256x4096/128 takes 16.16 MiB (13.39 estimated for batch 1), and a q4096 kv128/128
+# SEQ_MINOR forward with residuals 22.52 (10.52 at batch 1; 18.52 without residuals at
+# batch 2, 20.52 at batch 4).
 
 
 def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
@@ -169,32 +182,45 @@ def vmem_estimate(problem: Problem, config: SplashConfig) -> dict[str, int]:
         return sum(io(rows) + tile_bytes(rows, d, 4) for layout in layouts
                    if layout == "SEQ_MINOR")
 
+    batched = problem.batch > 1  # a batch grid axis (the model above)
+
+    def compute(scratch_bytes: int, inner_rows: int) -> int:  # and the innermost windows
+        windows = 2 * io(inner_rows) + REGISTER_FILE
+        return scratch_bytes + windows if batched else max(scratch_bytes, windows)
+
+    def scratch_outputs(*tiles: int) -> int:  # splash's outputs used as scratch
+        return (2 if batched else 1) * sum(tiles)
+
     steps = c.block_kv // c.block_kv_compute
     scratch = (ONE_KV_BLOCK_SCRATCH if c.block_kv_compute == LANES and c.block_kv >= problem.kv_len
                else FWD_SCRATCH.get(c.block_kv_compute, WIDE_FWD_SCRATCH))
-    rows = 2 * io(c.block_q) + 2 * stat  # q, out; m, l (and the rest of the row state)
+    # q, out; m, l: at batch 1 the whole row state. Batched, the accumulator and (with
+    # residuals) the logsumexp take a second buffer as m and l do.
+    rows = 2 * io(c.block_q) + scratch_outputs(stat, stat)
+    if batched:
+        rows += tile_bytes(c.block_q, d, 4) + (stat if problem.mode == "fwd_bwd" else 0)
     fwd = (rows + seq_minor(c.block_q, c.q_layout)
            + seq_minor(c.block_kv, c.k_layout, c.v_layout)
-           + max(scratch.bytes(c.block_q, c.block_kv_compute, steps),
-                 2 * io(c.block_kv) + REGISTER_FILE))  # or the k and v windows (v6e)
+           + compute(scratch.bytes(c.block_q, c.block_kv_compute, steps), c.block_kv))
     estimate = {"fwd": fwd}
     if problem.mode == "fwd_bwd":
         qd, kd = c.block_q_dkv, c.block_kv_dkv
-        dkv = (2 * io(kd) + 2 * io(kd) + 2 * tile_bytes(kd, d, 4)  # k, v; dk, dv; f32 dk, dv
+        dkv = (2 * io(kd) + 2 * io(kd)  # k, v; dk, dv
+               + scratch_outputs(tile_bytes(kd, d, 4), tile_bytes(kd, d, 4))  # f32 dk, dv
                + 3 * 2 * tile_bytes(SUBLANES, qd, 4)  # logsumexp, di, q_sequence: (8, rows)
                + seq_minor(qd, c.q_layout)  # dO is never SEQ_MINOR
                + seq_minor(kd, c.k_layout, c.v_layout)
-               + max(DKV_SCRATCH.bytes(c.block_kv_dkv_compute, qd, kd // c.block_kv_dkv_compute),
-                     2 * io(qd) + REGISTER_FILE))  # or the q and dO windows (v6e)
+               + compute(DKV_SCRATCH.bytes(c.block_kv_dkv_compute, qd,
+                                           kd // c.block_kv_dkv_compute), qd))  # q, dO windows
         if c.use_fused_bwd_kernel:
-            dkv += io(qd) + tile_bytes(qd, d, 4)  # dq output and scratch
+            dkv += io(qd) + scratch_outputs(tile_bytes(qd, d, 4))  # dq output and scratch
         estimate["dkv"] = dkv
         if not c.use_fused_bwd_kernel:
             qq, kq = c.block_q_dq, c.block_kv_dq
             estimate["dq"] = (2 * io(qq) + 2 * io(kq) + io(qq)  # q, do; k, v; dq
                               + 2 * 2 * tile_bytes(1, qq, 4)  # logsumexp, di: (1, rows)
                               + 2 * tile_bytes(qq, LANES, 4)  # q_sequence: (rows, 128)
-                              + tile_bytes(qq, d, 4)  # dq scratch
+                              + scratch_outputs(tile_bytes(qq, d, 4))  # dq scratch
                               + seq_minor(qq, c.q_layout) + seq_minor(kq, c.k_layout, c.v_layout)
                               + DQ_SCRATCH.bytes(qq, kq, 1))
     return estimate
