@@ -26,6 +26,7 @@ from storage import ResultError, Store, upgrade
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=128,
                   causal=True, window=(64, 0), softcap=30.0)
 CONFIG = FlashConfig(block_q=128, block_kv=128)
+XLA_CONFIG = get_kernel("xla").default_config(PROBLEM)
 # A valid table with an entry, a choice and another kernel's entries: every part to break.
 VALID = json.loads(json.dumps(LookupTable(
     kernel="flash", kernel_version="1", device_kind="cpu", jax_version="0.4.1",
@@ -33,8 +34,7 @@ VALID = json.loads(json.dumps(LookupTable(
     choices=(KernelChoice(PROBLEM, "flash", CONFIG, {"flash": KernelTiming(1.0, 0.1),
                                                      "xla": KernelTiming(failure="oom")}),),
     others=(LookupTable(kernel="xla", kernel_version="1", device_kind="cpu",
-                        entries=(TableEntry(PROBLEM, get_kernel("xla").default_config(PROBLEM), 3.0),)),
-)).to_dict()))
+                        entries=(TableEntry(PROBLEM, XLA_CONFIG, 3.0),)),)).to_dict()))
 # The cases the issue found: others[0].kernel a list or an object, softcaps no float holds.
 HUGE_SOFTCAP = {**VALID["entries"][0]["problem"], "softcap": 10 ** 400}
 FOUND = [{**VALID, "others": [{**VALID["others"][0], "kernel": ["xla"]}]},
