@@ -5,11 +5,13 @@ store NUL, and no device kind has them)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic_core import PydanticCustomError
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
 from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES
@@ -44,7 +46,44 @@ RooflineBound = Literal[ROOFLINE_BOUNDS]  # type: ignore[valid-type]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A JSON request body: no unknown field, and each value of its declared type, not
+    coerced to it (``true`` is no number, ``"yes"`` no boolean, ``64.0`` no key count), as the
+    table and problem loaders read them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# A query parameter's plain text per scalar type (as ``Problem.query_params`` writes them).
+_PLAIN_TEXT = {bool: (re.compile("true|false", re.IGNORECASE), "true or false"),
+               int: (re.compile("[-+]?[0-9]+"), "an integer"),
+               float: (re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"),
+                       "a decimal number")}
+
+
+def _scalar_type(annotation: Any) -> Any:
+    """The bool, int or float of a field's type (inside an optional, a list, ...), or None."""
+    if isinstance(annotation, type) and annotation in _PLAIN_TEXT:
+        return annotation
+    return next(filter(None, map(_scalar_type, typing.get_args(annotation))), None)
+
+
+class QueryModel(BaseModel):
+    """Query parameters, which are text: each is read in its type's plain form only
+    (``window=64.0`` is no key count, ``causal=yes`` no boolean); no unknown parameter."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_text(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = _scalar_type(cls.model_fields[info.field_name].annotation)
+        if kind is not None:
+            pattern, form = _PLAIN_TEXT[kind]
+            for text in value if isinstance(value, list) else [value]:
+                if isinstance(text, str) and not pattern.fullmatch(text):
+                    raise PydanticCustomError("plain_text", "give {form}, got {text}",
+                                              {"form": form, "text": repr(text[:64])})
+        return value
 
 
 _PROBLEM_HINTS = typing.get_type_hints(Problem)
@@ -115,6 +154,18 @@ class LookupKey(ChoiceKey):
         return LookupRequest(device_kind=self.device_kind, problem=self.to_problem(),
                              kernel=self.kernel, kernel_version=self.kernel_version,
                              platform=self.platform)
+
+
+class ChoiceQuery(ChoiceKey, QueryModel):
+    """A ``ChoiceKey`` as query parameters."""
+
+    model_config = QueryModel.model_config
+
+
+class LookupQuery(LookupKey, QueryModel):
+    """A ``LookupKey`` as query parameters."""
+
+    model_config = QueryModel.model_config
 
 
 # A problem as answered, and a stored key, flat (storage.ConfigKey.to_dict): the problem's
@@ -233,26 +284,33 @@ class BatchLookupResponse(BaseModel):
     results: list[BatchLookupItem]
 
 
-class ListQuery(_Strict):
-    """``GET /v1/configs``: filters (each a column = value) and a page; an unknown query
+class ChoiceListQuery(QueryModel):
+    """``GET /v1/choices``: filters (each a column = value) and a page; an unknown query
     parameter is a 422, not silently ignored."""
 
-    kernel: _KeyText["kernel"] | None = None
-    kernel_version: _KeyText["kernel_version"] | None = None
     device_kind: _KeyText["device_kind"] | None = None
     platform: _KeyText["platform"] | None = None
+    kernel: _KeyText["kernel"] | None = Field(None, description="The chosen kernel.")
     dtype: Dtype | None = None
     mode: Mode | None = None
     causal: bool | None = None
     head_dim: Annotated[int | None, Field(ge=1, le=INT_LIMITS["head_dim"])] = None
     segmented: bool | None = None
     method: Method | None = None
-    study: Text | None = None
     offset: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] = 0
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
 
     def filters(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, exclude={"offset", "limit"})
+
+
+class ListQuery(ChoiceListQuery):
+    """``GET /v1/configs``: as ``GET /v1/choices``, of the configs of a kernel version or a
+    study too (``kernel`` is the tuned kernel)."""
+
+    kernel: _KeyText["kernel"] | None = None
+    kernel_version: _KeyText["kernel_version"] | None = None
+    study: Text | None = None
 
 
 SKIPPED = Field(description="Rows of this page left out: written by a newer build (a kernel "
@@ -272,6 +330,8 @@ class ImportResponse(BaseModel):
     replaced: int
     kept: int
     choices: int = Field(description="Kernel choices stored (each replaces the key's).")
+    left_out: list[str] = Field(description="Kernels of the table's others that this server "
+                                "does not install: their entries were not imported.")
 
 
 class KernelTimingOut(BaseModel):

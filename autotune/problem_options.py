@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -147,13 +148,32 @@ def _expanded_nodes(root: Any) -> int:
     return sizes[id(root)]
 
 
+# A number with an exponent, with or without a point: JSON's 1e+20, 1e-05 and 5e1, which YAML
+# 1.1 (PyYAML) reads as strings: a shapes file of JSON lines, as kernel.shapesfile writes them,
+# would refuse its own softcaps.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+@functools.cache
+def _shapes_loader() -> Any:
+    """PyYAML's safe loader (the C one where built), reading exponent numbers as floats."""
+    import yaml
+
+    class ShapesLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+        pass
+
+    ShapesLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT,
+                                       list("-+.0123456789"))
+    return ShapesLoader
+
+
 def _parse_shapes(path: Path) -> Any:
     """The YAML (or JSON) document of ``path``, refused before it is built if it expands to
     more than MAX_SHAPES_NODES nodes."""
     import yaml
 
     try:
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(path.read_text(encoding="utf-8"))
+        loader = _shapes_loader()(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise _shapes_error(f"cannot read {path}: {error.strerror}") from None
     except UnicodeDecodeError as error:
@@ -169,6 +189,10 @@ def _parse_shapes(path: Path) -> Any:
         return None if node is None else loader.construct_document(node)
     except yaml.YAMLError as error:
         raise _shapes_error(f"{path} is not valid YAML/JSON: {error}") from None
+    except ValueError as error:  # an integer of 5000 digits, a 30th of February
+        reason = str(error).split(";")[0]  # not Python's advice to raise its digit limit
+        raise _shapes_error(f"{path} holds a value no problem field takes: "
+                            f"{_shortened(reason)}") from None
     finally:
         loader.dispose()
 

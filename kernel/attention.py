@@ -9,12 +9,11 @@ the first call, so ``import kernel`` stays cheap for the service and storage.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
-from kernel.problem import DTYPES, Problem
+from kernel.problem import DTYPES, Problem, finite_float, shown_number
 from kernel.scoped_resolver import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
@@ -155,8 +154,9 @@ def _check_positive(name: str, value: Any) -> None:
     """Raises naming ``name`` unless ``value`` is a positive finite Python number (static)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a Python float (static), got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+    number = finite_float(value)
+    if number is None or number <= 0:
+        raise ValueError(f"{name} must be positive and finite, got {shown_number(value)}")
 
 
 def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:

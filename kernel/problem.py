@@ -139,10 +139,17 @@ class Problem:
         if self.window is not None:
             out.append(f"window{self.window[0]},{self.window[1]}")
         if self.softcap is not None:
-            out.append(f"softcap{self.softcap:g}")
+            out.append(f"softcap{_exact_text(self.softcap)}")
         if self.segmented:
             out.append("segmented")
         return out
+
+
+def _exact_text(number: float) -> str:
+    """``number`` in ``:g`` form where that is exact (``50``, ``1e+20``), else its shortest
+    exact form (``50.0000001``): two problems' labels differ where their values do."""
+    short = f"{number:g}"
+    return short if float(short) == number else repr(number)
 
 
 def _window(window: Any, causal: bool) -> tuple[int, int]:
@@ -160,14 +167,35 @@ def _window(window: Any, causal: bool) -> tuple[int, int]:
     return (left, 0 if causal else right)
 
 
+def finite_float(value: Any) -> float | None:
+    """``value`` as a float if it is an int or a float (not a bool) that a finite float holds
+    (an integer past the float range overflows), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def shown_number(value: Any) -> str:
+    """``repr(value)``, or a description of an integer too long to print in an error."""
+    if isinstance(value, int) and finite_float(value) is None:
+        return "an integer too large for a float"
+    return repr(value)
+
+
 def _softcap(softcap: Any) -> float:
     """``softcap`` as a positive finite float; anything else raises naming the fix."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ProblemError(f"softcap must be a number, got {softcap!r}")
-    if not (math.isfinite(softcap) and softcap > 0):
+    number = finite_float(softcap)
+    if number is None or number <= 0:
         raise ProblemError(f"softcap must be positive and finite (logits become softcap * "
-                           f"tanh(logits / softcap)), got {softcap!r}; leave it out for none")
-    return float(softcap)
+                           f"tanh(logits / softcap)), got {shown_number(softcap)}; leave it "
+                           "out for none")
+    return number
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Problem))  # read per table entry

@@ -9,14 +9,18 @@ problem twice.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
 from kernel.problem import FEATURE_FIELDS, Problem
 
 HEADER = "# attention problems for `autotune tune --shapes FILE`\n"
+# A shapes file of 16k problems is 3 MiB; a file past this is no shapes file.
+MAX_SHAPES_BYTES = 64 << 20
 
 
 def problem_line(problem: Problem) -> str:
@@ -33,13 +37,13 @@ def save_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> No
 
 
 def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> int:
-    """Appends the problems not in ``path`` yet (created if missing); how many were added."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    """Appends the problems not in ``path`` yet (created if missing); how many were added.
+    Only a regular file is read, up to MAX_SHAPES_BYTES (a device or a FIFO is written to, and
+    a write that would block fails); a larger file raises ``OSError`` (EFBIG)."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
         _lock(fd)
-        with open(fd, "r", encoding="utf-8", closefd=False) as reader:
-            reader.seek(0)
-            present = reader.read()
+        present = _present_text(fd, path)
         known = set(present.splitlines())
         new = [line for line in dict.fromkeys(map(problem_line, problems))
                if line.rstrip("\n") not in known]
@@ -51,6 +55,19 @@ def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> 
         return len(new)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _present_text(fd: int, path: str | os.PathLike[str]) -> str:
+    """What the file of ``fd`` holds: its text if it is a regular file of at most
+    MAX_SHAPES_BYTES ("" for anything else: /dev/zero would never end)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return ""
+    with open(fd, "rb", closefd=False) as reader:
+        data = reader.read(MAX_SHAPES_BYTES + 1)
+    if len(data) > MAX_SHAPES_BYTES:
+        raise OSError(errno.EFBIG, f"over the {MAX_SHAPES_BYTES >> 20} MiB a shapes file may "
+                      "have; give a new path", str(path))
+    return data.decode("utf-8", errors="replace")  # a line that is no UTF-8 is not ours
 
 
 def _lock(fd: int) -> None:

@@ -15,14 +15,13 @@ import json
 import math
 import os
 import stat
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kernel.errors import AutotuneError, TableError
-from kernel.problem import Problem
+from kernel.problem import FEATURE_FIELDS, Problem, finite_float, shown_number
 from kernel.registry import KERNELS, get_kernel
 
 MiB = 1 << 20
@@ -32,6 +31,7 @@ MAX_TABLE_BYTES = 512 * MiB
 TABLE_SCHEMA_VERSION = 3
 # 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+FEATURES_SCHEMA_VERSION = 3  # the first whose problems may use FEATURE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,10 @@ def _milliseconds(name: str, value: Any) -> float | None:
     """``value`` if it is None or a finite non-negative number, else a ``TableError``."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > sys.float_info.max:
-        raise TableError(f"{name} must be a non-negative number a float holds, got a larger one")
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-            math.isfinite(value) and value >= 0):
-        raise TableError(f"{name} must be a non-negative number, got {value!r}")
+    number = finite_float(value)
+    if number is None or number < 0:
+        raise TableError(f"{name} must be a non-negative number a float holds, got "
+                         f"{shown_number(value)}")
     return value
 
 
@@ -195,6 +194,9 @@ class LookupTable:
     # their tuned configs on nearby shapes too. Optional: a build that predates it reads the
     # table without them.
     others: tuple[LookupTable, ...] = ()
+    # The kernels of ``others`` items this build does not register (a table from a newer
+    # build): their entries were left out on reading, and are not written back.
+    left_out: tuple[str, ...] = field(default=(), compare=False)
 
     def kernel_tables(self) -> tuple[LookupTable, ...]:
         """This table and its ``others``: the entries of each kernel it carries."""
@@ -216,38 +218,28 @@ class LookupTable:
         """Validates a whole table; the first bad entry is named by its index."""
         if not isinstance(data, dict):
             raise TableError(f"a table must be a JSON object, got {type(data).__name__}")
-        version = data.get("schema_version")
-        if (isinstance(version, int) and not isinstance(version, bool)
-                and version > TABLE_SCHEMA_VERSION):
-            raise TableError(f"table schema_version {version} is newer than this build, which "
-                             f"reads versions up to {TABLE_SCHEMA_VERSION}: upgrade "
-                             "flash-autotune, or export the table from a service running "
-                             "this build")
-        if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # not True
-            raise TableError(f"unsupported schema_version {version!r}; this build reads "
-                             f"versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))} "
-                             "(re-export the table)")
-        header = {name: data.get(name) for name in _HEADER_TEXT}
-        for name, value in header.items():
-            if not isinstance(value, str) or not value:
-                raise TableError(f"table field {name!r} must be a non-empty string")
-        kernel = get_kernel(header[_HEADER_TEXT[0]]).name
+        version = _schema_version(data.get("schema_version"))
+        header, kernel = _header(data)
         raw_entries = data.get("entries")
         if not isinstance(raw_entries, list):
             raise TableError("table field 'entries' must be a list")
-        entries = _parse_each(raw_entries, "entry", lambda raw: TableEntry.from_dict(raw, kernel))
+        entries = _parse_each(raw_entries, "entry", lambda raw: TableEntry.from_dict(
+            _schema_features(raw, version), kernel))
         raw_choices = data.get("choices", []) if version >= 2 else []
         if not isinstance(raw_choices, list):
             raise TableError("table field 'choices' must be a list")
-        choices = _parse_each(raw_choices, "choice", KernelChoice.from_dict)
-        return cls(**header, entries=entries, jax_version=data.get("jax_version"),
-                   choices=choices, others=_others(data, version, header["device_kind"]))
+        choices = _parse_each(raw_choices, "choice", lambda raw: KernelChoice.from_dict(
+            _schema_features(raw, version)))
+        others, left_out = _others(data, version, header["device_kind"], kernel)
+        return cls(**header, entries=entries, choices=choices, others=others,
+                   left_out=left_out)
 
     @classmethod
     def load(cls, path: str | Path) -> LookupTable:
         """Reads and validates a table file; every failure is a ``TableError`` naming it."""
+        text = read_table_bytes(path)
         try:
-            data = json.loads(read_table_bytes(path).decode("utf-8"))
+            data = json.loads(text.decode("utf-8"))
         except UnicodeDecodeError as error:
             raise TableError(f"table {path} is not UTF-8 text (byte {error.start}); export "
                              "it again with `autotune export`") from None
@@ -269,11 +261,46 @@ class LookupTable:
         return find_choice(problem, self.choices)
 
 
+def _schema_version(version: Any) -> int:
+    """A table's ``schema_version``, if this build reads it."""
+    if (isinstance(version, int) and not isinstance(version, bool)
+            and version > TABLE_SCHEMA_VERSION):
+        raise TableError(f"table schema_version {version} is newer than this build, which "
+                         f"reads versions up to {TABLE_SCHEMA_VERSION}: upgrade "
+                         "flash-autotune, or export the table from a service running "
+                         "this build")
+    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # not True
+        raise TableError(f"unsupported schema_version {version!r}; this build reads "
+                         f"versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))} "
+                         "(re-export the table)")
+    return version
+
+
+def _header(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A table's text fields (``jax_version`` too) and its kernel, registered here."""
+    header = {name: data.get(name) for name in _HEADER_TEXT}
+    for name, value in header.items():
+        if not isinstance(value, str) or not value:
+            raise TableError(f"table field {name!r} must be a non-empty string")
+    try:
+        kernel = get_kernel(header[_HEADER_TEXT[0]]).name
+    except AutotuneError as error:
+        raise TableError(f"table {error}") from None
+    jax_version = data.get("jax_version")
+    if jax_version is not None and not isinstance(jax_version, str):
+        raise TableError(f"table field 'jax_version' must be a string or null, got "
+                         f"{jax_version!r}")
+    return {**header, "jax_version": jax_version}, kernel
+
+
 def read_table_bytes(path: str | Path) -> bytes:
     """The bytes of a table file: a regular file of at most :data:`MAX_TABLE_BYTES` (a device,
     a FIFO or a huge file is refused before it is read, without blocking on it)."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise TableError(f"table {path} does not exist; give the path of a table written by "
+                         "`autotune export`") from None
     except OSError as error:
         raise TableError(f"cannot read table {path}: {error.strerror}") from None
     status = os.fstat(descriptor)
@@ -299,29 +326,57 @@ def read_table_bytes(path: str | Path) -> bytes:
 
 # The fields of an ``others`` item: a table's own, less those the outer table holds for all.
 _OTHER_FIELDS = tuple(field.name for field in dataclasses.fields(LookupTable)
-                      if field.name not in ("device_kind", "schema_version", "choices", "others"))
+                      if field.name not in ("device_kind", "schema_version", "choices", "others",
+                                            "left_out"))
 
 
-def _others(data: dict[str, Any], version: int, device_kind: str) -> tuple[LookupTable, ...]:
-    """The ``others`` of a table: each kernel's entries on the table's device kind. A kernel
-    this build does not register is left out (a table from a newer build), as the resolver
-    leaves out a choice's unknown kernel."""
+def _others(data: dict[str, Any], version: int, device_kind: str,
+            kernel: str) -> tuple[tuple[LookupTable, ...], tuple[str, ...]]:
+    """The ``others`` of a table of ``kernel``: each other kernel's entries on the table's
+    device kind, at most one item a kernel; and the kernels this build does not register (a
+    table from a newer build), whose items are left out, as the resolver leaves out a choice's
+    unknown kernel."""
     raw = data.get("others", [])
     if not isinstance(raw, list):
         raise TableError("table field 'others' must be a list")
-    others = []
+    others: list[LookupTable] = []
+    left_out: list[str] = []
     for i, other in enumerate(raw):
         if not isinstance(other, dict):
             raise TableError(f"others[{i}] must be a JSON object, got {type(other).__name__}")
-        if other.get(_HEADER_TEXT[0]) not in KERNELS:  # the kernel's name
+        name = other.get(_HEADER_TEXT[0])
+        if not isinstance(name, str) or not name:
+            raise TableError(f"others[{i}]: field {_HEADER_TEXT[0]!r} must be a non-empty "
+                             f"string (a kernel's name), got {name!r}")
+        if name == kernel or name in left_out or any(t.kernel == name for t in others):
+            raise TableError(f"others[{i}] holds kernel {name!r} again: a table holds each "
+                             f"kernel's entries once (kernel {kernel!r} in 'entries', each "
+                             "other in one 'others' item); merge them, or export the table "
+                             "again")
+        if name not in KERNELS:
+            left_out.append(name)
             continue
         try:
             others.append(LookupTable.from_dict(
-                {**{name: other.get(name) for name in _OTHER_FIELDS},
+                {**{field_name: other.get(field_name) for field_name in _OTHER_FIELDS},
                  "schema_version": version, "device_kind": device_kind}))
         except AutotuneError as error:
             raise TableError(f"others[{i}]: {error}") from None
-    return tuple(others)
+    return tuple(others), tuple(left_out)
+
+
+def _schema_features(raw: Any, version: int) -> Any:
+    """``raw`` (an entry or a choice), unless its problem uses a feature (window, softcap,
+    segment ids) that its table's schema ``version`` predates."""
+    problem = raw.get("problem") if isinstance(raw, dict) else None
+    if version >= FEATURES_SCHEMA_VERSION or not isinstance(problem, dict):
+        return raw
+    used = [name for name in FEATURE_FIELDS if problem.get(name) not in (None, False)]
+    if used:
+        raise TableError(f"problem field(s) {', '.join(used)} came with schema_version "
+                         f"{FEATURES_SCHEMA_VERSION}; a schema {version} table has none (export "
+                         "the table again with this build)")
+    return raw
 
 
 def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:

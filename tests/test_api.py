@@ -172,7 +172,8 @@ def test_export_with_etag_and_import(server: Server) -> None:
     copy_kind = device()
     imported = httpx.post(f"{server.url}/v1/tables", headers=server.auth,
                           json={**table, "device_kind": copy_kind})
-    assert imported.json() == {"inserted": 2, "replaced": 0, "kept": 0, "choices": 0}
+    assert imported.json() == {"inserted": 2, "replaced": 0, "kept": 0, "choices": 0,
+                               "left_out": []}
     copy = httpx.get(f"{server.url}/v1/tables/{copy_kind}").json()
     assert copy["entries"] == table["entries"]
     assert httpx.get(url, headers={"If-None-Match": etag}).status_code == 304  # unchanged
@@ -186,19 +187,40 @@ def test_export_with_etag_and_import(server: Server) -> None:
       "config": {}}, "entry 1: dtype"),
     ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128},
       "config": {"block_q": 384}, "time_ms": 1.0}, "entry 1 .*block_divides"),
+    # Issue 55 item 9: an OverflowError, answered 500.
+    ({"problem": {"batch": 1, "q_heads": 8, "q_len": 512, "head_dim": 128,
+                  "softcap": 10 ** 400}, "config": {}},
+     "entry 1: softcap must be positive and finite .* an integer too large for a float"),
 ])
 def test_bad_table_import_writes_nothing(server: Server, entry: dict[str, Any],
                                          message: str) -> None:
     kind = device()
     good = {"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
             "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}
-    table = {"schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": kind,
+    table = {"schema_version": 3, "kernel": "flash", "kernel_version": "1", "device_kind": kind,
              "entries": [good, entry]}
     response = httpx.post(f"{server.url}/v1/tables", headers=server.auth, json=table)
     assert response.status_code == 422
     assert re.search(message, response.json()["detail"])
     listed = httpx.get(f"{server.url}/v1/configs", params={"device_kind": kind}).json()
     assert listed["total"] == 0
+
+
+def test_a_table_import_refuses_a_malformed_others_and_names_what_it_leaves_out(
+        server: Server) -> None:
+    """Issue 55 items 9 and 15: an ``others`` item whose kernel is a list answered 500 (a
+    TypeError); one of a kernel the server does not install was dropped without a word."""
+    kind = device()
+    table = {"schema_version": 3, "kernel": "flash", "kernel_version": "1", "device_kind": kind,
+             "entries": [], "others": [{"kernel": ["splash"], "kernel_version": "1",
+                                        "entries": []}]}
+    refused = httpx.post(f"{server.url}/v1/tables", headers=server.auth, json=table)
+    assert refused.status_code == 422, refused.text
+    assert "others[0]: field 'kernel' must be a non-empty string" in refused.json()["detail"]
+    table["others"][0]["kernel"] = "future"
+    imported = httpx.post(f"{server.url}/v1/tables", headers=server.auth, json=table)
+    assert imported.json() == {"inserted": 0, "replaced": 0, "kept": 0, "choices": 0,
+                               "left_out": ["future"]}, imported.text
 
 
 def test_writes_need_the_token(server: Server) -> None:

@@ -4,17 +4,20 @@ takes a problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import time
 from pathlib import Path
 
 import pytest
+import typer
 
 from autotune.commands.tune import _report
 from autotune.problem_options import load_shapes
 from kernel import Problem, get_kernel
 from kernel.resolve import installed_versions
+from kernel.shapesfile import append_shapes, save_shapes
 from storage import Store, TunedResult
 from tests.conftest import run_cli
 
@@ -134,3 +137,35 @@ def test_precheck_takes_shapes_like_tune(tmp_path: Path) -> None:
     shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, dtype: int8}\n")
     done = run_cli("precheck", "--shapes", str(shapes), env={"COLUMNS": "250"})
     assert done.returncode == 2 and "problem 0: " in done.stderr, done.stderr  # the file read
+
+
+def test_exponent_softcaps_are_numbers_in_a_shapes_file(tmp_path: Path) -> None:
+    """Issue 55 item 12: YAML 1.1 read 5e1, 1e+20 and 1e-05 as strings, so a softcap written so
+    was refused, and so were the files capture().save() and the misses file write (JSON
+    writes 1e+20 and 1e-05)."""
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text("".join(
+        f"- {{batch: 1, q_heads: 2, q_len: 128, head_dim: 64, softcap: {text}}}\n"
+        for text in ("5e1", "1e+20", "1e-05", "2.5E2", ".5e1")))
+    assert [p.softcap for p in load_shapes(shapes)] == [50.0, 1e20, 1e-05, 250.0, 5.0]
+    written = [dataclasses.replace(PROBLEM, softcap=cap) for cap in (1e20, 1e-05, 50.0000001)]
+    save_shapes(shapes, written[:1])
+    append_shapes(shapes, written)  # as AUTOTUNE_RECORD_MISSES appends
+    assert load_shapes(shapes) == written
+
+
+@pytest.mark.parametrize("digits, message", [
+    (400, "softcap must be positive and finite (logits become softcap * tanh(logits / "
+          "softcap)), got an integer too large for a float"),
+    (5000, "holds a value no problem field takes: Exceeds the limit (4300 digits)"),
+])
+def test_a_softcap_no_float_holds_is_refused_naming_it(tmp_path: Path, digits: int,
+                                                       message: str) -> None:
+    """Issue 55 item 9: a 400-digit softcap raised OverflowError (a traceback), a 5000-digit
+    one YAML's ValueError."""
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text(f"- {{batch: 1, q_heads: 2, q_len: 128, head_dim: 64, "
+                      f"softcap: 1{'0' * digits}}}\n")
+    with pytest.raises(typer.BadParameter) as refused:
+        load_shapes(shapes)
+    assert message in str(refused.value) and len(str(refused.value)) < 1000

@@ -77,6 +77,8 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "logits_soft_cap must be positive and finite, got nan"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": float("inf")}, ValueError,
      "logits_soft_cap must be positive and finite, got inf"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 10 ** 400}, ValueError,  # OverflowError
+     "logits_soft_cap must be positive and finite, got an integer too large for a float"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": "50"}, TypeError,
      "logits_soft_cap must be a Python float (static), got '50'"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": _sds((1, 256), jnp.int32)}, TypeError,
@@ -93,6 +95,7 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
         "head-dim", "heads", "no-legal-block", "no-compute-block", "config-type",
         "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config",
         "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
+        "soft-cap-overflow",
         "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
         "segment-ids-float"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):

@@ -4,6 +4,7 @@ AUTOTUNE_RECORD_MISSES file, appended at exit by several processes at once."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import subprocess
@@ -13,12 +14,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import kernel
 from autotune.problem_options import load_shapes
 from kernel import LookupTable, Problem, TableEntry, get_kernel
 from kernel.misses import ILLEGAL, NO_ENTRY, STALE
 from kernel.resolve import ResolverSettings, reset_resolver
+from kernel.shapesfile import MAX_SHAPES_BYTES, append_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,3 +134,36 @@ def test_concurrent_appends_keep_every_problem_once_and_every_line_whole(tmp_pat
     lines = path.read_text().splitlines()
     assert lines[0].startswith("#") and all(line.startswith("- {") for line in lines[1:])
     assert sorted(p.q_len for p in load_shapes(path)) == [128 * n for n in range(1, 61)]
+
+
+ONE_MISS_UNDER_2_GIB = textwrap.dedent("""
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # the old read hit it at once
+    from kernel import Problem
+    from kernel.misses import note
+
+    note(object(), Problem(1, 1, 1, 128, 128, 128), "flash", "default", "no entry", True)
+""")
+
+
+@pytest.mark.parametrize("device, logged", [("/dev/full", "No space left on device"),
+                                            ("/dev/zero", None)])
+def test_recording_into_a_device_writes_without_reading_it(device, logged):
+    """Issue 55 item 8: the misses file was read whole before appending, so /dev/zero or
+    /dev/full exhausted memory at exit; a device is written to, never read."""
+    env = {**os.environ, "AUTOTUNE_RECORD_MISSES": device, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", ONE_MISS_UNDER_2_GIB], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert ("cannot record" in done.stderr) == bool(logged), done.stderr
+    assert logged is None or logged in done.stderr
+
+
+def test_a_shapes_file_past_the_bound_is_not_read_or_appended(tmp_path):
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as file:
+        file.truncate(MAX_SHAPES_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(OSError, match="MiB a shapes file may have") as error:
+        append_shapes(path, [problem(128)])
+    assert error.value.errno == errno.EFBIG
+    assert path.stat().st_size == MAX_SHAPES_BYTES + 1

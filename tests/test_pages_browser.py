@@ -182,7 +182,7 @@ def test_detail_of_an_entry_without_a_study_says_so(pages_server: Server, browse
     ("/?device_kind=%01", 422, "device_kind: String should match pattern"),
     ("/configs/detail", 422, "kernel: Field required"),
     ("/configs/detail?kernel=flash&kernel_version=1&device_kind=cpu&platform=cpu&batch=x"
-     "&q_heads=1&q_len=256&head_dim=128", 422, "batch: Input should be a valid integer"),
+     "&q_heads=1&q_len=256&head_dim=128", 422, "batch: give an integer, got 'x'"),
     ("/configs/detail?kernel=flash&kernel_version=1&device_kind=cpu&platform=cpu&batch=1"
      "&q_heads=3&kv_heads=2&q_len=256&head_dim=128", 422, "must be a multiple of kv_heads"),
     ("/configs/detail?kernel=flash&kernel_version=1&device_kind=cpu&platform=cpu&batch=7"

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from api.routers.pages import detail_link
 from autotune.problem_options import load_shapes, with_problem_options
-from autotune.tune import kernel_space, warm_seeds
+from autotune.tune import kernel_space, study_name, warm_seeds
 from kernel import FlashConfig, get_kernel
 
 from kernel.errors import TableError
@@ -193,6 +193,19 @@ def test_the_problem_flags_set_the_features() -> None:
     assert Problem.from_dict(json.loads(plain.output)) == PLAIN
 
 
+def test_softcaps_that_differ_past_six_digits_have_labels_and_studies_of_their_own() -> None:
+    """Issue 55 item 12: 50.0000001 and 50.0000002 were both ``softcap50``, one study, and the
+    second tune exited 2 naming a --study flag never given; an exact value keeps its short
+    label (its study resumes)."""
+    capped = [dataclasses.replace(PLAIN, softcap=cap) for cap in (50.0000001, 50.0000002)]
+    assert [p.feature_labels() for p in capped] == [["softcap50.0000001"], ["softcap50.0000002"]]
+    flash = get_kernel("flash")
+    assert len({study_name(p, DEVICE, flash, "profile") for p in capped}) == 2
+    assert [dataclasses.replace(PLAIN, softcap=cap).feature_labels()
+            for cap in (50.0, 1e20, 1e-05, 0.1)] == [
+        ["softcap50"], ["softcap1e+20"], ["softcap1e-05"], ["softcap0.1"]]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--window", "512"], "Invalid value for '--window': give the keys visible before and "
                           "after each query as two non-negative integers L,R"),
@@ -284,28 +297,40 @@ def test_the_list_endpoints_show_and_filter_the_features(server: Server) -> None
         assert [problem_of(item)["window"] for item in only["items"]] == [[256, 0]]
 
 
-@pytest.mark.parametrize(("fields", "location", "message"), [
+@pytest.mark.parametrize(("fields", "location", "messages"), [
     ({"window": [-1, 0]}, ["window", 0], "greater than or equal to 0"),
     ({"window": [256]}, ["window"], "at least 2 items"),
     ({"window": [1, 2, 3]}, ["window"], "at most 2 items"),
     ({"softcap": 0}, ["softcap"], "greater than 0"),
     ({"softcap": -5.0}, ["softcap"], "greater than 0"),
-    ({"softcap": "nan"}, ["softcap"], "finite number"),
-    ({"segmented": "sometimes"}, ["segmented"], "valid boolean"),
+    ({"softcap": "nan"}, ["softcap"], ("give a decimal number, got 'nan'", "valid number")),
+    ({"segmented": "sometimes"}, ["segmented"], ("give true or false", "valid boolean")),
+    # Issue 55 item 14: values of another type were coerced (true stored as softcap 1.0,
+    # [true, false] as the window [1, 0], "yes" as true, 64.0 as 64).
+    ({"softcap": True}, ["softcap"], ("give a decimal number, got 'true'", "valid number")),
+    ({"window": [64.0, 0]}, ["window", 0], ("give an integer, got '64.0'", "valid integer")),
+    ({"segmented": "yes"}, ["segmented"], ("give true or false, got 'yes'", "valid boolean")),
+    ({"causal": 1}, ["causal"], ("give true or false, got '1'", "valid boolean")),
 ])
 def test_a_bad_feature_is_a_422_naming_it(server: Server, fields: dict[str, Any],
-                                          location: list[Any], message: str) -> None:
-    """In a lookup's query and in a batch's body alike; nothing else is refused."""
+                                          location: list[Any],
+                                          messages: str | tuple[str, str]) -> None:
+    """In a lookup's query and in a batch's body alike (the query's text in its type's plain
+    form, the body's JSON of its type); nothing else is refused."""
     body = {**_body("TPU v5 lite", PLAIN), **fields}
-    params = [(name, side) for name, value in body.items()
+    params = [(name, str(side).lower() if isinstance(side, bool) else side)
+              for name, value in body.items()
               for side in (value if isinstance(value, list) else [value])]
-    for response, prefix in (
-            (httpx.get(f"{server.url}/v1/configs/lookup", params=params), ["query"]),
+    query_message, body_message = (messages, messages) if isinstance(messages, str) else messages
+    for response, prefix, message in (
+            (httpx.get(f"{server.url}/v1/configs/lookup", params=params), ["query"],
+             query_message),
             (httpx.post(f"{server.url}/v1/configs/lookup:batch", json={"keys": [body]}),
-             ["body", "keys", 0])):
+             ["body", "keys", 0], body_message)):
         assert response.status_code == 422, response.text
         [error] = response.json()["detail"]
-        assert error["loc"] == [*prefix, *location] and message in error["msg"], error
+        where = location[:1] if error["type"] == "plain_text" else location  # the field's text
+        assert error["loc"] == [*prefix, *where] and message in error["msg"], error
 
 
 # --- lookup tables: schema 3 ---
@@ -321,12 +346,19 @@ def test_a_table_carries_the_features_and_older_schemas_still_load() -> None:
     assert exported["schema_version"] == TABLE_SCHEMA_VERSION == 3
     assert LookupTable.from_dict(exported) == table
     for version in (1, 2):  # written before the features: every problem is a plain one
-        old = {**exported, "schema_version": version,
+        old = {**exported, "schema_version": version, "choices": [],
                "entries": [{**exported["entries"][1], "problem": {
                    name: value for name, value in PLAIN.to_dict().items()
                    if name not in FEATURE_FIELDS}}]}
         [entry] = LookupTable.from_dict(old).entries
         assert entry.problem == PLAIN
+        # Issue 55 item 15: a featured problem in an older schema loaded.
+        with pytest.raises(TableError, match=f"entry 0: problem field.s. window, softcap, "
+                                             f"segmented came with schema_version 3; a schema "
+                                             f"{version} table has none"):
+            LookupTable.from_dict({**old, "entries": exported["entries"]})
+    with pytest.raises(TableError, match="choice 0: problem field"):
+        LookupTable.from_dict({**exported, "schema_version": 2, "entries": []})
     with pytest.raises(TableError, match="schema_version 4 is newer than this build"):
         LookupTable.from_dict({**exported, "schema_version": 4})
 

@@ -105,7 +105,7 @@ def test_a_bad_entry_imports_nothing(sqlite_db_url: str, tmp_path: Path, bad_ent
 @pytest.mark.parametrize("content, phrase", [
     ("{not json", "not valid JSON"),
     ('{"schema_version": 99}', "schema_version"),
-    (None, "cannot read table"),
+    (None, "does not exist"),  # issue 55 item 6: it said "is not valid JSON"
 ])
 def test_an_unreadable_file_imports_nothing(sqlite_db_url: str, tmp_path: Path,
                                             content: str | None, phrase: str) -> None:
@@ -114,6 +114,57 @@ def test_an_unreadable_file_imports_nothing(sqlite_db_url: str, tmp_path: Path,
         path.write_text(content)
     assert_clean_failure(run_cli("import", str(path), "--db", sqlite_db_url), 2, phrase)
     assert count(sqlite_db_url) == 0
+
+
+GOOD_ENTRY = {"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
+              "config": {"block_q": 256, "block_kv": 256}, "time_ms": 1.0}
+SPLASH_ITEM = {"kernel": "splash", "kernel_version": "1", "entries": []}
+
+
+def table_json(schema_version: int = 3, entries: list | None = None, **fields: object) -> str:
+    """A flash table on DEVICE; a big integer is written out in digits, as a file holds it."""
+    return json.dumps({"schema_version": schema_version, "kernel": "flash",
+                       "kernel_version": "1", "device_kind": DEVICE,
+                       "entries": entries or [GOOD_ENTRY], **fields})
+
+
+@pytest.mark.parametrize("content, phrase", [
+    # Issue 55 item 9: a TypeError and an OverflowError, printed as tracebacks.
+    (table_json(others=[{**SPLASH_ITEM, "kernel": ["splash"]}]),
+     "others[0]: field 'kernel' must be a non-empty string (a kernel's name), got ['splash']"),
+    (table_json(others=[{**SPLASH_ITEM, "kernel": {"name": "splash"}}]),
+     "others[0]: field 'kernel' must be a non-empty string"),
+    (table_json(entries=[{**GOOD_ENTRY, "problem": {**GOOD_ENTRY["problem"],
+                                                    "softcap": 10 ** 400}}]),
+     "entry 0: softcap must be positive and finite (logits become softcap * tanh(logits / "
+     "softcap)), got an integer too large for a float"),
+    # Issue 55 item 15: kept silently.
+    (table_json(others=[{**SPLASH_ITEM, "kernel": "flash"}]),
+     "others[0] holds kernel 'flash' again"),
+    (table_json(others=[SPLASH_ITEM, SPLASH_ITEM]), "others[1] holds kernel 'splash' again"),
+    (table_json(2, entries=[{**GOOD_ENTRY, "problem": {**GOOD_ENTRY["problem"],
+                                                       "window": [64, 0]}}]),
+     "entry 0: problem field(s) window came with schema_version 3; a schema 2 table has none"),
+])
+def test_a_malformed_table_imports_nothing_and_names_it(sqlite_db_url: str, tmp_path: Path,
+                                                        content: str, phrase: str) -> None:
+    path = tmp_path / "table.json"
+    path.write_text(content)
+    assert_clean_failure(run_cli("import", str(path), "--db", sqlite_db_url), 2, phrase,
+                         "nothing was imported")
+    assert count(sqlite_db_url) == 0
+
+
+def test_import_names_the_kernels_it_leaves_out(sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 55 item 15: entries of a kernel this build does not install were dropped without a
+    word."""
+    path = tmp_path / "table.json"
+    path.write_text(table_json(others=[{**SPLASH_ITEM, "kernel": "future", "entries": [{}]}]))
+    done = run_cli("import", str(path), "--db", sqlite_db_url)
+    assert done.returncode == 0, done.stderr
+    assert "1 inserted" in done.stdout
+    assert ("the entries of kernel(s) future are left out: this build does not install them"
+            in " ".join(done.stderr.split())), done.stderr
 
 
 def test_export_refuses_a_database_without_schema(tmp_path: Path) -> None:

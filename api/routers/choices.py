@@ -12,14 +12,11 @@ from api.schemas import (
     NEAREST_FAMILY,
     BatchChoiceRequest,
     BatchChoiceResponse,
-    ChoiceKey,
+    ChoiceListQuery,
     ChoicePage,
+    ChoiceQuery,
     ChoiceResponse,
-    Dtype,
     ErrorResponse,
-    Method,
-    Mode,
-    Text,
 )
 from api.strict_json import StrictJsonRoute
 from kernel import Problem
@@ -43,7 +40,7 @@ def _answer(stored: StoredChoice, match: str) -> dict[str, Any]:
 
 @router.get("/lookup", response_model=ChoiceResponse,
             responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
-def lookup(key: Annotated[ChoiceKey, Query()], store: StoreDep) -> Any:
+def lookup(key: Annotated[ChoiceQuery, Query()], store: StoreDep) -> Any:
     """The kernel chosen for exactly this problem on this device kind, else the nearest
     problem's choice (same dtype, head_dim, causal, mode, window, softcap or none, segment ids
     or none) whose config is legal here."""
@@ -66,27 +63,10 @@ def lookup_batch(body: BatchChoiceRequest, store: StoreDep) -> dict[str, Any]:
         for request, found in zip(requests, store.lookup_choices(requests), strict=True)]}
 
 
-@router.get("", response_model=ChoicePage)
-def list_choices(
-    store: StoreDep,
-    device_kind: Annotated[Text | None, Query()] = None,
-    platform: Annotated[Text | None, Query()] = None,
-    kernel: Annotated[Text | None, Query(description="The chosen kernel.")] = None,
-    dtype: Annotated[Dtype | None, Query()] = None,
-    mode: Annotated[Mode | None, Query()] = None,
-    causal: Annotated[bool | None, Query()] = None,
-    head_dim: Annotated[int | None, Query(ge=1, le=1 << 20)] = None,
-    segmented: Annotated[bool | None, Query()] = None,
-    method: Annotated[Method | None, Query()] = None,
-    offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> dict[str, Any]:
+@router.get("", response_model=ChoicePage, responses={422: {"model": ErrorResponse}})
+def list_choices(query: Annotated[ChoiceListQuery, Query()], store: StoreDep) -> dict[str, Any]:
     """Stored kernel choices matching every given filter, oldest first, a page at a time."""
-    filters = {name: value for name, value in {
-        "device_kind": device_kind, "platform": platform, "kernel": kernel, "dtype": dtype,
-        "mode": mode, "causal": causal, "head_dim": head_dim, "segmented": segmented,
-        "method": method}.items()
-        if value is not None}
-    choices, total = store.list_choices(filters, offset=offset, limit=limit)
+    choices, total = store.list_choices(query.filters(), offset=query.offset,
+                                        limit=query.limit)
     return {"items": [stored.to_dict() for stored in choices], "total": total,
-            "offset": offset, "limit": limit, "skipped": len(choices.skipped)}
+            "offset": query.offset, "limit": query.limit, "skipped": len(choices.skipped)}

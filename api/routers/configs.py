@@ -15,7 +15,7 @@ from api.schemas import (
     ConfigPage,
     ErrorResponse,
     ListQuery,
-    LookupKey,
+    LookupQuery,
     LookupResponse,
     PublishRequest,
     PublishResponse,
@@ -37,7 +37,7 @@ def _miss_detail(request: LookupRequest) -> str:
 
 @router.get("/lookup", response_model=LookupResponse,
             responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
-def lookup(key: Annotated[LookupKey, Query()], request: Request, store: StoreDep,
+def lookup(key: Annotated[LookupQuery, Query()], request: Request, store: StoreDep,
            metrics: MetricsDep, cache: CacheDep) -> Response:
     """The config tuned for exactly this key, else the nearest tuned problem's (same kernel,
     device kind, dtype, head_dim, causal, mode) whose config is legal for this shape."""

@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.deps import StoreDep
-from api.schemas import Dtype, ProblemFields, Text, Version
+from api.schemas import Dtype, ProblemFields, QueryModel, Text, Version
 from kernel import AutotuneError
 from kernel.problem import DTYPES
 from storage import ConfigKey, Store
@@ -51,8 +51,10 @@ class Filters(BaseModel):
     dtype: Dtype | None = None
 
 
-class DetailKey(ProblemFields):
-    """The full key of a stored config, as the list page links it."""
+class DetailKey(ProblemFields, QueryModel):
+    """The full key of a stored config, as the list page links it (query parameters)."""
+
+    model_config = QueryModel.model_config
 
     kernel: Text
     kernel_version: Version

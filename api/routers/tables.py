@@ -57,13 +57,13 @@ def import_table(
     store: StoreDep,
     table: Annotated[dict[str, Any], Body(description="A kernel.table.LookupTable as JSON.")],
     force: Annotated[bool, Query(description="Replace stored entries even if faster.")] = False,
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Imports a whole table in one transaction: all entries and choices or none (422 names
     the bad one). Each entry is published like ``PUT /v1/configs`` (keep-better unless
     ``force``); each kernel choice replaces the stored one for its problem."""
     parsed = LookupTable.from_dict(table)
     outcomes = store.import_table(parsed, force=force)
-    counts = {"inserted": 0, "replaced": 0, "kept": 0, "choices": len(parsed.choices)}
+    counts = {"inserted": 0, "replaced": 0, "kept": 0}
     for outcome in outcomes:
         counts[outcome.status] += 1
-    return counts
+    return {**counts, "choices": len(parsed.choices), "left_out": list(parsed.left_out)}

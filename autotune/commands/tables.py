@@ -81,6 +81,10 @@ def import_table(
     except TableError as error:
         typer.echo(f"error: {path}: {error}; nothing was imported", err=True)
         raise typer.Exit(2) from None
+    if table.left_out:
+        typer.echo(f"note: {path}: the entries of kernel(s) {', '.join(table.left_out)} are "
+                   "left out: this build does not install them (upgrade flash-autotune to "
+                   "import them)", err=True)
     url = resolve_url(db)
     ensure_schema(url)
     with open_store(url) as store, database_errors(store.url):
