@@ -15,6 +15,7 @@ from typing import Any
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem
+from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
@@ -136,7 +137,7 @@ def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableK
     """Where the config of ``problem`` (as it runs) comes from, why, and whether ``backend``
     has fields to tune for it (one without, like ``xla``, resolves nothing: never a miss)."""
     if not backend.space_params(problem):
-        return "default", "no tunable fields", False
+        return "default", NO_TUNABLE_FIELDS, False
     resolution = resolver.resolve(problem, device_kind, backend.name, target, kernel_by)
     return resolution.source, resolution.detail, True
 

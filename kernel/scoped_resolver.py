@@ -94,14 +94,13 @@ class ScopedResolver:
         with self._lock:
             answered = dict(self._answered)
         return {**self.outer.sources(),
-                **{key: self._described(resolution, key[2].mode)
-                   for key, resolution in answered.items()}}
+                **{key: self._described(resolution, key) for key, resolution in answered.items()}}
 
     def _named(self, text: str) -> str:
         return text.replace("in pinned table", f"in scoped table {self.name!r}")
 
-    def _described(self, resolution: Resolution, mode: str) -> str:
-        text = self._named(resolution.describe(mode))
+    def _described(self, resolution: Resolution, key: Key) -> str:
+        text = self._named(resolution.describe(key[2].mode, key[0]))
         return (f"scoped table {self.name!r}{text[len('table'):]}"
                 if resolution.source == "table" else text)
 

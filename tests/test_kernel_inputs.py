@@ -125,7 +125,7 @@ def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
         want = reference_attention(q, k, v)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
         [(key, source)] = plain_sources(resolution_sources()).items()
-        assert key[0] == "xla" and source.startswith("default; kernel: fallback")
+        assert key[0] == "xla" and source.startswith("xla (no tunable config); kernel: fallback")
         [warning] = [r.getMessage() for r in caplog.records if "instead of flash" in
                      r.getMessage()]
         assert "pad it to 1152" in warning

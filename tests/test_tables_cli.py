@@ -293,4 +293,4 @@ def test_a_default_export_pinned_in_a_fresh_process_runs_an_xla_choice(
     [(ran, how)] = json.loads(run.stdout.strip().splitlines()[-1])
     assert ran == "xla", how
     # xla has no tunable field: its one config runs ("default"); the table chose the kernel.
-    assert how == "default, config default; kernel: chosen (exact choice in pinned table)"
+    assert how == "xla (no tunable config); kernel: chosen (exact choice in pinned table)"
