@@ -37,6 +37,7 @@ from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
 from kernel.service import Answer, ServiceClient
 from kernel.table import KernelChoice, LookupTable, ProblemIndex
+from kernel.table_scope import retrace_all
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ class Resolver:
         self._cache: dict[Key, Resolution] = {}
         self._picks: dict[tuple[str, str, Problem, bool], KernelPick] = {}
         self._choice_configs: dict[Key, Resolution] = {}
+        self._earlier: dict[Key, str] = {}  # sources resolved before the last pinning
         self._tables: dict[str, LookupTable] = {}  # by resolved path, in pinning order
         self._indexes: dict[tuple[str, ...], ProblemIndex] = {}
         self._kernels: dict[str, TunableKernel] = {}
@@ -208,6 +210,7 @@ class Resolver:
         """Pins a loaded table under ``name`` (pinned again, the name's table is replaced):
         ``use_table``'s, or a ``kernel.tables`` block's (:mod:`kernel.scoped_resolver`)."""
         with self._lock:
+            self._earlier.update(self._described())  # what was traced may still run
             self._tables[name] = table
             for cache in (self._cache, self._picks, self._choice_configs, self._indexes):
                 cache.clear()
@@ -372,10 +375,15 @@ class Resolver:
                                 kernel_by=kernel_by)))
 
     def sources(self) -> dict[Key, str]:
-        """How each key seen so far was resolved (:meth:`Resolution.describe`)."""
+        """How each key seen so far was resolved (:meth:`Resolution.describe`); a key not
+        resolved again since a table was pinned keeps its earlier source (a function traced
+        before may still run it)."""
         with self._lock:  # another thread may be resolving a new key
-            resolved = list(self._cache.items())
-        return {key: resolution.describe(key[2].mode, key[0]) for key, resolution in resolved}
+            return {**self._earlier, **self._described()}
+
+    def _described(self) -> dict[Key, str]:
+        return {key: resolution.describe(key[2].mode, key[0])
+                for key, resolution in list(self._cache.items())}
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:
@@ -469,8 +477,10 @@ def reset_resolver(settings: ResolverSettings | None = None) -> Resolver:
 
 
 def use_table(path: str | Path) -> None:
-    """Pins a lookup table for this process (same as ``AUTOTUNE_TABLE=path``)."""
+    """Pins a lookup table for this process (same as ``AUTOTUNE_TABLE=path``); a function
+    traced before is traced again on its next call, resolving from it."""
     get_resolver().use_table(path)
+    retrace_all()
 
 
 def resolution_sources() -> dict[Key, str]:

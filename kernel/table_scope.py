@@ -5,7 +5,8 @@ The scopes live in a context variable, so they are local to a thread (and an asy
 and nest, the innermost first. A block also keys JAX's tracing caches (a JAX user context), so
 a function traced outside the block, or under other tables, is traced again inside it and
 resolves its configs from the block's tables. :func:`retracing` gives :mod:`kernel.capture`
-the same fresh trace. jax loads only when a block is entered.
+the same fresh trace. :func:`retrace_all` keys every trace anew when the process's pinned
+tables change (``kernel.use_table``). jax loads only when a block is entered.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import contextvars
 import itertools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -45,6 +47,8 @@ _lock = threading.Lock()
 _loaded: dict[str, tuple[tuple[int, int], LookupTable]] = {}  # path -> (mtime, size), table
 _table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}
 _jax_context: Any = None
+_pinnings = itertools.count(1)
+_pinning = 0  # the process's pinned tables' generation: part of every trace's key
 
 
 def active_blocks() -> tuple[Block, ...]:
@@ -76,10 +80,21 @@ def retracing(key: Any) -> Iterator[None]:
     block: a function traced under another key is traced again."""
     token = _TRACE_KEY.set(_TRACE_KEY.get() + (key,))
     try:
-        with _user_context()(_TRACE_KEY.get()):
+        with _user_context()((_pinning, *_TRACE_KEY.get())):
             yield
     finally:
         _TRACE_KEY.reset(token)
+
+
+def retrace_all() -> None:
+    """Keys JAX's tracing caches anew, outside blocks and in blocks entered from now on: a
+    function traced before is traced again on its next call, and resolves its configs from
+    the process's tables as they are now. Nothing was traced before jax loaded."""
+    global _pinning
+    if "jax" not in sys.modules:
+        return
+    _pinning = next(_pinnings)
+    _user_context().set_global((_pinning,))
 
 
 def fresh_key() -> int:

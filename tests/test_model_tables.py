@@ -12,6 +12,8 @@ import pytest
 
 import kernel
 from kernel import LookupTable, Problem, TableEntry, get_kernel, get_target
+from conftest import plain_sources
+from kernel.resolve import ResolverSettings, reset_resolver
 from kernel.scoped_resolver import active_resolver
 from kernel.table import KernelChoice, KernelTiming
 
@@ -77,6 +79,28 @@ def test_a_function_traced_outside_is_traced_again_inside():
         step.lower(x)  # a trace cached outside would never ask the block's tables
         assert kernel.resolution_sources()[("flash", "cpu", P)].startswith("scoped table")
     assert block[0].table.entries[0].config == SMALL
+
+
+def test_use_table_after_a_trace_reaches_the_traced_function(tmp_path):
+    """``kernel.use_table`` after a step was traced: the step is traced again on its next
+    call and runs the table's config; until then the sources still name what it ran."""
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(table((P, SMALL)).to_dict()))
+    reset_resolver(ResolverSettings())
+    try:
+        step = jax.jit(lambda q: attend(q))  # a function no test traced before
+        x = jnp.zeros((1, 1, 256, 128), jnp.float32)
+        step(x)
+        assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "default"}
+        kernel.use_table(path)
+        assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "default"}
+        step(x)
+        assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "table"}
+        with kernel.tables(table((Q, SMALL))):  # a block entered later keys by the pinning
+            step(x)
+        assert ran(P)[0] == SMALL
+    finally:
+        reset_resolver(ResolverSettings())
 
 
 def test_two_threads_each_see_their_own_table():
