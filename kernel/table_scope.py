@@ -45,7 +45,8 @@ _TRACE_KEY: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
 _serials = itertools.count(1)
 _lock = threading.Lock()
 _loaded: dict[str, tuple[tuple[int, int], LookupTable]] = {}  # path -> (mtime, size), table
-_table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}
+_table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}  # by id, while alive
+_live_serials: set[int] = set()  # the serials of the tables alive
 _jax_context: Any = None
 _pinnings = itertools.count(1)
 _pinning = 0  # the process's pinned tables' generation: part of every trace's key
@@ -137,9 +138,20 @@ def _serial(table: LookupTable) -> int:
         known = _table_serials.get(id(table))
         if known is not None and known[0]() is table:
             return known[1]
+        for gone in [key for key, (ref, _) in _table_serials.items() if ref() is None]:
+            del _table_serials[gone]
         serial = next(_serials)
-        _table_serials[id(table)] = (weakref.ref(table), serial)
+        # The callback takes no lock (the collector may run it where one is held): a set's
+        # discard is atomic.
+        _table_serials[id(table)] = (
+            weakref.ref(table, lambda _, serial=serial: _live_serials.discard(serial)), serial)
+        _live_serials.add(serial)
         return serial
+
+
+def alive(serial: int) -> bool:
+    """Whether the table a serial names is alive (else no block can use it again)."""
+    return serial in _live_serials
 
 
 def _user_context() -> Any:
