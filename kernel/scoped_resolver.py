@@ -65,11 +65,15 @@ class _Memory:
 class ScopedResolver:
     """The resolver of one block (its tables only), falling back to ``outer``; answers the
     wrapper's ``pick``, ``resolve``, ``platform_kernel`` and ``sources`` as a ``Resolver``.
-    ``own`` resolves from the block's tables; ``memory`` keeps what they answered."""
+    ``own`` resolves from the block's tables while the block's entry lasts; ``memory`` keeps
+    what they answered. A trace keeps its resolver (JAX caches the trace, and may run its
+    backward rule later): it holds ``own`` weakly, so the tables are freed with the entry,
+    and answers from ``memory`` after it."""
 
     def __init__(self, block: Block, outer: Resolver | ScopedResolver, own: Resolver,
                  memory: _Memory) -> None:
-        self.outer, self.own, self.memory = outer, own, memory
+        self.outer, self.memory = outer, memory
+        self._own = weakref.ref(own)
         self.name = ", ".join(scoped.name for scoped in block)
 
     def platform_kernel(self, platform: str) -> Any:
@@ -77,8 +81,11 @@ class ScopedResolver:
 
     def pick(self, problem: Problem, device_kind: str, platform: str,
              target: Target) -> KernelPick:
+        own = self._own()
+        if own is None:  # the block's entry is over
+            return self.outer.pick(problem, device_kind, platform, target)
         with _quiet():
-            pick = self.own.pick(problem, device_kind, platform, target)
+            pick = own.pick(problem, device_kind, platform, target)
         if pick.choice is None:
             return self.outer.pick(problem, device_kind, platform, target)
         with self.memory.lock:
@@ -88,10 +95,16 @@ class ScopedResolver:
     def resolve(self, problem: Problem, device_kind: str, kernel_name: str, target: Target,
                 kernel_by: str = "") -> Resolution:
         key = (kernel_name, device_kind, problem)
+        resolver = self._own()
+        if resolver is None:  # the block's entry is over: what it answered, else the outer's
+            with self.memory.lock:
+                kept = self.memory.answered.get(key)
+            return kept or self.outer.resolve(problem, device_kind, kernel_name, target,
+                                              kernel_by)
         with _quiet():
-            own = self.own.resolve(problem, device_kind, kernel_name, target, kernel_by)
+            own = resolver.resolve(problem, device_kind, kernel_name, target, kernel_by)
         answered = own.source != "default" or (
-            key in self.memory.picked and not self.own.kernel(kernel_name).space_params(problem))
+            key in self.memory.picked and not resolver.kernel(kernel_name).space_params(problem))
         if not answered:
             return self.outer.resolve(problem, device_kind, kernel_name, target, kernel_by)
         with self.memory.lock:
