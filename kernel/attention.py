@@ -61,8 +61,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
     ``[batch, kv_len]`` (a tuple or list; cast to int32, concrete ids outside its range are
-    refused); a query sees the keys of its own segment only (packed sequences). A query that sees no key at all gets zeros from ``flash`` and ``xla`` (as from
-    the reference), an average of the values from ``splash`` and ``jax_tpu_flash``.
+    refused); a query sees the keys of its own segment only (packed sequences). A query that
+    sees no key at all gets zeros from ``flash`` and ``xla`` (as from the reference), an
+    average of the values from ``splash`` and ``jax_tpu_flash``.
     Each is part of the problem: only a kernel that runs it is picked (see the README's
     table), and tuning measures it.
 

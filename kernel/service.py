@@ -6,8 +6,9 @@ For a new (device kind, problem) the client asks, in one ``POST /v1/choices/look
 the kernel choices of both modes with the configs of the kernel that runs without a choice and
 of the kernels each choice names (``configs``), and keeps every answer, misses included, for
 the life of the process. A service older than ``configs`` refuses it: the client then asks
-the config beside the choices (``GET /v1/configs/lookup``), at once, as that service expects. An answer it could not get (a failure, or the breaker open) is asked again once
-the breaker closes. No lock is held over the network: threads tracing different problems
+the config beside the choices (``GET /v1/configs/lookup``), at once, as that service expects.
+An answer it could not get (a failure, or the breaker open) is asked again once the breaker
+closes. No lock is held over the network: threads tracing different problems
 wait for the service side by side.
 
 Pure Python and the standard library only (http.client), so a model build needs only jax.
@@ -175,7 +176,6 @@ class ServiceClient:
         value, failure = self._receive(reply, "lookup service has no config for this key",
                                        lambda body: _config_of(body, kernel))
         return Answer(value) if value is not None else failure
-
 
     def _keep(self, key: tuple[Any, ...], answer: Answer) -> None:
         with self._lock:
