@@ -10,7 +10,8 @@ import typing
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
@@ -32,6 +33,7 @@ TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 NEAREST_FAMILY = ("with the same dtype, head_dim, causal, mode, window, segment ids or none, and "
                   "softcap (any value) or none")
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
+MAX_ASKED_KERNELS = 16  # kernels whose configs a choice lookup answers, per key at most
 # The versions a result was tuned under: the resolver marks an entry stale when they moved.
 VERSION_FIELDS = tuple(f"{package}_version" for package in VERSIONED_PACKAGES)
 
@@ -277,6 +279,8 @@ class BatchLookupItem(BaseModel):
     key: KeyOut | None = None
     time_ms: float | None = None
     speedup: float | None = None
+    provenance: dict[str, str | None] | None = Field(
+        None, description="The jax, jaxlib and libtpu versions it was tuned under.")
     detail: str | None = None
 
 
@@ -366,8 +370,31 @@ class ChoiceOut(_ChoiceFields):
     updated_at: datetime
 
 
+class ConfigsWanted(_Strict):
+    """Which configs a choice lookup answers too, for each key: ``kernel``'s (the one that
+    runs without a choice) and those of the kernels the key's choice names, each at the
+    version the asker runs (``versions``: only kernels listed there are answered)."""
+
+    kernel: _KeyText["kernel"] | None = None
+    versions: Annotated[dict[_KeyText["kernel"], _KeyText["kernel_version"]],
+                        Field(max_length=MAX_ASKED_KERNELS)]
+
+
 class BatchChoiceRequest(_Strict):
     keys: Annotated[list[ChoiceKey], Field(min_length=1, max_length=MAX_BATCH_KEYS)]
+    configs: ConfigsWanted | None = Field(
+        None, description="Answer these configs with each choice (one request for a trace's "
+                          "new shape); left out, the results hold choices only. Keys times "
+                          f"versions is at most {MAX_BATCH_KEYS}.")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> BatchChoiceRequest:
+        asked = len(self.keys) * len(self.configs.versions) if self.configs else 0
+        if asked > MAX_BATCH_KEYS:
+            raise ValueError(f"{len(self.keys)} keys times {len(self.configs.versions)} "
+                             f"kernels' configs is {asked} lookups, over {MAX_BATCH_KEYS}; ask "
+                             "for fewer keys or kernels per request")
+        return self
 
 
 class BatchChoiceItem(BaseModel):
@@ -380,6 +407,8 @@ class BatchChoiceItem(BaseModel):
     problem: ProblemOut | None = None
     provenance: dict[str, str | bool | None] | None = None
     detail: str | None = None
+    configs: dict[str, BatchLookupItem] | None = Field(
+        None, description="By kernel, the configs asked with ``configs`` (absent unless asked).")
 
 
 class BatchChoiceResponse(BaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem, finite_float, shown_number
+from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
@@ -58,9 +59,10 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
-    ``[batch, kv_len]`` (cast to int32); a query sees the keys of its own segment only (packed
-    sequences). A query that sees no key at all gets zeros from ``flash`` and ``xla`` (as from
-    the reference), an average of the values from ``splash`` and ``jax_tpu_flash``.
+    ``[batch, kv_len]`` (a tuple or list; cast to int32, concrete ids outside its range are
+    refused); a query sees the keys of its own segment only (packed sequences). A query that
+    sees no key at all gets zeros from ``flash`` and ``xla`` (as from the reference), an
+    average of the values from ``splash`` and ``jax_tpu_flash``.
     Each is part of the problem: only a kernel that runs it is picked (see the README's
     table), and tuning measures it.
 
@@ -135,7 +137,7 @@ def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableK
     """Where the config of ``problem`` (as it runs) comes from, why, and whether ``backend``
     has fields to tune for it (one without, like ``xla``, resolves nothing: never a miss)."""
     if not backend.space_params(problem):
-        return "default", "no tunable fields", False
+        return "default", NO_TUNABLE_FIELDS, False
     resolution = resolver.resolve(problem, device_kind, backend.name, target, kernel_by)
     return resolution.source, resolution.detail, True
 
@@ -164,10 +166,10 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
     shapes (``()`` for None); anything else raises naming the argument and the fix."""
     if segment_ids is None:
         return ()
-    if (isinstance(segment_ids, (str, bytes)) or not hasattr(segment_ids, "__len__")
-            or len(segment_ids) != 2):
-        raise TypeError("segment_ids must be a pair (q_segment_ids, kv_segment_ids), got "
-                        f"{type(segment_ids).__name__}")
+    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+        fix = "; pass segment_ids=(ids['q'], ids['kv'])" if isinstance(segment_ids, dict) else ""
+        raise TypeError("segment_ids must be a pair (q_segment_ids, kv_segment_ids) as a tuple "
+                        f"or list, got {type(segment_ids).__name__}{fix}")
     import jax.numpy as jnp
 
     for name, ids, axis in (("q_segment_ids", segment_ids[0], "q_len"),
@@ -181,7 +183,24 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"segment_ids: {name} must be integers (one id per document), got "
                             f"dtype {_dtype(ids)}; cast them")
+        _check_int32_range(name, ids)
     return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
+
+
+def _check_int32_range(name: str, ids: Any) -> None:
+    """Raises naming ``segment_ids`` when concrete ids lie outside int32, which the kernels
+    take (cast, 0 and 2**32 would be one segment). A traced array's values are not known
+    here: jit already casts wider ids to int32 unless x64 is on."""
+    import jax
+    import numpy as np
+
+    if isinstance(ids, jax.core.Tracer) or ids.size == 0 or np.can_cast(ids.dtype, np.int32):
+        return
+    low, high, bounds = np.min(ids), np.max(ids), np.iinfo(np.int32)
+    if low < bounds.min or high > bounds.max:
+        raise ValueError(f"segment_ids: {name} holds ids from {low} to {high}, outside int32 "
+                         f"({bounds.min} to {bounds.max}), which the kernels compare; number "
+                         "the segments within that range")
 
 
 def _explicit(backend: TunableKernel, problem: Problem, config: Any, target: Target,
@@ -216,7 +235,11 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
         if value is not None}
     if given:
         raise TypeError(_unsupported_message(given))
-    batched = getattr(query, "ndim", 4) == 4
+    rank = getattr(query, "ndim", 4)
+    if rank not in (3, 4):
+        raise ValueError("query must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, "
+                         f"heads, head_dim], got shape {tuple(query.shape)}")
+    batched = rank == 4
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):

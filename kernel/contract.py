@@ -308,8 +308,8 @@ class TunableKernel(ABC):
                               f"{type(config).__name__}")
         broken = self.violations(problem, config, target or self.portable_target)
         if broken:
-            raise ConfigError(f"config {config.label()} of kernel {self.name!r} is illegal for "
-                              f"{problem.label()}: " + "; ".join(map(str, broken)))
+            raise ConfigError(f"config {config.label(problem.mode)} of kernel {self.name!r} is "
+                              f"illegal for {problem.label()}: " + "; ".join(map(str, broken)))
 
     def stored_violations(self, problem: Problem, config: Any) -> list[Violation]:
         """The rules a stored config must pass whatever device tuned it, its

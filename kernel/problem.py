@@ -6,11 +6,14 @@ Pure Python (no jax), so storage and the service can use it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kernel.errors import ProblemError
+
+log = logging.getLogger(__name__)
 
 DTYPES: tuple[str, ...] = ("bfloat16", "float32")
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
@@ -51,7 +54,8 @@ class Problem:
     causal: bool = False
     mode: Literal["fwd", "fwd_bwd"] = "fwd"
     # Keys visible around query i: i - left <= j <= i + right (jax.nn's local_window_size);
-    # None: all (or, when causal, j <= i). Causal caps the right side at 0, so it is stored 0.
+    # None: all (or, when causal, j <= i). Causal caps the right side at 0, so it is stored 0,
+    # and a window that covers every key is no window: it is stored None (said once).
     window: tuple[int, int] | None = None
     # Logits become softcap * tanh(logits / softcap) (Gemma 2); None: no capping.
     softcap: float | None = None
@@ -77,11 +81,28 @@ class Problem:
         if self.mode not in MODES:
             raise ProblemError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.window is not None:
-            object.__setattr__(self, "window", _window(self.window, self.causal))
+            object.__setattr__(self, "window", self._normalised_window())
         if self.softcap is not None:
             object.__setattr__(self, "softcap", _softcap(self.softcap))
         if not isinstance(self.segmented, bool):
             raise ProblemError(f"segmented must be a boolean, got {self.segmented!r}")
+
+    def _normalised_window(self) -> tuple[int, int] | None:
+        """The checked window, None when it covers every key a query may see (the plain
+        causal or full problem: one key, tuned once), saying so the first time."""
+        window = _window(self.window, self.causal)
+        left, right = window
+        if left < self.q_len - 1 or (not self.causal and right < self.kv_len - 1):
+            return window
+        global _said_covering
+        if not _said_covering:
+            _said_covering = True
+            plain = "causal" if self.causal else "full"
+            log.warning("flash-autotune: window=%s covers every key at q_len %d, kv_len %d: it "
+                        "is the plain %s problem and is keyed, tuned and run as one (a window "
+                        "that covers every key is no window; said once)", self.window,
+                        self.q_len, self.kv_len, plain)
+        return None
 
     @property
     def group_size(self) -> int:
@@ -198,4 +219,5 @@ def _softcap(softcap: Any) -> float:
     return number
 
 
+_said_covering = False  # whether a window covering every key was reported (once a process)
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Problem))  # read per table entry

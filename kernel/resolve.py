@@ -37,6 +37,7 @@ from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
 from kernel.service import Answer, ServiceClient
 from kernel.table import KernelChoice, LookupTable, ProblemIndex
+from kernel.table_scope import retrace_all
 from kernel.targets import GPU_PLATFORMS, Target
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ MAX_TIMEOUT_MS = 60_000  # a trace waits at most a minute for the service
 MAX_BREAKER_S = 86_400
 VERSIONED_PACKAGES = ("jax", "jaxlib", "libtpu")
 SAFE_KERNEL = "xla"  # runs every problem on every platform: the last fallback of a choice
+NO_TUNABLE_FIELDS = "no tunable fields"  # the detail of a kernel with one config (xla)
 Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
 
 
@@ -67,11 +69,15 @@ class Resolution:
     match: str = ""
     origin: Problem | None = None
 
-    def describe(self, mode: str = "fwd_bwd") -> str:
-        """Where the config came from and which it is (its fields ``mode`` uses), with how a
-        choice picked the kernel:
+    def describe(self, mode: str = "fwd_bwd", kernel: str = "") -> str:
+        """Where the config of ``kernel`` came from and which it is (its fields ``mode``
+        uses), with how a choice picked the kernel:
         ``table, exact, config q256 ...``, ``table (stale: jax 0.9.0 ...), nearest (from b1
-        h8/8 q512 ...), config ...``, ``default, config ...; kernel: next best (...)``."""
+        h8/8 q512 ...), config ...``, ``default, config ...; kernel: next best (...)``, or
+        ``xla (no tunable config); kernel: chosen (...)`` for a kernel with one config."""
+        if self.detail == NO_TUNABLE_FIELDS:
+            described = f"{kernel} (no tunable config)".lstrip()
+            return f"{described}; kernel: {self.kernel_by}" if self.kernel_by else described
         parts = [f"{self.source} (stale: {self.stale})" if self.stale else self.source]
         if self.match == "nearest" and self.origin is not None:
             parts.append(f"nearest (from {self.origin.label()})")
@@ -178,6 +184,7 @@ class Resolver:
         self._cache: dict[Key, Resolution] = {}
         self._picks: dict[tuple[str, str, Problem, bool], KernelPick] = {}
         self._choice_configs: dict[Key, Resolution] = {}
+        self._earlier: dict[Key, str] = {}  # sources resolved before the last pinning
         self._tables: dict[str, LookupTable] = {}  # by resolved path, in pinning order
         self._indexes: dict[tuple[str, ...], ProblemIndex] = {}
         self._kernels: dict[str, TunableKernel] = {}
@@ -203,6 +210,7 @@ class Resolver:
         """Pins a loaded table under ``name`` (pinned again, the name's table is replaced):
         ``use_table``'s, or a ``kernel.tables`` block's (:mod:`kernel.scoped_resolver`)."""
         with self._lock:
+            self._earlier.update(self._described())  # what was traced may still run
             self._tables[name] = table
             for cache in (self._cache, self._picks, self._choice_configs, self._indexes):
                 cache.clear()
@@ -367,17 +375,22 @@ class Resolver:
                                 kernel_by=kernel_by)))
 
     def sources(self) -> dict[Key, str]:
-        """How each key seen so far was resolved (:meth:`Resolution.describe`)."""
+        """How each key seen so far was resolved (:meth:`Resolution.describe`); a key not
+        resolved again since a table was pinned keeps its earlier source (a function traced
+        before may still run it)."""
         with self._lock:  # another thread may be resolving a new key
-            resolved = list(self._cache.items())
-        return {key: resolution.describe(key[2].mode) for key, resolution in resolved}
+            return {**self._earlier, **self._described()}
+
+    def _described(self) -> dict[Key, str]:
+        return {key: resolution.describe(key[2].mode, key[0])
+                for key, resolution in list(self._cache.items())}
 
     def _resolve_uncached(self, problem: Problem, device_kind: str, kernel: TunableKernel,
                           target: Target) -> Resolution:
         """The resolution order of a config, in one place."""
         if not kernel.space_params(problem):  # xla: its one config, nothing to look up or warn
             return Resolution(kernel.default_config(problem, target), "default",
-                              "no tunable fields")
+                              NO_TUNABLE_FIELDS)
         reasons, retry_at = [], 0.0
         chosen = self._choice_configs.get((kernel.name, device_kind, problem))
         candidates = [("choice", lambda: (chosen, ""))] if chosen is not None else []
@@ -393,12 +406,13 @@ class Resolver:
             broken = kernel.violations(problem, found.config, target)
             if not broken:
                 return found
-            reasons.append(f"the {source}'s config {found.config.label()} is illegal here: "
-                           + "; ".join(map(str, broken)))
+            reasons.append(f"the {source}'s config {found.config.label(problem.mode)} is "
+                           "illegal here: " + "; ".join(map(str, broken)))
         config = kernel.default_config(problem, target)
         detail = "; ".join(reasons)
         log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
-                    kernel.name, config.label(), problem.label(), device_kind, detail)
+                    kernel.name, config.label(problem.mode), problem.label(), device_kind,
+                    detail)
         return Resolution(config, "default", detail, retry_at=retry_at)
 
     def _from_tables(self, problem: Problem, device_kind: str,
@@ -463,8 +477,10 @@ def reset_resolver(settings: ResolverSettings | None = None) -> Resolver:
 
 
 def use_table(path: str | Path) -> None:
-    """Pins a lookup table for this process (same as ``AUTOTUNE_TABLE=path``)."""
+    """Pins a lookup table for this process (same as ``AUTOTUNE_TABLE=path``); a function
+    traced before is traced again on its next call, resolving from it."""
     get_resolver().use_table(path)
+    retrace_all()
 
 
 def resolution_sources() -> dict[Key, str]:

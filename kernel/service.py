@@ -2,11 +2,13 @@
 reply size cap and a circuit breaker, so a slow, down or garbage-answering service never
 fails a trace.
 
-For a new (device kind, problem) the client asks, at once, the kernel choices of both modes
-(one ``POST /v1/choices/lookup:batch``) and the config of the kernel that runs without a
-choice (``GET /v1/configs/lookup``), and keeps every answer, misses included, for the life of
-the process. An answer it could not get (a failure, or the breaker open) is asked again once
-the breaker closes. No lock is held over the network: threads tracing different problems
+For a new (device kind, problem) the client asks, in one ``POST /v1/choices/lookup:batch``,
+the kernel choices of both modes with the configs of the kernel that runs without a choice and
+of the kernels each choice names (``configs``), and keeps every answer, misses included, for
+the life of the process. A service older than ``configs`` refuses it: the client then asks
+the config beside the choices (``GET /v1/configs/lookup``), at once, as that service expects.
+An answer it could not get (a failure, or the breaker open) is asked again once the breaker
+closes. No lock is held over the network: threads tracing different problems
 wait for the service side by side.
 
 Pure Python and the standard library only (http.client), so a model build needs only jax.
@@ -27,9 +29,11 @@ from typing import Any
 
 from kernel.contract import TunableKernel
 from kernel.problem import MODES, Problem
+from kernel.registry import KERNELS
 from kernel.table import KernelChoice, read_provenance
 
 MAX_REPLY_BYTES = 64 * 1024  # a lookup answer is well under 1 KiB, two choices a few KiB
+CHOICES_PATH = "/v1/choices/lookup:batch"
 PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem))
 
 
@@ -82,6 +86,7 @@ class ServiceClient:
         self._breaker_open_until = 0.0
         self._breaker_cause = ""
         self.requests = 0  # HTTP requests sent, for tests and diagnostics
+        self.answers_configs = True  # False once the service refused ``configs`` (older)
 
     def choice(self, device_kind: str, problem: Problem,
                kernel: TunableKernel | None = None) -> Answer:
@@ -125,22 +130,41 @@ class ServiceClient:
 
     def _ask_problem(self, device_kind: str, problem: Problem,
                      kernel: TunableKernel | None) -> None:
-        """Both modes' choices in one request and ``kernel``'s config in another, at once."""
+        """Both modes' choices, and the configs of ``kernel`` (when it has fields to tune) and
+        of the kernels they name, in one request (two at once for an older service)."""
         modes = [problem.mode, *(m for m in MODES if m != problem.mode)]
         problems = [dataclasses.replace(problem, mode=mode) for mode in modes]
-        choices = self._send("POST", "/v1/choices/lookup:batch", {"keys": [
-            {"device_kind": device_kind, **p.to_dict()} for p in problems]})
-        config = (self._send("GET", "/v1/configs/lookup", _config_params(device_kind, problem,
-                                                                          kernel))
-                  if kernel is not None and kernel.space_params(problem) else None)
-        results, failure = self._receive(choices, "lookup service has no kernel choice",
+        keys = [{"device_kind": device_kind, **p.to_dict()} for p in problems]
+        tuned = kernel if kernel is not None and kernel.space_params(problem) else None
+        if self.answers_configs:
+            reply = self._send("POST", CHOICES_PATH, {"keys": keys, "configs": dict(
+                kernel=tuned and tuned.name,
+                versions={k.name: k.version for k in KERNELS.values()})})
+            status, body, _ = reply.finish()
+            if not (status == 422 and b'"configs"' in body):
+                self._keep_choices(reply, device_kind, problems)
+                return
+            self.answers_configs = False  # a service older than ``configs``
+        choices = self._send("POST", CHOICES_PATH, {"keys": keys})
+        config = (self._send("GET", "/v1/configs/lookup",
+                             _config_params(device_kind, problem, tuned))
+                  if tuned is not None else None)
+        self._keep_choices(choices, device_kind, problems)
+        if config is not None:
+            self._keep(("config", tuned.name, tuned.version, device_kind, problem),
+                       self._config_answer(config, tuned))
+
+    def _keep_choices(self, reply: _Reply, device_kind: str, problems: list[Problem]) -> None:
+        """Keeps the batch reply's choice of each of ``problems``, and the configs it holds."""
+        results, failure = self._receive(reply, "lookup service has no kernel choice",
                                          lambda body: body["results"])
         for index, choice_problem in enumerate(problems):
             self._keep(("choice", device_kind, choice_problem),
                        _choice_answer(results, index, failure))
-        if config is not None:
-            self._keep(("config", kernel.name, kernel.version, device_kind, problem),
-                       self._config_answer(config, kernel))
+            for name, item in _configs_of(results, index).items():
+                kernel = KERNELS[name]
+                self._keep(("config", name, kernel.version, device_kind, choice_problem),
+                           _parsed_config(item, kernel))
 
     def _ask_config(self, device_kind: str, problem: Problem, kernel: TunableKernel) -> None:
         reply = self._send("GET", "/v1/configs/lookup",
@@ -149,15 +173,8 @@ class ServiceClient:
                    self._config_answer(reply, kernel))
 
     def _config_answer(self, reply: _Reply, kernel: TunableKernel) -> Answer:
-        def parse(body: Any) -> ConfigAnswer:
-            key = body.get("key")
-            origin = (Problem.from_dict({name: key[name] for name in PROBLEM_FIELDS
-                                         if name in key}) if isinstance(key, dict) else None)
-            return ConfigAnswer(kernel.config_from_dict(body["config"]), read_provenance(body),
-                                body.get("match"), origin)
-
         value, failure = self._receive(reply, "lookup service has no config for this key",
-                                       parse)
+                                       lambda body: _config_of(body, kernel))
         return Answer(value) if value is not None else failure
 
     def _keep(self, key: tuple[Any, ...], answer: Answer) -> None:
@@ -194,6 +211,36 @@ class ServiceClient:
             self._breaker_open_until = time.monotonic() + self.breaker_s
             self._breaker_cause = failure
             return None, Answer(why=failure, retry_at=self._breaker_open_until)
+
+
+def _config_of(body: Any, kernel: TunableKernel) -> ConfigAnswer:
+    """A found config's JSON body as a :class:`ConfigAnswer` of ``kernel``."""
+    key = body.get("key")
+    origin = (Problem.from_dict({name: key[name] for name in PROBLEM_FIELDS if name in key})
+              if isinstance(key, dict) else None)
+    return ConfigAnswer(kernel.config_from_dict(body["config"]), read_provenance(body),
+                        body.get("match"), origin)
+
+
+def _parsed_config(item: Any, kernel: TunableKernel) -> Answer:
+    """A batch item (``BatchLookupItem``) as a config :class:`Answer`: a bad one is that key's
+    miss."""
+    try:
+        if not item.get("found"):
+            return Answer(why=item.get("detail") or "lookup service has no config for this key")
+        return Answer(_config_of(item, kernel))
+    except Exception as error:  # noqa: BLE001 - a bad item is that key's miss
+        return Answer(why=f"lookup service sent a bad config: {type(error).__name__}: {error}")
+
+
+def _configs_of(results: Any, index: int) -> dict[str, Any]:
+    """The configs the ``index``-th batch result holds, by registered kernel ({} if none or
+    malformed: those configs are asked on their own when needed)."""
+    try:
+        configs = results[index].get("configs") or {}
+        return {name: item for name, item in configs.items() if name in KERNELS}
+    except Exception:  # noqa: BLE001 - a bad item answers no config
+        return {}
 
 
 def _choice_answer(results: Any, index: int, failure: Answer) -> Answer:

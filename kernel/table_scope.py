@@ -5,7 +5,8 @@ The scopes live in a context variable, so they are local to a thread (and an asy
 and nest, the innermost first. A block also keys JAX's tracing caches (a JAX user context), so
 a function traced outside the block, or under other tables, is traced again inside it and
 resolves its configs from the block's tables. :func:`retracing` gives :mod:`kernel.capture`
-the same fresh trace. jax loads only when a block is entered.
+the same fresh trace. :func:`retrace_all` keys every trace anew when the process's pinned
+tables change (``kernel.use_table``). jax loads only when a block is entered.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import contextvars
 import itertools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -43,8 +45,11 @@ _TRACE_KEY: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
 _serials = itertools.count(1)
 _lock = threading.Lock()
 _loaded: dict[str, tuple[tuple[int, int], LookupTable]] = {}  # path -> (mtime, size), table
-_table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}
+_table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}  # by id, while alive
+_live_serials: set[int] = set()  # the serials of the tables alive
 _jax_context: Any = None
+_pinnings = itertools.count(1)
+_pinning = 0  # the process's pinned tables' generation: part of every trace's key
 
 
 def active_blocks() -> tuple[Block, ...]:
@@ -76,10 +81,21 @@ def retracing(key: Any) -> Iterator[None]:
     block: a function traced under another key is traced again."""
     token = _TRACE_KEY.set(_TRACE_KEY.get() + (key,))
     try:
-        with _user_context()(_TRACE_KEY.get()):
+        with _user_context()((_pinning, *_TRACE_KEY.get())):
             yield
     finally:
         _TRACE_KEY.reset(token)
+
+
+def retrace_all() -> None:
+    """Keys JAX's tracing caches anew, outside blocks and in blocks entered from now on: a
+    function traced before is traced again on its next call, and resolves its configs from
+    the process's tables as they are now. Nothing was traced before jax loaded."""
+    global _pinning
+    if "jax" not in sys.modules:
+        return
+    _pinning = next(_pinnings)
+    _user_context().set_global((_pinning,))
 
 
 def fresh_key() -> int:
@@ -122,9 +138,20 @@ def _serial(table: LookupTable) -> int:
         known = _table_serials.get(id(table))
         if known is not None and known[0]() is table:
             return known[1]
+        for gone in [key for key, (ref, _) in _table_serials.items() if ref() is None]:
+            del _table_serials[gone]
         serial = next(_serials)
-        _table_serials[id(table)] = (weakref.ref(table), serial)
+        # The callback takes no lock (the collector may run it where one is held): a set's
+        # discard is atomic.
+        _table_serials[id(table)] = (
+            weakref.ref(table, lambda _, serial=serial: _live_serials.discard(serial)), serial)
+        _live_serials.add(serial)
         return serial
+
+
+def alive(serial: int) -> bool:
+    """Whether the table a serial names is alive (else no block can use it again)."""
+    return serial in _live_serials
 
 
 def _user_context() -> Any:

@@ -199,7 +199,8 @@ def test_a_local_window_loads_and_computes_fewer_blocks_than_causal():
 def test_reach_masks_nothing_for_full_attention_or_a_window_wider_than_the_sequence():
     assert not Reach.of(_problem()).masks
     assert not Reach.of(_problem(window=(384, 384))).masks
-    assert Reach.of(_problem(window=(383, 384))).masks_left
+    assert _problem(window=(383, 383)).window is None  # covers every key: no window
+    assert Reach.of(_problem(window=(382, 384))).masks_left  # query 383 misses key 0
 
 
 def test_window_softcap_and_segment_kernels_compile_for_a_tpu_within_the_estimate():

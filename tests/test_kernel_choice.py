@@ -190,7 +190,8 @@ def test_a_chosen_kernel_that_cannot_run_here_falls_back_with_one_warning(
     assert error < 1e-4
     [(key, source)] = sources.items()
     assert key[0] == runs and source.startswith(
-        ("table; kernel: next best", "default; kernel: next best")) and why in source
+        ("table; kernel: next best", "default; kernel: next best",
+         "xla (no tunable config); kernel: next best")) and why in source
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and "instead of the chosen" in r.getMessage()]
     assert len(warnings) == 1 and runs in warnings[0] and chosen in warnings[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import plain_sources
-from kernel import ConfigError, FlashConfig, LookupTable, Problem, TableEntry, flash_attention, \
-    get_kernel, reference_attention, resolution_sources
+from kernel import ConfigError, FlashConfig, LookupTable, Problem, TableEntry, \
+    dot_product_attention, flash_attention, get_kernel, reference_attention, resolution_sources
 from kernel.resolve import ResolverSettings, reset_resolver
 
 
@@ -82,7 +83,8 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": "50"}, TypeError,
      "logits_soft_cap must be a Python float (static), got '50'"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": _sds((1, 256), jnp.int32)}, TypeError,
-     "segment_ids must be a pair (q_segment_ids, kv_segment_ids), got ShapeDtypeStruct"),
+     "segment_ids must be a pair (q_segment_ids, kv_segment_ids) as a tuple or list, got "
+     "ShapeDtypeStruct"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (_sds((1, 256), jnp.int32),
                                                 _sds((1, 128), jnp.int32))}, ValueError,
      "segment_ids: kv_segment_ids must have shape [batch, kv_len] = (1, 256), got (1, 128)"),
@@ -91,13 +93,21 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "segment_ids: q_segment_ids must have shape [batch, q_len] = (1, 256), got (256,)"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (_sds((1, 256)), _sds((1, 256)))}, TypeError,
      "segment_ids: q_segment_ids must be integers (one id per document), got dtype float32"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": {"q": _sds((1, 256), jnp.int32),
+                                                "kv": _sds((1, 256), jnp.int32)}}, TypeError,
+     "segment_ids must be a pair (q_segment_ids, kv_segment_ids) as a tuple or list, got "
+     "dict; pass segment_ids=(ids['q'], ids['kv'])"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (np.zeros((1, 256), np.int64),
+                                                np.full((1, 256), 2**32, np.int64))},
+     ValueError, "segment_ids: kv_segment_ids holds ids from 4294967296 to 4294967296, "
+     "outside int32 (-2147483648 to 2147483647)"),
 ], ids=["rank-q", "rank-k", "float16", "int32", "mixed-dtypes", "kv-shapes", "batch",
         "head-dim", "heads", "no-legal-block", "no-compute-block", "config-type",
         "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config",
         "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
         "soft-cap-overflow",
         "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
-        "segment-ids-float"])
+        "segment-ids-float", "segment-ids-dict", "segment-ids-past-int32"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
@@ -118,12 +128,21 @@ def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
         want = reference_attention(q, k, v)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
         [(key, source)] = plain_sources(resolution_sources()).items()
-        assert key[0] == "xla" and source.startswith("default; kernel: fallback")
+        assert key[0] == "xla" and source.startswith("xla (no tunable config); kernel: fallback")
         [warning] = [r.getMessage() for r in caplog.records if "instead of flash" in
                      r.getMessage()]
         assert "pad it to 1152" in warning
     finally:
         reset_resolver(ResolverSettings())
+
+
+def test_dot_product_attention_reports_the_callers_shape():
+    """A rank-5 query is refused as rank 5 (not as the rank 6 its batching would make)."""
+    q = _sds((1, 2, 256, 4, 64))
+    with pytest.raises(ValueError, match=re.escape(
+            "query must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, heads, "
+            "head_dim], got shape (1, 2, 256, 4, 64)")):
+        jax.eval_shape(lambda q: dot_product_attention(q, q, q), q)
 
 
 def test_non_array_input_is_refused():

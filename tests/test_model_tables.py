@@ -3,8 +3,11 @@ innermost first, thread-safe, and named by ``resolution_sources()``."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,8 @@ import pytest
 
 import kernel
 from kernel import LookupTable, Problem, TableEntry, get_kernel, get_target
+from conftest import plain_sources
+from kernel.resolve import ResolverSettings, reset_resolver
 from kernel.scoped_resolver import active_resolver
 from kernel.table import KernelChoice, KernelTiming
 
@@ -77,6 +82,75 @@ def test_a_function_traced_outside_is_traced_again_inside():
         step.lower(x)  # a trace cached outside would never ask the block's tables
         assert kernel.resolution_sources()[("flash", "cpu", P)].startswith("scoped table")
     assert block[0].table.entries[0].config == SMALL
+
+
+def test_use_table_after_a_trace_reaches_the_traced_function(tmp_path):
+    """``kernel.use_table`` after a step was traced: the step is traced again on its next
+    call and runs the table's config; until then the sources still name what it ran."""
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(table((P, SMALL)).to_dict()))
+    reset_resolver(ResolverSettings())
+    try:
+        step = jax.jit(lambda q: attend(q))  # a function no test traced before
+        x = jnp.zeros((1, 1, 256, 128), jnp.float32)
+        step(x)
+        assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "default"}
+        kernel.use_table(path)
+        assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "default"}
+        step(x)
+        assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "table"}
+        with kernel.tables(table((Q, SMALL))):  # a block entered later keys by the pinning
+            step(x)
+        assert ran(P)[0] == SMALL
+    finally:
+        reset_resolver(ResolverSettings())
+
+
+def resolved(problem: Problem):
+    """The config a trace here would run for ``problem`` (as the wrapper resolves it)."""
+    return active_resolver().resolve(problem, "cpu", "flash", get_target("cpu")).config
+
+
+def _alive(refs: list[weakref.ref]) -> int:
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
+
+
+def test_a_table_is_freed_once_no_block_uses_it(tmp_path):
+    """100 blocks, each with a fresh table (inside a block whose table lives on, as a model's
+    outer table does), resolve from it; after each block the table is garbage. A table file
+    changed between blocks frees its older versions likewise."""
+    causal = Problem(**{**Q.to_dict(), "causal": True})  # a family only the outer table has
+    kept = table((causal, LARGE))
+    fresh, reloaded = [], []
+    path = tmp_path / "table.json"
+    with kernel.tables(kept):
+        for i in range(100):
+            made = table((P, SMALL if i % 2 else LARGE))
+            with kernel.tables(made):
+                if i % 10 == 0:  # JAX keeps the trace (of attend, which lives on): not the table
+                    trace(P)
+                assert resolved(P) == made.entries[0].config and resolved(causal) == LARGE
+            fresh.append(weakref.ref(made))
+            del made
+            path.write_text(json.dumps(table((P, SMALL if i % 2 else LARGE)).to_dict()))
+            os.utime(path, ns=(i * 10**9, i * 10**9))  # a new version of the file each time
+            with kernel.tables(path) as block:
+                assert resolved(P) == (SMALL if i % 2 else LARGE)
+            reloaded.append(weakref.ref(block[0].table))
+            del block
+        assert _alive(fresh) == 0 and _alive(reloaded) <= 1  # the file's latest version
+        with kernel.tables(path):
+            assert resolved(P) == SMALL  # its blocks' answers went with the tables, correctly
+
+
+def test_a_block_entered_again_names_what_it_answered():
+    """Re-entered, a block's traces are cached by JAX: the sources still name the block."""
+    small = table((P, SMALL))
+    with kernel.tables(small):
+        trace(P, lambda q: attend(q) * 2)
+    with kernel.tables(small):
+        assert kernel.resolution_sources()[("flash", "cpu", P)].startswith("scoped table")
 
 
 def test_two_threads_each_see_their_own_table():

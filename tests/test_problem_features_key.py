@@ -65,6 +65,36 @@ def bigger(problem: Problem) -> Problem:
     return dataclasses.replace(problem, q_len=2048, kv_len=2048)
 
 
+# --- the key: a window that covers every key is no window ---
+
+
+@pytest.mark.parametrize(("window", "causal", "covers"), [
+    ((4095, 0), True, True), ((255, 0), True, True), ((254, 0), True, False),
+    ((255, 255), False, True), ((4095, 254), False, False), ((254, 4095), False, False)])
+def test_a_window_that_covers_every_key_is_the_plain_problem(
+        window: tuple[int, int], causal: bool, covers: bool) -> None:
+    short = dataclasses.replace(PLAIN, q_len=256, kv_len=256, causal=causal)
+    windowed = dataclasses.replace(short, window=window)
+    assert (windowed == short) is covers
+    assert (windowed.window is None) is covers and ("window" in windowed.label()) is not covers
+
+
+def test_a_covering_window_is_said_once_and_reaches_the_cli_as_the_plain_problem(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import kernel.problem
+
+    monkeypatch.setattr(kernel.problem, "_said_covering", False)
+    caplog.set_level("WARNING", logger="kernel.problem")
+    short = dataclasses.replace(PLAIN, q_len=256, kv_len=256)
+    done = CliRunner().invoke(_problem_app(), [*problem_flags(short), "--window", "4095,0"])
+    assert done.exit_code == 0, done.output
+    assert Problem.from_dict(json.loads(done.output)) == short
+    assert dataclasses.replace(short, window=(1000, 0)) == short
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "window=(4095, 0) covers every key at q_len 256, kv_len 256: it is the plain " \
+           "causal problem" in said
+
+
 # --- storage: migration 0007 ---
 
 

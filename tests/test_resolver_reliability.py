@@ -111,6 +111,26 @@ def test_any_service_failure_falls_back_within_the_deadline(name, service, caplo
     assert resolver.service_requests == 1
 
 
+def test_the_default_config_warning_names_only_the_fields_its_mode_uses(caplog):
+    """A forward-only call's warning prints the forward tiles, not backward ones it never
+    runs; a differentiated call's prints both."""
+    resolver = Resolver(ResolverSettings())
+    caplog.set_level(logging.WARNING, logger="kernel.resolve")
+    for mode in ("fwd", "fwd_bwd"):
+        resolver.resolve(dataclasses.replace(PROBLEM, mode=mode), "cpu", "flash", CPU)
+    fwd, fwd_bwd = [r.getMessage() for r in caplog.records]
+    assert "using the default flash config q" in fwd and "dkv" not in fwd and "dq" not in fwd
+    assert "dkv" in fwd_bwd and "dq" in fwd_bwd
+
+
+def test_an_xla_choice_is_described_as_having_no_tunable_config():
+    """``resolution_sources()`` says xla has no config to tune, not that a default ran."""
+    resolver = Resolver(ResolverSettings())
+    resolver.resolve(PROBLEM, "cpu", "xla", CPU, "chosen (exact choice in pinned table)")
+    assert resolver.sources() == {("xla", "cpu", PROBLEM): "xla (no tunable config); kernel: "
+                                                           "chosen (exact choice in pinned table)"}
+
+
 def test_a_kernel_without_tunable_fields_asks_nothing_and_warns_nothing(service, caplog):
     """xla has one config: resolving it asks no service and logs no "using the default"
     warning (noise on every new shape of a model whose table chose xla)."""

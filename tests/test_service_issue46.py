@@ -269,6 +269,37 @@ def test_the_largest_choices_accepted_are_readable_by_the_wrapper(server: Server
     assert len(reply.content) < MAX_REPLY_BYTES
 
 
+def test_a_new_shape_costs_the_wrapper_one_request(server: Server) -> None:
+    """Issue 55 item 3: the trace of a new shape asks once: both modes' choices with the
+    configs of the kernel that runs without a choice, and of the kernels a choice names
+    (here its next best, as the chosen cudnn has no CPU target)."""
+    from kernel import get_kernel, get_target
+    from kernel.problem import Problem
+    from kernel.resolve import Resolver, ResolverSettings
+    from kernel.table import TABLE_SCHEMA_VERSION
+
+    flash, cpu, kind = get_kernel("flash"), get_target("cpu"), "a55-one-request"
+    chosen = Problem(1, 2, 2, 256, 256, 64)  # bfloat16: cuDNN's
+    unchosen = Problem(1, 2, 2, 512, 512, 64, causal=True)  # no choice near it
+    tuned = flash.default_config(chosen).replace(block_q=128, block_kv=128,
+                                                 block_kv_compute=128)
+    stored = httpx.post(f"{server.url}/v1/tables", headers=server.auth, json={
+        "schema_version": TABLE_SCHEMA_VERSION, "kernel": "flash",
+        "kernel_version": flash.version, "device_kind": kind,
+        "entries": [{"problem": p.to_dict(), "config": tuned.to_dict()}
+                    for p in (chosen, unchosen)],
+        "choices": [{"problem": chosen.to_dict(), "kernel": "cudnn", "config": {},
+                     "candidates": {"cudnn": {"median_ms": 1.0}, "flash": {"median_ms": 2.0}}}]})
+    assert stored.status_code == 200, stored.text
+    resolver = Resolver(ResolverSettings(url=server.url, timeout_s=10))
+    for problem in (chosen, unchosen):
+        pick = resolver.pick(problem, kind, "cpu", cpu)
+        resolution = resolver.resolve(problem, kind, pick.kernel.name, cpu, pick.by)
+        assert (pick.kernel.name, resolution.source, resolution.config) == (
+            "flash", "service", tuned), resolution
+    assert resolver.service_requests == 2  # one a shape
+
+
 # --- item 10: interpret-mode figures are marked where shown ---
 
 

@@ -22,13 +22,14 @@ from api.schemas import (
     lookup_body,
 )
 from api.strict_json import StrictJsonRoute
-from storage import LookupRequest
+from api.metrics import Metrics
+from storage import Entry, LookupRequest
 
 router = APIRouter(prefix="/v1/configs", tags=["configs"],
                    route_class=StrictJsonRoute)
 
 
-def _miss_detail(request: LookupRequest) -> str:
+def config_miss_detail(request: LookupRequest) -> str:
     return (f"no tuned config for kernel {request.kernel!r} on {request.device_kind!r} fits "
             f"{request.problem.label()} (no exact entry, and no entry {NEAREST_FAMILY} whose "
             "config is legal for it); tune it with "
@@ -45,7 +46,7 @@ def lookup(key: Annotated[LookupQuery, Query()], request: Request, store: StoreD
     lookup_request = key.to_request()
     found = store.lookup_many([lookup_request])[0]
     if found is None:
-        response = JSONResponse({"detail": _miss_detail(lookup_request)},
+        response = JSONResponse({"detail": config_miss_detail(lookup_request)},
                                 status_code=status.HTTP_404_NOT_FOUND)
         match = "miss"
     else:
@@ -63,12 +64,16 @@ def lookup_batch(body: BatchLookupRequest, store: StoreDep,
                  metrics: MetricsDep) -> dict[str, Any]:
     """Many lookups in one request; one result per key, in order, misses included."""
     requests = batch_requests(body.keys, lambda key: key.to_request())
-    results = []
-    for request, found in zip(requests, store.lookup_many(requests), strict=True):
-        metrics.lookups.labels(found[1] if found else "miss").inc()
-        results.append({"found": True, **lookup_body(*found)} if found else
-                       {"found": False, "detail": _miss_detail(request)})
-    return {"results": results}
+    return {"results": [lookup_item(request, found, metrics) for request, found in
+                        zip(requests, store.lookup_many(requests), strict=True)]}
+
+
+def lookup_item(request: LookupRequest, found: tuple[Entry, str] | None,
+                metrics: Metrics) -> dict[str, Any]:
+    """A batch result (``BatchLookupItem``) of one looked-up key, counted in the metrics."""
+    metrics.lookups.labels(found[1] if found else "miss").inc()
+    return ({"found": True, **lookup_body(*found)} if found else
+            {"found": False, "detail": config_miss_detail(request)})
 
 
 @router.put("", response_model=PublishResponse, dependencies=[Writer],
