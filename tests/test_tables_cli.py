@@ -294,3 +294,22 @@ def test_a_default_export_pinned_in_a_fresh_process_runs_an_xla_choice(
     assert ran == "xla", how
     # xla has no tunable field: its one config runs ("default"); the table chose the kernel.
     assert how == "default, config default; kernel: chosen (exact choice in pinned table)"
+
+
+def test_export_of_another_kernel_s_configs_only_names_the_kernel_flag(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 55 item 15: a database holding only splash entries exported nothing (exit 1)
+    without saying that ``--kernel splash`` exports them."""
+    from kernel import get_kernel
+
+    problem = Problem(batch=1, q_heads=2, kv_heads=2, q_len=512, kv_len=512, head_dim=128)
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind=DEVICE, median_ms=1.0, problem=problem,
+                                  config=get_kernel("splash").default_config(problem),
+                                  kernel="splash"))
+    path = tmp_path / "table.json"
+    done = run_cli("export", "-o", str(path), "--db", sqlite_db_url)
+    assert_clean_failure(done, 1, "export them with --kernel splash")
+    assert not path.exists()
+    done = run_cli("export", "-o", str(path), "--db", sqlite_db_url, "--kernel", "splash")
+    assert done.returncode == 0, done.stderr

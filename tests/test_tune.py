@@ -154,17 +154,6 @@ def test_bad_shapes_file_is_refused_before_anything_is_written(
     assert not database.exists()
 
 
-def test_problem_flags_with_a_shapes_file_are_refused_not_ignored(tmp_path: Path) -> None:
-    shapes = tmp_path / "shapes.yaml"
-    shapes.write_text(yaml.safe_dump([TINY.to_dict()]))
-    database = tmp_path / "tune.db"
-    done = run_cli("tune", "--shapes", str(shapes), "--mode", "fwd", "--causal", "--trials", "1",
-                   "--db", f"sqlite:///{database}", env=WIDE)
-    assert done.returncode == 2, done.stderr
-    assert "give --shapes or the problem flags, not both (--causal, --mode)" in done.stderr
-    assert not database.exists()
-
-
 def test_a_problem_repeated_in_a_shapes_file_is_tuned_and_published_once(
         tmp_path: Path) -> None:
     tiny = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=64)

@@ -19,7 +19,7 @@ from autotune.commands.db import (
 )
 from autotune.files import write_atomically
 from autotune.problem_options import known_kernel
-from kernel import LookupTable, TableError
+from kernel import LookupTable, TableError, kernel_names
 
 
 def export_table(
@@ -52,9 +52,13 @@ def export_table(
                 raise typer.Exit(2)
             device_kind = kinds[0]
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
+        others = [] if kernel else [name for name in kernel_names() if name != table.kernel
+                                    and device_kind in store.device_kinds(name)]
     if not table.entries and not table.choices:
         typer.echo(f"error: no tuned configs of {table.kernel!r} version "
-                   f"{table.kernel_version!r} on {device_kind!r}", err=True)
+                   f"{table.kernel_version!r} on {device_kind!r}"
+                   + (f"; the database holds configs of {', '.join(others)} there: export "
+                      f"them with --kernel {others[0]}" if others else ""), err=True)
         raise typer.Exit(1)
     try:
         write_atomically(output, (json.dumps(table.to_dict(), indent=2) + "\n").encode())
