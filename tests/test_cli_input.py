@@ -177,3 +177,26 @@ def test_a_problem_flag_out_of_range_is_named(flags: list[str], flag: str) -> No
     done = CliRunner().invoke(_problems_app(), flags)
     assert done.exit_code == 2
     assert f"Invalid value for {flag}:" in " ".join(done.output.split()), done.output
+
+
+def _command_paths(group: object, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command of a click group, as the words that name it (``("db", "upgrade")``)."""
+    commands = getattr(group, "commands", None)
+    if commands is None:
+        return [path]
+    return [found for name, command in commands.items()
+            for found in _command_paths(command, (*path, name))]
+
+
+def test_every_command_s_help_fits_80_columns() -> None:
+    """Issue 55 item 6: at 80 columns Rich cut option names (``--include-reject…``,
+    ``--allow-anonymou…``) and words of the help (``sqlite:///autotu…``)."""
+    from autotune.cli import app
+
+    paths = _command_paths(typer.main.get_command(app))
+    assert ("tune",) in paths and ("db", "upgrade") in paths
+    for path in paths:
+        done = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert done.exit_code == 0, done.output
+        assert max(map(len, done.stdout.splitlines())) <= 80
+        assert "…" not in done.stdout, f"autotune {' '.join(path)} --help:\n{done.stdout}"
