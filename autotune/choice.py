@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from autotune.failures import Status
-from autotune.measure import Measurer, Timing, interleaved
+from autotune.measure import Measurer, Timing, check_fits, interleaved
 from autotune.tune import (
     NothingToPublish,
     TuneObserver,
@@ -94,7 +94,9 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
                   observer_for: ObserverFor | None = None) -> ChoiceSummary:
     """Tunes each of ``kernels`` for ``problem`` (``options.trials`` each, its own study and
     published result), then :func:`publish_choice`. Raises ``NothingToPublish`` when no
-    candidate produced a confirmed timing."""
+    candidate produced a confirmed timing, ``ConfigError`` when the problem's operands do not
+    fit the device (:func:`autotune.measure.check_fits`)."""
+    check_fits(problem, jax.devices()[0])
     tuned: dict[str, dict[str, Any]] = {}
     lost: dict[str, tuple[str, str]] = {}
     for name in kernels:

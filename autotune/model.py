@@ -24,7 +24,7 @@ from autotune.commands.tune import _report, ensure_schema
 from autotune.progress import TuneProgress
 from autotune.traced import captured_problems
 from autotune.tune import NothingToPublish, TuneOptions
-from kernel import LookupTable, Problem, get_kernel
+from kernel import ConfigError, LookupTable, Problem, get_kernel
 from kernel.resolve import installed_versions, stale_versions
 from storage import Store
 
@@ -58,7 +58,7 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
                 summary = choose_kernel(problem, store, db_url, candidates, options,
                                         observer_for=_progress_for(problem, trials,
                                                                    json_output))
-            except NothingToPublish as error:
+            except (NothingToPublish, ConfigError) as error:  # e.g. too large for the device
                 typer.echo(f"error: {error}", err=True)
                 continue
             _report(summary.to_dict(), json_output)

@@ -51,6 +51,12 @@ class TuneOptions:
     device_index: int = 0  # which local device measures (its worker sees only that one)
     timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
 
+    def __post_init__(self) -> None:
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) \
+                or self.trials < 1:
+            raise ConfigError(f"trials must be an integer of at least 1 (measured configs "
+                              f"per problem), got {self.trials!r}")
+
 
 @dataclass
 class TuneSummary:
@@ -283,10 +289,11 @@ class TuneJob:
         timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
         failures = _failures(study) if study else {}
         if not timings:
+            confirmed = (f"the default and the best {len(top)} measured" if top else
+                         f"the default; none of the {result.measured} measured passed")
             raise NothingToPublish(
                 f"no config of {problem.label()} compiled, ran and passed the correctness "
-                f"check on {device.device_kind} (the default and the best "
-                f"{options.confirm_top} measured); nothing published", failures)
+                f"check on {device.device_kind} ({confirmed}); nothing published", failures)
         winner = choose_winner(timings, base)
         winner_ms = timings[winner].median_ms
         default_ms = timings[base].median_ms if base in timings else None

@@ -577,3 +577,43 @@ def test_shapes_that_are_not_text_and_a_database_password_are_named_safely(
                    "--db", "postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune")
     assert done.returncode == 1 and "tuner:***@127.0.0.1:1" in done.stderr, done.stderr
     assert "hunter2" not in done.stderr
+
+
+def test_a_problem_larger_than_the_device_is_refused_with_its_size(tmp_path: Path) -> None:
+    """Issue 55 item 13: a captured 1M-token, 64-batch problem was allocated (512 GiB) and
+    recorded as a runtime error; its operands are checked against the device's memory
+    first, and the problem is refused naming both sizes, before anything is allocated."""
+    from autotune.choice import choose_kernel
+    from autotune.tune import TuneOptions, tune
+    from kernel import ConfigError
+    from storage import upgrade
+
+    huge = Problem(batch=1024, q_heads=64, kv_heads=8, q_len=1 << 20, kv_len=1 << 20,
+                   head_dim=128)  # q 16 TiB, k and v 2 TiB each: 3 q + 2 k
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    with Store(db) as store:
+        with pytest.raises(ConfigError, match=r"needs at least 53,248\.0 GiB on the device"):
+            tune(huge, store, db, TuneOptions(trials=1), kernel_name="flash")
+        with pytest.raises(ConfigError, match=r"GiB on the device .* the cpu device has"):
+            choose_kernel(huge, store, db, ["flash", "xla"], TuneOptions(trials=1))
+        assert store.list(limit=None)[1] == 0
+
+
+def test_nothing_to_publish_says_what_was_confirmed(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 55 item 13: a problem whose every config failed said "the default and the best
+    3 measured" when none (or one) was measured."""
+    from autotune.tune import NothingToPublish, TuneOptions, tune
+    from storage import upgrade
+
+    monkeypatch.setattr(Measurer, "prepare", lambda self, params: None)
+    monkeypatch.setattr(Measurer, "__call__", lambda self, params: Measurement.failure(
+        Status.RUNTIME_ERROR, error="broken"))
+    monkeypatch.setattr(Measurer, "confirm", lambda self, configs, rounds: {})
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    with Store(db) as store, pytest.raises(NothingToPublish) as error:
+        tune(TINY, store, db, TuneOptions(trials=1), kernel_name="flash")
+    assert "(the default; none of the 1 measured passed)" in str(error.value)
+    assert error.value.failures == {Status.RUNTIME_ERROR: 1}
