@@ -617,3 +617,51 @@ def test_nothing_to_publish_says_what_was_confirmed(tmp_path: Path,
         tune(TINY, store, db, TuneOptions(trials=1), kernel_name="flash")
     assert "(the default; none of the 1 measured passed)" in str(error.value)
     assert error.value.failures == {Status.RUNTIME_ERROR: 1}
+
+
+def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(tmp_path: Path) -> None:
+    """Issue 55 item 2: the same ``autotune tune`` on the same database measured nothing new
+    but confirmed the winner again and could replace it; a finished problem (its budget
+    reached, nothing measured since its confirmation) is kept as it is; ``--force`` confirms
+    it again, and more trials resume the search."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
+    first = run_cli(*flags, "--trials", "2", timeout=300)
+    assert first.returncode == 0, first.stderr
+    _, [summary] = parse_json_lines(first.stdout)
+    with Store(db) as store:
+        (entry, _), = [store.lookup("flash", "cpu", TINY)]
+    again = run_cli(*flags, "--trials", "2", timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(line) for line in again.stdout.splitlines()] == [
+        {"problem": TINY.to_dict(),
+         "kept": "already tuned under the installed versions; kept (--force tunes it again)"}]
+    with Store(db) as store:
+        assert store.lookup("flash", "cpu", TINY) == (entry, "exact")
+        assert store.history(entry.result.key) == []
+    forced = run_cli(*flags, "--trials", "2", "--force", timeout=300)
+    assert forced.returncode == 0, forced.stderr
+    trials, [confirmed] = parse_json_lines(forced.stdout)
+    assert trials == [] and confirmed["study"] == summary["study"]
+    more = run_cli(*flags, "--trials", "3", timeout=300)
+    trials, [resumed] = parse_json_lines(more.stdout)
+    assert len(trials) == 1 and resumed["measured"] == 3
+
+
+def test_a_confirmation_again_replaces_the_entry_only_beyond_the_noise(
+        sqlite_db_url: str) -> None:
+    """Issue 55 item 2: a confirmation that times the same winner 1% faster within its
+    spread replaced the published entry; ``beyond_noise`` (what the tuner publishes with)
+    keeps it unless the new time beats it by more than both spreads and 1%."""
+    from storage import TunedResult
+
+    config = FLASH.default_config(TINY, device_target("cpu", "cpu"))
+    stored = TunedResult(device_kind="cpu", problem=TINY, config=config, median_ms=1.0,
+                         iqr_ms=0.1)
+    with Store(sqlite_db_url) as store:
+        store.publish(stored)
+        close = dataclasses.replace(stored, median_ms=0.95, iqr_ms=0.02)
+        assert store.publish(close, beyond_noise=True).status == "kept"
+        assert store.publish(dataclasses.replace(close, median_ms=0.85),
+                             beyond_noise=True).status == "replaced"
+        assert store.publish(dataclasses.replace(close, median_ms=0.84)).status == "replaced"
