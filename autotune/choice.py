@@ -163,7 +163,8 @@ def publish_choice(problem: Problem, store: Store, kernels: Sequence[str],
                          {name: tuned[name] for name in timings}, failures)
 
 
-def _published_choice(store: Store, device_kind: str, problem: Problem) -> StoredChoice | None:
+def _published_choice(store: Store, device_kind: str,
+                      problem: Problem) -> StoredChoice | None:
     """The kernel choice stored for exactly ``problem`` on ``device_kind``, if any."""
     found = store.lookup_choices([(device_kind, problem)])[0]
     return found[0] if found is not None and found[1] == "exact" else None

@@ -61,9 +61,9 @@ def shared_config(store: Store, device_kind: str, problems: Sequence[Problem],
     problem's study measured (the studies of their stored splash entries, all timed by one
     method)."""
     entries = [stored_entry(store, device_kind, p, kernel_version) for p in problems]
-    timings = {e.result.timing for e in entries}
-    if len(timings) > 1:
-        raise MaxTextError(f"the shapes were timed by different methods ({', '.join(sorted(map(str, timings)))}), "
+    methods = sorted({str(e.result.timing) for e in entries})
+    if len(methods) > 1:
+        raise MaxTextError(f"the shapes were timed by different methods ({', '.join(methods)}), "
                            "whose times do not add up: tune them with one --timing")
     measured = [_measured(store, entry) for entry in entries]
     common = set.intersection(*(set(times) for times in measured))

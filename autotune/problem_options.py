@@ -212,8 +212,8 @@ def load_shapes(path: Path, defaults: dict[str, Any] | None = None) -> list[Prob
                    "problem is tuned once", err=True)
     unused = [_flag(name) for name in defaults if name not in used]
     if unused:
-        typer.echo(f"note: {path}: every problem gives its own {', '.join(unused)}; the "
-                   "flag is not used", err=True)
+        typer.echo(f"note: {path}: {', '.join(unused)} not used: every problem gives its "
+                   "own", err=True)
     return list(first)
 
 

@@ -47,7 +47,8 @@ def _limits() -> ApiSettings:
 
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535, metavar="PORT")] = 8000,
+    port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535,
+                                      metavar="PORT")] = 8000,
     db: DbOption = None,
     workers: Annotated[int, typer.Option(help="Worker processes.", min=1)] = 1,
     allow_anonymous_writes: Annotated[bool, typer.Option(

@@ -212,7 +212,7 @@ def _unfinished(problems: list[Problem], store: Any, device_kind: str, kernel: s
 
 def say_finished(problem: Problem, json_output: bool) -> None:
     """Says that ``problem`` is already tuned and is kept (nothing measured)."""
-    note = ("already tuned under the installed versions; kept (--force tunes it again)")
+    note = "already tuned under the installed versions; kept (--force tunes it again)"
     if json_output:
         print(json.dumps({"problem": problem.to_dict(), "kept": note}), flush=True)
     else:
