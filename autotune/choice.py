@@ -19,18 +19,20 @@ from typing import Any
 import jax
 
 from autotune.failures import Status
-from autotune.measure import Measurer, Timing, interleaved
+from autotune.measure import Measurer, Timing, check_fits, interleaved
 from autotune.tune import (
     NothingToPublish,
     TuneObserver,
     TuneOptions,
     choose_winner,
+    finished_entry,
     tune,
 )
 from kernel import ConfigError, Problem, device_target, get_kernel, kernel_names
-from kernel.resolve import Resolver, ResolverSettings, installed_versions
+from kernel.resolve import Resolver, ResolverSettings, installed_versions, stale_versions
 from kernel.table import KernelChoice, KernelTiming
 from storage import Store
+from storage.choices import StoredChoice
 
 ObserverFor = Callable[[str], AbstractContextManager[TuneObserver | None]]
 
@@ -94,7 +96,9 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
                   observer_for: ObserverFor | None = None) -> ChoiceSummary:
     """Tunes each of ``kernels`` for ``problem`` (``options.trials`` each, its own study and
     published result), then :func:`publish_choice`. Raises ``NothingToPublish`` when no
-    candidate produced a confirmed timing."""
+    candidate produced a confirmed timing, ``ConfigError`` when the problem's operands do not
+    fit the device (:func:`autotune.measure.check_fits`)."""
+    check_fits(problem, jax.devices()[0])
     tuned: dict[str, dict[str, Any]] = {}
     lost: dict[str, tuple[str, str]] = {}
     for name in kernels:
@@ -122,8 +126,9 @@ def publish_choice(problem: Problem, store: Store, kernels: Sequence[str],
     """Confirms the tuned winners of ``kernels`` (``tuned``: their ``TuneSummary.to_dict()``;
     ``lost``: ``(failure class, detail)`` of those that did not tune) against each other on
     this device in ``options.confirm_rounds`` interleaved rounds, and publishes as the choice
-    the platform's default kernel unless another is faster beyond the noise (then the
-    fastest; ``within_noise`` in its provenance says whether a faster one was passed over).
+    the kernel of the choice published before (else the platform's default kernel) unless
+    another is faster beyond the noise (then the fastest; ``within_noise`` in its provenance
+    says whether a faster one was passed over): noisy timings do not flip a choice.
     Raises ``NothingToPublish`` when no candidate produced a confirmed timing."""
     device = jax.devices()[0]
     classes = {name: status for name, (status, _) in lost.items()}
@@ -138,7 +143,10 @@ def publish_choice(problem: Problem, store: Store, kernels: Sequence[str],
         raise NothingToPublish(f"no candidate kernel ({', '.join(kernels)}) ran "
                                f"{problem.label()} on {device.device_kind}: "
                                + "; ".join(f"{k}: {v}" for k, v in failures.items()))
-    chosen, within_noise = choose_among(timings, default_kernel(device.platform))
+    incumbent = _published_choice(store, device.device_kind, problem)
+    kept = incumbent.choice.kernel if incumbent and incumbent.choice.kernel in timings \
+        else default_kernel(device.platform)
+    chosen, within_noise = choose_among(timings, kept)
     candidates = {name: KernelTiming(timings[name].median_ms, timings[name].iqr_ms)
                   if name in timings else KernelTiming(failure=str(classes[name]))
                   for name in kernels}
@@ -153,6 +161,32 @@ def publish_choice(problem: Problem, store: Store, kernels: Sequence[str],
     store.publish_choice(device.device_kind, choice)
     return ChoiceSummary(problem, device.device_kind, choice,
                          {name: tuned[name] for name in timings}, failures)
+
+
+def _published_choice(store: Store, device_kind: str,
+                      problem: Problem) -> StoredChoice | None:
+    """The kernel choice stored for exactly ``problem`` on ``device_kind``, if any."""
+    found = store.lookup_choices([(device_kind, problem)])[0]
+    return found[0] if found is not None and found[1] == "exact" else None
+
+
+def finished_choice(store: Store, device_kind: str, problem: Problem,
+                    candidates: Sequence[str], options: TuneOptions) -> StoredChoice | None:
+    """The stored kernel choice for ``problem`` on ``device_kind`` when a rerun among
+    ``candidates`` with ``options`` would measure nothing and only confirm it again: made
+    among (at least) ``candidates`` under the installed versions, each candidate that tuned
+    then finished (:func:`autotune.tune.finished_entry`). None with ``options.force``."""
+    stored = None if options.force else _published_choice(store, device_kind, problem)
+    if stored is None:
+        return None
+    choice = stored.choice
+    timings = choice.candidates
+    current = (set(candidates) <= set(timings)
+               and choice.provenance.get("kernel_version") == get_kernel(choice.kernel).version
+               and not stale_versions(choice.provenance, installed_versions()))
+    return stored if current and all(
+        finished_entry(store, device_kind, problem, name, options)
+        for name in candidates if timings[name].failure is None) else None
 
 
 def choose_among(timings: Mapping[str, Timing], default: str) -> tuple[str, bool]:

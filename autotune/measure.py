@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import threading
 import time
@@ -36,8 +37,8 @@ from autotune.timing import (
     timing_plan,
 )
 from autotune.trials import Measurement
-from kernel import Problem, TunableKernel
-from kernel.aot import example_inputs
+from kernel import ConfigError, Problem, TunableKernel
+from kernel.aot import example_inputs, input_specs
 from kernel.tolerance import MAX_RELATIVE_ERROR
 from kernel.tolerance import relative_error as output_error
 from present.text import first_line
@@ -66,6 +67,39 @@ class Timing:
             return max(self.samples_ms) - min(self.samples_ms)
         q1, _, q3 = statistics.quantiles(self.samples_ms, n=4)
         return q3 - q1
+
+
+def held_bytes(problem: Problem) -> int:
+    """The least a measurement of ``problem`` holds on its device: the inputs (q, k, v and
+    any segment ids), and the outputs (the attention output, or dq, dk and dv) twice: the
+    reference's and a run's."""
+    q, k, *rest = [math.prod(spec.shape) * spec.dtype.itemsize for spec in input_specs(problem)]
+    outputs = q if problem.mode == "fwd" else q + 2 * k
+    return q + k + sum(rest) + 2 * outputs
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """The memory ``device`` holds arrays in: its allocator's limit (a TPU or GPU), or the
+    host's physical memory (a CPU); None when neither is known."""
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit is not None or device.platform != "cpu":
+        return limit
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not on this system
+        return None
+
+
+def check_fits(problem: Problem, device: jax.Device) -> None:
+    """Raises ``ConfigError`` naming both sizes when measuring ``problem`` needs more memory
+    than ``device`` has (:func:`held_bytes`), before anything is allocated."""
+    needed, memory = held_bytes(problem), device_memory_bytes(device)
+    if memory is not None and needed > memory:
+        raise ConfigError(
+            f"{problem.label()} needs at least {needed / 2**30:,.1f} GiB on the device (q, k, "
+            f"v and two sets of outputs) and the {device.device_kind} device has "
+            f"{memory / 2**30:,.1f} GiB: tune the shape one device runs (its batch and "
+            "heads after sharding)")
 
 
 @dataclass(frozen=True)
@@ -141,6 +175,7 @@ class Measurer:
             # The bound the kernel tests hold every kernel to: a config less accurate than
             # that fails the gate, however fast.
             self.tolerance = MAX_RELATIVE_ERROR[self.problem.dtype]
+        check_fits(self.problem, self.device)
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
         # q, k, v, and a segmented problem's representative packing (example_inputs)
         self.inputs = [jax.device_put(x, self.device)

@@ -3,29 +3,28 @@
 Captures the problems from an abstract trace (:mod:`autotune.traced`), chooses the kernel of
 each as ``autotune tune`` does (every candidate tuned in its own study, their winners
 confirmed against each other, the choice published), with the CLI's progress display, and
-returns the lookup table of exactly those problems. A problem whose choice is already
-published for this device under the installed versions (jax, jaxlib, libtpu and the chosen
-kernel's), among the same candidates, is not measured again: a second call only reads.
+returns the lookup table of exactly those problems. A problem already tuned (its choice
+published for this device under the installed versions, among the same candidates, each
+candidate's search finished: :func:`autotune.choice.finished_choice`) is not measured again:
+a second call only reads; ``TuneOptions(force=True)`` confirms it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import typer
 
-from autotune.choice import choose_kernel, local_kernels
+from autotune.choice import choose_kernel, finished_choice, local_kernels
 from autotune.commands.db import open_store, resolve_url
-from autotune.commands.tune import _report, ensure_schema
+from autotune.commands.tune import _report, ensure_schema, say_finished
 from autotune.progress import TuneProgress
 from autotune.traced import captured_problems
 from autotune.tune import NothingToPublish, TuneOptions
-from kernel import LookupTable, Problem, get_kernel
-from kernel.resolve import installed_versions, stale_versions
+from kernel import ConfigError, LookupTable, Problem, get_kernel
 from storage import Store
 
 
@@ -51,14 +50,14 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     try:
         problems = captured_problems(fn, *abstract_args)
         for problem in problems:
-            if _published(store, device_kind, problem, candidates):
-                _say_kept(problem, json_output)
+            if finished_choice(store, device_kind, problem, candidates, options):
+                say_finished(problem, json_output)
                 continue
             try:
                 summary = choose_kernel(problem, store, db_url, candidates, options,
                                         observer_for=_progress_for(problem, trials,
                                                                    json_output))
-            except NothingToPublish as error:
+            except (NothingToPublish, ConfigError) as error:  # e.g. too large for the device
                 typer.echo(f"error: {error}", err=True)
                 continue
             _report(summary.to_dict(), json_output)
@@ -89,27 +88,6 @@ def _candidates(kernels: Sequence[str] | str | None) -> list[str]:
 def _progress_for(problem: Problem, trials: int,
                   json_output: bool) -> Callable[[str], TuneProgress]:
     return lambda name: TuneProgress(problem, trials, json_output=json_output, kernel=name)
-
-
-def _published(store: Store, device_kind: str, problem: Problem,
-               candidates: Sequence[str]) -> bool:
-    """Whether the choice for exactly ``problem`` on ``device_kind`` was made among (at
-    least) ``candidates`` under the installed versions."""
-    found = store.lookup_choices([(device_kind, problem)])[0]
-    if found is None or found[1] != "exact":
-        return False
-    choice = found[0].choice
-    return (set(candidates) <= set(choice.candidates)
-            and choice.provenance.get("kernel_version") == get_kernel(choice.kernel).version
-            and not stale_versions(choice.provenance, installed_versions()))
-
-
-def _say_kept(problem: Problem, json_output: bool) -> None:
-    if json_output:
-        print(json.dumps({"problem": problem.to_dict(), "kept": "already tuned under the "
-                          "installed versions"}), flush=True)
-    else:
-        typer.echo(f"{problem.label()}: already tuned under the installed versions; kept")
 
 
 def _table_of(store: Store, device_kind: str, problems: Sequence[Problem]) -> LookupTable:

@@ -103,10 +103,20 @@ KernelOption = Annotated[str, typer.Option(
     help=f"Registered kernel: {' | '.join(kernel_names())}.")]
 
 
+def _flag(name: str) -> str:
+    """The flag of problem field ``name``: ``q_len`` -> ``--q-len``."""
+    return f"--{name.replace('_', '-')}"
+
+
+def _given_names(context: typer.Context) -> list[str]:
+    """The problem fields whose flags were given explicitly to the command of ``context``."""
+    return [name for name in _NAMES
+            if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
+
+
 def problem_flags_given(context: typer.Context) -> list[str]:
     """The problem flags given explicitly to the command of ``context`` (not by default)."""
-    return [f"--{name.replace('_', '-')}" for name in _NAMES
-            if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"]
+    return [_flag(name) for name in _given_names(context)]
 
 
 def _shapes_error(message: str) -> typer.BadParameter:
@@ -197,16 +207,22 @@ def _parse_shapes(path: Path) -> Any:
         loader.dispose()
 
 
-def load_shapes(path: Path) -> list[Problem]:
+def load_shapes(path: Path, defaults: dict[str, Any] | None = None) -> list[Problem]:
     """Problems from a YAML or JSON list of problem objects (a model's attention shapes), each
     once, in the file's order: a repeat is left out, and said so once (tuned twice, it would
-    be published twice)."""
+    be published twice). ``defaults``: problem fields for the objects that omit them (the
+    problem flags given with the file); one that every object overrides is said so."""
     data = _parse_shapes(path)
     if not isinstance(data, list) or not data:
         raise _shapes_error(f"{path} must hold a non-empty list of problems")
+    defaults = defaults or {}
+    used: set[str] = set()  # defaults some object omits
     first: dict[Problem, int] = {}  # each problem's first index
     repeats: list[str] = []
     for index, item in enumerate(data):
+        if isinstance(item, dict):
+            used.update(defaults.keys() - item.keys())
+            item = {**defaults, **item}
         try:
             problem = Problem.from_dict(item)
         except ProblemError as error:
@@ -218,18 +234,25 @@ def load_shapes(path: Path) -> list[Problem]:
     if repeats:
         typer.echo(f"note: {path}: problem(s) {', '.join(repeats)} repeat earlier ones; each "
                    "problem is tuned once", err=True)
+    unused = [_flag(name) for name in defaults if name not in used]
+    if unused:
+        typer.echo(f"note: {path}: {', '.join(unused)} not used: every problem gives its "
+                   "own", err=True)
     return list(first)
 
 
 def given_problems(context: typer.Context, problem: Problem,
                    shapes: Path | None) -> list[Problem]:
-    """The problems of the ``--shapes`` file, or the one of the problem flags (both at once:
-    exit 2)."""
-    given = problem_flags_given(context)
-    if shapes and given:
-        raise typer.BadParameter("give --shapes or the problem flags, not both "
-                                 f"({', '.join(given)})", param_hint="--shapes")
-    return load_shapes(shapes) if shapes else [problem]
+    """The problems of the ``--shapes`` file, the problem flags given with it filling the
+    fields its problems omit, or else the one problem of the flags."""
+    if not shapes:
+        return [problem]
+    return load_shapes(shapes, {name: context.params[name] for name in _given_names(context)})
+
+
+def _flag_of(message: str) -> str | None:
+    """The flag a problem error is about: its message starts with the field's name."""
+    return next((_flag(name) for name in _NAMES if message.startswith(name)), None)
 
 
 def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,7 +271,7 @@ def with_problem_options(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             problem = Problem.from_dict({k: v for k, v in fields.items() if v is not None})
         except ProblemError as error:
-            raise typer.BadParameter(str(error)) from None
+            raise typer.BadParameter(str(error), param_hint=_flag_of(str(error))) from None
         return command(*args, problem=problem, **kwargs)
 
     parameters = own + _OPTIONS

@@ -50,8 +50,9 @@ def load_function(spec: str, what: str = "--from") -> Callable[..., Any]:
         sys.path.insert(0, str(Path.cwd()))
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise TraceError(f"{what} {spec!r}: cannot import {module_name!r}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - the user's module: named in one line
+        raise TraceError(f"{what} {spec!r}: cannot import {module_name!r}: "
+                         f"{type(error).__name__}: {error}") from None
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise TraceError(f"{what} {spec!r}: {module_name!r} has no attribute {attribute!r}")
@@ -69,7 +70,12 @@ def abstract_args(spec: str | None) -> tuple[Any, ...]:
     if spec is None or not spec.strip():
         return ()
     if ":" in spec:
-        made = load_function(spec, "--args")()
+        function = load_function(spec, "--args")
+        try:
+            made = function()
+        except Exception as error:  # noqa: BLE001 - the user's code: named in one line
+            raise TraceError(f"--args {spec!r}: calling it failed: {type(error).__name__}: "
+                             f"{error}") from None
         return tuple(made) if isinstance(made, (tuple, list)) else (made,)
     return tuple(_array_spec(token) for token in spec.split())
 

@@ -29,11 +29,13 @@ from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, 
 from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
 from kernel.table import problem_family, shape_distance
-from storage import Store, TunedResult
+from storage import Entry, Store, TunedResult
+from storage.results import faster_beyond_noise
 from storage.studies import get_storage
 
 K = TypeVar("K", bound=Hashable)
 MAX_WARM_SEEDS = 3
+CONFIRMED_ATTR = "confirmed"  # a study's measured count and stop reason at its last publish
 NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
 
 
@@ -48,9 +50,15 @@ class TuneOptions:
     confirm_top: int = 3
     confirm_rounds: int = 5
     compile_timeout_s: float = 300.0
-    force: bool = False  # publish even if the stored entry is better
+    force: bool = False  # confirm a finished problem again, publish even if the stored is better
     device_index: int = 0  # which local device measures (its worker sees only that one)
     timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
+
+    def __post_init__(self) -> None:
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) \
+                or self.trials < 1:
+            raise ConfigError(f"trials must be an integer of at least 1 (measured configs "
+                              f"per problem), got {self.trials!r}")
 
 
 @dataclass
@@ -107,6 +115,36 @@ def study_name(problem: Problem, device_kind: str, kernel: TunableKernel, timing
             f"{problem.label()}")
 
 
+def finished_entry(store: Store, device_kind: str, problem: Problem, kernel_name: str,
+                   options: TuneOptions) -> Entry | None:
+    """The stored entry of ``kernel_name`` for exactly ``problem`` on ``device_kind`` when a
+    rerun with ``options`` would measure nothing and only confirm it again: published under
+    the installed versions and the asked timing, from the study the rerun resumes, with no
+    config measured since and nothing left to measure (its budget reached or its space
+    exhausted), or of a kernel without fields. None with ``options.force``."""
+    kernel = get_kernel(kernel_name)
+    found = None if options.force else store.lookup(kernel.name, device_kind, problem)
+    if found is None or found[1] != "exact":
+        return None
+    entry, stored = found[0], found[0].result
+    if stored.stale_versions() or options.timing not in ("auto", stored.timing):
+        return None
+    if not kernel.space_params(problem):
+        return entry
+    if stored.timing is None or stored.study != (
+            options.study or study_name(problem, device_kind, kernel, stored.timing)):
+        return None
+    storage = get_storage(store.url, create=False)
+    try:
+        study = optuna.load_study(study_name=stored.study, storage=storage)
+    except KeyError:  # no such study here (an imported entry's)
+        return None
+    confirmed = study.user_attrs.get(CONFIRMED_ATTR) or {}
+    measured = sum(is_measurement(t) for t in study.get_trials(deepcopy=False))
+    searched = measured >= options.trials or confirmed.get("stop_reason") == "exhausted"
+    return entry if searched and confirmed.get("measured") == measured else None
+
+
 def kernel_space(kernel: TunableKernel, problem: Problem,
                  target: Target) -> tuple[Space, Config]:
     """The search space of ``problem`` for ``kernel`` (only fields that matter for its mode)
@@ -160,10 +198,9 @@ def choose_winner(timings: Mapping[K, Timing], default: K) -> K:
     best = min(timings, key=lambda c: timings[c].median_ms)
     if default not in timings:
         return best
-    gain = timings[default].median_ms - timings[best].median_ms
-    noise = max(timings[best].iqr_ms, timings[default].iqr_ms,
-                0.01 * timings[default].median_ms)
-    return best if gain > noise else default
+    fast, slow = timings[best], timings[default]
+    return best if faster_beyond_noise(fast.median_ms, fast.iqr_ms, slow.median_ms,
+                                       slow.iqr_ms) else default
 
 
 class NothingToPublish(RuntimeError):
@@ -290,10 +327,11 @@ class TuneJob:
                 f"corrupt; nothing published; run the same command again to confirm in a "
                 f"fresh process")
         if not timings:
+            confirmed = (f"the default and the best {len(top)} measured" if top else
+                         f"the default; none of the {result.measured} measured passed")
             raise NothingToPublish(
                 f"no config of {problem.label()} compiled, ran and passed the correctness "
-                f"check on {device.device_kind} (the default and the best "
-                f"{options.confirm_top} measured); nothing published", failures)
+                f"check on {device.device_kind} ({confirmed}); nothing published", failures)
         winner = choose_winner(timings, base)
         winner_ms = timings[winner].median_ms
         default_ms = timings[base].median_ms if base in timings else None
@@ -318,7 +356,10 @@ class TuneJob:
             study=self.name if study else None, device_index=options.device_index,
             **{f"{package}_version": version
                for package, version in installed_versions().items()}),
-            force=options.force)
+            force=options.force, beyond_noise=True)
+        if study:  # what a rerun compares: nothing measured since means nothing to confirm
+            study.set_user_attr(CONFIRMED_ATTR, {"measured": result.measured,
+                                                 "stop_reason": result.stop_reason})
         if study and previous and outcome.status == "kept" \
                 and outcome.entry.result.study == self.name:
             # A rerun whose winner lost to the entry an earlier run of this study stored: the

@@ -83,7 +83,8 @@ def landscape_figure(data: StudyData) -> Figure:
     axes = figure.subplots(1, len(depths), squeeze=False)[0]
     # A confirmed config lists the searched fields; a field with one value is that value.
     fixed = {name: values[0] for name, values in data.space.items() if len(values) == 1}
-    winner = next(({**fixed, **c.params} for c in data.confirmation if c.is_winner), None)
+    confirmed = data.winner()
+    winner = None if confirmed is None else {**fixed, **confirmed.params}
     if winner is not None and not {y, x} <= winner.keys():
         winner = None
     image = None
@@ -116,13 +117,15 @@ def landscape_figure(data: StudyData) -> Figure:
     if image is not None and times:
         figure.colorbar(image, ax=list(axes), label="best time (ms), lower is better",
                         shrink=0.9)
-    notes = ["red frame: the confirmed winner"] if winner is not None else []
+    notes = ["cells: best search time"]
+    if winner is not None:
+        notes.append(f"red frame: the confirmed winner ({confirmed.median_ms:.3g} ms in the "
+                     "confirmation, which re-measures the best and re-ranks them)")
     classes = sorted({p.status for p in data.failed})
     if classes:
         notes.append("hatched: only failures; " + ", ".join(
             f"{failure_letter(c)} = {c}" for c in classes))
-    if notes:
-        figure.suptitle("; ".join(notes), fontsize=9)
+    figure.suptitle(textwrap.fill("; ".join(notes), 110), fontsize=9)
     return figure
 
 
@@ -147,9 +150,9 @@ def convergence_figure(data: StudyData) -> Figure:
     confirmed_default = next((c for c in data.confirmation if c.is_default), None)
     if default is not None:
         ax.axhline(default.value_ms, color="#d35400", linestyle="--", linewidth=1.5,
-                   label=f"default ({default.value_ms:.3g} ms)")
-    elif confirmed_default is not None:
-        ax.axhline(confirmed_default.median_ms, color="#d35400", linestyle="--", linewidth=1.5,
+                   label=f"default, search ({default.value_ms:.3g} ms)")
+    if confirmed_default is not None:
+        ax.axhline(confirmed_default.median_ms, color="#d35400", linestyle=":", linewidth=1.5,
                    label=f"default, confirmation median ({confirmed_default.median_ms:.3g} ms)")
     ax.set_xlabel("measured configs")
     ax.set_ylabel("time (ms)")

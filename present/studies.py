@@ -11,7 +11,7 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from kernel import DEFAULT_KERNEL
+from kernel import DEFAULT_KERNEL, AutotuneError, get_kernel
 from kernel.problem import Problem, ProblemError
 from present.text import first_line
 from storage.studies import OK, is_measurement, trial_status
@@ -46,9 +46,20 @@ class Point:
     error: str | None
 
 
+def config_label(kernel: str, config: Mapping[str, Any], mode: str) -> str | None:
+    """``config`` (a stored config's fields) labelled as its kernel labels it everywhere else
+    (``FlashConfig.label``: ``q256 kv128/128 ... dkv128x256/depth3``), or None when the kernel
+    is not registered here or the fields are not one of its configs."""
+    try:
+        return get_kernel(kernel).config_from_dict(dict(config)).label(mode)
+    except (AutotuneError, TypeError, ValueError, KeyError):
+        return None
+
+
 @dataclass(frozen=True)
 class Confirmed:
-    """A config re-measured against the default after the search, round by round."""
+    """A config re-measured against the default after the search, round by round;
+    ``config_label``: the config as its kernel labels it (else its searched fields)."""
 
     params: dict[str, Any]
     samples_ms: tuple[float, ...]
@@ -56,11 +67,13 @@ class Confirmed:
     iqr_ms: float
     is_default: bool
     is_winner: bool
+    config_label: str = ""
 
     @property
     def label(self) -> str:
         role = " (default)" if self.is_default else ""
-        return short_label(self.params) + role + (" (winner)" if self.is_winner else "")
+        return ((self.config_label or short_label(self.params)) + role
+                + (" (winner)" if self.is_winner else ""))
 
 
 @dataclass(frozen=True)
@@ -109,13 +122,15 @@ class StudyData:
         except ProblemError:
             problem = None
         searched = [n for n in space if len(space[n]) > 1] or list(space)
+        kernel = kernel or attrs.get("kernel", DEFAULT_KERNEL)
+        mode = problem.mode if problem else "fwd_bwd"
         confirmation = tuple(Confirmed(
             params={n: c["config"][n] for n in searched if n in c["config"]},
             samples_ms=tuple(c["samples_ms"]), median_ms=c["median_ms"], iqr_ms=c["iqr_ms"],
-            is_default=bool(c["is_default"]), is_winner=bool(c["is_winner"]))
+            is_default=bool(c["is_default"]), is_winner=bool(c["is_winner"]),
+            config_label=config_label(kernel, c["config"], mode) or "")
             for c in attrs.get("confirmation", []))
-        return cls(name=study.study_name,
-                   kernel=kernel or attrs.get("kernel", DEFAULT_KERNEL), problem=problem,
+        return cls(name=study.study_name, kernel=kernel, problem=problem,
                    device_kind=attrs.get("device_kind"), space=space, points=points,
                    confirmation=confirmation)
 
@@ -136,6 +151,10 @@ class StudyData:
                 best = point.value_ms
             out.append(best)
         return out
+
+    def winner(self) -> Confirmed | None:
+        """The confirmation's winner, if the study was confirmed."""
+        return next((c for c in self.confirmation if c.is_winner), None)
 
     def default_point(self) -> Point | None:
         """The default config's measurement during the search, if it was measured."""

@@ -2,8 +2,9 @@
 
 A choice names the kernel that won a problem on a device kind among the candidates tuned
 there, its config, and every candidate's confirmed median and spread or failure class; its
-provenance says, as ``within_noise``, whether the platform's default kernel was kept although
-another candidate measured faster by no more than the noise (null: not recorded).
+provenance says, as ``within_noise``, whether the kernel kept (the platform's default, or
+the one chosen before) was kept although another candidate measured faster by no more than the
+noise (null: not recorded).
 """
 
 from __future__ import annotations

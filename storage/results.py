@@ -134,6 +134,18 @@ def check_text(name: str, value: Any, *, optional: bool = False) -> None:
                           f"without control characters or lone surrogates, got {shown!r}")
 
 
+NOISE_FLOOR = 0.01  # a lead under 1% of the slower median is noise, however tight the spreads
+
+
+def faster_beyond_noise(fast_ms: float, fast_iqr_ms: float | None, slow_ms: float,
+                        slow_iqr_ms: float | None) -> bool:
+    """Whether a median of ``fast_ms`` beats one of ``slow_ms`` beyond the noise of both
+    measurements: by more than the larger of their spreads (IQR; None counts as 0) and
+    NOISE_FLOOR of the slower."""
+    return slow_ms - fast_ms > max(fast_iqr_ms or 0.0, slow_iqr_ms or 0.0,
+                                   NOISE_FLOOR * slow_ms)
+
+
 @dataclass(frozen=True)
 class TunedResult:
     """One tuning outcome for one key: the winning config, its timings and provenance.
@@ -212,11 +224,18 @@ class TunedResult:
             raise ResultError(f"config is illegal for {self.problem.label()}: "
                               + "; ".join(str(v) for v in broken))
 
-    def beats(self, other: TunedResult) -> bool:
-        """Strictly faster than ``other``; a measured result beats an unmeasured one."""
+    def beats(self, other: TunedResult, beyond_noise: bool = False) -> bool:
+        """Strictly faster than ``other`` (``beyond_noise``: by more than the noise of both
+        measurements, :func:`faster_beyond_noise`); a measured result beats an unmeasured
+        one."""
         if self.median_ms is None:
             return False
-        return other.median_ms is None or self.median_ms < other.median_ms
+        if other.median_ms is None:
+            return True
+        if beyond_noise:
+            return faster_beyond_noise(self.median_ms, self.iqr_ms, other.median_ms,
+                                       other.iqr_ms)
+        return self.median_ms < other.median_ms
 
     def stale_versions(self, installed: Mapping[str, str | None] | None = None) -> str:
         """Which of its recorded jax, jaxlib and libtpu versions differ from ``installed``

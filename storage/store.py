@@ -350,14 +350,17 @@ class Store:
 
     # --- writes ---
 
-    def publish(self, result: TunedResult, force: bool = False) -> PublishOutcome:
-        """Stores ``result`` unless the stored one is at least as fast (``force`` overrides).
+    def publish(self, result: TunedResult, force: bool = False,
+                beyond_noise: bool = False) -> PublishOutcome:
+        """Stores ``result`` unless the stored one is at least as fast (``beyond_noise``:
+        unless ``result`` is faster beyond the noise of both, as a re-confirmation must be;
+        ``force`` overrides).
 
         Whichever result loses goes to the history table. Raises ResultError if the config
         breaks a static rule for its problem.
         """
         result.check_legal()
-        return self._write(lambda session: self._publish(session, result, force))
+        return self._write(lambda session: self._publish(session, result, force, beyond_noise))
 
     def publish_choice(self, device_kind: str, choice: KernelChoice) -> StoredChoice:
         """Stores the kernel choice for ``choice.problem`` on ``device_kind``, replacing the
@@ -437,7 +440,8 @@ class Store:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _publish(session: Session, result: TunedResult, force: bool) -> PublishOutcome:
+    def _publish(session: Session, result: TunedResult, force: bool,
+                 beyond_noise: bool = False) -> PublishOutcome:
         now = datetime.now(UTC)
         key = LookupRequest(result.device_kind, result.problem, result.kernel,
                             result.kernel_version, result.platform).params(KEY_COLUMNS)
@@ -451,7 +455,7 @@ class Store:
         previous = _result(row)
         if _columns(result) == _columns(previous):
             return PublishOutcome("kept", _entry(row), previous)  # the same result: a no-op
-        wins = result.beats(previous)
+        wins = result.beats(previous, beyond_noise)
         if wins or force:
             session.add(TunedConfigHistoryRow(
                 **_columns(previous), created_at=row.created_at, updated_at=row.updated_at,

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
 
 from autotune.commands.tune import _report
-from autotune.problem_options import load_shapes
+from autotune.problem_options import ShapesOption, given_problems, load_shapes, \
+    with_problem_options
 from kernel import Problem, get_kernel
 from kernel.resolve import installed_versions
 from kernel.shapesfile import append_shapes, save_shapes
@@ -101,7 +103,7 @@ def test_an_error_quoting_a_large_value_shows_its_start_only(tmp_path: Path) -> 
 def test_a_recursive_alias_is_refused(tmp_path: Path) -> None:
     shapes = tmp_path / "loop.yaml"
     shapes.write_text("- &a {batch: 1, q_heads: 1, q_len: 128, head_dim: 64, x: [*a]}\n")
-    done = run_cli("tune", "--shapes", str(shapes))
+    done = run_cli("tune", "--shapes", str(shapes), env={"COLUMNS": "250"})
     assert done.returncode == 2 and "holds a recursive alias" in done.stderr, done.stderr
 
 
@@ -130,10 +132,6 @@ def test_reading_shapes_with_a_repeat_is_linear(tmp_path: Path) -> None:
 def test_precheck_takes_shapes_like_tune(tmp_path: Path) -> None:
     """Item 11: every command that takes a problem takes ``--shapes`` (precheck did not)."""
     shapes = tmp_path / "shapes.yaml"
-    shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, mode: fwd}\n")
-    done = run_cli("precheck", "--shapes", str(shapes), "--q-len", "256", env={"COLUMNS": "250"})
-    assert done.returncode == 2
-    assert "give --shapes or the problem flags, not both (--q-len)" in done.stderr
     shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, dtype: int8}\n")
     done = run_cli("precheck", "--shapes", str(shapes), env={"COLUMNS": "250"})
     assert done.returncode == 2 and "problem 0: " in done.stderr, done.stderr  # the file read
@@ -169,3 +167,69 @@ def test_a_softcap_no_float_holds_is_refused_naming_it(tmp_path: Path, digits: i
     with pytest.raises(typer.BadParameter) as refused:
         load_shapes(shapes)
     assert message in str(refused.value) and len(str(refused.value)) < 1000
+
+
+def _problems_app() -> typer.Typer:
+    """A command that takes a problem as ``tune`` and ``precheck`` do, and prints its
+    problems' labels."""
+    app = typer.Typer()
+
+    @app.command()
+    @with_problem_options
+    def show(context: typer.Context, problem: Problem, shapes: ShapesOption = None) -> None:
+        for item in given_problems(context, problem, shapes):
+            typer.echo(item.label())
+
+    return app
+
+
+def test_problem_flags_given_with_a_shapes_file_fill_what_its_problems_omit(
+        tmp_path: Path) -> None:
+    """Issue 55 item 6: ``--shapes`` with ``--mode`` was refused; a flag given with a shapes
+    file is the default of the problems that omit its field, and one that every problem
+    overrides is said to be unused."""
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64}\n"
+                      "- {batch: 1, q_heads: 2, q_len: 256, head_dim: 64, mode: fwd}\n")
+    done = CliRunner().invoke(_problems_app(), ["--shapes", str(shapes), "--mode", "fwd_bwd",
+                                                "--causal", "--q-len", "512"])
+    assert done.exit_code == 0, done.output
+    assert done.stdout.splitlines() == [
+        "b1 h2/2 q128 kv128 d64 bfloat16 causal fwd_bwd",
+        "b1 h2/2 q256 kv256 d64 bfloat16 causal fwd"]
+    assert "--q-len not used: every problem gives its own" in done.stderr
+
+
+@pytest.mark.parametrize(("flags", "flag"), [
+    (["--window", "99999999999999999999,0"], "--window"),
+    (["--q-len", "0"], "--q-len"),
+    (["--q-heads", "3", "--kv-heads", "2"], "--q-heads")])
+def test_a_problem_flag_out_of_range_is_named(flags: list[str], flag: str) -> None:
+    """Issue 55 item 15: ``--window 99999999999999999999,0`` exited 2 without naming
+    ``--window``."""
+    done = CliRunner().invoke(_problems_app(), flags)
+    assert done.exit_code == 2
+    assert f"Invalid value for {flag}:" in " ".join(done.output.split()), done.output
+
+
+def _command_paths(group: object, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command of a click group, as the words that name it (``("db", "upgrade")``)."""
+    commands = getattr(group, "commands", None)
+    if commands is None:
+        return [path]
+    return [found for name, command in commands.items()
+            for found in _command_paths(command, (*path, name))]
+
+
+def test_every_command_s_help_fits_80_columns() -> None:
+    """Issue 55 item 6: at 80 columns Rich cut option names (``--include-reject…``,
+    ``--allow-anonymou…``) and words of the help (``sqlite:///autotu…``)."""
+    from autotune.cli import app
+
+    paths = _command_paths(typer.main.get_command(app))
+    assert ("tune",) in paths and ("db", "upgrade") in paths
+    for path in paths:
+        done = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert done.exit_code == 0, done.output
+        assert max(map(len, done.stdout.splitlines())) <= 80
+        assert "…" not in done.stdout, f"autotune {' '.join(path)} --help:\n{done.stdout}"

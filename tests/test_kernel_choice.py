@@ -445,3 +445,50 @@ def test_a_kernel_the_wrapper_cannot_run_here_is_never_chosen(
     assert summary.choice.candidates[refused.name].failure == "compile_error"  # at trace time
     assert "as kernel.flash_attention runs it: Only interpret mode is supported" in \
         summary.failures[refused.name]
+
+
+def test_a_confirmed_again_choice_keeps_its_kernel_unless_beaten_beyond_the_noise(
+        sqlite_db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 55 item 2: on noisy timings a second confirmation flipped the published choice
+    (flash to xla); the kernel published before is kept unless another beats it beyond the
+    noise of both, as the platform's default kernel is the first time."""
+    import autotune.choice as choice
+
+    tuned = {name: {"best_config": kernel.get_kernel(name).default_config(SMALL).to_dict(),
+                    "timing": "wallclock", "method": "interpret"} for name in ("flash", "xla")}
+
+    def confirmed(flash_ms: float) -> str:
+        monkeypatch.setattr(choice, "_confirm_winners", lambda *args: (
+            {"flash": _timing(flash_ms, 0.05), "xla": _timing(1.0, 0.05)}, {}))
+        with Store(sqlite_db_url) as store:
+            return choice.publish_choice(SMALL, store, ["flash", "xla"], tuned, {}).choice.kernel
+
+    assert confirmed(2.0) == "xla"  # beats flash, the CPU's kernel, beyond the noise
+    assert confirmed(0.98) == "xla"  # flash faster within the noise: xla stays
+    assert confirmed(0.5) == "flash"
+    assert confirmed(0.98) == "flash"
+
+
+def test_a_rerun_of_a_finished_choice_measures_and_publishes_nothing(tmp_path: Path) -> None:
+    """Issue 55 item 2: the same ``autotune tune`` again confirmed every candidate again and
+    published the choice again; a finished problem is kept as it is, ``--force`` tunes it
+    again."""
+    db = f"sqlite:///{tmp_path / 'choice.db'}"
+    flags = ["tune", "--kernels", "xla", *problem_flags(SMALL), "--trials", "1", "--db", db,
+             "--json"]
+    assert run_cli(*flags, timeout=300).returncode == 0
+    with Store(db) as store:
+        [before] = store.list_choices(limit=None)[0]
+    again = run_cli(*flags, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(line) for line in again.stdout.splitlines()] == [
+        {"problem": SMALL.to_dict(),
+         "kept": "already tuned under the installed versions; kept (--force tunes it again)"}]
+    with Store(db) as store:
+        assert store.list_choices(limit=None)[0] == [before]
+    forced = run_cli(*flags, "--force", timeout=300)
+    assert forced.returncode == 0, forced.stderr
+    assert [json.loads(line)["chosen_kernel"] for line in forced.stdout.splitlines()] == ["xla"]
+    with Store(db) as store:
+        [after] = store.list_choices(limit=None)[0]
+    assert after.updated_at > before.updated_at

@@ -108,10 +108,11 @@ def test_report_draws_each_kernel_landscape_on_that_kernel_axes(
     done = run_cli("report", "--db", db, "-o", str(report))
     assert done.returncode == 0, done.stderr
     html = report.read_text()
+    text = " ".join(html.split())
     for name in PROBLEMS:
         x, y, panel = get_kernel(name).landscape_axes
-        assert f"Best time per {x} × {y} cell (over the other fields), one panel per\n{panel};" \
-            in html
+        assert f"Best search time per {x} × {y} cell (over the other fields), one panel per " \
+               f"{panel};" in text
     assert html.count('data-plot="landscape"') == len(PROBLEMS)
 
 

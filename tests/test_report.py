@@ -198,6 +198,9 @@ def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
     assert f"{stored.choice.kernel} (chosen{noise})" in html
     assert f"{entry.result.speedup:.2f}×" in html
     assert "No failures" in html
+    # Issue 55 item 5: where each figure comes from, and that the confirmation re-ranks.
+    assert 'id="re-ranks"' in html and "<th>median (ms, confirmation)</th>" in html
+    assert "kernel's time here can differ from its median there" in " ".join(html.split())
     # Timed by wall clock on the CPU, where no roofline figure is made up (index rows of both
     # kernels, and the summary).
     assert len(re.findall(r'<td>wallclock</td>\s*<td class="roofline">–</td>', html)) == 2
@@ -293,7 +296,7 @@ def test_the_winner_is_framed_when_a_plotted_field_has_one_value(failing: StudyD
     frames = [p for ax in figure.axes for p in ax.patches
               if not p.get_fill() and p.get_linewidth() > 2]
     assert len(frames) == 1
-    assert figure.get_suptitle().startswith("red frame: the confirmed winner")
+    assert "red frame: the confirmed winner" in " ".join(figure.get_suptitle().split())
 
 
 def test_convergence_draws_best_so_far_and_the_default(failing: StudyData) -> None:
@@ -303,7 +306,7 @@ def test_convergence_draws_best_so_far_and_the_default(failing: StudyData) -> No
     assert np.allclose(best.get_ydata(), curve, equal_nan=True)
     default = failing.default_point()
     assert default is not None
-    (line,) = [line for line in ax.lines if line.get_label().startswith("default")]
+    (line,) = [line for line in ax.lines if line.get_label().startswith("default, search")]
     assert set(line.get_ydata()) == {default.value_ms}
     failed = next(line for line in ax.lines if line.get_label() == "failed")
     assert len(failed.get_xdata()) == len(failing.failed)
@@ -393,8 +396,35 @@ def test_a_fwd_bwd_confirmation_draws_without_a_layout_warning(failing: StudyDat
     backward = {"block_q_dkv": 256, "block_kv_dkv": 256, "pipeline_depth_dkv": 2,
                 "block_q_dq": 256, "block_kv_dq": 256, "pipeline_depth_dq": 2}
     data = dataclasses.replace(failing, confirmation=tuple(
-        dataclasses.replace(c, params={**c.params, **backward}) for c in failing.confirmation))
+        dataclasses.replace(c, params={**c.params, **backward}, config_label="")
+        for c in failing.confirmation))
     assert max(len(c.label) for c in data.confirmation) > 70
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert data_uri(confirmation_figure(data)).startswith("data:image/png")
+
+
+def test_the_report_s_figures_say_where_they_come_from(failing: StudyData) -> None:
+    """Issue 55 item 5: one report showed the winner framed on a 20.2 ms cell beside a 9.37 ms
+    one, the default at 29.6 ms (search) and 11.3 ms (confirmation) unlabelled, and the
+    confirmation's labels (``q_dkv128 kv_dkv256 ...``) unlike the summary's
+    (``dkv128x256/depth3``): the confirmation's configs carry their kernel's label, the frame
+    sits on the winner's cell and says its confirmed time, and both default times are named."""
+    assert [c.label for c in failing.confirmation] == [
+        f"{DEFAULT.label('fwd')} (default)", f"{WINNER.label('fwd')} (winner)"]
+    labels = [t.get_text().replace("\n", " ") for t in
+              confirmation_figure(failing).axes[0].get_yticklabels()]
+    assert labels == [c.label for c in failing.confirmation]
+    figure = landscape_figure(failing)
+    [frame] = [(ax, p) for ax in figure.axes for p in ax.patches
+               if not p.get_fill() and p.get_linewidth() > 2]
+    ax, patch = frame
+    assert ax.get_title() == f"pipeline_depth={WINNER.pipeline_depth}"
+    column, row = (round(patch.get_x() + patch.get_width() / 2),
+                   round(patch.get_y() + patch.get_height() / 2))
+    assert (SPACE["block_kv"][column], SPACE["block_q"][row]) == (WINNER.block_kv,
+                                                                   WINNER.block_q)
+    title = " ".join(figure.get_suptitle().split())
+    assert "cells: best search time" in title and "(1.57 ms in the confirmation" in title
+    lines = {line.get_label() for line in convergence_figure(failing).axes[0].lines}
+    assert {"default, search (1.95 ms)", "default, confirmation median (2.1 ms)"} <= lines

@@ -5,12 +5,13 @@ written) for bad files, missing schemas and ambiguous exports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import problem_flags, run_cli
 from kernel import FlashConfig
 from kernel.problem import Problem
 from storage import Store, TunedResult
@@ -346,3 +347,105 @@ def test_a_default_export_pinned_in_a_fresh_process_runs_an_xla_choice(
     assert ran == "xla", how
     # xla has no tunable field: its one config runs ("default"); the table chose the kernel.
     assert how == "xla (no tunable config); kernel: chosen (exact choice in pinned table)"
+
+
+def test_export_of_another_kernel_s_configs_only_names_the_kernel_flag(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 55 item 15: a database holding only splash entries exported nothing (exit 1)
+    without saying that ``--kernel splash`` exports them."""
+    from kernel import get_kernel
+
+    problem = Problem(batch=1, q_heads=2, kv_heads=2, q_len=512, kv_len=512, head_dim=128)
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind=DEVICE, median_ms=1.0, problem=problem,
+                                  config=get_kernel("splash").default_config(problem),
+                                  kernel="splash"))
+    path = tmp_path / "table.json"
+    done = run_cli("export", "-o", str(path), "--db", sqlite_db_url)
+    assert_clean_failure(done, 1, "export them with --kernel splash")
+    assert not path.exists()
+    done = run_cli("export", "-o", str(path), "--db", sqlite_db_url, "--kernel", "splash")
+    assert done.returncode == 0, done.stderr
+
+
+def _splash_study(url: str, problem: Problem, times: dict[int, float]) -> None:
+    """A splash study of ``problem`` on DEVICE that measured ``block_kv_compute`` = each key
+    of ``times`` (ms), every other field the default, and its winner stored as the entry."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    from kernel import device_target, get_kernel
+
+    name = f"splash study of {problem.label()}"
+    study = optuna.create_study(study_name=name, storage=url)
+    choices = CategoricalDistribution([128, 256, 512])
+    for compute, ms in times.items():
+        study.add_trial(optuna.trial.create_trial(
+            params={"block_kv_compute": compute}, distributions={"block_kv_compute": choices},
+            value=ms, user_attrs={"status": "ok"}))
+    best = min(times, key=times.get)
+    base = get_kernel("splash").default_config(problem, device_target("tpu", DEVICE))
+    with Store(url) as store:
+        store.publish(TunedResult(device_kind=DEVICE, problem=problem, median_ms=times[best],
+                                  config=base.replace(block_kv_compute=best), kernel="splash",
+                                  study=name, timing="profile", trials=len(times)))
+
+
+LOCAL = Problem(batch=2, q_heads=8, kv_heads=4, q_len=512, kv_len=512, head_dim=128,
+                causal=True, window=(255, 0), mode="fwd_bwd")
+GLOBAL = dataclasses.replace(LOCAL, window=None)
+
+
+def test_export_maxtext_prints_the_sa_flags_of_one_tuned_shape(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 55 item 7: MaxText takes splash's BlockSizes as sa_* flags, which the README
+    printed with curl and jq; ``export --format maxtext`` prints them for the shape given."""
+    _splash_study(sqlite_db_url, LOCAL, {128: 2.0, 256: 1.0, 512: 1.5})
+    done = run_cli("export", "--format", "maxtext", *problem_flags(LOCAL), "--db",
+                   sqlite_db_url)
+    assert done.returncode == 0, done.stderr
+    [line] = done.stdout.splitlines()
+    assert line.startswith("sa_block_q=512 sa_block_kv=512 sa_block_kv_compute=256 ")
+    assert "sa_use_fused_bwd_kernel=false" in line and "sa_q_layout=HEAD_DIM_MINOR" in line
+    assert "None" not in line and "null" not in line
+    path = tmp_path / "flags.txt"
+    done = run_cli("export", "--format", "maxtext", *problem_flags(LOCAL), "-o", str(path),
+                   "--db", sqlite_db_url)
+    assert done.returncode == 0 and path.read_text() == line + "\n"
+    other = run_cli("export", "--format", "maxtext", *problem_flags(GLOBAL), "--db",
+                    sqlite_db_url)
+    assert_clean_failure(other, 1, "no tuned splash entry for", "autotune tune --kernel splash")
+
+
+def test_export_maxtext_of_two_shapes_gives_the_config_best_for_both(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 55 item 7: a model with local and global layers runs one set of sa_* flags:
+    among the configs measured for both, the one whose two times sum lowest (here neither
+    shape's own best)."""
+    _splash_study(sqlite_db_url, LOCAL, {128: 1.0, 256: 1.4, 512: 1.1})
+    _splash_study(sqlite_db_url, GLOBAL, {128: 3.0, 512: 2.5})
+    shapes = tmp_path / "model.yaml"
+    shapes.write_text(json.dumps([LOCAL.to_dict(), GLOBAL.to_dict()]))
+    done = run_cli("export", "--format", "maxtext", "--shapes", str(shapes), "--db",
+                   sqlite_db_url, env={"COLUMNS": "250"})
+    assert done.returncode == 0, done.stderr
+    assert "sa_block_kv_compute=512 " in done.stdout
+    assert "the best of 2 configs measured for every shape" in done.stderr
+    assert f"{LOCAL.label()} 1.100 ms (its own best 1.000)" in done.stderr
+    _splash_study(sqlite_db_url, dataclasses.replace(GLOBAL, q_len=1024, kv_len=1024),
+                  {256: 1.0})
+    shapes.write_text(json.dumps([GLOBAL.to_dict(), {**GLOBAL.to_dict(), "q_len": 1024,
+                                                      "kv_len": 1024}]))
+    done = run_cli("export", "--format", "maxtext", "--shapes", str(shapes), "--db",
+                   sqlite_db_url, env={"COLUMNS": "250"})
+    assert_clean_failure(done, 1, "no config was measured for every shape")
+
+
+def test_export_refuses_a_shape_without_the_maxtext_format(sqlite_db_url: str,
+                                                           tmp_path: Path) -> None:
+    seed(sqlite_db_url)
+    done = run_cli("export", "-o", str(tmp_path / "t.json"), "--q-len", "512", "--db",
+                   sqlite_db_url, env={"COLUMNS": "250"})
+    assert_clean_failure(done, 2, "a table holds every tuned shape; --q-len pick(s) the shape")
+    done = run_cli("export", "--db", sqlite_db_url, env={"COLUMNS": "250"})
+    assert_clean_failure(done, 2, "give the file to write the table to")

@@ -155,17 +155,6 @@ def test_bad_shapes_file_is_refused_before_anything_is_written(
     assert not database.exists()
 
 
-def test_problem_flags_with_a_shapes_file_are_refused_not_ignored(tmp_path: Path) -> None:
-    shapes = tmp_path / "shapes.yaml"
-    shapes.write_text(yaml.safe_dump([TINY.to_dict()]))
-    database = tmp_path / "tune.db"
-    done = run_cli("tune", "--shapes", str(shapes), "--mode", "fwd", "--causal", "--trials", "1",
-                   "--db", f"sqlite:///{database}", env=WIDE)
-    assert done.returncode == 2, done.stderr
-    assert "give --shapes or the problem flags, not both (--causal, --mode)" in done.stderr
-    assert not database.exists()
-
-
 def test_a_problem_repeated_in_a_shapes_file_is_tuned_and_published_once(
         tmp_path: Path) -> None:
     tiny = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=64)
@@ -645,3 +634,91 @@ def test_shapes_that_are_not_text_and_a_database_password_are_named_safely(
                    "--db", "postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune")
     assert done.returncode == 1 and "tuner:***@127.0.0.1:1" in done.stderr, done.stderr
     assert "hunter2" not in done.stderr
+
+
+def test_a_problem_larger_than_the_device_is_refused_with_its_size(tmp_path: Path) -> None:
+    """Issue 55 item 13: a captured 1M-token, 64-batch problem was allocated (512 GiB) and
+    recorded as a runtime error; its operands are checked against the device's memory
+    first, and the problem is refused naming both sizes, before anything is allocated."""
+    from autotune.choice import choose_kernel
+    from autotune.tune import TuneOptions, tune
+    from kernel import ConfigError
+    from storage import upgrade
+
+    huge = Problem(batch=1024, q_heads=64, kv_heads=8, q_len=1 << 20, kv_len=1 << 20,
+                   head_dim=128)  # q 16 TiB, k and v 2 TiB each: 3 q + 2 k
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    with Store(db) as store:
+        with pytest.raises(ConfigError, match=r"needs at least 53,248\.0 GiB on the device"):
+            tune(huge, store, db, TuneOptions(trials=1), kernel_name="flash")
+        with pytest.raises(ConfigError, match=r"GiB on the device .* the cpu device has"):
+            choose_kernel(huge, store, db, ["flash", "xla"], TuneOptions(trials=1))
+        assert store.list(limit=None)[1] == 0
+
+
+def test_nothing_to_publish_says_what_was_confirmed(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 55 item 13: a problem whose every config failed said "the default and the best
+    3 measured" when none (or one) was measured."""
+    from autotune.tune import NothingToPublish, TuneOptions, tune
+    from storage import upgrade
+
+    monkeypatch.setattr(Measurer, "prepare", lambda self, params: None)
+    monkeypatch.setattr(Measurer, "__call__", lambda self, params: Measurement.failure(
+        Status.RUNTIME_ERROR, error="broken"))
+    monkeypatch.setattr(Measurer, "confirm", lambda self, configs, rounds: {})
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    with Store(db) as store, pytest.raises(NothingToPublish) as error:
+        tune(TINY, store, db, TuneOptions(trials=1), kernel_name="flash")
+    assert "(the default; none of the 1 measured passed)" in str(error.value)
+    assert error.value.failures == {Status.RUNTIME_ERROR: 1}
+
+
+def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(tmp_path: Path) -> None:
+    """Issue 55 item 2: the same ``autotune tune`` on the same database measured nothing new
+    but confirmed the winner again and could replace it; a finished problem (its budget
+    reached, nothing measured since its confirmation) is kept as it is; ``--force`` confirms
+    it again, and more trials resume the search."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
+    first = run_cli(*flags, "--trials", "2", timeout=300)
+    assert first.returncode == 0, first.stderr
+    _, [summary] = parse_json_lines(first.stdout)
+    with Store(db) as store:
+        (entry, _), = [store.lookup("flash", "cpu", TINY)]
+    again = run_cli(*flags, "--trials", "2", timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(line) for line in again.stdout.splitlines()] == [
+        {"problem": TINY.to_dict(),
+         "kept": "already tuned under the installed versions; kept (--force tunes it again)"}]
+    with Store(db) as store:
+        assert store.lookup("flash", "cpu", TINY) == (entry, "exact")
+        assert store.history(entry.result.key) == []
+    forced = run_cli(*flags, "--trials", "2", "--force", timeout=300)
+    assert forced.returncode == 0, forced.stderr
+    trials, [confirmed] = parse_json_lines(forced.stdout)
+    assert trials == [] and confirmed["study"] == summary["study"]
+    more = run_cli(*flags, "--trials", "3", timeout=300)
+    trials, [resumed] = parse_json_lines(more.stdout)
+    assert len(trials) == 1 and resumed["measured"] == 3
+
+
+def test_a_confirmation_again_replaces_the_entry_only_beyond_the_noise(
+        sqlite_db_url: str) -> None:
+    """Issue 55 item 2: a confirmation that times the same winner 1% faster within its
+    spread replaced the published entry; ``beyond_noise`` (what the tuner publishes with)
+    keeps it unless the new time beats it by more than both spreads and 1%."""
+    from storage import TunedResult
+
+    config = FLASH.default_config(TINY, device_target("cpu", "cpu"))
+    stored = TunedResult(device_kind="cpu", problem=TINY, config=config, median_ms=1.0,
+                         iqr_ms=0.1)
+    with Store(sqlite_db_url) as store:
+        store.publish(stored)
+        close = dataclasses.replace(stored, median_ms=0.95, iqr_ms=0.02)
+        assert store.publish(close, beyond_noise=True).status == "kept"
+        assert store.publish(dataclasses.replace(close, median_ms=0.85),
+                             beyond_noise=True).status == "replaced"
+        assert store.publish(dataclasses.replace(close, median_ms=0.84)).status == "replaced"

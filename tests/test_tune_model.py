@@ -42,6 +42,9 @@ MODEL = textwrap.dedent("""
     def forward(x):
         return attention(x, 2, True)
 
+    def broken_args():
+        raise RuntimeError("no weights here")
+
     def example_args():
         return (jax.ShapeDtypeStruct((256, 256), jnp.float32),
                 jax.ShapeDtypeStruct((1, 128, 256), jnp.float32),
@@ -134,6 +137,8 @@ def test_args_from_a_function_are_its_tuple(model):
     ("tiny_model:step", "float32(1,2)", "write an array as dtype[d0"),
     ("tiny_model:step", "floaty[1]", "unknown dtype 'floaty'"),
     ("tiny_model:forward", "float32[1,128,255]", "tracing forward failed"),
+    ("tiny_model:forward", "tiny_model:broken_args",
+     "calling it failed: RuntimeError: no weights here"),
 ])
 def test_a_bad_function_or_arguments_is_named(model, spec, args, message):
     from autotune.traced import TraceError, abstract_args, captured_problems, load_function
@@ -147,8 +152,19 @@ def test_a_bad_function_or_arguments_is_named(model, spec, args, message):
     (["--from", "tiny_model:missing"], "has no attribute 'missing'"),
     (["--from", "tiny_model:step", "--q-len", "256"], "give --from, --shapes or the problem"),
     (["--args", "float32[1]"], "give --from too"),
+    (["--from", "tiny_model:forward", "--args", "tiny_model:broken_args"],
+     "--args 'tiny_model:broken_args': calling it failed: RuntimeError: no weights here"),
 ])
 def test_tune_from_refuses_bad_input_in_one_line(tmp_path, args, message):
     done = cli(tmp_path, *args, "--kernels", "xla", "--db", f"sqlite:///{tmp_path / 'a.db'}")
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("trials", [0, -1, True, 2.5])
+def test_tune_model_refuses_a_trial_count_below_one(model, sqlite_db_url, trials):
+    """Issue 55 item 13: ``tune_model(trials=0)`` (or -1) was accepted; the CLI refuses
+    ``--trials`` below 1."""
+    with pytest.raises(kernel.ConfigError, match="trials must be an integer of at least 1"):
+        autotune.tune_model(model.forward, *model.example_args()[1:2], db=sqlite_db_url,
+                            trials=trials, kernels="xla")

@@ -24,6 +24,7 @@ def precheck(
     jobs: Annotated[int, typer.Option(min=1, help="Parallel compiler processes.")] = 2,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds allowed per compile.")] = 300,
     include_rejected: Annotated[bool, typer.Option(
+        "--include-rejected",
         help="Also compile the configs the VMEM estimate rejects (to measure it).")] = False,
     vmem_limit_kib: Annotated[int | None, typer.Option(
         min=1, help="Scoped VMEM limit to check and compile against (default: the target's).")]

@@ -47,14 +47,15 @@ def _limits() -> ApiSettings:
 
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535)] = 8000,
+    port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535,
+                                      metavar="PORT")] = 8000,
     db: DbOption = None,
     workers: Annotated[int, typer.Option(help="Worker processes.", min=1)] = 1,
     allow_anonymous_writes: Annotated[bool, typer.Option(
         "--allow-anonymous-writes",
         help="Accept writes without a bearer token (default: writes need AUTOTUNE_API_TOKEN).",
     )] = False,
-    access_log: Annotated[bool, typer.Option(help="Log every request.")] = False,
+    access_log: Annotated[bool, typer.Option("--access-log", help="Log every request.")] = False,
 ) -> None:
     """Serve tuned configs over HTTP (reads open; writes need AUTOTUNE_API_TOKEN).
 

@@ -18,13 +18,25 @@ from autotune.commands.db import (
     resolve_url,
 )
 from autotune.files import write_atomically
-from autotune.problem_options import known_kernel
-from kernel import LookupTable, TableError
+from autotune.problem_options import (ShapesOption, given_problems, known_kernel,
+                                      problem_flags_given, with_problem_options)
+from kernel import LookupTable, Problem, TableError, kernel_names
 
 
+@with_problem_options
 def export_table(
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the table.",
-                                         dir_okay=False)],
+    context: typer.Context,
+    problem: Problem,
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", dir_okay=False, show_default=False,
+        help="Where to write the table (with --format maxtext: the flags; default: print "
+             "them).")] = None,
+    format_: Annotated[str, typer.Option(
+        "--format", help="table (a lookup table of every tuned shape) or maxtext (MaxText's "
+                         "sa_* flags of the splash config of the shape the problem flags or "
+                         "--shapes give; of several shapes: the config best for them "
+                         "together).")] = "table",
+    shapes: ShapesOption = None,
     device_kind: Annotated[str | None, typer.Option(
         help="Device kind as JAX reports it, e.g. 'TPU v5 lite' (default: the only one stored).",
         show_default=False)] = None,
@@ -38,23 +50,30 @@ def export_table(
     db: DbOption = None,
 ) -> None:
     """Write the tuned configs of one device kind, and its kernel choices, as a lookup table to
-    pin in a model build."""
+    pin in a model build; or, with --format maxtext, MaxText's sa_* flags for one shape (or
+    for the shapes of --shapes together)."""
+    if format_ == "maxtext":
+        _export_maxtext(given_problems(context, problem, shapes), output, device_kind, kernel,
+                        kernel_version, db)
+        return
+    if format_ != "table":
+        raise typer.BadParameter(f"{format_!r}: use table or maxtext", param_hint="--format")
+    given = [*problem_flags_given(context), *(["--shapes"] if shapes else [])]
+    if given:
+        raise typer.BadParameter(f"a table holds every tuned shape; {', '.join(given)} "
+                                 "pick(s) the shape of --format maxtext", param_hint="--format")
+    if output is None:
+        raise typer.BadParameter("give the file to write the table to", param_hint="-o")
+    device_kind = _stored_device_kind(device_kind, kernel, db)
     with reading_store(db) as store:
-        if device_kind is None:
-            kinds = store.device_kinds(kernel)
-            if not kinds:
-                typer.echo("error: nothing to export: the database holds no tuned configs"
-                           + (f" of {kernel!r}" if kernel else ""), err=True)
-                raise typer.Exit(1)
-            if len(kinds) != 1:
-                typer.echo(f"error: pass --device-kind; the database has configs for {kinds}",
-                           err=True)
-                raise typer.Exit(2)
-            device_kind = kinds[0]
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
+        others = [] if kernel else [name for name in kernel_names() if name != table.kernel
+                                    and device_kind in store.device_kinds(name)]
     if not table.entries and not table.choices:
         typer.echo(f"error: no tuned configs of {table.kernel!r} version "
-                   f"{table.kernel_version!r} on {device_kind!r}", err=True)
+                   f"{table.kernel_version!r} on {device_kind!r}"
+                   + (f"; the database holds configs of {', '.join(others)} there: export "
+                      f"them with --kernel {others[0]}" if others else ""), err=True)
         raise typer.Exit(1)
     try:
         write_atomically(output, (json.dumps(table.to_dict(), indent=2) + "\n").encode())
@@ -64,6 +83,60 @@ def export_table(
     counts = ", ".join(f"{len(t.entries)} {t.kernel}" for t in table.kernel_tables())
     typer.echo(f"wrote entries ({counts}) and {len(table.choices)} kernel choices for "
                f"{device_kind!r} to {output}")
+
+
+def _stored_device_kind(device_kind: str | None, kernel: str | None, db: str | None) -> str:
+    """``--device-kind``, else the only device kind with tuned configs (of ``kernel``)."""
+    if device_kind is not None:
+        return device_kind
+    with reading_store(db) as store:
+        kinds = store.device_kinds(kernel)
+    if not kinds:
+        typer.echo("error: nothing to export: the database holds no tuned configs"
+                   + (f" of {kernel!r}" if kernel else ""), err=True)
+        raise typer.Exit(1)
+    if len(kinds) != 1:
+        typer.echo(f"error: pass --device-kind; the database has configs for {kinds}",
+                   err=True)
+        raise typer.Exit(2)
+    return kinds[0]
+
+
+def _export_maxtext(problems: list[Problem], output: Path | None, device_kind: str | None,
+                    kernel: str | None, kernel_version: str | None, db: str | None) -> None:
+    """Prints (or writes to ``output``) the sa_* flags of the splash config tuned for the one
+    problem, or of the config best for several together (said on stderr, with each one's
+    time against its own best)."""
+    from autotune.maxtext import KERNEL, MaxTextError, sa_flags, shared_config, stored_entry
+
+    if kernel not in (None, KERNEL):
+        raise typer.BadParameter(f"MaxText's flags are splash's; leave --kernel out or give "
+                                 f"--kernel {KERNEL}", param_hint="--kernel")
+    device_kind = _stored_device_kind(device_kind, KERNEL, db)
+    with reading_store(db) as store:
+        try:
+            if len(problems) == 1:
+                config = stored_entry(store, device_kind, problems[0], kernel_version)\
+                    .result.config
+            else:
+                shared = shared_config(store, device_kind, problems, kernel_version)
+                config = shared.config
+        except MaxTextError as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(1) from None
+    if len(problems) > 1:
+        typer.echo(f"the best of {shared.candidates} configs measured for every shape: "
+                   + "; ".join(f"{p.label()} {shared.times_ms[p]:.3f} ms (its own best "
+                               f"{shared.best_ms[p]:.3f})" for p in problems), err=True)
+    flags = sa_flags(config)
+    if output is None:
+        typer.echo(flags)
+        return
+    try:
+        write_atomically(output, (flags + "\n").encode())
+    except OSError as error:
+        typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
+        raise typer.Exit(1) from None
 
 
 def import_table(

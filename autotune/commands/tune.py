@@ -44,7 +44,8 @@ def tune(
     study: Annotated[str | None, typer.Option(
         help="Optuna study name (default: derived from the key, so a rerun resumes).")] = None,
     force: Annotated[bool, typer.Option(
-        help="Publish even if the stored result is better.")] = False,
+        "--force", help="Tune a problem already tuned again (else it is kept as it is) and "
+                        "publish the result even if the stored one is faster.")] = False,
     timing: Annotated[str, typer.Option(
         help="How runs are timed: profile (device time from a profiler trace), loop (many "
              "runs in one compiled program), wallclock (host time per call), or auto: "
@@ -114,18 +115,26 @@ def tune(
     options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
                           seed=seed, study=study, force=force, timing=timing)
     if selection != 1:
-        store.close()
         try:
             chosen = select_devices(selection, local := LocalDevices.probe())
         except DeviceSelectionError as error:
+            store.close()
             raise typer.BadParameter(str(error), param_hint="--devices") from None
-        _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options, json_output,
-                         candidates or local_kernels(local.platform, local.device_kind))
+        candidates = candidates or local_kernels(local.platform, local.device_kind)
+        with store:
+            problems = _unfinished(problems, store, local.device_kind, kernel, candidates,
+                                   options, json_output)
+        if problems:
+            _tune_on_workers(problems, chosen, local.platform, db_url, kernel, options,
+                             json_output, candidates)
         return
+    import jax
+
     candidates = candidates or local_kernels()
     failed = 0
     try:
-        for item in problems:
+        for item in _unfinished(problems, store, jax.devices()[0].device_kind, kernel,
+                                candidates, options, json_output):
             def progress_for(name: str, item: Problem = item) -> TuneProgress:
                 return TuneProgress(item, trials, json_output=json_output,
                                     kernel=name if kernel is None else None)
@@ -181,6 +190,37 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
     return given_problems(context, problem, shapes)
+
+
+def _unfinished(problems: list[Problem], store: Any, device_kind: str, kernel: str | None,
+                candidates: list[str], options: Any, json_output: bool) -> list[Problem]:
+    """``problems`` but those already tuned (:func:`autotune.tune.finished_entry` of
+    ``kernel``, or :func:`autotune.choice.finished_choice` among ``candidates``), which are
+    said to be kept."""
+    from autotune.choice import finished_choice
+    from autotune.tune import finished_entry
+
+    def finished(problem: Problem) -> bool:
+        if kernel is not None:
+            return finished_entry(store, device_kind, problem, kernel, options) is not None
+        return finished_choice(store, device_kind, problem, candidates, options) is not None
+
+    out = []
+    for problem in problems:
+        if finished(problem):
+            say_finished(problem, json_output)
+        else:
+            out.append(problem)
+    return out
+
+
+def say_finished(problem: Problem, json_output: bool) -> None:
+    """Says that ``problem`` is already tuned and is kept (nothing measured)."""
+    note = "already tuned under the installed versions; kept (--force tunes it again)"
+    if json_output:
+        print(json.dumps({"problem": problem.to_dict(), "kept": note}), flush=True)
+    else:
+        typer.echo(f"{problem.label()}: {note}")
 
 
 def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform: str,
