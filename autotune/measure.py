@@ -39,7 +39,7 @@ from autotune.timing import (
 from autotune.trials import Measurement
 from kernel import ConfigError, Problem, TunableKernel
 from kernel.aot import example_inputs, input_specs
-from kernel.tolerance import MAX_RELATIVE_ERROR
+from kernel.tolerance import max_relative_error
 from kernel.tolerance import relative_error as output_error
 from present.text import first_line
 
@@ -174,7 +174,7 @@ class Measurer:
         if self.tolerance is None:
             # The bound the kernel tests hold every kernel to: a config less accurate than
             # that fails the gate, however fast.
-            self.tolerance = MAX_RELATIVE_ERROR[self.problem.dtype]
+            self.tolerance = max_relative_error(self.problem.dtype, self.device.platform)
         check_fits(self.problem, self.device)
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
         # q, k, v, and a segmented problem's representative packing (example_inputs)

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 from bench.chip import Bench  # noqa: E402
 from kernel.problem import Problem  # noqa: E402
 from kernel.registry import KERNELS  # noqa: E402
-from kernel.tolerance import MAX_RELATIVE_ERROR  # noqa: E402
+from kernel.tolerance import max_relative_error  # noqa: E402
 
 
 def last_summary(path: Path) -> dict:
@@ -39,7 +39,7 @@ def verify(summary: dict) -> dict:
     config = kernel.config_from_dict(summary["best_config"])
     default = kernel.default_config(problem, jax.devices()[0].device_kind)
     bench = Bench.of(problem, kernel.name, default)
-    tolerance = MAX_RELATIVE_ERROR[problem.dtype]
+    tolerance = max_relative_error(problem.dtype, jax.devices()[0].platform)
     runs = [bench.errors(kernel.name, config) for _ in range(2)]
     report = {"kernel": kernel.name, "problem": problem.label(), "config": config.label(),
               "published_errors": runs, "tolerance": tolerance,

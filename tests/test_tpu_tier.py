@@ -32,7 +32,7 @@ import pytest
 from bench.chip import Bench
 from kernel.problem import Problem
 from kernel.registry import KERNELS
-from kernel.tolerance import MAX_RELATIVE_ERROR
+from kernel.tolerance import max_relative_error
 
 ON_TPU = jax.devices()[0].platform == "tpu"
 pytestmark = [pytest.mark.tpu,
@@ -151,7 +151,7 @@ def test_kernel_is_right_on_the_chip_and_leaves_it_right(problem_name, kernel_na
     start = time.perf_counter()
     errors = bench.errors(kernel_name, config)
     holds = bench.canary_holds()
-    tolerance = MAX_RELATIVE_ERROR[bench.problem.dtype]
+    tolerance = max_relative_error(bench.problem.dtype, jax.devices()[0].platform)
     worst = max(errors.values())
     _record({"problem": problem_name, "kernel": kernel_name, "config": config.to_dict(),
              "errors": errors, "max_error": worst, "passed": worst <= tolerance,
