@@ -162,20 +162,26 @@ def kernel_space(kernel: TunableKernel, problem: Problem,
 
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
-               base: Config, kernel: str = DEFAULT_KERNEL) -> list[dict[str, Any]]:
-    """The default first, then winners of the nearest tuned problems of its family
+               base: Config, kernel: TunableKernel, target: Target) -> list[dict[str, Any]]:
+    """The default first; then winners of the nearest tuned problems of its family
     (``kernel.table.problem_family``) on the same device, the problem's own stored winner first
-    (a re-tune under new versions, a new study)."""
-    family = {"kernel": kernel, "device_kind": device_kind, "dtype": problem.dtype,
+    (a re-tune under new versions, a new study), at most :data:`MAX_WARM_SEEDS`; then the
+    kernel's hand-set families (``TunableKernel.seed_configs``) for this device."""
+    family = {"kernel": kernel.name, "device_kind": device_kind, "dtype": problem.dtype,
               "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
     entries, _ = store.list(family, limit=None)
     nearest = sorted((e.result for e in entries
                       if problem_family(e.result.problem) == problem_family(problem)),
                      key=lambda r: shape_distance(problem, r.problem))
-    seeds = [base] + [r.config for r in nearest]
-    params = [{name: getattr(config, name) for name in space.names} for config in seeds]
-    legal = [p for p in params if space.is_legal(p)]
-    return list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
+    legal = [p for p in _params(space, [base] + [r.config for r in nearest])
+             if space.is_legal(p)]
+    seeds = list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
+    families = _params(space, kernel.seed_configs(problem, target))
+    return list({space.key(p): p for p in seeds + families if space.is_legal(p)}.values())
+
+
+def _params(space: Space, configs: list[Config]) -> list[dict[str, Any]]:
+    return [{name: getattr(config, name) for name in space.names} for config in configs]
 
 
 def _top_configs(study: optuna.Study, base: Config, count: int) -> list[Config]:
@@ -243,7 +249,7 @@ class TuneJob:
                  kernel_name: str = DEFAULT_KERNEL) -> None:
         self.kernel = kernel = get_kernel(kernel_name).discover()
         self.device = jax.devices()[0]
-        target = device_target(self.device.platform, self.device.device_kind)
+        self.target = target = device_target(self.device.platform, self.device.device_kind)
         kernel.check_runs(problem, target)
         self.problem, self.store, self.options, self.observer = problem, store, options, observer
         self.space, self.base = (kernel_space(kernel, problem, target)
@@ -305,7 +311,7 @@ class TuneJob:
                       sampler=options.sampler, trials=options.trials, timeout=options.timeout,
                       patience=options.patience,
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
-                                       self.space, self.base, self.kernel.name),
+                                       self.space, self.base, self.kernel, self.target),
                       seed=options.seed, on_trial=self._on_trial,
                       prepare=self.measurer.prepare)
 

@@ -362,3 +362,23 @@ def test_a_forward_label_names_no_field_only_the_backward_searches(name):
                                                                                  field))})
         assert other.label("fwd") == default.label("fwd"), field
         assert other.label("fwd_bwd") != default.label("fwd_bwd"), field
+
+
+def test_seed_configs_are_legal_uniform_blocks_and_splash_adds_maxtext_s_recipes() -> None:
+    """The families a search measures after the default: legal, not the default, every block
+    field at one size; splash adds MaxText's hand-set recipes where they are legal."""
+    from kernel.backends.splash import RECIPES, recipe
+
+    problem = Problem(batch=4, q_heads=16, kv_heads=16, q_len=4096, kv_len=4096, head_dim=128,
+                      dtype="bfloat16", causal=True, mode="fwd_bwd")
+    for name in ("flash", "splash"):
+        kernel = get_kernel(name)
+        seeds = kernel.seed_configs(problem, "v5e")
+        assert seeds and kernel.default_config(problem, "v5e") not in seeds
+        assert all(not kernel.violations(problem, seed, "v5e") for seed in seeds)
+        blocks = [f for f in kernel.space_params(problem) if f.startswith("block_")]
+        assert any(len({getattr(seed, f) for f in blocks}) == 1 for seed in seeds)
+    splash = get_kernel("splash")
+    recipes = [recipe(problem, **changes) for changes in RECIPES.values()]
+    legal = [r for r in recipes if not splash.violations(problem, r, "v5e")]
+    assert legal and all(r in splash.seed_configs(problem, "v5e") for r in legal)

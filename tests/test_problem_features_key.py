@@ -417,13 +417,14 @@ def test_the_pages_show_and_link_featured_problems(server: Server) -> None:
 def test_the_tuner_seeds_only_from_its_problems_family(store: Store) -> None:
     """A local layer's winner is no warm seed for a global layer of the same shape (nor the
     other way round): the window decides which blocks run."""
-    flash = get_kernel("flash")
-    space, base = kernel_space(flash, PLAIN, flash.target("v5e"))
+    flash, target = get_kernel("flash"), get_kernel("flash").target("v5e")
+    space, base = kernel_space(flash, PLAIN, target)
     seed = FlashConfig(block_q=256, block_kv=256)
-    assert seed != base and space.is_legal({name: getattr(seed, name) for name in space.names})
+    params = {name: getattr(seed, name) for name in space.names}
+    assert seed != base and space.is_legal(params)
     store.publish(TunedResult(device_kind=DEVICE, problem=bigger(WINDOWED), config=seed,
                               median_ms=1.0))
-    assert len(warm_seeds(store, PLAIN, DEVICE, space, base)) == 1  # the default only
+    assert params not in warm_seeds(store, PLAIN, DEVICE, space, base, flash, target)
     store.publish(TunedResult(device_kind=DEVICE, problem=bigger(PLAIN), config=seed,
                               median_ms=1.0))
-    assert len(warm_seeds(store, PLAIN, DEVICE, space, base)) == 2
+    assert warm_seeds(store, PLAIN, DEVICE, space, base, flash, target)[1] == params

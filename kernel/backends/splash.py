@@ -295,6 +295,12 @@ class SplashKernel(TunableKernel):
         self.target(target)
         return recipe(problem)
 
+    def seed_configs(self, problem: Problem, target: Target | str = "cpu") -> list[SplashConfig]:
+        """Uniform blocks (the contract's), then MaxText's hand-set recipes (:data:`RECIPES`)."""
+        recipes = [recipe(problem, **changes) for changes in RECIPES.values()]
+        return [*super().seed_configs(problem, target),
+                *(config for config in recipes if not self.violations(problem, config, target))]
+
     def attention(self, problem: Problem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
         """The forward function in our layout; splash's own custom VJP differentiates it with
