@@ -157,6 +157,8 @@ class Measurer:
     corrupt: str | None = field(init=False, default=None)  # why the chip state is corrupt
     _canary: tuple[Program, Any] | None = field(init=False, default=None)
     _canary_taken: bool = field(init=False, default=False)
+    keep_best: int = 3  # compiled programs of the fastest configs kept for the confirmation
+    _kept: dict[Config, tuple[Program, float]] = field(init=False, default_factory=dict)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
     _compiles: dict[Config, Future] = field(init=False, repr=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
@@ -252,7 +254,19 @@ class Measurer:
         finally:
             with self._lock:  # drop the executable once measured: flat memory over long runs
                 self._compiles.pop(config, None)
-        return self._canary_after(config, self._check_and_time(program, compile_s))
+        measurement = self._check_and_time(program, compile_s)
+        self._keep_if_fast(config, program, measurement)
+        return self._canary_after(config, measurement)
+
+    def _keep_if_fast(self, config: Config, program: Program, measurement: Measurement) -> None:
+        """Keeps ``program`` when ``config`` is among the ``keep_best`` fastest measured, so
+        the confirmation runs it without compiling it again (a few seconds a config on a TPU);
+        at most ``keep_best`` are held, so memory stays flat over a long run."""
+        if not measurement.ok:
+            return
+        self._kept[config] = (program, measurement.value)
+        if len(self._kept) > self.keep_best:
+            del self._kept[max(self._kept, key=lambda kept: self._kept[kept][1])]
 
     def _canary_of(self, config: Config) -> tuple[Program, Any] | None:
         """``config``'s program and its output on the gate's inputs (None when it fails)."""
@@ -365,8 +379,9 @@ class Measurer:
     def checked(self, config: Config) -> tuple[Program | None, Measurement | None]:
         """``config`` compiled and run once against the reference: ``(program, None)``, or
         ``(None, its failure)``."""
+        kept = self._kept.get(config) or (self._canary if config == self.base else None)
         try:
-            program, compile_s = self._compile(config)
+            program, compile_s = (kept[0], 0.0) if kept else self._compile(config)
         except Exception as error:  # noqa: BLE001 - any compiler failure is a result
             return None, Measurement.failure(classify_compile_error(str(error)),
                                              error=first_line(str(error)))
@@ -393,6 +408,7 @@ class Measurer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._compiles.clear()
+        self._kept.clear()
 
 
 def interleaved(timers: Mapping[K, Callable[[], Timing]], rounds: int) -> dict[K, Timing]:

@@ -490,6 +490,30 @@ def test_a_config_that_corrupts_the_chip_is_caught_by_the_canary_and_ends_the_se
     assert "changed since the search began" in corrupting[0].user_attrs["error"]
 
 
+def test_the_confirmation_runs_the_kept_programs_of_the_fastest_configs(
+        tiny_base: FlashConfig) -> None:
+    """The fastest measured configs' compiled programs (and the default's, the canary's) are
+    kept for the confirmation: it compiles nothing again; at most ``keep_best`` are held."""
+    builds: list[FlashConfig] = []
+
+    def counted(problem: Problem, config: FlashConfig) -> Any:
+        builds.append(config)
+        return FLASH.build(problem, config)
+
+    configs = [tiny_base.replace(block_q=q, pipeline_depth=d) for q in (128, 256) for d in (1, 2)]
+    measurer = Measurer(TINY, tiny_base, FLASH, build=counted, min_time_s=0.01, keep_best=2)
+    try:
+        for config in configs:
+            assert measurer({"block_q": config.block_q,
+                             "pipeline_depth": config.pipeline_depth}).ok
+        assert len(measurer._kept) == 2
+        built = len(builds)
+        timings = measurer.confirm([tiny_base, *measurer._kept], rounds=1)
+    finally:
+        measurer.close()
+    assert len(timings) == 3 and len(builds) == built
+
+
 def test_vmem_oom_from_the_real_compiler_is_classified(tiny_base: FlashConfig) -> None:
     limit_kib = 256
     assert FLASH.is_legal(TINY, tiny_base, "v5e")  # the rules accept it at the real limit
