@@ -44,9 +44,16 @@ SMALL = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=
                 dtype="float32")
 
 
-def choice_params(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
+def choice_body(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
+    """A choice key as JSON (a batch lookup's body takes JSON's types strictly)."""
     fields = {name: value for name, value in problem.to_dict().items() if value is not None}
-    return {"device_kind": device_kind, **fields, "causal": str(fields["causal"]).lower()}
+    return {"device_kind": device_kind, **fields}
+
+
+def choice_params(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
+    """A choice key as query parameters (booleans written ``true``/``false``)."""
+    body = choice_body(problem, device_kind)
+    return {**body, "causal": str(body["causal"]).lower()}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +101,7 @@ def test_the_choice_follows_the_confirmed_medians_and_the_service_answers_it(
     longer = Problem.from_dict({**SMALL.to_dict(), "q_len": 256, "kv_len": 256})
     other_dim = Problem.from_dict({**SMALL.to_dict(), "head_dim": 128})
     batch = httpx.post(f"{server.url}/v1/choices/lookup:batch", json={"keys": [
-        choice_params(longer), choice_params(other_dim)]}).json()["results"]
+        choice_body(longer), choice_body(other_dim)]}).json()["results"]
     assert (batch[0]["found"], batch[0]["match"], batch[0]["kernel"]) == (
         True, "nearest", answer["kernel"])
     assert batch[1]["found"] is False and "no kernel choice" in batch[1]["detail"]
