@@ -356,8 +356,9 @@ class _ChoiceFields(BaseModel):
     problem: ProblemOut = Field(description="The problem the choice was measured on.")
     provenance: dict[str, str | bool | None] = Field(
         description="Platform, chosen kernel's version, method, timing, jax/jaxlib/libtpu "
-                    "versions and within_noise: whether the platform's default kernel was kept "
-                    "although another measured faster within the noise (absent: not recorded).")
+                    "versions and within_noise: whether the kept kernel (the one chosen before, "
+                    "else the platform's default) stayed although another measured faster "
+                    "within the noise (absent: not recorded).")
 
 
 class ChoiceResponse(_ChoiceFields):
