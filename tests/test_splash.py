@@ -314,12 +314,12 @@ def test_maxtexts_recipes_are_capped_like_its_default():
 
 
 def test_the_estimate_admits_nothing_the_v5e_chip_refused():
-    """The chip's own verdicts (bench/data/splash_vmem/v5e_chip_verdicts.jsonl: a 20-trial
+    """The chip's own verdicts (bench/data/splash_chip/v5e_verdicts.jsonl: a 20-trial
     tune and a 4-trial choice at b4 h16 4096 tokens, and the hardware tier's splash configs at
     2048 to 8192): every config that failed ``vmem_oom`` on the chip is rejected (3 of 3; the
     old estimate admitted each); of the 35 that compiled and ran, 27 are admitted (the batch
     term rejects 8 at b4 h16, all slower there than MaxText's default)."""
-    path = Path(__file__).resolve().parents[1] / "bench/data/splash_vmem/v5e_chip_verdicts.jsonl"
+    path = Path(__file__).resolve().parents[1] / "bench/data/splash_chip/v5e_verdicts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     admitted = {row["source"]: not SPLASH.violations(Problem.from_dict(row["problem"]),
                                                      SPLASH.config_from_dict(row["config"]),

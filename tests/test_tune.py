@@ -170,6 +170,12 @@ def test_a_problem_repeated_in_a_shapes_file_is_tuned_and_published_once(
     assert done.stderr.count("problem(s) 1 (= 0) repeat earlier ones") == 1
 
 
+def _trial_states(db: str, study: str) -> list[tuple[str, Any]]:
+    """Each trial's state and timing attribute: what a refused run must leave as it was."""
+    return [(t.state.name, t.user_attrs.get("timing"))
+            for t in optuna.load_study(study_name=study, storage=db).trials]
+
+
 def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:
     """``--study`` reused for another problem: exit 2 naming the fix, nothing measured or
     published for it, the first problem's study untouched."""
@@ -177,13 +183,16 @@ def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:
     first = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1",
                     "--study", "shared", "--db", db, timeout=300)
     assert first.returncode == 0, first.stderr
+    before = _trial_states(db, "shared")  # the default measured, the seeds after it queued
+    assert [state for state, _ in before].count("COMPLETE") == 1
     other = dataclasses.replace(TINY, q_heads=2, kv_heads=2)
     done = run_cli("tune", "--kernel", "flash", *problem_flags(other), "--trials", "2",
                    "--study", "shared", "--db", db, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "study 'shared' holds a search of another problem" in done.stderr
     study = optuna.load_study(study_name="shared", storage=db)
-    assert len(study.trials) == 1 and study.user_attrs["problem"] == TINY.to_dict()
+    assert _trial_states(db, "shared") == before
+    assert study.user_attrs["problem"] == TINY.to_dict()
     with Store(db) as store:
         found = store.lookup("flash", "cpu", other)
         assert found is None or found[1] != "exact"
@@ -234,11 +243,14 @@ def test_a_study_name_of_another_timing_method_is_refused(tmp_path: Path) -> Non
     flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--study", "mine", "--db", db]
     first = run_cli(*flags, "--trials", "1", "--timing", "wallclock", timeout=300)
     assert first.returncode == 0, first.stderr
+    before = _trial_states(db, "mine")
     done = run_cli(*flags, "--trials", "2", "--timing", "loop", timeout=300)
     assert done.returncode == 2, done.stderr
     assert "study 'mine' holds a search of another timing" in done.stderr
+    assert _trial_states(db, "mine") == before
     study = optuna.load_study(study_name="mine", storage=db)
-    assert [t.user_attrs.get("timing") for t in study.trials] == ["wallclock"]
+    assert [t.user_attrs.get("timing") for t in study.trials
+            if t.state == optuna.trial.TrialState.COMPLETE] == ["wallclock"]
 
 
 @pytest.mark.parametrize("name", ["x" * 300, "a\tb"])
