@@ -102,6 +102,12 @@ def check_fits(problem: Problem, device: jax.Device) -> None:
             "heads after sharding)")
 
 
+def _same_bits(got: Any, want: Any) -> bool:
+    """Whether two outputs (pytrees of arrays) are identical bit for bit (NaN equal to NaN)."""
+    return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(
+        jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+
+
 @dataclass(frozen=True)
 class Program:
     """A measured function compiled for the timing method: a ``looped`` one takes the number
@@ -269,9 +275,14 @@ class Measurer:
             del self._kept[max(self._kept, key=lambda kept: self._kept[kept][1])]
 
     def _canary_of(self, config: Config) -> tuple[Program, Any] | None:
-        """``config``'s program and its output on the gate's inputs (None when it fails)."""
+        """``config``'s program and its output on the gate's inputs; None when it fails, or
+        when two runs differ (a kernel that is not bit-reproducible, e.g. one reducing with
+        atomics on a GPU, cannot be a canary)."""
         program, _ = self.checked(config)
-        return None if program is None else (program, self.run(program))
+        if program is None:
+            return None
+        first = self.run(program)
+        return (program, first) if _same_bits(self.run(program), first) else None
 
     def _canary_after(self, config: Config, measurement: Measurement) -> Measurement:
         """``measurement``, or ``corrupts_state`` when the canary (the default config, run
@@ -282,9 +293,7 @@ class Measurer:
         if self._canary is None:
             return measurement
         program, first = self._canary
-        again = self.run(program)
-        if all(np.array_equal(a, b, equal_nan=True) for a, b in zip(
-                jax.tree.leaves(again), jax.tree.leaves(first), strict=True)):
+        if _same_bits(self.run(program), first):
             return measurement
         self.corrupt = (
             f"the device's state is corrupt after config {config.label(self.problem.mode)}: "

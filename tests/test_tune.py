@@ -502,6 +502,27 @@ def test_a_config_that_corrupts_the_chip_is_caught_by_the_canary_and_ends_the_se
     assert "changed since the search began" in corrupting[0].user_attrs["error"]
 
 
+def test_a_default_that_is_not_bit_reproducible_is_no_canary(tiny_base: FlashConfig) -> None:
+    """A kernel whose two runs differ (atomics on a GPU) would make every config look like a
+    corruption: its default is no canary, and the search goes on."""
+    runs = iter(range(1000))
+
+    def jittery(out: Any) -> Any:
+        return np.asarray(out + next(runs) * 1e-7, out.dtype)
+
+    def build(problem: Problem, config: FlashConfig) -> Any:
+        attend = FLASH.build(problem, config)
+        return lambda q, k, v: jax.pure_callback(
+            jittery, jax.ShapeDtypeStruct(q.shape, q.dtype), attend(q, k, v))
+
+    measurer = Measurer(TINY, tiny_base, FLASH, build=build, min_time_s=0.01)
+    try:
+        assert all(measurer({"block_q": q}).ok for q in (128, 256))
+        assert measurer._canary_taken and measurer._canary is None
+    finally:
+        measurer.close()
+
+
 def test_the_confirmation_runs_the_kept_programs_of_the_fastest_configs(
         tiny_base: FlashConfig) -> None:
     """The fastest measured configs' compiled programs (and the default's, the canary's) are
