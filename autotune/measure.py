@@ -102,7 +102,7 @@ def check_fits(problem: Problem, device: jax.Device) -> None:
             "heads after sharding)")
 
 
-def _same_bits(got: Any, want: Any) -> bool:
+def same_bits(got: Any, want: Any) -> bool:
     """Whether two outputs (pytrees of arrays) are identical bit for bit (NaN equal to NaN)."""
     return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(
         jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
@@ -282,7 +282,7 @@ class Measurer:
         if program is None:
             return None
         first = self.run(program)
-        return (program, first) if _same_bits(self.run(program), first) else None
+        return (program, first) if same_bits(self.run(program), first) else None
 
     def _canary_after(self, config: Config, measurement: Measurement) -> Measurement:
         """``measurement``, or ``corrupts_state`` when the canary (the default config, run
@@ -293,7 +293,7 @@ class Measurer:
         if self._canary is None:
             return measurement
         program, first = self._canary
-        if _same_bits(self.run(program), first):
+        if same_bits(self.run(program), first):
             return measurement
         self.corrupt = (
             f"the device's state is corrupt after config {config.label(self.problem.mode)}: "

@@ -173,11 +173,14 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     nearest = sorted((e.result for e in entries
                       if problem_family(e.result.problem) == problem_family(problem)),
                      key=lambda r: shape_distance(problem, r.problem))
-    legal = [p for p in _params(space, [base] + [r.config for r in nearest])
-             if space.is_legal(p)]
-    seeds = list({space.key(p): p for p in legal}.values())[:1 + MAX_WARM_SEEDS]
+    warm = _legal_once(space, _params(space, [base] + [r.config for r in nearest]))
     families = _params(space, kernel.seed_configs(problem, target))
-    return list({space.key(p): p for p in seeds + families if space.is_legal(p)}.values())
+    return _legal_once(space, warm[:1 + MAX_WARM_SEEDS] + families)
+
+
+def _legal_once(space: Space, params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The legal ones of ``params``, each once, in order."""
+    return list({space.key(p): p for p in params if space.is_legal(p)}.values())
 
 
 def _params(space: Space, configs: list[Config]) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autotune.measure import same_bits
 from kernel.aot import example_inputs
 from kernel.problem import Problem
 from kernel.registry import KERNELS
@@ -66,5 +67,4 @@ class Bench:
         return dict(zip(OUTPUTS, (relative_error(g, w) for g, w in zip(got, self.reference))))
 
     def canary_holds(self) -> bool:
-        again = self.canary_run(self.inputs)
-        return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(again, self.canary))
+        return same_bits(self.canary_run(self.inputs), self.canary)
