@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from autotune.failures import ChipStateCorrupted, Status, classify_compile_error
@@ -48,6 +49,12 @@ K = TypeVar("K", bound=Hashable)
 BuildFn = Callable[[Problem, Config], Callable[..., Any]]
 RUN_COUNT = jax.ShapeDtypeStruct((), np.int32)  # the run count a looped program takes first
 log = logging.getLogger(__name__)
+
+
+def compile_threads() -> int:
+    """Compiles run at once: XLA compiles one program on about one core, so half the host's
+    cores (2 to 8) compile configs ahead while the device measures one at a time."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(frozen=True)
@@ -103,21 +110,34 @@ def check_fits(problem: Problem, device: jax.Device) -> None:
 
 
 def same_bits(got: Any, want: Any) -> bool:
-    """Whether two outputs (pytrees of arrays) are identical bit for bit (NaN equal to NaN)."""
-    return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(
-        jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+    """Whether two outputs (pytrees of arrays) are identical bit for bit, compared on their
+    device: one boolean comes back, not the outputs."""
+    return bool(_same_bits(got, want))
+
+
+@jax.jit
+def _same_bits(got: Any, want: Any) -> jax.Array:
+    def bits(x: jax.Array) -> jax.Array:
+        if x.dtype == jnp.bool_:
+            return x
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+    return jnp.stack([jnp.array_equal(bits(a), bits(b)) for a, b in zip(
+        jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]).all()
 
 
 @dataclass(frozen=True)
 class Program:
     """A measured function compiled for the timing method: a ``looped`` one takes the number
     of runs first (:func:`autotune.timing.looped`); ``kernel_names`` are the kernels a profile
-    counts (``TunableKernel.profile_names``; empty: every op)."""
+    counts (``TunableKernel.profile_names``; empty: every op); ``compile_s`` the seconds its
+    compile took."""
 
     fn: Callable[..., Any]
     compiled: Any
     looped: bool
     kernel_names: tuple[str, ...] = ()
+    compile_s: float = 0.0
 
 
 def relative_error(got: Any, want: Any) -> float:
@@ -151,7 +171,7 @@ class Measurer:
     min_time_s: float = 0.2  # keep timing until this much time (or max_runs) is spent
     warmup: int = 1
     tolerance: float | None = None
-    pool_size: int = 2
+    pool_size: int = field(default_factory=compile_threads)
     build: BuildFn | None = None
     seed: int = 0
     timing: str = "auto"
@@ -193,19 +213,18 @@ class Measurer:
     def config(self, params: dict[str, Any]) -> Config:
         return self.base.replace(**params)
 
-    def compile(self, fn: Callable[..., Any],
-                kernel_names: Sequence[str] = ()) -> tuple[Program, float]:
+    def compile(self, fn: Callable[..., Any], kernel_names: Sequence[str] = ()) -> Program:
         """Compiles the measured function ``fn`` (of the measurer's inputs) in the form the
-        timing method runs; returns the program and the compile seconds."""
+        timing method runs."""
         start = time.perf_counter()
         if self.timing == "loop":
             compiled = jax.jit(looped(fn)).lower(RUN_COUNT, *self.inputs).compile()
         else:
             compiled = jax.jit(fn).lower(*self.inputs).compile()
-        return (Program(fn, compiled, self.timing == "loop", tuple(kernel_names)),
-                time.perf_counter() - start)
+        return Program(fn, compiled, self.timing == "loop", tuple(kernel_names),
+                       time.perf_counter() - start)
 
-    def _compile(self, config: Config) -> tuple[Program, float]:
+    def _compile(self, config: Config) -> Program:
         return self.compile(self.build(self.problem, config), self.kernel.profile_names)
 
     def run(self, program: Program, runs: int = 1) -> Any:
@@ -215,54 +234,82 @@ class Measurer:
 
     def prepare(self, params: dict[str, Any]) -> None:
         """Starts compiling ``params`` in the background (no-op if already started)."""
-        config = self.config(params)
+        self._start(self.config(params))
+
+    def _start(self, config: Config) -> None:
         with self._lock:
-            if config not in self._compiles:
+            if config not in self._compiles and self._held(config) is None:
                 self._compiles[config] = self._pool.submit(self._compile, config)
+
+    def _held(self, config: Config) -> Program | None:
+        """The compiled program held for ``config``: one of the fastest measured, or the
+        canary's (the default's); None if none is."""
+        if config in self._kept:
+            return self._kept[config][0]
+        return self._canary[0] if self._canary is not None and config == self.base else None
+
+    def program(self, config: Config) -> Program:
+        """``config`` compiled: its held program, else its background compile (started now if
+        it was not) waited for; raises the compile's error, or ``FutureTimeout`` after
+        ``compile_timeout_s``."""
+        held = self._held(config)
+        if held is not None:
+            return held
+        self._start(config)
+        with self._lock:
+            future = self._compiles[config]
+        try:
+            return future.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            # A running compile cannot be interrupted; it finishes in the background and is
+            # dropped. The config is classified and the search moves on.
+            self._abandon_pool()
+            raise
+        finally:
+            with self._lock:  # drop the executable once taken: flat memory over long runs
+                self._compiles.pop(config, None)
+
+    def _compiled(self, config: Config) -> Program | Measurement:
+        """``config``'s program, or its compile's failure (a result, not a crash)."""
+        try:
+            return self.program(config)
+        except FutureTimeout:
+            return Measurement.failure(Status.TIMEOUT, error=f"compile took longer than "
+                                       f"{self.compile_timeout_s:g} s")
+        except Exception as error:  # noqa: BLE001 - any compiler failure is a result
+            return Measurement.failure(classify_compile_error(str(error)),
+                                       error=first_line(str(error)))
 
     def settle_timing(self, params: dict[str, Any]) -> None:
         """Settles a ``profile`` timing before a search by timing ``params`` (the default)
         twice: falls back to ``loop``, or raises ``TimingError`` for an explicit ``profile``,
-        when the trace holds no event of the kernel. Its compile is kept for the search; a
-        config that fails leaves the question to the first config that runs."""
+        when the trace holds no event of the kernel. The default's program is kept (the
+        canary's) for the search; a config that fails leaves the question to the first config
+        that runs."""
         if self.timing != "profile":
             return
-        self.prepare(params)
-        with self._lock:
-            future = self._compiles[self.config(params)]
-        try:
-            program, compile_s = future.result(timeout=self.compile_timeout_s)
-        except Exception:  # noqa: BLE001 - the search measures and reports this config
-            return
-        if self._check(program, compile_s)[0] is None:
+        self._take_canary()
+        program, _ = self.checked(self.config(params))
+        if program is not None:
             self.time(program, runs=2)
 
     def __call__(self, params: dict[str, Any]) -> Measurement:
         if self.corrupt is not None:
             raise ChipStateCorrupted(self.corrupt)
-        if not self._canary_taken:
-            self._canary, self._canary_taken = self._canary_of(self.base), True
+        self._take_canary()
         config = self.config(params)
-        self.prepare(params)
-        with self._lock:
-            future = self._compiles[config]
-        try:
-            program, compile_s = future.result(timeout=self.compile_timeout_s)
-        except FutureTimeout:
-            # A running compile cannot be interrupted; it finishes in the background and is
-            # dropped. The config is classified and the search moves on.
-            self._abandon_pool()
-            return Measurement.failure(Status.TIMEOUT, error=f"compile took longer than "
-                                       f"{self.compile_timeout_s:g} s")
-        except Exception as error:  # a failed compile is a result, not a crash
-            return Measurement.failure(classify_compile_error(str(error)),
-                                       error=first_line(str(error)))
-        finally:
-            with self._lock:  # drop the executable once measured: flat memory over long runs
-                self._compiles.pop(config, None)
-        measurement = self._check_and_time(program, compile_s)
+        asked = time.perf_counter()
+        program = self._compiled(config)
+        if isinstance(program, Measurement):
+            return program
+        waited = time.perf_counter() - asked
+        measurement = self._check_and_time(program)
         self._keep_if_fast(config, program, measurement)
-        return self._canary_after(config, measurement)
+        timed = time.perf_counter()
+        measurement = self._canary_after(config, measurement)
+        # Where the trial's time went (its compile ran ahead, in compile_s).
+        return replace(measurement, attrs={**measurement.attrs, "wait_s": round(waited, 4),
+                                           "canary_s": round(time.perf_counter() - timed, 4)})
 
     def _keep_if_fast(self, config: Config, program: Program, measurement: Measurement) -> None:
         """Keeps ``program`` when ``config`` is among the ``keep_best`` fastest measured, so
@@ -273,6 +320,10 @@ class Measurer:
         self._kept[config] = (program, measurement.value)
         if len(self._kept) > self.keep_best:
             del self._kept[max(self._kept, key=lambda kept: self._kept[kept][1])]
+
+    def _take_canary(self) -> None:
+        if not self._canary_taken:
+            self._canary, self._canary_taken = self._canary_of(self.base), True
 
     def _canary_of(self, config: Config) -> tuple[Program, Any] | None:
         """``config``'s program and its output on the gate's inputs; None when it fails, or
@@ -312,8 +363,9 @@ class Measurer:
             stuck.shutdown(wait=False, cancel_futures=True)
             self._compiles = {c: f for c, f in self._compiles.items() if not f.cancelled()}
 
-    def _check(self, program: Program, compile_s: float) -> tuple[Measurement | None, float]:
+    def _check(self, program: Program) -> tuple[Measurement | None, float]:
         """Runs ``program`` once against the reference: (its failure or None, its error)."""
+        compile_s = program.compile_s
         try:
             got = self.run(program)
         except Exception as error:
@@ -326,13 +378,16 @@ class Measurer:
                                              f"{self.tolerance:g}"), error
         return None, error
 
-    def _check_and_time(self, program: Program, compile_s: float) -> Measurement:
-        failure, error = self._check(program, compile_s)
+    def _check_and_time(self, program: Program) -> Measurement:
+        start = time.perf_counter()
+        failure, error = self._check(program)
         if failure is not None:
             return failure
+        checked = time.perf_counter()
         timing = self.time(program)
         return Measurement(timing.median_ms, Status.OK, {
-            "compile_s": round(compile_s, 4), "iqr_ms": timing.iqr_ms,
+            "compile_s": round(program.compile_s, 4), "gate_s": round(checked - start, 4),
+            "time_s": round(time.perf_counter() - checked, 4), "iqr_ms": timing.iqr_ms,
             "runs": len(timing.samples_ms), "max_error": error, "timing": self.timing})
 
     def time(self, program: Program, *, runs: int | None = None) -> Timing:
@@ -340,7 +395,7 @@ class Measurer:
         samples when given, else at least ``min_runs`` and until ``min_time_s`` has passed
         (at most ``max_runs``). A program compiled for another method is compiled again."""
         if program.looped != (self.timing == "loop"):
-            program = self.compile(program.fn, program.kernel_names)[0]
+            program = self.compile(program.fn, program.kernel_names)
         start = time.perf_counter()
         for _ in range(self.warmup):
             self.run(program)
@@ -388,13 +443,10 @@ class Measurer:
     def checked(self, config: Config) -> tuple[Program | None, Measurement | None]:
         """``config`` compiled and run once against the reference: ``(program, None)``, or
         ``(None, its failure)``."""
-        kept = self._kept.get(config) or (self._canary if config == self.base else None)
-        try:
-            program, compile_s = (kept[0], 0.0) if kept else self._compile(config)
-        except Exception as error:  # noqa: BLE001 - any compiler failure is a result
-            return None, Measurement.failure(classify_compile_error(str(error)),
-                                             error=first_line(str(error)))
-        failure, _ = self._check(program, compile_s)
+        program = self._compiled(config)
+        if isinstance(program, Measurement):
+            return None, program
+        failure, _ = self._check(program)
         return (None, failure) if failure else (program, None)
 
     def timer(self, program: Program, runs_per_round: int = 3) -> Callable[[], Timing]:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +162,7 @@ def search(
     seed: int | None = None,
     on_trial: OnTrial | None = None,
     prepare: Callable[[Config], None] | None = None,
+    ahead: int = 1,
     of: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """Runs or resumes the study ``study_name`` until one of the stop rules holds.
@@ -173,9 +175,10 @@ def search(
     (illegal or already-known ones are skipped). ``on_trial(result, best)`` runs after each
     measurement of this call. Illegal and repeated configs never reach ``measure`` and never
     count. An exception in ``measure`` is recorded as a ``runtime_error``. ``prepare(config)``,
-    when given, is called for each config as soon as it is claimed, and the next config is
-    claimed before the current one is measured, so that slow preparation (an ahead-of-time
-    compile) of the next config overlaps the measurement of this one.
+    when given, is called for each config as soon as it is claimed, and the next ``ahead``
+    configs are claimed before the current one is measured, so that slow preparation (an
+    ahead-of-time compile, several at once) of the next configs overlaps the measurement of
+    this one.
 
     ``of``: what the study searches (tune: the problem and kernel; replay: the landscape), JSON
     values kept on the study; a study made for other values raises ``StudyMismatchError`` (a
@@ -188,6 +191,8 @@ def search(
     """
     if trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
     optuna_storage = storage if isinstance(storage, BaseStorage) else get_storage(storage)
     engine = create_sampler(sampler, space, seed)
     study = quiet_create_study(storage=optuna_storage, study_name=study_name,
@@ -208,22 +213,23 @@ def search(
     _enqueue_seeds(study, space, seeds, view)
     return _Search(study, optuna_storage, space, measure, sampler=sampler, trials=trials,
                    timeout=timeout, patience=patience, on_trial=on_trial, prepare=prepare,
-                   process=process, view=view).run()
+                   ahead=ahead, process=process, view=view).run()
 
 
 class _Search:
-    """One worker's pass over an opened study: claims the next config (ahead of time when
-    ``prepare`` is given), measures it under a heartbeat, records it, until a stop rule
-    holds; on an exception, gives its unfinished claims back."""
+    """One worker's pass over an opened study: claims the next config (and, when ``prepare``
+    is given, the ``ahead`` after it), measures it under a heartbeat, records it, until a stop
+    rule holds; on an exception, gives its unfinished claims back."""
 
     def __init__(self, study: optuna.Study, storage: BaseStorage, space: Space,
                  measure: Measure, *, sampler: SamplerName, trials: int,
                  timeout: float | None, patience: int | None, on_trial: OnTrial | None,
-                 prepare: Callable[[Config], None] | None, process: str | None,
+                 prepare: Callable[[Config], None] | None, ahead: int, process: str | None,
                  view: _View) -> None:
         self.study, self.storage, self.space, self.measure = study, storage, space, measure
         self.sampler, self.trials, self.timeout, self.patience = sampler, trials, timeout, patience
         self.on_trial, self.prepare, self.process, self.view = on_trial, prepare, process, view
+        self.ahead = ahead if prepare is not None else 0
         self.worker = claims.worker_name()
         self.start = time.perf_counter()
         self.measure_total = 0.0
@@ -261,41 +267,48 @@ class _Search:
 
     def _loop(self) -> str:
         """Measures claimed configs until a stop rule holds; its stop reason."""
-        pending: tuple[optuna.Trial, Config] | None = None  # claimed ahead, measured next
+        pending: deque[tuple[optuna.Trial, Config]] = deque()  # claimed ahead, measured next
         while True:
-            if pending is None:
+            if not pending:
                 claimed = self._claim()
                 if isinstance(claimed, str):
                     return claimed
             else:
-                claimed, pending = pending, None
-                reason = self._still_wanted(claimed[0])
+                claimed = pending.popleft()
+                reason = self._still_wanted()
                 if reason:
+                    self._drop_surplus([claimed[0], *(trial for trial, _ in pending)])
                     return reason
-            if self.prepare is not None:
+            while len(pending) < self.ahead:
                 ahead = self._claim()
-                pending = None if isinstance(ahead, str) else ahead
-            self._measure_and_record(*claimed, ahead=pending)
+                if isinstance(ahead, str):
+                    break
+                pending.append(ahead)
+            self._measure_and_record(*claimed, ahead=[trial for trial, _ in pending])
 
-    def _still_wanted(self, trial: optuna.Trial) -> str:
+    def _still_wanted(self) -> str:
         """Whether a config claimed ahead is still to be measured: "" if so, else the stop
-        reason (its claim dropped as surplus)."""
+        reason."""
         with claims.interrupt_deferred():  # as in _claim()
             self.view = _View.read(self.study, self.space)
             # The trial claimed ahead is already counted as running, within the budget.
-            reason = _stop_reason(self.view, self.trials + 1, self.patience, self.timeout,
-                                  self.start, self.stalled)
-            if reason:
+            return _stop_reason(self.view, self.trials + 1, self.patience, self.timeout,
+                                self.start, self.stalled)
+
+    def _drop_surplus(self, trials: list[optuna.Trial]) -> None:
+        """Gives back claims made ahead that a stop rule left unmeasured."""
+        with claims.interrupt_deferred():  # as in _claim()
+            for trial in trials:
                 claims.drop(self.study, trial, "surplus")
-        return reason
 
     def _measure_and_record(self, trial: optuna.Trial, config: Config,
-                            ahead: tuple[optuna.Trial, Config] | None) -> None:
-        """Measures ``config`` (heartbeats for it and the claim ``ahead``), records it on its
+                            ahead: list[optuna.Trial]) -> None:
+        """Measures ``config`` (heartbeats for it and the claims ``ahead``), records it on its
         trial and tells ``on_trial``."""
         t0 = time.perf_counter()
-        with claims.heartbeat(self.storage, trial._trial_id), (
-                claims.heartbeat(self.storage, ahead[0]._trial_id) if ahead else nullcontext()):
+        with ExitStack() as beating:
+            for claimed in (trial, *ahead):
+                beating.enter_context(claims.heartbeat(self.storage, claimed._trial_id))
             measurement = _measure(self.measure, config)
         measure_s = time.perf_counter() - t0
         self.measure_total += measure_s

@@ -316,7 +316,7 @@ class TuneJob:
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
                                        self.space, self.base, self.kernel, self.target),
                       seed=options.seed, on_trial=self._on_trial,
-                      prepare=self.measurer.prepare)
+                      prepare=self.measurer.prepare, ahead=self.measurer.pool_size)
 
     def publish(self, result: SearchResult) -> TuneSummary:
         """Confirms the best measured configs against the default and publishes the winner."""

@@ -21,11 +21,12 @@ OUTPUTS = ("out", "dq", "dk", "dv")
 
 
 def compiled(kernel_name: str, problem: Problem, config: Any):
-    """A function of the inputs to (out, dq, dk, dv) of one config, as numpy arrays."""
+    """A function of the inputs to (out, dq, dk, dv) of one config, left on the device (the
+    comparisons reduce them there)."""
     kernel = KERNELS[kernel_name]
     forward = jax.jit(kernel.build(dataclasses.replace(problem, mode="fwd"), config))
     grads = jax.jit(kernel.build(problem, config))
-    return lambda inputs: tuple(np.asarray(x) for x in (forward(*inputs), *grads(*inputs)))
+    return lambda inputs: (forward(*inputs), *grads(*inputs))
 
 
 def _reference(kernel: Any, problem: Problem, inputs: list[Any]) -> tuple[Any, ...]:
@@ -39,8 +40,8 @@ def _reference(kernel: Any, problem: Problem, inputs: list[Any]) -> tuple[Any, .
         for b in range(problem.batch):
             args = [x[b:b + 1].astype(np.float32) if x.dtype.kind == "f" else x[b:b + 1]
                     for x in inputs]
-            rows.append([np.asarray(x, np.float32) for x in (forward(*args), *grads(*args))])
-    return tuple(np.concatenate(parts) for parts in zip(*rows))
+            rows.append([x.astype(np.float32) for x in (forward(*args), *grads(*args))])
+    return tuple(jax.numpy.concatenate(parts) for parts in zip(*rows))
 
 
 @dataclasses.dataclass

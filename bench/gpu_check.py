@@ -203,7 +203,7 @@ def confirm(problem: Any, contenders: dict[str, tuple[Any, Any]],
     try:
         for name, (kernel, config) in contenders.items():
             try:
-                program = measurer.compile(kernel.build(problem, config))[0]
+                program = measurer.compile(kernel.build(problem, config))
                 error = relative_error(measurer.run(program), measurer.expected)
                 if not error <= MAX_RELATIVE_ERROR[problem.dtype]:
                     raise ValueError(f"wrong result: relative error {error:.3g}")
@@ -334,7 +334,7 @@ def smem_check(problem: Any, statuses: dict[str, str], args: argparse.Namespace,
     rows, compiled = [], 0
     try:
         op_names = None if measurer is None else sorted(
-            op_names_of(measurer.compile(kernel.build(problem, default))[0]))
+            op_names_of(measurer.compile(kernel.build(problem, default))))
         for config in kernel.search_space(problem, "gpu", ignore=frozenset({"smem"})):
             fit, status, error = kernel.is_legal(problem, config, "gpu"), "not compiled", None
             if fit:

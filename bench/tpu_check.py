@@ -168,7 +168,7 @@ def numerics(args: argparse.Namespace) -> list[dict[str, Any]]:
             measurer = Measurer(problem, kernel.default_config(problem, target_here(kernel)),
                                 kernel)
             try:
-                program = measurer.compile(kernel.build(problem, measurer.base))[0]
+                program = measurer.compile(kernel.build(problem, measurer.base))
                 error = relative_error(measurer.run(program), measurer.expected)
                 status = "ok" if error <= MAX_RELATIVE_ERROR[dtype] else "wrong result"
             except Exception as failure:  # noqa: BLE001 - reported, the check goes on
@@ -209,7 +209,7 @@ def timing_methods(problem: Any, db_url: str, args: argparse.Namespace) -> dict[
                                 kernel, timing=method)
             try:  # the same default program, timed by this method alone
                 program = measurer.compile(kernel.build(problem, measurer.base),
-                                           kernel.profile_names)[0]
+                                           kernel.profile_names)
                 default_ms[method] = statistics.median(
                     measurer.time(program, runs=5).median_ms for _ in range(args.rounds))
             except Exception as error:  # noqa: BLE001 - e.g. a profile that fell back
@@ -293,7 +293,7 @@ def interleaved(problem: Any, contenders: dict[str, tuple[Any, Any]],
     try:
         for name, (owner, config) in contenders.items():
             try:
-                program = measurer.compile(owner.build(problem, config))[0]  # every device op
+                program = measurer.compile(owner.build(problem, config))  # every device op
                 error = relative_error(measurer.run(program), measurer.expected)
             except Exception as failure:  # noqa: BLE001 - reported, the others still run
                 rows.append({"name": name, "config": config.label(),

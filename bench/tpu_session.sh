@@ -4,6 +4,11 @@
 #   bash bench/tpu_session.sh tier         # the hardware tier: $OUT/tier.json, tier.log
 #   bash bench/tpu_session.sh tune KERNEL TRIALS [tune flags]  # $OUT/tune-KERNEL.jsonl, a fresh-
 #                                            process check of its winner: verify-KERNEL.json
+#   bash bench/tpu_session.sh kerneltests   # the CPU suite's kernel test files, on the chip:
+#                                            $OUT/kerneltests.log (issue 54)
+#   bash bench/tpu_session.sh cost TRIALS  # trials per minute before and now: $OUT/trial-cost.json
+#   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS  # a random sample of the space,
+#                                            $OUT/landscape-KERNEL.json.gz (issue 56, goal 4)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +40,23 @@ tune)
     echo "tune exit $?"; tail -c 3000 "$OUT/tune-$kernel.jsonl"; tail -n 5 "$OUT/tune-$kernel.err"
     python3 bench/verify_published.py "$OUT/tune-$kernel.jsonl" --out "$OUT/verify-$kernel.json" \
         2>&1 | tail -n 30 ;;
+kerneltests)
+    timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -q -rfE \
+        tests/test_kernel_numerics.py tests/test_flash_features.py tests/test_splash.py \
+        > "$OUT/kerneltests.log" 2>&1
+    echo "pytest exit $?"; tail -n 40 "$OUT/kerneltests.log" ;;
+cost)
+    python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
+        2> "$OUT/trial-cost.err" | tail -n 60 ;;
+landscape)
+    kernel=$2 trials=$3 seconds=$4 db=sqlite:////tmp/landscape-$2.db
+    python3 -m autotune tune "${PROBLEM[@]}" --kernel "$kernel" --trials "$trials" \
+        --sampler random --timeout "$seconds" --db "$db" --json \
+        > "$OUT/landscape-$kernel.jsonl" 2> "$OUT/landscape-$kernel.err"
+    echo "tune exit $?"; tail -n 3 "$OUT/landscape-$kernel.err"
+    study=$(python3 -c 'import json, sys
+print([json.loads(l) for l in open(sys.argv[1]) if "best_config" in l][-1]["study"])' \
+        "$OUT/landscape-$kernel.jsonl")
+    python3 -m autotune landscape "$study" --partial --db "$db" \
+        -o "$OUT/landscape-$kernel.json.gz" ;;
 esac

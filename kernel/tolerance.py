@@ -7,11 +7,12 @@ every registered kernel on normal inputs at the default scale, with margin over 
 of them measures (``bench/numerics.py``), so a config that is faster but less accurate than the
 kernels' own precision fails the gate instead of winning.
 
-Pure Python at import (numpy loads in :func:`float64_attention`); imports nothing from kernel.
+Pure Python at import (numpy and JAX load where used); imports nothing from kernel.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # f32: on a CPU every kernel stays within 1e-5 of XLA, but on a TPU XLA's reference runs its f32
@@ -35,13 +36,44 @@ def max_relative_error(dtype: str, platform: str = "cpu") -> float:
 
 def relative_error(got: Any, want: Any) -> float:
     """Largest absolute error of ``got`` against ``want``, relative to ``want``'s largest
-    magnitude; ``inf`` when ``got`` holds a NaN or an infinity."""
+    magnitude; ``inf`` when ``got`` holds a NaN or an infinity. Two JAX arrays are reduced on
+    their device, in float32 or wider, and three scalars come back: moving four model-sized
+    outputs to the host and reducing them there took seconds a config. Anything else is
+    reduced in numpy float64."""
     import numpy as np
 
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+    if _is_jax_array(got) and _is_jax_array(want):
+        finite, worst, scale = _device_error_terms()(got, want)
+    else:
+        finite, worst, scale = _error_terms(np, np.asarray(got, np.float64),
+                                            np.asarray(want, np.float64))
+    return float(worst) / (float(scale) + 1e-30) if bool(finite) else float("inf")
+
+
+def _error_terms(xp: Any, got: Any, want: Any) -> tuple[Any, Any, Any]:
+    """Whether ``got`` is finite, its largest absolute error, ``want``'s largest magnitude;
+    with the array module ``xp`` (numpy or jax.numpy)."""
+    return xp.all(xp.isfinite(got)), xp.max(xp.abs(got - want)), xp.max(xp.abs(want))
+
+
+def _is_jax_array(x: Any) -> bool:
+    import sys
+
+    jax = sys.modules.get("jax")  # a caller holding JAX arrays has imported jax
+    return jax is not None and isinstance(x, jax.Array)
+
+
+@functools.cache
+def _device_error_terms() -> Any:
+    """:func:`_error_terms` jitted, in the wider of the arrays' dtype and float32."""
+    import jax
+    import jax.numpy as jnp
+
+    def terms(got: Any, want: Any) -> tuple[Any, Any, Any]:
+        wide = jnp.promote_types(jnp.promote_types(got.dtype, want.dtype), jnp.float32)
+        return _error_terms(jnp, got.astype(wide), want.astype(wide))
+
+    return jax.jit(terms)
 
 
 def float64_attention(q: Any, k: Any, v: Any, d_out: Any, *, causal: bool,

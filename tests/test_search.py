@@ -683,3 +683,38 @@ def test_neighbours_move_one_parameter_one_step():
     assert [c["block"] for c in sizes.neighbours({"block": 48})] == [32, 64, 96]
     assert all(type(c["block"]) is int for c in sizes.neighbours({"block": 64}))
     assert [c["stages"] for c in Space({"stages": [0, 1, 2]}).neighbours({"stages": 0})] == [1]
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_configs_are_prepared_ahead_measured_in_claim_order_and_the_budget_holds(
+        land, tmp_path, ahead):
+    """With ``ahead`` the search claims (and prepares) that many configs past the one it
+    measures: the compiles of several overlap a measurement. Every prepared config is measured
+    in the order prepared, within the budget, and no claim is left running."""
+    prepared: list = []
+    rec = Recorder(land)
+
+    def measure(config):  # noqa: ANN001, ANN202
+        # When config i is measured, configs up to i + ahead are prepared (the budget allowing).
+        assert len(prepared) == min(len(rec.calls) + 1 + ahead, 7)
+        return rec(config)
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    result = search(land.space, measure, storage=url, study_name="s", trials=7, seed=0,
+                    prepare=lambda config: prepared.append(land.key(config)), ahead=ahead)
+    assert result.measured == 7 and rec.calls == prepared
+    trials = optuna.load_study(study_name="s", storage=url).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
+def test_a_stop_rule_gives_back_every_claim_made_ahead(land, tmp_path):
+    """A search stopped by its patience while three configs are claimed ahead gives all three
+    back (status ``surplus``) instead of leaving them running in the study."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    rec = Recorder(land)
+    result = search(land.space, rec, storage=url, study_name="s", trials=40, seed=0,
+                    patience=1, prepare=lambda config: None, ahead=3)
+    assert result.stop_reason == "patience"
+    trials = optuna.load_study(study_name="s", storage=url).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert len([t for t in trials if t.user_attrs.get("status") == "surplus"]) == 3

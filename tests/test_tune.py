@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from autotune.failures import ChipStateCorrupted, Status, classify_compile_error
-from autotune.measure import Measurer, Timing
+from autotune.measure import Measurer, Timing, relative_error, same_bits
 from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import Measurement
@@ -782,3 +782,41 @@ def test_a_confirmation_again_replaces_the_entry_only_beyond_the_noise(
         assert store.publish(dataclasses.replace(close, median_ms=0.85),
                              beyond_noise=True).status == "replaced"
         assert store.publish(dataclasses.replace(close, median_ms=0.84)).status == "replaced"
+
+
+def test_the_default_is_compiled_once_for_the_canary_and_its_trial(
+        tiny_base: FlashConfig) -> None:
+    """The default's program, compiled for the canary, is the one its trial measures: a search
+    that starts with the default compiled it twice (seconds a config on a TPU)."""
+    builds: list[FlashConfig] = []
+
+    def counted(problem: Problem, config: FlashConfig) -> Any:
+        builds.append(config)
+        return FLASH.build(problem, config)
+
+    measurer = Measurer(TINY, tiny_base, FLASH, build=counted, min_time_s=0.01)
+    try:
+        measurer.prepare({})  # as the search does when it claims the default
+        assert measurer({}).ok
+        assert measurer({"pipeline_depth": 1}).ok
+        measurer.confirm([tiny_base], rounds=1)
+    finally:
+        measurer.close()
+    assert builds == [tiny_base, tiny_base.replace(pipeline_depth=1)]
+
+
+def test_the_gate_and_the_canary_compare_on_the_device_as_in_float64() -> None:
+    """The gate's error and the canary's comparison reduce on the device (three scalars or
+    one boolean come back, not model-sized outputs) and agree with float64 on the host."""
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    want = (jax.random.normal(key_a, (2, 64, 32), jax.numpy.bfloat16),
+            jax.random.normal(key_b, (2, 64, 32), jax.numpy.float32))
+    got = (want[0] * 1.01, want[1] + 1e-3)
+    host = relative_error([np.asarray(x) for x in got], [np.asarray(x) for x in want])
+    assert relative_error(got, want) == pytest.approx(host, rel=1e-6) and host > 1e-4
+    assert relative_error((got[0].at[1, 2, 3].set(np.nan), got[1]), want) == float("inf")
+    nan = want[0].at[0, 0, 0].set(np.nan)
+    assert same_bits((nan, want[1]), (nan, want[1]))  # bit for bit, a NaN included
+    assert not same_bits(want, (want[0], want[1].at[1, 1, 1].add(1e-6)))
+    zeros = jax.numpy.zeros(3)
+    assert not same_bits(zeros, -zeros)  # equal as numbers, not bit for bit

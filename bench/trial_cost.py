@@ -1,0 +1,122 @@
+"""Where a tuning trial's time goes, and trials per minute, before and now, in one run on the
+attached device: the same configs (a seeded random sample of the kernel's space) measured by
+
+- ``before``: one config compiled ahead, in a pool of two; the gate's error and the canary's
+  comparison reduced on the host (every output moved there first), as the tuner did until
+  issue 56;
+- ``now``: ``compile_threads()`` configs compiled ahead at once; both reduced on the device.
+
+    python bench/trial_cost.py [--kernel flash] [--trials 15] [problem flags] [--out F.json]
+
+Per variant: trials per minute over the whole search (the first compile and the canary
+included) and the median seconds of each phase of a trial: ``wait_s`` (its compile not yet
+done), ``gate_s`` (one run checked against the reference), ``time_s`` (timing), ``canary_s``,
+and ``compile_s`` (run ahead, overlapping the others). Both variants must find the same best
+config (the winner's quality is the same); the ratio is ``now`` over ``before``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import autotune.measure as measure  # noqa: E402
+from autotune.search import search  # noqa: E402
+from autotune.tune import kernel_space  # noqa: E402
+from kernel import Problem, device_target, get_kernel  # noqa: E402
+
+PHASES = ("compile_s", "wait_s", "gate_s", "time_s", "canary_s")
+
+
+@contextmanager
+def host_comparisons() -> Iterator[None]:
+    """The gate and the canary as before: outputs moved to the host and reduced there."""
+    device_error, device_bits = measure.relative_error, measure.same_bits
+    measure.relative_error = lambda got, want: device_error(jax.device_get(got),
+                                                            jax.device_get(want))
+    measure.same_bits = lambda got, want: all(
+        np.array_equal(a, b, equal_nan=True) for a, b in zip(
+            jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(want))))
+    try:
+        yield
+    finally:
+        measure.relative_error, measure.same_bits = device_error, device_bits
+
+
+def run_variant(problem: Problem, kernel_name: str, trials: int, seed: int, *,
+                threads: int, ahead: int) -> dict[str, Any]:
+    kernel = get_kernel(kernel_name)
+    device = jax.devices()[0]
+    space, base = kernel_space(kernel, problem, device_target(device.platform,
+                                                              device.device_kind))
+    start = time.perf_counter()
+    measurer = measure.Measurer(problem, base, kernel, pool_size=threads)
+    try:
+        default = {name: getattr(base, name) for name in space.names}
+        result = search(space, measurer, sampler="random", trials=trials, seed=seed,
+                        seeds=[default], prepare=measurer.prepare, ahead=ahead)
+    finally:
+        measurer.close()
+    wall_s = time.perf_counter() - start
+    attrs = [t.measurement.attrs for t in result.trials]
+    return {
+        "compile_threads": threads, "ahead": ahead, "measured": result.measured, "wall_s": round(wall_s, 2),
+        "trials_per_min": round(60 * result.measured / wall_s, 2),
+        "timing": measurer.timing,
+        "median_s": {phase: round(statistics.median(a[phase] for a in attrs if phase in a), 4)
+                     for phase in PHASES if any(phase in a for a in attrs)},
+        "failures": sum(not t.measurement.ok for t in result.trials),
+        "best": None if result.best is None else {
+            "config": base.replace(**result.best.config).label(problem.mode),
+            "time_ms": result.best.value},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="flash")
+    parser.add_argument("--trials", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--mode", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    problem = Problem(batch=args.batch, q_heads=args.heads, kv_heads=args.heads,
+                      q_len=args.seq, kv_len=args.seq, head_dim=args.head_dim,
+                      dtype="bfloat16", causal=True, mode=args.mode)
+    with host_comparisons():
+        before = run_variant(problem, args.kernel, args.trials, args.seed, threads=2, ahead=1)
+    threads = measure.compile_threads()
+    now = run_variant(problem, args.kernel, args.trials, args.seed, threads=threads,
+                      ahead=threads)
+    report = {
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "problem": problem.label(), "kernel": args.kernel, "trials": args.trials,
+        "before": before, "now": now,
+        "trials_per_min_ratio": round(now["trials_per_min"] / before["trials_per_min"], 2),
+        # Both measured the same configs: the same best, or two within each other's noise.
+        "same_best": (before["best"] or {}).get("config") == (now["best"] or {}).get("config"),
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
