@@ -25,7 +25,11 @@ class Status(StrEnum):
 
 class ChipStateCorrupted(AutotuneError):
     """The device's state is corrupt (:attr:`Status.CORRUPTS_STATE`): nothing more can be
-    measured in this process."""
+    measured in this process. ``what`` says what showed it; the message adds what to do."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"{what}; run the same command again to go on in a fresh process")
 
 
 # What Mosaic / XLA:TPU say when a kernel's VMEM does not fit, e.g.

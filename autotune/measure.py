@@ -349,8 +349,7 @@ class Measurer:
         self.corrupt = (
             f"the device's state is corrupt after config {config.label(self.problem.mode)}: "
             f"the default config's output on the same inputs changed since the search began. "
-            f"That config is recorded as corrupts_state and never published; run the same "
-            f"command again to resume the study in a fresh process")
+            f"That config is recorded as corrupts_state and never published")
         return Measurement.failure(Status.CORRUPTS_STATE, error=self.corrupt)
 
     def _abandon_pool(self) -> None:

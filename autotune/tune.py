@@ -333,8 +333,7 @@ class TuneJob:
             raise ChipStateCorrupted(
                 f"the default config {base.label(problem.mode)} passed the search but failed "
                 f"the confirmation on {device.device_kind}: the device's state is likely "
-                f"corrupt; nothing published; run the same command again to confirm in a "
-                f"fresh process")
+                f"corrupt; nothing published")
         if not timings:
             confirmed = (f"the default and the best {len(top)} measured" if top else
                          f"the default; none of the {result.measured} measured passed")

@@ -19,8 +19,10 @@ to stderr):
 Errors are events too: ``error`` with ``kind`` ``config`` (the kernel cannot tune this device or
 problem: the worker exits 2; for a kernel choice, whose ``kernel`` is null in SPEC, ``lost``
 instead: that candidate is out of the choice) or ``nothing`` (no config worked; the worker
-carries on); both carry ``failure``, ``[class, detail]`` for the choice; Ctrl-C
-(SIGINT) gives ``interrupted`` and exit 130. End of stdin ends the worker.
+carries on); both carry ``failure``, ``[class, detail]`` for the choice; or ``corrupt`` (the
+device's state went corrupt, :class:`autotune.failures.ChipStateCorrupted`: the worker exits 3
+and the pool starts a fresh one on its device). Ctrl-C (SIGINT) gives ``interrupted`` and exit
+130. End of stdin ends the worker.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ from typing import Any, TextIO
 from autotune.progress import trial_record
 from autotune.choice import publish_choice, tuning_failure
 from autotune.claims import process_identity, worker_name
+from autotune.failures import ChipStateCorrupted
 from autotune.search import SearchResult, StudyMismatchError
 from autotune.timing import TimingError
 from autotune.trials import TrialResult
 from autotune.tune import NothingToPublish, TuneJob, TuneOptions
 from kernel import ConfigError, Problem
 from storage import Store
+
+CORRUPT_EXIT = 3  # the device's state is corrupt: only a fresh process runs right on it
 
 
 class _Events:
@@ -110,6 +115,9 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
         except (ConfigError, TimingError, StudyMismatchError) as error:  # as tune on one device
             events.emit("error", kind="config", message=str(error))
             return 2
+        except ChipStateCorrupted as error:  # nothing more runs right in this process
+            events.emit("error", kind="corrupt", message=error.what)
+            return CORRUPT_EXIT
         except KeyboardInterrupt:
             events.emit("interrupted")
             return 130

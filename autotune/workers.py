@@ -10,7 +10,9 @@ publishes the choice. Workers of one study share its
 study-wide budget without measuring a config twice (:mod:`autotune.search`); the last one to
 finish searching confirms and publishes, so each problem has one winner, confirmed on one
 device. A worker that dies is reported, its claims are released at once (their configs and
-budget go back to the study) and its problem is taken over. Ctrl-C stops every worker; each
+budget go back to the study) and its problem is taken over. A worker whose device's state went
+corrupt (a config left it so, pallas-facts §10; that config is recorded ``corrupts_state``)
+is replaced by a fresh process on the same device, up to MAX_RECYCLES times a device. Ctrl-C stops every worker; each
 gives its claims back, and a rerun resumes.
 """
 
@@ -36,6 +38,10 @@ from kernel import Problem
 
 STOP_WAIT_S = 60.0  # how long a stopped worker may take to give its claims back
 STDERR_LINES = 20  # the tail of a dead worker's stderr shown in its report
+# Fresh processes one device gets after its state went corrupt. Each corruption records its
+# config, which is never measured again, so each fresh process makes progress; a device that
+# keeps going corrupt is given up rather than recycled for ever.
+MAX_RECYCLES = 5
 
 
 @dataclass(eq=False)
@@ -80,6 +86,8 @@ class _Worker:
     stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))
     row: Any = None  # its task in the progress display
     measured: int = 0  # configs it measured, over every problem it searched
+    corrupt: str | None = None  # why its device's state is corrupt, as it said before exiting
+    recycles: int = 0  # fresh processes its device had before this one
 
     def send(self, **command: Any) -> None:
         try:
@@ -128,32 +136,33 @@ class WorkerPool:
         self.problems = [task for p in problems for task in _tasks(p, kernel, kernels or [])]
         self.budget = options["trials"]
         self.db_url, self.json_output, self.on_summary = db_url, json_output, on_summary
+        self.platform, self.kernel, self.options = platform, kernel, options
         self.events: queue.Queue[tuple[_Worker, dict[str, Any] | None]] = queue.Queue()
         self.failed = 0
         self.progress = None if json_output else Progress(
             TextColumn("[bold]device {task.fields[device]}"), TextColumn("{task.description}"),
             BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[status]}"))
-        self.workers = [self._start(d, platform, kernel, options) for d in devices]
+        self.workers = [self._start(d) for d in devices]
 
-    def _start(self, device: int, platform: str, kernel: str | None,
-               options: dict[str, Any]) -> _Worker:
-        spec = {"db_url": self.db_url, "kernel": kernel,
-                "options": {**options, "device_index": device}}
+    def _start(self, device: int, recycles: int = 0) -> _Worker:
+        spec = {"db_url": self.db_url, "kernel": self.kernel,
+                "options": {**self.options, "device_index": device}}
         process = subprocess.Popen(
             [sys.executable, "-m", "autotune.worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **worker_env(platform, device)},
+            env={**os.environ, **worker_env(self.platform, device)},
             start_new_session=True)  # Ctrl-C reaches the parent, which stops each worker once
-        worker = _Worker(device, process)
+        worker = _Worker(device, process, recycles=recycles)
         threading.Thread(target=_read, daemon=True, args=(
             process.stdout, lambda line: self.events.put((worker, json.loads(line))),
             lambda: self.events.put((worker, None)))).start()
         threading.Thread(target=_read, daemon=True, args=(
             process.stderr, worker.stderr.append, lambda: None)).start()
-        if self.progress is not None:
-            worker.row = self.progress.add_task("", total=self.budget, device=device,
-                                                status="starting")
+        if self.progress is not None:  # a fresh process takes over its device's row
+            worker.row = next(w.row for w in self.workers if w.device == device) if recycles \
+                else self.progress.add_task("", total=self.budget, device=device,
+                                            status="starting")
         return worker
 
     # --- scheduling -------------------------------------------------------------------------
@@ -227,6 +236,8 @@ class WorkerPool:
                 print(json.dumps({**event["record"], "device": worker.device}), flush=True)
         elif kind == "phase":
             worker.phase = event["phase"]
+        elif kind == "error" and event.get("kind") == "corrupt":  # it exits; _died recycles it
+            worker.corrupt = event["message"]
         elif kind == "notice":  # e.g. the timing method fell back: once per worker and problem
             self._say(f"note (device {worker.device}): {event['message']}")
         elif kind == "searched":
@@ -260,25 +271,43 @@ class WorkerPool:
         self._show(worker)
 
     def _died(self, worker: _Worker) -> None:
-        """A worker's event stream ended: its claims go back, its problem to another."""
+        """A worker's event stream ended: its claims go back, its problem to another; a
+        worker whose device went corrupt gets a fresh process in its place."""
         status = worker.process.wait()
         task, worker.task = worker.task, None
         worker.phase = "stopped"
         self._show(worker)
-        if task is None or task.done:
-            return
-        how = f"signal {-status}" if status < 0 else f"exit status {status}"
-        tail = "\n".join(f"  {line}" for line in list(worker.stderr)[-5:])
-        released = self._release(worker, task)
-        self._say(f"worker of device {worker.device} died ({how}) while tuning "
-                  f"{task.problem.label()}; {released} claimed config(s) released, the problem "
-                  f"goes to another worker" + (f"; its last output:\n{tail}" if tail else ""))
-        task.searchers.discard(worker)
-        if task.publisher is worker:
-            task.publisher = None
+        if task is not None and not task.done:
+            if worker.corrupt is None:  # a corrupt one gave its claims back itself
+                how = f"signal {-status}" if status < 0 else f"exit status {status}"
+                tail = "\n".join(f"  {line}" for line in list(worker.stderr)[-5:])
+                released = self._release(worker, task)
+                self._say(f"worker of device {worker.device} died ({how}) while tuning "
+                          f"{task.problem.label()}; {released} claimed config(s) released, the "
+                          f"problem goes to another worker"
+                          + (f"; its last output:\n{tail}" if tail else ""))
+            task.searchers.discard(worker)
+            if task.publisher is worker:
+                task.publisher = None
+        if worker.corrupt is not None:
+            self._recycle(worker)
         for idle in self._alive():
             if idle.task is None:
                 self._assign(idle)
+
+    def _recycle(self, worker: _Worker) -> None:
+        """Puts a fresh process on the device of ``worker``, whose state went corrupt (its
+        search recorded the config that did it and gave its claims back); the device is given
+        up after MAX_RECYCLES."""
+        if worker.recycles >= MAX_RECYCLES:
+            self._say(f"device {worker.device}: {worker.corrupt}; it went corrupt "
+                      f"{MAX_RECYCLES + 1} times, so no fresh worker is started on it")
+            return
+        self._say(f"device {worker.device}: {worker.corrupt}; a fresh worker process takes "
+                  f"over the device ({worker.recycles + 1} of at most {MAX_RECYCLES})")
+        fresh = self._start(worker.device, worker.recycles + 1)
+        fresh.measured = worker.measured
+        self.workers[self.workers.index(worker)] = fresh
 
     def _release(self, worker: _Worker, task: _Problem) -> int:
         from autotune.claims import release_claims

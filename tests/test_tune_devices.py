@@ -11,6 +11,7 @@ import json
 import re
 import sqlite3
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from autotune.devices import (
     select_devices,
     worker_env,
 )
-from conftest import AUTOTUNE, run_cli
+from conftest import AUTOTUNE, problem_flags, run_cli
 from kernel import Problem
 from storage import Store
 from storage.studies import is_measurement
@@ -125,6 +126,67 @@ def test_a_killed_worker_s_problem_is_taken_over(tmp_path: Path) -> None:
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert [sorted(json.loads(line)) for line in rerun.stdout.splitlines()] == [
         ["kept", "problem"]] * 2
+
+
+# Loaded by every Python process of the test below (PYTHONPATH): once autotune.measure is
+# imported, the first config measured after the default leaves the "chip" corrupt (the canary's
+# first output no longer matches) in the first process that gets there (a marker file).
+CORRUPTING_SITE = textwrap.dedent("""
+    import importlib.abc, importlib.util, os, sys
+
+    def corrupt_once(module):
+        original = module.Measurer._canary_after
+
+        def canary_after(self, config, measurement):
+            marker = os.environ["CORRUPT_MARKER"]
+            if config != self.base and not os.path.exists(marker):
+                open(marker, "w").write(str(os.getpid()))
+                program, first = self._canary
+                self._canary = (program, [x + 1 for x in first])  # what a left copy does
+            return original(self, config, measurement)
+
+        module.Measurer._canary_after = canary_after
+
+    class Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "autotune.measure":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+            spec.loader.exec_module = lambda module: (run(module), corrupt_once(module))
+            return spec
+
+    sys.meta_path.insert(0, Hook())
+""")
+
+
+def test_a_worker_whose_device_goes_corrupt_is_replaced_by_a_fresh_process(
+        tmp_path: Path) -> None:
+    """Issue 54: a config that leaves the chip corrupt ends its worker (nothing more runs right
+    in that process); a fresh process takes the device over and the study goes on: the config
+    is recorded ``corrupts_state`` and never published, the budget is filled, no config is
+    measured twice."""
+    site, marker = tmp_path / "site", tmp_path / "corrupted-by"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CORRUPTING_SITE)
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(PROBLEMS[1]), "--devices", "0,",
+                   "--trials", str(TRIALS), "--db", db, "--json", timeout=400,
+                   env={"PYTHONPATH": str(site), "CORRUPT_MARKER": str(marker)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = " ".join(done.stderr.split())  # as wrapped by the console
+    assert "never published; a fresh worker process takes over the device (1 of at most 5)" \
+        in said
+    assert "Traceback" not in said and "run the same command" not in said
+    [trials] = studies(db).values()
+    measured = [t for t in trials if is_measurement(t)]
+    assert len(measured) == TRIALS == len({json.dumps(t.params) for t in measured})
+    [corrupting] = [t for t in measured if t.user_attrs["status"] == "corrupts_state"]
+    processes = {t.user_attrs["process"] for t in measured}
+    assert len(processes) == 2 and marker.read_text() in corrupting.user_attrs["worker"]
+    [summary] = [json.loads(line) for line in done.stdout.splitlines() if "best_config" in line]
+    assert summary["best_config"] != {**summary["best_config"], **corrupting.params}
 
 
 def test_each_worker_sees_only_its_device() -> None:

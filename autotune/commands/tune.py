@@ -151,7 +151,8 @@ def tune(
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
             except ChipStateCorrupted as error:  # nothing more runs right in this process
-                typer.echo(f"error: {error}", err=True)
+                typer.echo(f"error: {error} (under --devices, a fresh worker process takes "
+                           "over the device by itself)", err=True)
                 raise typer.Exit(1) from None
             except NothingToPublish as error:  # the other problems are still tuned
                 typer.echo(f"error: {error}", err=True)
