@@ -34,7 +34,12 @@ per landscape: the median of each searcher over the seeds, ours and plain TPE wi
 
     python bench/search.py [LANDSCAPE_DIR] [--seeds 20] [--budgets 50,100,200]
         [--kernel-tuner-python VENV/bin/python] [--fresh-seeds 40] [--json]
-        [--plot convergence.png] [--no-warm]
+        [--plot convergence.png] [--no-warm] [--ahead 6]
+
+``--ahead K`` also replays ours as the tuner runs it on a TPU VM: each config claimed K ahead
+of its measurement (their compiles overlap it, ``autotune.search.search(ahead=K)``), so the
+sampler proposes K configs before it sees the result of the first (Optuna's constant liar). Its
+rows say whether it holds ours's statistics, with the bootstrap share of each shortfall.
 
 ``bench/landscapes/heldout`` holds nineteen landscapes the searcher was not developed on (see
 its README); ``--no-warm`` leaves out the warm-start table, whose pairs grow as the square of a
@@ -44,6 +49,7 @@ kernel's landscapes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -63,6 +69,7 @@ from autotune.search import search
 from autotune.tune import MAX_WARM_SEEDS
 
 SAMPLERS = {"ours": "tpe", "plain TPE": "plain-tpe", "random": "random"}
+AHEAD = "ahead"  # ours with configs claimed ahead (--ahead)
 KERNEL_TUNER = ("genetic_algorithm", "dual_annealing", "pso", "diff_evo", "firefly_algorithm",
                 "bayes_opt")
 WARM_BUDGETS = (10, 20, 50)
@@ -78,10 +85,11 @@ def _landscape(path: str) -> Landscape:
     return _LANDSCAPES.get(path) or _LANDSCAPES.setdefault(path, load_landscape(path))
 
 
-def _run(job: tuple) -> tuple[tuple, list[Curve]]:
+def _run(job: tuple, ahead: int = 1) -> tuple[tuple, list[Curve]]:
     """One job: ("ours" | "plain TPE" | "random", path, seed, budget, warm_from | None) replays
-    our search; ("kernel tuner", path, strategy, seeds, budget, python) runs one Kernel Tuner
-    strategy over all seeds in a subprocess."""
+    our search; "ahead" for ours with ``ahead`` configs claimed ahead of each measurement;
+    ("kernel tuner", path, strategy, seeds, budget, python) runs one Kernel Tuner strategy over
+    all seeds in a subprocess."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if job[0] == "kernel tuner":
         _, path, strategy, seeds, budget, python = job
@@ -100,8 +108,12 @@ def _run(job: tuple) -> tuple[tuple, list[Curve]]:
     label, path, seed, budget, warm_from = job
     land = _landscape(path)
     seeds = land.warm_seeds(_landscape(warm_from), MAX_WARM_SEEDS) if warm_from else []
-    result = search(land.space, land.measure, sampler=SAMPLERS[label], trials=budget,
-                    seed=seed, seeds=seeds)
+    if label == AHEAD:
+        result = search(land.space, land.measure, sampler="tpe", trials=budget, seed=seed,
+                        seeds=seeds, prepare=lambda config: None, ahead=ahead)
+    else:
+        result = search(land.space, land.measure, sampler=SAMPLERS[label], trials=budget,
+                        seed=seed, seeds=seeds)
     return job, [_held(result.curve, budget)]
 
 
@@ -214,6 +226,9 @@ def main() -> None:
                              "as the strategies chosen on the first --seeds (see module doc)")
     parser.add_argument("--no-warm", action="store_true",
                         help="leave out the warm-start table (held-out sets: many pairs)")
+    parser.add_argument("--ahead", type=_positive, default=None,
+                        help="also replay ours with this many configs claimed ahead (see "
+                             "module doc)")
     args = parser.parse_args()
     budgets = args.budgets
     paths = sorted(str(p) for p in Path(args.landscapes).glob("*.json.gz"))
@@ -239,12 +254,15 @@ def main() -> None:
     jobs: list[tuple] = [(label, p, seed, cold, None) for p in paths for label in SAMPLERS
                          for seed in range(seeds)]
     jobs += [("ours", p, seed, WARM_BUDGETS[-1], q) for p, q in pairs for seed in range(args.seeds)]
+    if args.ahead:
+        jobs += [(AHEAD, p, seed, budgets[-1], None) for p in paths for seed in range(seeds)]
     if args.kernel_tuner_python:
         jobs += [("kernel tuner", p, s, seeds, budgets[-1], args.kernel_tuner_python)
                  for p in paths for s in KERNEL_TUNER]
     start = time.perf_counter()
     with Pool(args.jobs) as pool:
-        runs = pool.map(_run, sorted(jobs, key=lambda j: j[0] != "kernel tuner"), chunksize=1)
+        runs = pool.map(functools.partial(_run, ahead=args.ahead or 1),
+                        sorted(jobs, key=lambda j: j[0] != "kernel tuner"), chunksize=1)
     wall = time.perf_counter() - start
     curves: dict[tuple, list[Curve]] = {}
     for job, got in runs:
@@ -288,6 +306,10 @@ def _table(lands: dict[str, Landscape], curves: dict[tuple, list[Curve]], budget
                    for label in SAMPLERS}
             row = {label: _stats(got[label]) for label in SAMPLERS}
             row["ours short of"] = {"plain TPE": _goal(got["ours"], got["plain TPE"])}
+            if (AHEAD, p, None) in curves:
+                ahead = _scores(land, curves[(AHEAD, p, None)][scored_on], b)
+                row[AHEAD] = _stats(ahead)
+                row["ahead short of ours"] = _goal(ahead, got["ours"])
             tuner = {key[2]: c for key, c in curves.items()
                      if key[0] == "kernel tuner" and key[1] == p and c}
             if tuner:
@@ -355,7 +377,10 @@ def _verdict(short: dict[str, float]) -> str:
         f"{stat} ({share:.0%})" for stat, share in short.items())
 
 
-def _print_table(scores: dict[str, dict], budgets: list[int], kt: bool) -> None:
+def _print_table(scores: dict[str, dict], budgets: list[int], kt: bool,
+                 ahead: int | None = None) -> None:
+    """The goal column: ours at least each other searcher; on the row of ours with configs
+    claimed ``ahead``, that one at least ours."""
     print("\n| landscape | B | searcher | median | mean | p10 | ours >= it (all three) |")
     print("|---|---|---|---|---|---|---|")
     for name, table in scores.items():
@@ -366,6 +391,8 @@ def _print_table(scores: dict[str, dict], budgets: list[int], kt: bool) -> None:
                 best_of = "/".join(row["kernel tuner best of"][s] for s in STATISTICS)
                 rows.append((f"kernel tuner ({best_of})", row["kernel tuner best"],
                              row["ours short of"]["kernel tuner best"]))
+            if AHEAD in row:
+                rows.append((f"ours, {ahead} ahead", row[AHEAD], row["ahead short of ours"]))
             for label, stats, short in rows:
                 goal = "" if short is None else _verdict(short)
                 print(f"| {name} | {b} | {label} | {_cells(stats)} | {goal} |")
@@ -380,13 +407,16 @@ def _print(args, budgets, scores, fresh, warm, overhead, overhead_name, wall) ->
               + " (which one: median/mean/p10)")
     print("ours >= it: 'no' names each statistic short of it, with the share of "
           f"{RESAMPLES} bootstrap resamples of the seeds in which ours is ahead after all")
-    _print_table(scores, budgets, kt)
+    if args.ahead:
+        print(f"ours, {args.ahead} ahead: its last column says whether it holds ours's "
+              "statistics (a 'no' with the share of resamples in which it does after all)")
+    _print_table(scores, budgets, kt, args.ahead)
     if fresh:
         print(f"\nfresh seeds: every searcher on the next {args.fresh_seeds} seeds ({args.seeds}, "
               f"{args.seeds + 1}, ...); kernel tuner: per statistic, the strategy best at it on "
               f"seeds 0-{args.seeds - 1} above (a best-of-{len(KERNEL_TUNER)} chosen and scored "
               "on the same seeds is biased up)")
-        _print_table(fresh, budgets, kt)
+        _print_table(fresh, budgets, kt, args.ahead)
     if warm:
         print(f"\nwarm start: ours seeded with the other landscape's {MAX_WARM_SEEDS} best "
               "configs, none one step from another (autotune replay --warm-from), against cold, "

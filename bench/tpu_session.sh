@@ -6,6 +6,8 @@
 #                                            process check of its winner: verify-KERNEL.json
 #   bash bench/tpu_session.sh kerneltests   # the CPU suite's kernel test files, on the chip:
 #                                            $OUT/kerneltests.log (issue 54)
+#   bash bench/tpu_session.sh backward     # dS in one MXU pass against two, and splash:
+#                                            $OUT/backward.json (issue 56, goal 2)
 #   bash bench/tpu_session.sh cost TRIALS  # trials per minute before and now: $OUT/trial-cost.json
 #   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS  # a random sample of the space,
 #                                            $OUT/landscape-KERNEL.json.gz (issue 56, goal 4)
@@ -45,6 +47,9 @@ kerneltests)
         tests/test_kernel_numerics.py tests/test_flash_features.py tests/test_splash.py \
         > "$OUT/kerneltests.log" 2>&1
     echo "pytest exit $?"; tail -n 40 "$OUT/kerneltests.log" ;;
+backward)
+    python3 bench/backward_passes.py --out "$OUT/backward.json" 2> "$OUT/backward.err" \
+        | tail -n 60 ;;
 cost)
     python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;

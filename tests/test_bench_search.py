@@ -100,3 +100,15 @@ def test_on_fresh_seeds_kernel_tuner_is_the_strategy_chosen_on_the_first(tmp_pat
     assert row["kernel tuner best"]["mean"] == pytest.approx(0.25)  # lucky's fresh seeds
     assert row["kernel tuner"]["steady"]["mean"] == pytest.approx(0.5)
     assert row["ours short of"]["kernel tuner best"] == {}
+
+
+def test_ours_with_configs_claimed_ahead_is_scored_against_ours(tmp_path: Path) -> None:
+    """--ahead 4 also replays ours with four configs claimed ahead of each measurement (the
+    search's side of that is tests/test_search.py's), and each cell says whether it holds
+    ours's statistics."""
+    done = _python(SCRIPT, str(_landscapes(tmp_path / "lands")), "--budgets", "8",
+                   "--no-warm", "--ahead", "4", *FAST, "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    cell = json.loads(done.stdout)["scores"]["one"]["8"]
+    assert 0 < cell["ahead"]["median"] <= 1.0
+    assert set(cell["ahead short of ours"]) <= {"median", "mean", "p10"}
