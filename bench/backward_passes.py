@@ -14,7 +14,6 @@ with every block at 1024, and checks each one's error against the reference.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from jax import lax  # noqa: E402
 
 import kernel.backends.flash.pallas as flash_pallas  # noqa: E402
 from autotune.measure import Measurer, interleaved, relative_error  # noqa: E402
+from bench.chip import write_report  # noqa: E402
 from kernel import Problem, get_kernel  # noqa: E402
 
 # The tuned config the chip published for s4096 causal fwd_bwd (bench/results/tpu-v5e-2026-12-05).
@@ -112,12 +112,7 @@ def main() -> None:
     for row in rows.values():
         if best_splash and "median_ms" in row:
             row["vs_best_splash"] = round(row["median_ms"] / best_splash, 3)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "problem": problem.label(), "rounds": args.rounds, "rows": rows}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_report({"problem": problem.label(), "rounds": args.rounds, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ first run) that shows a chip state left corrupt by whatever ran in between."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,6 +20,16 @@ from kernel.registry import KERNELS
 from kernel.tolerance import relative_error
 
 OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+def write_report(report: dict[str, Any], out: Path | None) -> None:
+    """Prints ``report`` as JSON, headed by the device and JAX version it was measured with,
+    and writes it to ``out`` when given."""
+    text = json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       **report}, indent=1)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
 
 
 def compiled(kernel_name: str, problem: Problem, config: Any):

@@ -18,7 +18,6 @@ config (the winner's quality is the same); the ratio is ``now`` over ``before``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import numpy as np  # noqa: E402
 import autotune.measure as measure  # noqa: E402
 from autotune.search import search  # noqa: E402
 from autotune.tune import kernel_space  # noqa: E402
+from bench.chip import write_report  # noqa: E402
 from kernel import Problem, device_target, get_kernel  # noqa: E402
 
 PHASES = ("compile_s", "wait_s", "gate_s", "time_s", "canary_s")
@@ -104,18 +104,13 @@ def main() -> None:
     threads = measure.compile_threads()
     now = run_variant(problem, args.kernel, args.trials, args.seed, threads=threads,
                       ahead=threads)
-    report = {
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    write_report({
         "problem": problem.label(), "kernel": args.kernel, "trials": args.trials,
         "before": before, "now": now,
         "trials_per_min_ratio": round(now["trials_per_min"] / before["trials_per_min"], 2),
         # Both measured the same configs: the same best, or two within each other's noise.
         "same_best": (before["best"] or {}).get("config") == (now["best"] or {}).get("config"),
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    }, args.out)
 
 
 if __name__ == "__main__":
