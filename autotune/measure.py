@@ -51,10 +51,12 @@ RUN_COUNT = jax.ShapeDtypeStruct((), np.int32)  # the run count a looped program
 log = logging.getLogger(__name__)
 
 
-def compile_threads() -> int:
-    """Compiles run at once: XLA compiles one program on about one core, so half the host's
-    cores (2 to 8) compile configs ahead while the device measures one at a time."""
-    return max(2, min(8, (os.cpu_count() or 2) // 2))
+# Configs a tuning search claims ahead of the one it measures, so that their compiles (seconds
+# each on a TPU) run on the host's cores during its measurement. The sampler picks them before
+# it sees that result: replayed on bench/landscapes (bench/search.py --ahead, 20 seeds), 2 ahead
+# found configs as good as 1 ahead (the tuner before) within the seeds' noise, while 3 and 6
+# fell behind on convolution-A100 (median score@50 0.674 and 0.693 against 0.844 and 0.811).
+AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ class Measurer:
     min_time_s: float = 0.2  # keep timing until this much time (or max_runs) is spent
     warmup: int = 1
     tolerance: float | None = None
-    pool_size: int = field(default_factory=compile_threads)
+    pool_size: int = AHEAD + 1  # compiles at once: the config asked for and those ahead
     build: BuildFn | None = None
     seed: int = 0
     timing: str = "auto"

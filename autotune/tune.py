@@ -18,7 +18,7 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from autotune.failures import ChipStateCorrupted
-from autotune.measure import Config, Measurer, Timing
+from autotune.measure import AHEAD, Config, Measurer, Timing
 from autotune.peaks import device_roofline
 from autotune.samplers import SamplerName
 from autotune.search import SearchResult, search
@@ -316,7 +316,7 @@ class TuneJob:
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
                                        self.space, self.base, self.kernel, self.target),
                       seed=options.seed, on_trial=self._on_trial,
-                      prepare=self.measurer.prepare, ahead=self.measurer.pool_size)
+                      prepare=self.measurer.prepare, ahead=AHEAD)
 
     def publish(self, result: SearchResult) -> TuneSummary:
         """Confirms the best measured configs against the default and publishes the winner."""

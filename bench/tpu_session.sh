@@ -8,6 +8,8 @@
 #                                            $OUT/kerneltests.log (issue 54)
 #   bash bench/tpu_session.sh backward     # dS in one MXU pass against two, and splash:
 #                                            $OUT/backward.json (issue 56, goal 2)
+#   bash bench/tpu_session.sh handset PROBLEMS TRIALS  # tuned against every hand-set config,
+#                                            grid problems PROBLEMS (e.g. 1,3): $OUT/handset-*.json
 #   bash bench/tpu_session.sh cost TRIALS  # trials per minute before and now: $OUT/trial-cost.json
 #   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS  # a random sample of the space,
 #                                            $OUT/landscape-KERNEL.json.gz (issue 56, goal 4)
@@ -50,6 +52,9 @@ kerneltests)
 backward)
     python3 bench/backward_passes.py --out "$OUT/backward.json" 2> "$OUT/backward.err" \
         | tail -n 60 ;;
+handset)
+    python3 bench/handset.py --problems "$2" --trials "$3" \
+        --out "$OUT/handset-${2//,/-}.json" 2> "$OUT/handset-${2//,/-}.err" | tail -n 80 ;;
 cost)
     python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;

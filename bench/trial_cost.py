@@ -4,7 +4,8 @@ attached device: the same configs (a seeded random sample of the kernel's space)
 - ``before``: one config compiled ahead, in a pool of two; the gate's error and the canary's
   comparison reduced on the host (every output moved there first), as the tuner did until
   issue 56;
-- ``now``: ``compile_threads()`` configs compiled ahead at once; both reduced on the device.
+- ``now``: ``autotune.measure.AHEAD`` configs claimed and compiled ahead; both reduced on the
+  device.
 
     python bench/trial_cost.py [--kernel flash] [--trials 15] [problem flags] [--out F.json]
 
@@ -101,9 +102,8 @@ def main() -> None:
                       dtype="bfloat16", causal=True, mode=args.mode)
     with host_comparisons():
         before = run_variant(problem, args.kernel, args.trials, args.seed, threads=2, ahead=1)
-    threads = measure.compile_threads()
-    now = run_variant(problem, args.kernel, args.trials, args.seed, threads=threads,
-                      ahead=threads)
+    now = run_variant(problem, args.kernel, args.trials, args.seed,
+                      threads=measure.AHEAD + 1, ahead=measure.AHEAD)
     write_report({
         "problem": problem.label(), "kernel": args.kernel, "trials": args.trials,
         "before": before, "now": now,
