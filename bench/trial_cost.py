@@ -43,13 +43,18 @@ PHASES = ("compile_s", "wait_s", "gate_s", "time_s", "canary_s")
 
 @contextmanager
 def host_comparisons() -> Iterator[None]:
-    """The gate and the canary as before: outputs moved to the host and reduced there."""
+    """The gate and the canary as before, in the same calls: each output converted to a
+    numpy float64 array on the host (``np.asarray(x, np.float64)`` of a bf16 JAX array took
+    2.3 s for 4 x 16 x 4096 x 128 on a 2-core CPU) and compared there."""
     device_error, device_bits = measure.relative_error, measure.same_bits
-    measure.relative_error = lambda got, want: device_error(jax.device_get(got),
-                                                            jax.device_get(want))
+
+    def on_host(tree: Any) -> Any:
+        return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+    measure.relative_error = lambda got, want: device_error(on_host(got), on_host(want))
     measure.same_bits = lambda got, want: all(
-        np.array_equal(a, b, equal_nan=True) for a, b in zip(
-            jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(want))))
+        np.array_equal(a, b, equal_nan=True)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
     try:
         yield
     finally:
