@@ -41,6 +41,11 @@ of its measurement (their compiles overlap it, ``autotune.search.search(ahead=K)
 sampler proposes K configs before it sees the result of the first (Optuna's constant liar). Its
 rows say whether it holds ours's statistics, with the bootstrap share of each shortfall.
 
+Pooled over every landscape (issue 56's measure of a searcher): per budget, the mean over
+landscapes and seeds of ours's score minus plain TPE's (and the K-ahead replay's minus ours's),
+with a 95% bootstrap lower bound (the seeds of each landscape drawn again with replacement,
+2000 times): a lower bound above zero says ours is ahead beyond the seeds' noise.
+
 ``bench/landscapes/heldout`` holds nineteen landscapes the searcher was not developed on (see
 its README); ``--no-warm`` leaves out the warm-start table, whose pairs grow as the square of a
 kernel's landscapes.
@@ -271,6 +276,8 @@ def main() -> None:
 
     first = slice(0, args.seeds)
     scores = _table(lands, curves, budgets, first, first)
+    pooled = {f"{a} - {b}": {n: _pooled(lands, curves, a, b, n, first) for n in budgets}
+              for a, b in (("ours", "plain TPE"), (AHEAD, "ours")) if (a, paths[0], None) in curves}
     fresh = (_table(lands, curves, budgets, first, slice(args.seeds, None))
              if args.fresh_seeds else None)
     warm = {f"{lands[q].name} -> {lands[p].name}": {
@@ -287,10 +294,29 @@ def main() -> None:
     overhead = _overhead(overhead_path, args.overhead_trials)
     if args.json:
         print(json.dumps({"seeds": args.seeds, "budgets": budgets, "scores": scores,
+                          "pooled": pooled,
                           "fresh_seeds": args.fresh_seeds, "fresh_scores": fresh,
                           "warm_start": warm, "overhead_ms_per_trial": overhead, "wall_s": wall}))
         return
     _print(args, budgets, scores, fresh, warm, overhead, lands[overhead_path].name, wall)
+    for pair, by_budget in pooled.items():
+        print(f"pooled over {len(lands)} landscapes and {args.seeds} seeds, {pair}: " + "; ".join(
+            f"@{b} mean {d['mean']:+.4f}, 95% lower bound {d['lower_95']:+.4f}"
+            for b, d in by_budget.items()))
+
+
+def _pooled(lands: dict[str, Landscape], curves: dict[tuple, list[Curve]], a: str, b: str,
+            budget: int, seeds: slice) -> dict[str, float]:
+    """The mean over landscapes and seeds of searcher ``a``'s score@``budget`` minus ``b``'s
+    on the same seed, and its 95% bootstrap lower bound (seeds resampled per landscape)."""
+    diffs = [[x - y for x, y in zip(_scores(land, curves[(a, p, None)][seeds], budget),
+                                    _scores(land, curves[(b, p, None)][seeds], budget))]
+             for p, land in lands.items()]
+    rng = random.Random(0)
+    means = sorted(statistics.mean(d for per in diffs for d in rng.choices(per, k=len(per)))
+                   for _ in range(RESAMPLES))
+    return {"mean": statistics.mean(d for per in diffs for d in per),
+            "lower_95": means[int(0.05 * RESAMPLES)]}
 
 
 def _table(lands: dict[str, Landscape], curves: dict[tuple, list[Curve]], budgets: list[int],

@@ -109,6 +109,11 @@ def test_ours_with_configs_claimed_ahead_is_scored_against_ours(tmp_path: Path) 
     done = _python(SCRIPT, str(_landscapes(tmp_path / "lands")), "--budgets", "8",
                    "--no-warm", "--ahead", "4", *FAST, "--json", timeout=300)
     assert done.returncode == 0, done.stderr
-    cell = json.loads(done.stdout)["scores"]["one"]["8"]
+    report = json.loads(done.stdout)
+    cell = report["scores"]["one"]["8"]
     assert 0 < cell["ahead"]["median"] <= 1.0
     assert set(cell["ahead short of ours"]) <= {"median", "mean", "p10"}
+    # Pooled over both landscapes: the mean paired difference and its bootstrap lower bound.
+    for pair in ("ours - plain TPE", "ahead - ours"):
+        pooled = report["pooled"][pair]["8"]
+        assert -1 < pooled["lower_95"] <= pooled["mean"] < 1
