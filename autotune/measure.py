@@ -343,16 +343,20 @@ class Measurer:
         a copy in flight can be right itself and corrupt every later kernel (pallas-facts
         §10); checked after every config, so the one that did it is named (one run of the
         default: milliseconds, against seconds of compiling and timing a config)."""
-        if self._canary is None:
-            return measurement
-        program, first = self._canary
-        if same_bits(self.run(program), first):
+        if self._canary_holds():
             return measurement
         self.corrupt = (
             f"the device's state is corrupt after config {config.label(self.problem.mode)}: "
             f"the default config's output on the same inputs changed since the search began. "
             f"That config is recorded as corrupts_state and never published")
         return Measurement.failure(Status.CORRUPTS_STATE, error=self.corrupt)
+
+    def _canary_holds(self) -> bool:
+        """Whether the canary still gives its first output bit for bit (True without one)."""
+        if self._canary is None:
+            return True
+        program, first = self._canary
+        return same_bits(self.run(program), first)
 
     def _abandon_pool(self) -> None:
         """Leaves an overrunning compile its thread and gives later compiles a new pool, so
@@ -459,13 +463,22 @@ class Measurer:
                 runs_per_round: int = 3) -> dict[Config, Timing]:
         """Re-measures ``configs`` :func:`interleaved`. Configs that fail to compile, run or
         pass the correctness gate here are left out (the default is confirmed even when the
-        search never measured it)."""
+        search never measured it). Then the canary runs (taken now if no search ran here): a
+        device left corrupt by the end of the confirmation raises ``ChipStateCorrupted``, so
+        nothing is published from it."""
+        self._take_canary()
         timers = {}
         for config in dict.fromkeys(configs):
             program, _ = self.checked(config)
             if program is not None:
                 timers[config] = self.timer(program, runs_per_round)
-        return interleaved(timers, rounds)
+        timings = interleaved(timers, rounds)
+        if not self._canary_holds():
+            raise ChipStateCorrupted(
+                f"the device's state is corrupt after the confirmation of "
+                f"{len(timers)} configs: the default config's output on the same inputs "
+                f"changed since the canary was taken; nothing is published")
+        return timings
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

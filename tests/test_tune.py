@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -500,6 +501,39 @@ def test_a_config_that_corrupts_the_chip_is_caught_by_the_canary_and_ends_the_se
     # Its own result was right: the canary, not the gate, caught it, right after it ran.
     assert [t.params["pipeline_depth"] for t in corrupting] == [1]
     assert "changed since the search began" in corrupting[0].user_attrs["error"]
+
+
+def test_a_chip_left_corrupt_by_the_end_of_the_confirmation_publishes_nothing(
+        tiny_base: FlashConfig) -> None:
+    """Issue 54: the canary runs once more after the confirmation. A config that passed the
+    search and the confirmation's gate but corrupts the device while it is timed there raises
+    ChipStateCorrupted instead of handing the confirmed times on to be published."""
+    runs = {"count": 0, "corrupt_at": math.inf}
+
+    def corrupts_late(out: Any) -> Any:
+        runs["count"] += 1
+        if runs["count"] >= runs["corrupt_at"]:
+            _CHIP["offset"] = 1.0
+        return _reads_chip(out)
+
+    def build(problem: Problem, config: FlashConfig) -> Any:
+        attend = FLASH.build(problem, config)
+        hook = corrupts_late if config.block_q == 128 else _reads_chip
+        return lambda q, k, v: jax.pure_callback(
+            hook, jax.ShapeDtypeStruct(q.shape, q.dtype), attend(q, k, v))
+
+    _CHIP["offset"] = 0.0
+    late = tiny_base.replace(block_q=128)
+    measurer = Measurer(TINY, tiny_base, FLASH, build=build, min_time_s=0.01)
+    try:
+        assert measurer({}).ok and measurer({"block_q": 128}).ok
+        assert len(measurer.confirm([tiny_base, late], rounds=1)) == 2  # a clean chip
+        runs["corrupt_at"] = runs["count"] + 2  # past the gate's run: its first timed run
+        with pytest.raises(ChipStateCorrupted, match="after the confirmation of 2 configs"):
+            measurer.confirm([tiny_base, late], rounds=2)
+    finally:
+        _CHIP["offset"] = 0.0
+        measurer.close()
 
 
 def test_a_default_that_is_not_bit_reproducible_is_no_canary(tiny_base: FlashConfig) -> None:
