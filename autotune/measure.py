@@ -250,10 +250,9 @@ class Measurer:
             return self._kept[config][0]
         return self._canary[0] if self._canary is not None and config == self.base else None
 
-    def program(self, config: Config) -> Program:
+    def _compiled(self, config: Config) -> Program | Measurement:
         """``config`` compiled: its held program, else its background compile (started now if
-        it was not) waited for; raises the compile's error, or ``FutureTimeout`` after
-        ``compile_timeout_s``."""
+        it was not) waited for; or the compile's failure (a result, not a crash)."""
         held = self._held(config)
         if held is not None:
             return held
@@ -266,21 +265,14 @@ class Measurer:
             # A running compile cannot be interrupted; it finishes in the background and is
             # dropped. The config is classified and the search moves on.
             self._abandon_pool()
-            raise
-        finally:
-            with self._lock:  # drop the executable once taken: flat memory over long runs
-                self._compiles.pop(config, None)
-
-    def _compiled(self, config: Config) -> Program | Measurement:
-        """``config``'s program, or its compile's failure (a result, not a crash)."""
-        try:
-            return self.program(config)
-        except FutureTimeout:
             return Measurement.failure(Status.TIMEOUT, error=f"compile took longer than "
                                        f"{self.compile_timeout_s:g} s")
         except Exception as error:  # noqa: BLE001 - any compiler failure is a result
             return Measurement.failure(classify_compile_error(str(error)),
                                        error=first_line(str(error)))
+        finally:
+            with self._lock:  # drop the executable once taken: flat memory over long runs
+                self._compiles.pop(config, None)
 
     def settle_timing(self, params: dict[str, Any]) -> None:
         """Settles a ``profile`` timing before a search by timing ``params`` (the default)

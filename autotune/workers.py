@@ -12,8 +12,8 @@ finish searching confirms and publishes, so each problem has one winner, confirm
 device. A worker that dies is reported, its claims are released at once (their configs and
 budget go back to the study) and its problem is taken over. A worker whose device's state went
 corrupt (a config left it so, pallas-facts §10; that config is recorded ``corrupts_state``)
-is replaced by a fresh process on the same device, up to MAX_RECYCLES times a device. Ctrl-C stops every worker; each
-gives its claims back, and a rerun resumes.
+is replaced by a fresh process on the same device, up to MAX_RECYCLES times a device. Ctrl-C
+stops every worker; each gives its claims back, and a rerun resumes.
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ class WorkerPool:
             TextColumn("{task.fields[status]}"))
         self.workers = [self._start(d) for d in devices]
 
-    def _start(self, device: int, recycles: int = 0) -> _Worker:
+    def _start(self, device: int, previous: _Worker | None = None) -> _Worker:
+        """A worker process on ``device``; in place of ``previous`` (whose device went
+        corrupt), it takes over its row, count and recycles."""
         spec = {"db_url": self.db_url, "kernel": self.kernel,
                 "options": {**self.options, "device_index": device}}
         process = subprocess.Popen(
@@ -153,16 +155,18 @@ class WorkerPool:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **worker_env(self.platform, device)},
             start_new_session=True)  # Ctrl-C reaches the parent, which stops each worker once
-        worker = _Worker(device, process, recycles=recycles)
+        worker = _Worker(device, process)
         threading.Thread(target=_read, daemon=True, args=(
             process.stdout, lambda line: self.events.put((worker, json.loads(line))),
             lambda: self.events.put((worker, None)))).start()
         threading.Thread(target=_read, daemon=True, args=(
             process.stderr, worker.stderr.append, lambda: None)).start()
-        if self.progress is not None:  # a fresh process takes over its device's row
-            worker.row = next(w.row for w in self.workers if w.device == device) if recycles \
-                else self.progress.add_task("", total=self.budget, device=device,
-                                            status="starting")
+        if previous is not None:
+            worker.row, worker.measured = previous.row, previous.measured
+            worker.recycles = previous.recycles + 1
+        elif self.progress is not None:
+            worker.row = self.progress.add_task("", total=self.budget, device=device,
+                                                status="starting")
         return worker
 
     # --- scheduling -------------------------------------------------------------------------
@@ -305,9 +309,7 @@ class WorkerPool:
             return
         self._say(f"device {worker.device}: {worker.corrupt}; a fresh worker process takes "
                   f"over the device ({worker.recycles + 1} of at most {MAX_RECYCLES})")
-        fresh = self._start(worker.device, worker.recycles + 1)
-        fresh.measured = worker.measured
-        self.workers[self.workers.index(worker)] = fresh
+        self.workers[self.workers.index(worker)] = self._start(worker.device, worker)
 
     def _release(self, worker: _Worker, task: _Problem) -> int:
         from autotune.claims import release_claims
