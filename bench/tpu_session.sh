@@ -44,9 +44,10 @@ tune)
     echo "tune exit $?"; tail -c 3000 "$OUT/tune-$kernel.jsonl"; tail -n 5 "$OUT/tune-$kernel.err"
     python3 bench/verify_published.py "$OUT/tune-$kernel.jsonl" --out "$OUT/verify-$kernel.json" \
         2>&1 | tail -n 30 ;;
-kerneltests)
+kerneltests)  # less the one test that needs a loopback server: the chip VM has no sockets
     timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -q -rfE \
         tests/test_kernel_numerics.py tests/test_flash_features.py tests/test_splash.py \
+        --deselect tests/test_splash.py::test_the_service_stores_and_answers_flags_enums_and_unused_blocks \
         > "$OUT/kerneltests.log" 2>&1
     echo "pytest exit $?"; tail -n 40 "$OUT/kerneltests.log" ;;
 backward)
