@@ -3,6 +3,7 @@ innermost first, thread-safe, and named by ``resolution_sources()``."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -102,6 +103,26 @@ def test_use_table_after_a_trace_reaches_the_traced_function(tmp_path):
         with kernel.tables(table((Q, SMALL))):  # a block entered later keys by the pinning
             step(x)
         assert ran(P)[0] == SMALL
+    finally:
+        reset_resolver(ResolverSettings())
+
+
+def test_use_table_inside_a_block_reaches_what_the_block_traced(tmp_path):
+    """``kernel.use_table`` inside a ``kernel.tables`` block (or while another thread is in
+    one) reaches a step the block traced before, as outside: the block's tables do not answer
+    the step's problem, so the process's new table does."""
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(table((P, SMALL)).to_dict()))
+    elsewhere = dataclasses.replace(table((P, LARGE)), device_kind="TPU v5 lite")
+    reset_resolver(ResolverSettings())
+    try:
+        step = jax.jit(lambda q: attend(q))  # a function no test traced before
+        x = jnp.zeros((1, 1, 256, 128), jnp.float32)
+        with kernel.tables(elsewhere):
+            step(x)
+            kernel.use_table(path)
+            step(x)
+            assert plain_sources(kernel.resolution_sources()) == {("flash", "cpu", P): "table"}
     finally:
         reset_resolver(ResolverSettings())
 
