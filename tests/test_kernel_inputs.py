@@ -114,6 +114,16 @@ def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     assert message in str(raised.value)
 
 
+def test_traced_segment_ids_wider_than_int32_are_refused():
+    """Under jax_enable_x64 a jitted step's int64 ids reach the wrapper traced, their values
+    unknown: cast to int32, 0 and 2**32 would be one segment (it ran, silently wrong)."""
+    ids = np.array([[0] * 128 + [2**32] * 128])
+    q = jnp.zeros((1, 2, 256, 64), F32)
+    with jax.enable_x64(True), pytest.raises(TypeError, match=re.escape(
+            "segment_ids: q_segment_ids is a traced int64 array (jax_enable_x64 is on)")):
+        jax.jit(lambda q, ids: flash_attention(q, q, q, segment_ids=(ids, ids)))(q, ids)
+
+
 def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
     """Without an explicit config, a trace does not fail: the warning says how to pad."""
     import logging
