@@ -249,6 +249,11 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
         raise ValueError("query must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, "
                          f"heads, head_dim], got shape {tuple(query.shape)}")
     batched = rank == 4
+    axes = "[batch, seq, heads, head_dim]" if batched else "[seq, heads, head_dim]"
+    for name, x in (("key", key), ("value", value)):
+        if getattr(x, "ndim", rank) != rank:  # told apart before a rank-3 call is batched
+            raise ValueError(f"{name} must have the query's rank {rank} {axes}, got shape "
+                             f"{tuple(x.shape)}")
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):

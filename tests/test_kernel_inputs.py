@@ -146,13 +146,20 @@ def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
         reset_resolver(ResolverSettings())
 
 
-def test_dot_product_attention_reports_the_callers_shape():
-    """A rank-5 query is refused as rank 5 (not as the rank 6 its batching would make)."""
-    q = _sds((1, 2, 256, 4, 64))
-    with pytest.raises(ValueError, match=re.escape(
-            "query must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, heads, "
-            "head_dim], got shape (1, 2, 256, 4, 64)")):
-        jax.eval_shape(lambda q: dot_product_attention(q, q, q), q)
+@pytest.mark.parametrize(("shapes", "message"), [
+    (((1, 2, 256, 4, 64),) * 3, "query must have rank 4 [batch, seq, heads, head_dim] or rank "
+     "3 [seq, heads, head_dim], got shape (1, 2, 256, 4, 64)"),
+    (((256, 4, 64), (1, 2, 256, 4, 64), (256, 4, 64)),
+     "key must have the query's rank 3 [seq, heads, head_dim], got shape (1, 2, 256, 4, 64)"),
+    (((1, 256, 4, 64), (1, 256, 4, 64), (256, 4, 64)),
+     "value must have the query's rank 4 [batch, seq, heads, head_dim], got shape "
+     "(256, 4, 64)"),
+], ids=["rank-5-query", "rank-3-query-rank-5-key", "rank-4-query-rank-3-value"])
+def test_dot_product_attention_reports_the_callers_shape(shapes, message):
+    """A rank-5 query is refused as rank 5, and a key or value of another rank than the
+    query's by its own shape (not as the shapes the batching of a rank-3 call would make)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jax.eval_shape(dot_product_attention, *map(_sds, shapes))
 
 
 def test_non_array_input_is_refused():
