@@ -60,9 +60,10 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
     ``[batch, kv_len]`` (a tuple or list; cast to int32, concrete ids outside its range are
-    refused); a query sees the keys of its own segment only (packed sequences). A query that
-    sees no key at all gets zeros from ``flash`` and ``xla`` (as from the reference), an
-    average of the values from ``splash`` and ``jax_tpu_flash``.
+    refused, as are traced ids of a wider type under ``jax_enable_x64``); a query sees the
+    keys of its own segment only (packed sequences). A query that sees no key at all gets
+    zeros from ``flash`` and ``xla`` (as from the reference), an average of the values from
+    ``splash`` and ``jax_tpu_flash``.
     Each is part of the problem: only a kernel that runs it is picked (see the README's
     table), and tuning measures it.
 
@@ -190,11 +191,19 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
 def _check_int32_range(name: str, ids: Any) -> None:
     """Raises naming ``segment_ids`` when concrete ids lie outside int32, which the kernels
     take (cast, 0 and 2**32 would be one segment). A traced array's values are not known
-    here: jit already casts wider ids to int32 unless x64 is on."""
+    here: jit casts wider ids to int32 unless x64 is on, when a traced array wider than
+    int32 is refused."""
     import jax
     import numpy as np
 
-    if isinstance(ids, jax.core.Tracer) or ids.size == 0 or np.can_cast(ids.dtype, np.int32):
+    if ids.size == 0 or np.can_cast(ids.dtype, np.int32):
+        return
+    if isinstance(ids, jax.core.Tracer):
+        if np.dtype(ids.dtype).itemsize > 4:  # an unsigned 32-bit id casts one-to-one
+            raise TypeError(f"segment_ids: {name} is a traced {_dtype(ids)} array "
+                            "(jax_enable_x64 is on), whose ids cannot be checked against "
+                            "int32, which the kernels compare (cast, 0 and 2**32 would be one "
+                            "segment); pass int32 ids (ids.astype(jnp.int32) where they fit)")
         return
     low, high, bounds = np.min(ids), np.max(ids), np.iinfo(np.int32)
     if low < bounds.min or high > bounds.max:
@@ -240,6 +249,11 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
         raise ValueError("query must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, "
                          f"heads, head_dim], got shape {tuple(query.shape)}")
     batched = rank == 4
+    axes = "[batch, seq, heads, head_dim]" if batched else "[seq, heads, head_dim]"
+    for name, x in (("key", key), ("value", value)):
+        if getattr(x, "ndim", rank) != rank:  # told apart before a rank-3 call is batched
+            raise ValueError(f"{name} must have the query's rank {rank} {axes}, got shape "
+                             f"{tuple(x.shape)}")
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
     if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):

@@ -5,8 +5,8 @@ The scopes live in a context variable, so they are local to a thread (and an asy
 and nest, the innermost first. A block also keys JAX's tracing caches (a JAX user context), so
 a function traced outside the block, or under other tables, is traced again inside it and
 resolves its configs from the block's tables. :func:`retracing` gives :mod:`kernel.capture`
-the same fresh trace. :func:`retrace_all` keys every trace anew when the process's pinned
-tables change (``kernel.use_table``). jax loads only when a block is entered.
+the same fresh trace. :func:`retrace_all` keys every trace anew, inside blocks too, when the
+process's pinned tables change (``kernel.use_table``). jax loads only when a block is entered.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ _lock = threading.Lock()
 _loaded: dict[str, tuple[tuple[int, int], LookupTable]] = {}  # path -> (mtime, size), table
 _table_serials: dict[int, tuple[weakref.ref[LookupTable], int]] = {}  # by id, while alive
 _live_serials: set[int] = set()  # the serials of the tables alive
-_jax_context: Any = None
+# JAX user contexts, made once: the blocks' keys (set per thread by a block), and the
+# generation of the process's pinned tables (set globally: it reaches traces inside blocks).
+_jax_contexts: tuple[Any, Any] | None = None
 _pinnings = itertools.count(1)
-_pinning = 0  # the process's pinned tables' generation: part of every trace's key
 
 
 def active_blocks() -> tuple[Block, ...]:
@@ -81,21 +82,19 @@ def retracing(key: Any) -> Iterator[None]:
     block: a function traced under another key is traced again."""
     token = _TRACE_KEY.set(_TRACE_KEY.get() + (key,))
     try:
-        with _user_context()((_pinning, *_TRACE_KEY.get())):
+        with _user_contexts()[0](_TRACE_KEY.get()):
             yield
     finally:
         _TRACE_KEY.reset(token)
 
 
 def retrace_all() -> None:
-    """Keys JAX's tracing caches anew, outside blocks and in blocks entered from now on: a
-    function traced before is traced again on its next call, and resolves its configs from
-    the process's tables as they are now. Nothing was traced before jax loaded."""
-    global _pinning
+    """Keys JAX's tracing caches anew, in every thread and block: a function traced before is
+    traced again on its next call, and resolves its configs from the process's tables as they
+    are now. Nothing was traced before jax loaded."""
     if "jax" not in sys.modules:
         return
-    _pinning = next(_pinnings)
-    _user_context().set_global((_pinning,))
+    _user_contexts()[1].set_global(next(_pinnings))
 
 
 def fresh_key() -> int:
@@ -154,13 +153,14 @@ def alive(serial: int) -> bool:
     return serial in _live_serials
 
 
-def _user_context() -> Any:
-    """The JAX user context keying traces by the scopes, made once (JAX asks that it is not
-    made concurrently with other JAX calls: the first block makes it under a lock)."""
-    global _jax_context
+def _user_contexts() -> tuple[Any, Any]:
+    """The JAX user contexts keying traces by the scopes and by the pinning generation, made
+    once (JAX asks that they are not made concurrently with other JAX calls: the first caller
+    makes them under a lock)."""
+    global _jax_contexts
     with _lock:
-        if _jax_context is None:
+        if _jax_contexts is None:
             import jax
 
-            _jax_context = jax.make_user_context(())
-    return _jax_context
+            _jax_contexts = (jax.make_user_context(()), jax.make_user_context(0))
+    return _jax_contexts

@@ -114,6 +114,16 @@ def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     assert message in str(raised.value)
 
 
+def test_traced_segment_ids_wider_than_int32_are_refused():
+    """Under jax_enable_x64 a jitted step's int64 ids reach the wrapper traced, their values
+    unknown: cast to int32, 0 and 2**32 would be one segment (it ran, silently wrong)."""
+    ids = np.array([[0] * 128 + [2**32] * 128])
+    q = jnp.zeros((1, 2, 256, 64), F32)
+    with jax.enable_x64(True), pytest.raises(TypeError, match=re.escape(
+            "segment_ids: q_segment_ids is a traced int64 array (jax_enable_x64 is on)")):
+        jax.jit(lambda q, ids: flash_attention(q, q, q, segment_ids=(ids, ids)))(q, ids)
+
+
 def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
     """Without an explicit config, a trace does not fail: the warning says how to pad."""
     import logging
@@ -136,13 +146,20 @@ def test_a_shape_the_kernel_has_no_block_for_runs_xla_with_one_warning(caplog):
         reset_resolver(ResolverSettings())
 
 
-def test_dot_product_attention_reports_the_callers_shape():
-    """A rank-5 query is refused as rank 5 (not as the rank 6 its batching would make)."""
-    q = _sds((1, 2, 256, 4, 64))
-    with pytest.raises(ValueError, match=re.escape(
-            "query must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, heads, "
-            "head_dim], got shape (1, 2, 256, 4, 64)")):
-        jax.eval_shape(lambda q: dot_product_attention(q, q, q), q)
+@pytest.mark.parametrize(("shapes", "message"), [
+    (((1, 2, 256, 4, 64),) * 3, "query must have rank 4 [batch, seq, heads, head_dim] or rank "
+     "3 [seq, heads, head_dim], got shape (1, 2, 256, 4, 64)"),
+    (((256, 4, 64), (1, 2, 256, 4, 64), (256, 4, 64)),
+     "key must have the query's rank 3 [seq, heads, head_dim], got shape (1, 2, 256, 4, 64)"),
+    (((1, 256, 4, 64), (1, 256, 4, 64), (256, 4, 64)),
+     "value must have the query's rank 4 [batch, seq, heads, head_dim], got shape "
+     "(256, 4, 64)"),
+], ids=["rank-5-query", "rank-3-query-rank-5-key", "rank-4-query-rank-3-value"])
+def test_dot_product_attention_reports_the_callers_shape(shapes, message):
+    """A rank-5 query is refused as rank 5, and a key or value of another rank than the
+    query's by its own shape (not as the shapes the batching of a rank-3 call would make)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jax.eval_shape(dot_product_attention, *map(_sds, shapes))
 
 
 def test_non_array_input_is_refused():
