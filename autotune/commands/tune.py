@@ -44,8 +44,10 @@ def tune(
     study: Annotated[str | None, typer.Option(
         help="Optuna study name (default: derived from the key, so a rerun resumes).")] = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Tune a problem already tuned again (else it is kept as it is) and "
-                        "publish the result even if the stored one is faster.")] = False,
+        "--force", help="Tune a problem already tuned again (else it is kept as it is). Its "
+                        "winner replaces a stored one timed under other versions or another "
+                        "--timing even if that is faster; one timed alike, only beyond the "
+                        "noise.")] = False,
     timing: Annotated[str, typer.Option(
         help="How runs are timed: profile (device time from a profiler trace), loop (many "
              "runs in one compiled program), wallclock (host time per call), or auto: "
