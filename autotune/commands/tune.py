@@ -25,7 +25,7 @@ def tune(
         "--from", help="module:function whose attention problems to tune, found by tracing "
                        "it abstractly (instead of --shapes or the problem flags).")] = None,
     args: Annotated[str | None, typer.Option(
-        help="The --from function's arguments: dtype[d0,d1,...] arrays separated by spaces, "
+        help="The --from function's arguments: dtype\\[d0,d1,...] arrays separated by spaces, "
              "or module:function returning the argument tuple (default: none).")] = None,
     trials: Annotated[int, typer.Option(min=1, help="Measured configs per problem.")] = 30,
     timeout: Annotated[float | None, typer.Option(min=0, help="Wall seconds per problem.")]
