@@ -189,7 +189,11 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
 
             jax.config.update("jax_platforms", "cpu")
         try:
-            return captured_problems(load_function(from_function), *abstract_args(args))
+            function, arguments = load_function(from_function), abstract_args(args)
+        except TraceError as error:  # it names --from or --args
+            raise typer.BadParameter(str(error)) from None
+        try:
+            return captured_problems(function, *arguments)
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
     return given_problems(context, problem, shapes)
