@@ -29,7 +29,7 @@ from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, 
 from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
 from kernel.table import problem_family, shape_distance
-from storage import Entry, Store, TunedResult
+from storage import Entry, PublishOutcome, Store, TunedResult
 from storage.results import faster_beyond_noise
 from storage.studies import get_storage
 
@@ -50,7 +50,7 @@ class TuneOptions:
     confirm_top: int = 3
     confirm_rounds: int = 5
     compile_timeout_s: float = 300.0
-    force: bool = False  # confirm a finished problem again, publish even if the stored is better
+    force: bool = False  # confirm a finished problem again; replace a stored entry timed otherwise
     device_index: int = 0  # which local device measures (its worker sees only that one)
     timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
 
@@ -355,7 +355,7 @@ class TuneJob:
         if study:
             study.set_user_attr("confirmation", list(confirmation.values()))
             study.set_user_attr("device_kind", device.device_kind)  # problem, kernel: search()
-        outcome = self.store.publish(TunedResult(
+        outcome = self._publish(TunedResult(
             kernel=kernel.name, kernel_version=kernel.version, device_kind=device.device_kind,
             problem=problem, config=winner, median_ms=winner_ms,
             iqr_ms=timings[winner].iqr_ms, default_median_ms=default_ms,
@@ -363,8 +363,7 @@ class TuneJob:
             timing=self.measurer.timing, **result_roofline(roofline),
             study=self.name if study else None, device_index=options.device_index,
             **{f"{package}_version": version
-               for package, version in installed_versions().items()}),
-            force=options.force, beyond_noise=True)
+               for package, version in installed_versions().items()}))
         if study:  # what a rerun compares: nothing measured since means nothing to confirm
             study.set_user_attr(CONFIRMED_ATTR, {"measured": result.measured,
                                                  "stop_reason": result.stop_reason})
@@ -383,6 +382,16 @@ class TuneJob:
             device_index=options.device_index, timing=self.measurer.timing,
             timing_note=self.measurer.timing_note, roofline=roofline,
             confirmation=confirmation)
+
+    def _publish(self, result: TunedResult) -> PublishOutcome:
+        """Publishes ``result`` if it beats the stored entry beyond the noise of both. With
+        ``--force`` it replaces one timed otherwise (another timing method, other jax, jaxlib
+        or libtpu versions) even if that is faster; one it times again, never on noise."""
+        stored = self.store.get(result.key)
+        again = stored is not None and stored.result.timing == result.timing \
+            and not stored.result.stale_versions()
+        return self.store.publish(result, force=self.options.force and not again,
+                                  beyond_noise=True)
 
 
 def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOptions = TuneOptions(),

@@ -9,6 +9,7 @@ import gzip
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -212,13 +213,13 @@ def test_a_problem_flag_out_of_range_is_named(flags: list[str], flag: str) -> No
     assert f"Invalid value for {flag}:" in " ".join(done.output.split()), done.output
 
 
-def _command_paths(group: object, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    """Every command of a click group, as the words that name it (``("db", "upgrade")``)."""
+def _commands(group: object, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Every command of a click group, by the words that name it (``("db", "upgrade")``)."""
     commands = getattr(group, "commands", None)
     if commands is None:
-        return [path]
-    return [found for name, command in commands.items()
-            for found in _command_paths(command, (*path, name))]
+        return {path: group}
+    return {found: leaf for name, command in commands.items()
+            for found, leaf in _commands(command, (*path, name)).items()}
 
 
 def test_every_command_s_help_fits_80_columns() -> None:
@@ -226,10 +227,23 @@ def test_every_command_s_help_fits_80_columns() -> None:
     ``--allow-anonymou…``) and words of the help (``sqlite:///autotu…``)."""
     from autotune.cli import app
 
-    paths = _command_paths(typer.main.get_command(app))
+    paths = list(_commands(typer.main.get_command(app)))
     assert ("tune",) in paths and ("db", "upgrade") in paths
     for path in paths:
         done = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
         assert done.exit_code == 0, done.output
         assert max(map(len, done.stdout.splitlines())) <= 80
         assert "…" not in done.stdout, f"autotune {' '.join(path)} --help:\n{done.stdout}"
+
+
+def test_every_option_s_help_is_printed_as_written() -> None:
+    """Rich read ``dtype[d0,d1,...]`` in the help of ``tune --args`` as markup and printed
+    ``dtype arrays``: each option's help is printed as written (``\\[`` escapes a bracket)."""
+    from autotune.cli import app
+
+    for path, command in _commands(typer.main.get_command(app)).items():
+        done = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "400"})
+        printed = " ".join(done.stdout.replace("│", " ").split())
+        for param in command.params:
+            written = " ".join((getattr(param, "help", None) or "").replace("\\[", "[").split())
+            assert written in printed, f"autotune {' '.join(path)} --help: {written}"

@@ -397,11 +397,12 @@ def test_pinning_an_updated_file_replaces_its_table(tmp_path):
     assert resolver.resolve(PROBLEM, "cpu", "flash", CPU).config.block_q == 256
 
 
-@pytest.mark.parametrize("kind", ["device", "fifo", "directory", "huge"])
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory", "huge", "missing"])
 def test_a_table_path_that_is_no_regular_file_of_bounded_size_is_refused(kind, tmp_path,
                                                                          monkeypatch, caplog):
     """A13: /dev/zero, a FIFO (which would block a read), a directory and a file over the
-    size limit are refused before they are read; from AUTOTUNE_TABLE, the trace still runs."""
+    size limit are refused before they are read; from AUTOTUNE_TABLE, the trace still runs.
+    Issue 55 item 6: a missing file was "not valid JSON ... No such file or directory"."""
     path = tmp_path / "table.json"
     if kind == "device":
         path = "/dev/zero"
@@ -409,10 +410,11 @@ def test_a_table_path_that_is_no_regular_file_of_bounded_size_is_refused(kind, t
         os.mkfifo(path)
     elif kind == "directory":
         path.mkdir()
-    else:
+    elif kind == "huge":
         monkeypatch.setattr("kernel.table.MAX_TABLE_BYTES", 1000)
         path.write_text(" " * 1001)
-    message = "over the" if kind == "huge" else "is not a regular file"
+    message = {"huge": "over the", "missing": "does not exist"}.get(kind,
+                                                                     "is not a regular file")
     with pytest.raises(TableError, match=message):
         LookupTable.load(path)
     caplog.set_level(logging.ERROR, logger="kernel.resolve")
@@ -424,7 +426,7 @@ def test_a_table_path_that_is_no_regular_file_of_bounded_size_is_refused(kind, t
     finally:
         reset_resolver(ResolverSettings())
     [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert "AUTOTUNE_TABLE" in error and str(path) in error
+    assert "AUTOTUNE_TABLE" in error and str(path) in error and message in error
 
 
 def test_sources_can_be_read_while_another_thread_resolves():

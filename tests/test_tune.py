@@ -818,6 +818,27 @@ def test_a_confirmation_again_replaces_the_entry_only_beyond_the_noise(
         assert store.publish(dataclasses.replace(close, median_ms=0.84)).status == "replaced"
 
 
+def test_a_forced_confirmation_replaces_an_entry_timed_alike_only_beyond_the_noise(
+        sqlite_db_url: str) -> None:
+    """Issue 55 item 2: ``--force`` confirms a finished problem again, and replaced its
+    entry whatever the times; an entry timed alike (same timing method and versions) is
+    replaced only beyond the noise of both, one timed under other versions anyway."""
+    from autotune.tune import TuneOptions, tune
+
+    forced = TuneOptions(trials=1, confirm_rounds=2, force=True)
+    with Store(sqlite_db_url) as store:
+        tune(TINY, store, sqlite_db_url, forced, kernel_name="xla")
+        (entry, _), = [store.lookup("xla", "cpu", TINY)]
+        fast = dataclasses.replace(entry.result, median_ms=1e-6, iqr_ms=0.0)
+        store.publish(fast, force=True)  # as if its confirmation had timed it far faster
+        assert tune(TINY, store, sqlite_db_url, forced, kernel_name="xla").publish == "kept"
+        assert store.lookup("xla", "cpu", TINY)[0].result == fast
+        store.publish(dataclasses.replace(fast, jax_version="0.4.1"), force=True)
+        assert tune(TINY, store, sqlite_db_url, forced, kernel_name="xla").publish == \
+            "replaced"
+        assert store.lookup("xla", "cpu", TINY)[0].result.median_ms > 1e-6
+
+
 def test_the_default_is_compiled_once_for_the_canary_and_its_trial(
         tiny_base: FlashConfig) -> None:
     """The default's program, compiled for the canary, is the one its trial measures: a search

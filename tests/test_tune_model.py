@@ -153,7 +153,8 @@ def test_a_bad_function_or_arguments_is_named(model, spec, args, message):
     (["--from", "tiny_model:step", "--q-len", "256"], "give --from, --shapes or the problem"),
     (["--args", "float32[1]"], "give --from too"),
     (["--from", "tiny_model:forward", "--args", "tiny_model:broken_args"],
-     "--args 'tiny_model:broken_args': calling it failed: RuntimeError: no weights here"),
+     "Invalid value: --args 'tiny_model:broken_args': calling it failed: RuntimeError: no "
+     "weights here"),
 ])
 def test_tune_from_refuses_bad_input_in_one_line(tmp_path, args, message):
     done = cli(tmp_path, *args, "--kernels", "xla", "--db", f"sqlite:///{tmp_path / 'a.db'}")

@@ -25,7 +25,7 @@ def tune(
         "--from", help="module:function whose attention problems to tune, found by tracing "
                        "it abstractly (instead of --shapes or the problem flags).")] = None,
     args: Annotated[str | None, typer.Option(
-        help="The --from function's arguments: dtype[d0,d1,...] arrays separated by spaces, "
+        help="The --from function's arguments: dtype\\[d0,d1,...] arrays separated by spaces, "
              "or module:function returning the argument tuple (default: none).")] = None,
     trials: Annotated[int, typer.Option(min=1, help="Measured configs per problem.")] = 30,
     timeout: Annotated[float | None, typer.Option(min=0, help="Wall seconds per problem.")]
@@ -44,8 +44,10 @@ def tune(
     study: Annotated[str | None, typer.Option(
         help="Optuna study name (default: derived from the key, so a rerun resumes).")] = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Tune a problem already tuned again (else it is kept as it is) and "
-                        "publish the result even if the stored one is faster.")] = False,
+        "--force", help="Tune a problem already tuned again (else it is kept as it is). Its "
+                        "winner replaces a stored one timed under other versions or another "
+                        "--timing even if that is faster; one timed alike, only beyond the "
+                        "noise.")] = False,
     timing: Annotated[str, typer.Option(
         help="How runs are timed: profile (device time from a profiler trace), loop (many "
              "runs in one compiled program), wallclock (host time per call), or auto: "
@@ -187,7 +189,11 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
 
             jax.config.update("jax_platforms", "cpu")
         try:
-            return captured_problems(load_function(from_function), *abstract_args(args))
+            function, arguments = load_function(from_function), abstract_args(args)
+        except TraceError as error:  # it names --from or --args
+            raise typer.BadParameter(str(error)) from None
+        try:
+            return captured_problems(function, *arguments)
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
     return given_problems(context, problem, shapes)
