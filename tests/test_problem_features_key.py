@@ -339,6 +339,7 @@ def test_the_list_endpoints_show_and_filter_the_features(server: Server) -> None
     # [true, false] as the window [1, 0], "yes" as true, 64.0 as 64).
     ({"softcap": True}, ["softcap"], ("give a decimal number, got 'true'", "valid number")),
     ({"window": [64.0, 0]}, ["window", 0], ("give an integer, got '64.0'", "valid integer")),
+    ({"window": [True, 0]}, ["window", 0], ("give an integer, got 'true'", "valid integer")),
     ({"segmented": "yes"}, ["segmented"], ("give true or false, got 'yes'", "valid boolean")),
     ({"causal": 1}, ["causal"], ("give true or false, got '1'", "valid boolean")),
 ])
