@@ -88,21 +88,25 @@ class StudyData:
     space: dict[str, list[Any]]  # declared values of each searched field
     points: tuple[Point, ...]
     confirmation: tuple[Confirmed, ...]
+    winner_params: dict[str, Any] | None = None  # the winner's searched fields, if known
 
     @classmethod
-    def load(cls, storage: BaseStorage, name: str, kernel: str | None = None
-             ) -> StudyData | None:
+    def load(cls, storage: BaseStorage, name: str, kernel: str | None = None,
+             winner: Mapping[str, Any] | None = None) -> StudyData | None:
         """The study ``name``, or None if the storage has none of that name."""
         try:
             study = optuna.load_study(study_name=name, storage=storage)
         except KeyError:
             return None
-        return cls.from_study(study, kernel)
+        return cls.from_study(study, kernel, winner)
 
     @classmethod
-    def from_study(cls, study: optuna.Study, kernel: str | None = None) -> StudyData:
+    def from_study(cls, study: optuna.Study, kernel: str | None = None,
+                   winner: Mapping[str, Any] | None = None) -> StudyData:
         """The study's data; ``kernel``: the tuned kernel's name when known (a stored
-        winner's), else the study's ``kernel`` attr, else the default kernel."""
+        winner's), else the study's ``kernel`` attr, else the default kernel; ``winner``: the
+        stored winner's config fields, else the confirmation's winner (a table imported from
+        another database can store a winner this study's confirmation did not choose)."""
         trials = sorted((t for t in study.get_trials(deepcopy=False) if is_measurement(t)),
                         key=lambda t: t.number)
         points = tuple(Point(
@@ -124,15 +128,19 @@ class StudyData:
         searched = [n for n in space if len(space[n]) > 1] or list(space)
         kernel = kernel or attrs.get("kernel", DEFAULT_KERNEL)
         mode = problem.mode if problem else "fwd_bwd"
+        confirmed = attrs.get("confirmation", [])
+        winner = dict(winner) if winner is not None else next(
+            (c["config"] for c in confirmed if c["is_winner"]), None)
         confirmation = tuple(Confirmed(
             params={n: c["config"][n] for n in searched if n in c["config"]},
             samples_ms=tuple(c["samples_ms"]), median_ms=c["median_ms"], iqr_ms=c["iqr_ms"],
-            is_default=bool(c["is_default"]), is_winner=bool(c["is_winner"]),
+            is_default=bool(c["is_default"]), is_winner=c["config"] == winner,
             config_label=config_label(kernel, c["config"], mode) or "")
-            for c in attrs.get("confirmation", []))
+            for c in confirmed)
         return cls(name=study.study_name, kernel=kernel, problem=problem,
                    device_kind=attrs.get("device_kind"), space=space, points=points,
-                   confirmation=confirmation)
+                   confirmation=confirmation, winner_params=None if winner is None else
+                   {n: winner[n] for n in searched if n in winner})
 
     @property
     def ok(self) -> list[Point]:
@@ -153,7 +161,7 @@ class StudyData:
         return out
 
     def winner(self) -> Confirmed | None:
-        """The confirmation's winner, if the study was confirmed."""
+        """The winner's confirmation, if this study confirmed it."""
         return next((c for c in self.confirmation if c.is_winner), None)
 
     def default_point(self) -> Point | None:

@@ -90,7 +90,8 @@ def problem_view(entry: Entry, storage: BaseStorage | None, anchor: str = "",
     study's plots (e.g. through a cache), ``render_choice`` the choice's bar chart."""
     name = entry.result.study
     try:
-        study = (StudyData.load(storage, name, entry.result.kernel)
+        study = (StudyData.load(storage, name, entry.result.kernel,
+                                entry.result.config.to_dict())
                  if storage is not None and name else None)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
         # A study of that name that autotune did not write (another tool's, same database).

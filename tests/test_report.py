@@ -24,6 +24,7 @@ import numpy as np
 import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution
+from matplotlib.figure import Figure
 from optuna.trial import TrialState, create_trial
 
 from autotune.tune import study_name
@@ -39,6 +40,7 @@ from present.plots import (
     landscape_figure,
 )
 from present.studies import FAILURE_LETTERS, StudyData
+from present.views import problem_view
 from storage import Store, TunedResult, upgrade
 from storage.studies import get_storage
 
@@ -47,6 +49,7 @@ FAILING = Problem(1, 2, 2, 512, 512, 128, "bfloat16", False, "fwd")
 FAILING_STUDY = "flash/TPU v5 lite/" + FAILING.label()
 DEFAULT = FlashConfig(block_q=256, block_kv=256, block_kv_compute=128, pipeline_depth=2)
 WINNER = DEFAULT.replace(block_q=128, block_kv=128)
+IMPORTED = DEFAULT.replace(block_q=128, block_kv=256, pipeline_depth=2)  # measured, not confirmed
 PNG = b"\x89PNG\r\n\x1a\n"
 EXTERNAL = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:)?//""", re.I)
 
@@ -416,15 +419,53 @@ def test_the_report_s_figures_say_where_they_come_from(failing: StudyData) -> No
               confirmation_figure(failing).axes[0].get_yticklabels()]
     assert labels == [c.label for c in failing.confirmation]
     figure = landscape_figure(failing)
-    [frame] = [(ax, p) for ax in figure.axes for p in ax.patches
-               if not p.get_fill() and p.get_linewidth() > 2]
-    ax, patch = frame
-    assert ax.get_title() == f"pipeline_depth={WINNER.pipeline_depth}"
-    column, row = (round(patch.get_x() + patch.get_width() / 2),
-                   round(patch.get_y() + patch.get_height() / 2))
-    assert (SPACE["block_kv"][column], SPACE["block_q"][row]) == (WINNER.block_kv,
-                                                                   WINNER.block_q)
+    assert _framed_cell(figure) == _cell(WINNER)
     title = " ".join(figure.get_suptitle().split())
     assert "cells: best search time" in title and "(1.57 ms in the confirmation" in title
     lines = {line.get_label() for line in convergence_figure(failing).axes[0].lines}
     assert {"default, search (1.95 ms)", "default, confirmation median (2.1 ms)"} <= lines
+
+
+def _cell(config: FlashConfig) -> tuple[str, int, int]:
+    """The landscape panel and (block_q, block_kv) cell of ``config``."""
+    return f"pipeline_depth={config.pipeline_depth}", config.block_q, config.block_kv
+
+
+def _framed_cell(figure: Figure) -> tuple[str, int, int]:
+    """The panel and (block_q, block_kv) cell of the landscape's one red frame (block_q along
+    the columns, block_kv along the rows)."""
+    [(ax, frame)] = [(ax, p) for ax in figure.axes for p in ax.patches
+                     if not p.get_fill() and p.get_linewidth() > 2]
+    column, row = (round(frame.get_x() + frame.get_width() / 2),
+                   round(frame.get_y() + frame.get_height() / 2))
+    return ax.get_title(), SPACE["block_q"][column], SPACE["block_kv"][row]
+
+
+def test_a_winner_stored_from_elsewhere_is_the_one_the_page_frames(failing_db: str,
+                                                                   tmp_path: Path) -> None:
+    """Issue 55 item 5: a table from another machine that tuned the same problem (so the same
+    study name) replaced the winner of this database's study, whose confirmation had chosen
+    another config: the summary named the imported winner while the landscape framed the
+    study's pick and the confirmation plot called that one the winner."""
+    table = tmp_path / "table.json"
+    exported = run_cli("export", "--db", failing_db, "--device-kind", "TPU v5 lite",
+                       "-o", str(table))
+    assert exported.returncode == 0, exported.stderr
+    data = json.loads(table.read_text())
+    [entry] = data["entries"]
+    entry["config"], entry["time_ms"] = IMPORTED.to_dict(), 1.2
+    table.write_text(json.dumps(data))
+    url = f"sqlite:///{tmp_path / 'autotune.db'}"
+    upgrade(url)
+    _write_failing_study(url)
+    imported = run_cli("import", str(table), "--db", url)
+    assert imported.returncode == 0, imported.stderr
+    with Store(url) as store:
+        [stored] = store.list()[0]
+        view = problem_view(stored, get_storage(url, create=False))
+    assert stored.result.config == IMPORTED and view.study is not None
+    assert _framed_cell(landscape_figure(view.study)) == _cell(IMPORTED)
+    assert [c.label for c in view.study.confirmation if c.is_winner] == []
+    output = tmp_path / "report.html"
+    assert run_cli("report", "--db", url, "-o", str(output)).returncode == 0
+    assert 'id="not-confirmed-here"' in output.read_text()
