@@ -210,8 +210,9 @@ def failures_figure(data: StudyData) -> Figure:
 
 
 def choice_figure(choice: KernelChoice) -> Figure:
-    """Every candidate kernel's confirmed median with its spread (IQR), the chosen one marked;
-    a failed candidate is a labelled row without a bar."""
+    """Every candidate kernel's median in the kernel choice's own rounds (not its config
+    confirmation's) with its spread (IQR), the chosen one marked; a failed candidate is a
+    labelled row without a bar."""
     ranked = choice.ranked()
     shown = {*[*ranked, *(n for n in choice.candidates if n not in ranked)][:MAX_CHOICE_BARS]}
     names = [name for name in choice.candidates if name in shown]  # in the choice's order
@@ -229,7 +230,7 @@ def choice_figure(choice: KernelChoice) -> Figure:
         for name, t in zip(names, timings, strict=True)], padding=6, fontsize=8)
     ax.invert_yaxis()
     left_out = len(choice.candidates) - len(names)
-    ax.set_xlabel("confirmed median time per call (ms); whiskers: IQR"
+    ax.set_xlabel("median time per call in the kernel choice's rounds (ms); whiskers: IQR"
                   + (f"; {left_out} slower or failed candidates not shown" if left_out else ""))
     ax.set_xlim(0, max(m + s / 2 for m, s in zip(medians, spreads, strict=True)) * 1.45 or 1)
     return figure

@@ -11,7 +11,7 @@ from optuna.storages import BaseStorage
 
 from kernel.table import KernelChoice
 from present.plots import choice_image, images, landscape_axes
-from present.studies import StudyData, short_label
+from present.studies import StudyData
 from present.text import first_line
 from storage import Entry, StoredChoice, TunedResult
 
@@ -49,8 +49,7 @@ def template_env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline,
-                       short_label=short_label)
+    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline)
     return env
 
 
