@@ -54,8 +54,9 @@ def landscape_figure(data: StudyData) -> Figure:
     """Best time per cell of the kernel's x and y fields, one panel per value of its panel
     field (the best over the other fields; :func:`landscape_axes`); cells where only failures
     were measured are hatched and lettered by failure class (a cell with both shows its time
-    and ``+`` the letters), cells never measured stay blank, and the confirmed winner's cell is
-    framed. Raises ValueError when the study has no landscape."""
+    and ``+`` the letters), cells never measured stay blank, and the winner's cell
+    (``StudyData.winner_params``) is framed. Raises ValueError when the study has no
+    landscape."""
     axes_fields = landscape_axes(data)
     if axes_fields is None:
         raise ValueError(f"study {data.name!r} of kernel {data.kernel!r} has no landscape")
@@ -83,10 +84,9 @@ def landscape_figure(data: StudyData) -> Figure:
     axes = figure.subplots(1, len(depths), squeeze=False)[0]
     # A confirmed config lists the searched fields; a field with one value is that value.
     fixed = {name: values[0] for name, values in data.space.items() if len(values) == 1}
-    confirmed = data.winner()
-    winner = None if confirmed is None else {**fixed, **confirmed.params}
-    if winner is not None and not {y, x} <= winner.keys():
-        winner = None
+    winner = None if data.winner_params is None else {**fixed, **data.winner_params}
+    if winner is not None and not (winner.get(y) in rows and winner.get(x) in columns):
+        winner = None  # a stored winner outside the searched values has no cell
     image = None
     for ax, depth in zip(axes, depths, strict=True):
         best, failures, measured = panels[depth]
@@ -118,9 +118,13 @@ def landscape_figure(data: StudyData) -> Figure:
         figure.colorbar(image, ax=list(axes), label="best time (ms), lower is better",
                         shrink=0.9)
     notes = ["cells: best search time"]
-    if winner is not None:
+    confirmed = data.winner()
+    if winner is not None and confirmed is not None:
         notes.append(f"red frame: the confirmed winner ({confirmed.median_ms:.3g} ms in the "
                      "confirmation, which re-measures the best and re-ranks them)")
+    elif winner is not None:
+        notes.append("red frame: the stored winner, which this study's confirmation did not "
+                     "measure (stored from elsewhere)")
     classes = sorted({p.status for p in data.failed})
     if classes:
         notes.append("hatched: only failures; " + ", ".join(
@@ -206,8 +210,9 @@ def failures_figure(data: StudyData) -> Figure:
 
 
 def choice_figure(choice: KernelChoice) -> Figure:
-    """Every candidate kernel's confirmed median with its spread (IQR), the chosen one marked;
-    a failed candidate is a labelled row without a bar."""
+    """Every candidate kernel's median in the kernel choice's own rounds (not its config
+    confirmation's) with its spread (IQR), the chosen one marked; a failed candidate is a
+    labelled row without a bar."""
     ranked = choice.ranked()
     shown = {*[*ranked, *(n for n in choice.candidates if n not in ranked)][:MAX_CHOICE_BARS]}
     names = [name for name in choice.candidates if name in shown]  # in the choice's order
@@ -225,7 +230,7 @@ def choice_figure(choice: KernelChoice) -> Figure:
         for name, t in zip(names, timings, strict=True)], padding=6, fontsize=8)
     ax.invert_yaxis()
     left_out = len(choice.candidates) - len(names)
-    ax.set_xlabel("confirmed median time per call (ms); whiskers: IQR"
+    ax.set_xlabel("median time per call in the kernel choice's rounds (ms); whiskers: IQR"
                   + (f"; {left_out} slower or failed candidates not shown" if left_out else ""))
     ax.set_xlim(0, max(m + s / 2 for m, s in zip(medians, spreads, strict=True)) * 1.45 or 1)
     return figure

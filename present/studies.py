@@ -11,7 +11,7 @@ from typing import Any
 import optuna
 from optuna.storages import BaseStorage
 
-from kernel import DEFAULT_KERNEL, AutotuneError, get_kernel
+from kernel import DEFAULT_KERNEL, get_kernel
 from kernel.problem import Problem, ProblemError
 from present.text import first_line
 from storage.studies import OK, is_measurement, trial_status
@@ -19,18 +19,10 @@ from storage.studies import OK, is_measurement, trial_status
 # One letter per failure class in the landscape; other classes get their first letter.
 FAILURE_LETTERS = {"compile_error": "C", "vmem_oom": "V", "runtime_error": "R",
                    "wrong_result": "W", "timeout": "T", "corrupts_state": "X"}
-_ABBREVIATIONS = {"block_q": "q", "block_kv": "kv", "block_kv_compute": "kvc",
-                  "pipeline_depth": "depth"}
 
 
 def failure_letter(status: str) -> str:
     return FAILURE_LETTERS.get(status, status[:1].upper() or "?")
-
-
-def short_label(params: Mapping[str, Any]) -> str:
-    """``q256 kv128 kvc128 depth2`` for the searched fields of a config."""
-    return " ".join(f"{_ABBREVIATIONS.get(n, n.removeprefix('block_'))}{v}"
-                    for n, v in params.items())
 
 
 @dataclass(frozen=True)
@@ -46,20 +38,11 @@ class Point:
     error: str | None
 
 
-def config_label(kernel: str, config: Mapping[str, Any], mode: str) -> str | None:
-    """``config`` (a stored config's fields) labelled as its kernel labels it everywhere else
-    (``FlashConfig.label``: ``q256 kv128/128 ... dkv128x256/depth3``), or None when the kernel
-    is not registered here or the fields are not one of its configs."""
-    try:
-        return get_kernel(kernel).config_from_dict(dict(config)).label(mode)
-    except (AutotuneError, TypeError, ValueError, KeyError):
-        return None
-
-
 @dataclass(frozen=True)
 class Confirmed:
     """A config re-measured against the default after the search, round by round;
-    ``config_label``: the config as its kernel labels it (else its searched fields)."""
+    ``config_label``: the config as its kernel labels it everywhere (``FlashConfig.label``:
+    ``q256 kv128/128 ... dkv128x256/depth3``, as the summary's winner)."""
 
     params: dict[str, Any]
     samples_ms: tuple[float, ...]
@@ -67,12 +50,11 @@ class Confirmed:
     iqr_ms: float
     is_default: bool
     is_winner: bool
-    config_label: str = ""
+    config_label: str
 
     @property
     def label(self) -> str:
-        role = " (default)" if self.is_default else ""
-        return ((self.config_label or short_label(self.params)) + role
+        return (self.config_label + (" (default)" if self.is_default else "")
                 + (" (winner)" if self.is_winner else ""))
 
 
@@ -88,21 +70,26 @@ class StudyData:
     space: dict[str, list[Any]]  # declared values of each searched field
     points: tuple[Point, ...]
     confirmation: tuple[Confirmed, ...]
+    winner_params: dict[str, Any] | None = None  # the winner's searched fields, if known
 
     @classmethod
-    def load(cls, storage: BaseStorage, name: str, kernel: str | None = None
-             ) -> StudyData | None:
+    def load(cls, storage: BaseStorage, name: str, kernel: str | None = None,
+             winner: Mapping[str, Any] | None = None) -> StudyData | None:
         """The study ``name``, or None if the storage has none of that name."""
         try:
             study = optuna.load_study(study_name=name, storage=storage)
         except KeyError:
             return None
-        return cls.from_study(study, kernel)
+        return cls.from_study(study, kernel, winner)
 
     @classmethod
-    def from_study(cls, study: optuna.Study, kernel: str | None = None) -> StudyData:
+    def from_study(cls, study: optuna.Study, kernel: str | None = None,
+                   winner: Mapping[str, Any] | None = None) -> StudyData:
         """The study's data; ``kernel``: the tuned kernel's name when known (a stored
-        winner's), else the study's ``kernel`` attr, else the default kernel."""
+        winner's), else the study's ``kernel`` attr, else the default kernel; ``winner``: the
+        stored winner's config fields, else the confirmation's winner (a table imported from
+        another database can store a winner this study's confirmation did not choose). Raises
+        ConfigError when a confirmed config is not one of the kernel's."""
         trials = sorted((t for t in study.get_trials(deepcopy=False) if is_measurement(t)),
                         key=lambda t: t.number)
         points = tuple(Point(
@@ -124,15 +111,19 @@ class StudyData:
         searched = [n for n in space if len(space[n]) > 1] or list(space)
         kernel = kernel or attrs.get("kernel", DEFAULT_KERNEL)
         mode = problem.mode if problem else "fwd_bwd"
+        confirmed = attrs.get("confirmation", [])
+        winner = dict(winner) if winner is not None else next(
+            (c["config"] for c in confirmed if c["is_winner"]), None)
         confirmation = tuple(Confirmed(
             params={n: c["config"][n] for n in searched if n in c["config"]},
             samples_ms=tuple(c["samples_ms"]), median_ms=c["median_ms"], iqr_ms=c["iqr_ms"],
-            is_default=bool(c["is_default"]), is_winner=bool(c["is_winner"]),
-            config_label=config_label(kernel, c["config"], mode) or "")
-            for c in attrs.get("confirmation", []))
+            is_default=bool(c["is_default"]), is_winner=c["config"] == winner,
+            config_label=get_kernel(kernel).config_from_dict(c["config"]).label(mode))
+            for c in confirmed)
         return cls(name=study.study_name, kernel=kernel, problem=problem,
                    device_kind=attrs.get("device_kind"), space=space, points=points,
-                   confirmation=confirmation)
+                   confirmation=confirmation, winner_params=None if winner is None else
+                   {n: winner[n] for n in searched if n in winner})
 
     @property
     def ok(self) -> list[Point]:
@@ -153,16 +144,18 @@ class StudyData:
         return out
 
     def winner(self) -> Confirmed | None:
-        """The confirmation's winner, if the study was confirmed."""
+        """The winner's confirmation, if this study confirmed it."""
         return next((c for c in self.confirmation if c.is_winner), None)
+
+    def search_point(self, confirmed: Confirmed) -> Point | None:
+        """A confirmed config's measurement during the search, if it was measured."""
+        return next((p for p in self.points if p.status == OK
+                     and all(p.params.get(n) == v for n, v in confirmed.params.items())), None)
 
     def default_point(self) -> Point | None:
         """The default config's measurement during the search, if it was measured."""
         default = next((c for c in self.confirmation if c.is_default), None)
-        if default is None:
-            return None
-        return next((p for p in self.points if p.status == OK
-                     and all(p.params.get(n) == v for n, v in default.params.items())), None)
+        return None if default is None else self.search_point(default)
 
     def outcomes(self) -> Counter[str]:
         """Measured configs per status, ``ok`` first, then failure classes by count."""

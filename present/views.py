@@ -11,7 +11,7 @@ from optuna.storages import BaseStorage
 
 from kernel.table import KernelChoice
 from present.plots import choice_image, images, landscape_axes
-from present.studies import StudyData, short_label
+from present.studies import StudyData
 from present.text import first_line
 from storage import Entry, StoredChoice, TunedResult
 
@@ -49,8 +49,7 @@ def template_env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline,
-                       short_label=short_label)
+    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline)
     return env
 
 
@@ -90,7 +89,8 @@ def problem_view(entry: Entry, storage: BaseStorage | None, anchor: str = "",
     study's plots (e.g. through a cache), ``render_choice`` the choice's bar chart."""
     name = entry.result.study
     try:
-        study = (StudyData.load(storage, name, entry.result.kernel)
+        study = (StudyData.load(storage, name, entry.result.kernel,
+                                entry.result.config.to_dict())
                  if storage is not None and name else None)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
         # A study of that name that autotune did not write (another tool's, same database).

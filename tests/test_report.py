@@ -24,13 +24,16 @@ import numpy as np
 import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution
+from matplotlib.figure import Figure
 from optuna.trial import TrialState, create_trial
 
+from autotune.report import render
 from autotune.tune import study_name
 from conftest import free_port, run_cli, wait_until_answering
 from kernel import FlashConfig, Problem, get_kernel
 from kernel.table import KernelChoice, KernelTiming
 from present.plots import (
+    LABEL_WIDTH,
     choice_figure,
     confirmation_figure,
     convergence_figure,
@@ -39,6 +42,7 @@ from present.plots import (
     landscape_figure,
 )
 from present.studies import FAILURE_LETTERS, StudyData
+from present.views import problem_view
 from storage import Store, TunedResult, upgrade
 from storage.studies import get_storage
 
@@ -47,6 +51,7 @@ FAILING = Problem(1, 2, 2, 512, 512, 128, "bfloat16", False, "fwd")
 FAILING_STUDY = "flash/TPU v5 lite/" + FAILING.label()
 DEFAULT = FlashConfig(block_q=256, block_kv=256, block_kv_compute=128, pipeline_depth=2)
 WINNER = DEFAULT.replace(block_q=128, block_kv=128)
+IMPORTED = DEFAULT.replace(block_q=128, block_kv=256, pipeline_depth=2)  # measured, not confirmed
 PNG = b"\x89PNG\r\n\x1a\n"
 EXTERNAL = re.compile(r"""\b(?:src|href)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:)?//""", re.I)
 
@@ -200,6 +205,7 @@ def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
     assert "No failures" in html
     # Issue 55 item 5: where each figure comes from, and that the confirmation re-ranks.
     assert 'id="re-ranks"' in html and "<th>median (ms, confirmation)</th>" in html
+    assert "<th>median (ms, kernel choice)</th>" in html
     assert "kernel's time here can differ from its median there" in " ".join(html.split())
     # Timed by wall clock on the CPU, where no roofline figure is made up (index rows of both
     # kernels, and the summary).
@@ -343,6 +349,8 @@ def test_choice_draws_each_candidates_median_and_spread_and_marks_the_chosen() -
     assert spans == pytest.approx([0.4, 0.1, 0.0])
     labels = [t.get_text() for t in ax.texts]
     assert labels == ["2.000 ms", "0.500 ms (chosen)", "failed: compile_error"]
+    # Issue 55 item 5: not called "confirmed" like the config confirmation's (other) times.
+    assert ax.get_xlabel().startswith("median time per call in the kernel choice's rounds")
 
 
 # --- optuna-dashboard ---
@@ -393,12 +401,10 @@ def test_a_fwd_bwd_confirmation_draws_without_a_layout_warning(failing: StudyDat
     """Issue 46 item 11: a fwd_bwd config's 70-character label on one line left the
     confirmation axes no width, and matplotlib warned on every report (constrained_layout not
     applied); labels are wrapped and the figure grows with their lines."""
-    backward = {"block_q_dkv": 256, "block_kv_dkv": 256, "pipeline_depth_dkv": 2,
-                "block_q_dq": 256, "block_kv_dq": 256, "pipeline_depth_dq": 2}
     data = dataclasses.replace(failing, confirmation=tuple(
-        dataclasses.replace(c, params={**c.params, **backward}, config_label="")
+        dataclasses.replace(c, config_label=DEFAULT.replace(**c.params).label("fwd_bwd"))
         for c in failing.confirmation))
-    assert max(len(c.label) for c in data.confirmation) > 70
+    assert min(len(c.label) for c in data.confirmation) > 2 * LABEL_WIDTH  # three lines
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert data_uri(confirmation_figure(data)).startswith("data:image/png")
@@ -416,15 +422,83 @@ def test_the_report_s_figures_say_where_they_come_from(failing: StudyData) -> No
               confirmation_figure(failing).axes[0].get_yticklabels()]
     assert labels == [c.label for c in failing.confirmation]
     figure = landscape_figure(failing)
-    [frame] = [(ax, p) for ax in figure.axes for p in ax.patches
-               if not p.get_fill() and p.get_linewidth() > 2]
-    ax, patch = frame
-    assert ax.get_title() == f"pipeline_depth={WINNER.pipeline_depth}"
-    column, row = (round(patch.get_x() + patch.get_width() / 2),
-                   round(patch.get_y() + patch.get_height() / 2))
-    assert (SPACE["block_kv"][column], SPACE["block_q"][row]) == (WINNER.block_kv,
-                                                                   WINNER.block_q)
+    assert _framed_cell(figure) == _cell(WINNER)
     title = " ".join(figure.get_suptitle().split())
     assert "cells: best search time" in title and "(1.57 ms in the confirmation" in title
     lines = {line.get_label() for line in convergence_figure(failing).axes[0].lines}
     assert {"default, search (1.95 ms)", "default, confirmation median (2.1 ms)"} <= lines
+
+
+def _cell(config: FlashConfig) -> tuple[str, int, int]:
+    """The landscape panel and (block_q, block_kv) cell of ``config``."""
+    return f"pipeline_depth={config.pipeline_depth}", config.block_q, config.block_kv
+
+
+def _framed_cell(figure: Figure) -> tuple[str, int, int]:
+    """The panel and (block_q, block_kv) cell of the landscape's one red frame (block_q along
+    the columns, block_kv along the rows)."""
+    [(ax, frame)] = [(ax, p) for ax in figure.axes for p in ax.patches
+                     if not p.get_fill() and p.get_linewidth() > 2]
+    column, row = (round(frame.get_x() + frame.get_width() / 2),
+                   round(frame.get_y() + frame.get_height() / 2))
+    return ax.get_title(), SPACE["block_q"][column], SPACE["block_kv"][row]
+
+
+def test_a_winner_stored_from_elsewhere_is_the_one_the_page_frames(failing_db: str,
+                                                                   tmp_path: Path) -> None:
+    """Issue 55 item 5: a table from another machine that tuned the same problem (so the same
+    study name) replaced the winner of this database's study, whose confirmation had chosen
+    another config: the summary named the imported winner while the landscape framed the
+    study's pick and the confirmation plot called that one the winner."""
+    table = tmp_path / "table.json"
+    exported = run_cli("export", "--db", failing_db, "--device-kind", "TPU v5 lite",
+                       "-o", str(table))
+    assert exported.returncode == 0, exported.stderr
+    data = json.loads(table.read_text())
+    [entry] = data["entries"]
+    entry["config"], entry["time_ms"] = IMPORTED.to_dict(), 1.2
+    table.write_text(json.dumps(data))
+    url = f"sqlite:///{tmp_path / 'autotune.db'}"
+    upgrade(url)
+    _write_failing_study(url)
+    imported = run_cli("import", str(table), "--db", url)
+    assert imported.returncode == 0, imported.stderr
+    with Store(url) as store:
+        [stored] = store.list()[0]
+        view = problem_view(stored, get_storage(url, create=False))
+    assert stored.result.config == IMPORTED and view.study is not None
+    assert _framed_cell(landscape_figure(view.study)) == _cell(IMPORTED)
+    assert [c.label for c in view.study.confirmation if c.is_winner] == []
+    output = tmp_path / "report.html"
+    assert run_cli("report", "--db", url, "-o", str(output)).returncode == 0
+    assert 'id="not-confirmed-here"' in output.read_text()
+
+
+def test_the_confirmation_table_shows_each_config_s_search_time(failing_db: str) -> None:
+    """Issue 55 item 5: the default ran 29.6 ms in the search and 11.3 ms in the confirmation,
+    and only the convergence's legend had the first: the confirmation's table puts each
+    config's search time beside its confirmation median."""
+    with Store(failing_db) as store:
+        html = " ".join(render(store).split())
+    assert "<th>search (ms)</th><th>median (ms, confirmation)</th>" in html
+    for config, role, search, median in ((DEFAULT, "default", 1.95, 2.1),
+                                         (WINNER, "winner", 1.575, 1.575)):
+        assert (f'<td><code>{config.label("fwd")} ({role})</code></td> '
+                f'<td class="num">{search:.3f}</td><td class="num">{median:.3f}</td>') in html
+
+
+def test_a_confirmed_config_its_kernel_cannot_read_is_named_not_relabelled(
+        failing_db: str, tmp_path: Path) -> None:
+    """Issue 55 item 5: one label format: a confirmed config is labelled by its kernel, as the
+    summary's winner, or the study is named as unreadable (it was labelled by its searched
+    fields, ``q128 kv128 depth2``, a format of its own)."""
+    url = f"sqlite:///{tmp_path / 'autotune.db'}"
+    upgrade(url)
+    _write_failing_study(url)
+    study = optuna.load_study(study_name=FAILING_STUDY, storage=url)
+    study.set_user_attr("confirmation", [{**c, "config": {**c["config"], "block_x": 1}}
+                                         for c in study.user_attrs["confirmation"]])
+    with Store(failing_db) as store:
+        [entry] = store.list()[0]
+    view = problem_view(entry, get_storage(url, create=False))
+    assert view.study is None and "block_x" in view.unreadable_study

@@ -197,7 +197,7 @@ def detail(request: Request, store: StoreDep) -> HTMLResponse:
         return drawn
 
     def render(study: Any) -> dict[str, str]:
-        return cached(f"study:{study.name}", lambda: images(study))
+        return cached(f"study:{study.name}:{study.winner_params}", lambda: images(study))
 
     def render_choice(choice: Any) -> dict[str, str]:
         return cached(f"choice:{key.device_kind}:{choice.problem.label()}",
