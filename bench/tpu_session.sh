@@ -6,7 +6,7 @@
 #                                            process check of its winner: verify-KERNEL.json
 #   bash bench/tpu_session.sh kerneltests   # the CPU suite's kernel test files, on the chip:
 #                                            $OUT/kerneltests.log (issue 54)
-#   bash bench/tpu_session.sh backward     # dS in one MXU pass against two, and splash:
+#   bash bench/tpu_session.sh backward     # dS in one MXU pass (ours) against two, splash:
 #                                            $OUT/backward.json (issue 56, goal 2)
 #   bash bench/tpu_session.sh handset PROBLEMS TRIALS  # tuned against every hand-set config,
 #                                            grid problems PROBLEMS (e.g. 1,3): $OUT/handset-*.json

@@ -167,18 +167,13 @@ def _lanes(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
-def _dot_f32(x: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
-    """``dot_general(x, y, dims)`` (default ``x @ y``) for an f32 ``x`` to f32 precision: with
-    a bf16 ``y`` as two bf16 MXU passes, ``x``'s bf16 rounding and its remainder (16 mantissa
-    bits), not one pass of ``x`` rounded to bf16 (8 bits: after delta, the largest error of
-    the bf16 dq and dk)."""
-    def dot(a):
-        return lax.dot_general(a, y, dims, preferred_element_type=jnp.float32)
-
-    if y.dtype == jnp.float32:
-        return dot(x)
-    high = x.astype(y.dtype)
-    return dot(high) + dot((x - high.astype(jnp.float32)).astype(y.dtype))
+def _ds_dot(ds: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
+    """``dot_general(ds, y, dims)`` (default ``ds @ y``) for the f32 logit gradients dS: dS
+    rounded to ``y``'s dtype, one MXU pass, as splash does. Two bf16 passes (dS's rounding and
+    its remainder) made fwd_bwd 1.11x slower on a TPU v5e (s4096 causal, default and tuned
+    configs) for no smaller largest error over out, dq, dk and dv (5.2e-3 either way; splash
+    7.8e-3): bench/results/tpu-v5e-2026-12-06/backward.json."""
+    return lax.dot_general(ds.astype(y.dtype), y, dims, preferred_element_type=jnp.float32)
 
 
 def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0, same_segment=None):
@@ -446,7 +441,7 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, se
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                            preferred_element_type=jnp.float32)
-            dk_acc[...] += _dot_f32(ds, q, _TN)
+            dk_acc[...] += _ds_dot(ds, q, _TN)
 
         # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
@@ -498,7 +493,7 @@ def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, seg
             _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...], logits,
                                   q0, kv_block * block_kv,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
-            dq_acc[...] += _dot_f32(ds, k)
+            dq_acc[...] += _ds_dot(ds, k)
 
         _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
                    logits.reach)

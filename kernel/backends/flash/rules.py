@@ -90,9 +90,10 @@ NARROW_LANES = 2 * LANES
 # 512-2048, compute blocks 128-1024, d 128-512, bf16 and f32, causal and not) up to 0.73
 # (narrow) and 1.20 (wide) of their bytes together (up to 2.2 and 1.8 of the logits alone),
 # so the factors above still bound it.
-# The backward kernels keep the logit gradients dS to f32 precision: with f32 inputs fed to the
-# MXU uncast (no half-size bf16 copies), measured up to 2.15 logits tiles, one tile more; with
-# bf16 inputs as two bf16 halves (its rounding and the f32 remainder), taken as the same bound.
+# The backward kernels' logit gradients dS: with f32 inputs fed to the MXU uncast (no half-size
+# bf16 copies), measured up to 2.15 logits tiles, one tile more; with bf16 inputs, dS rounded
+# to one bf16 copy, which the same bound covers (it was measured with two, its rounding and the
+# f32 remainder).
 # Their f32 matmul products (dK, dV, dQ: block x head_dim) stayed within it in 11 compiles with
 # d 128-512 and 2048-row blocks (tightest: dQ d512 2048x128 bf16, 2.33 of 2.5 MiB counted).
 BACKWARD_DS_SPILL_TILES = 1.0
