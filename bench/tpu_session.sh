@@ -11,8 +11,10 @@
 #   bash bench/tpu_session.sh handset PROBLEMS TRIALS  # tuned against every hand-set config,
 #                                            grid problems PROBLEMS (e.g. 1,3): $OUT/handset-*.json
 #   bash bench/tpu_session.sh cost TRIALS  # trials per minute before and now: $OUT/trial-cost.json
-#   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS  # a random sample of the space,
-#                                            $OUT/landscape-KERNEL.json.gz (issue 56, goal 4)
+#   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS [DB]  # a random sample of the
+#                                            space up to TRIALS in all (DB: a study to go on
+#                                            with, e.g. one kept from an earlier run):
+#                                            $OUT/landscape-KERNEL.json.gz and .db (goal 4)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,7 @@ cost)
         2> "$OUT/trial-cost.err" | tail -n 60 ;;
 landscape)
     kernel=$2 trials=$3 seconds=$4 db=sqlite:////tmp/landscape-$2.db
+    [ -n "${5:-}" ] && cp "$5" "/tmp/landscape-$kernel.db"
     python3 -m autotune tune "${PROBLEM[@]}" --kernel "$kernel" --trials "$trials" \
         --sampler random --timeout "$seconds" --db "$db" --json \
         > "$OUT/landscape-$kernel.jsonl" 2> "$OUT/landscape-$kernel.err"
@@ -69,5 +72,6 @@ landscape)
 print([json.loads(l) for l in open(sys.argv[1]) if "best_config" in l][-1]["study"])' \
         "$OUT/landscape-$kernel.jsonl")
     python3 -m autotune landscape "$study" --partial --db "$db" \
-        -o "$OUT/landscape-$kernel.json.gz" ;;
+        -o "$OUT/landscape-$kernel.json.gz"
+    cp "/tmp/landscape-$kernel.db" "$OUT/" ;;
 esac
