@@ -55,10 +55,22 @@ class TuneOptions:
     timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
 
     def __post_init__(self) -> None:
-        if isinstance(self.trials, bool) or not isinstance(self.trials, int) \
-                or self.trials < 1:
+        """Refuses what the CLI's options refuse, naming the field."""
+        if not _whole(self.trials, 1):
             raise ConfigError(f"trials must be an integer of at least 1 (measured configs "
                               f"per problem), got {self.trials!r}")
+        if self.patience is not None and not _whole(self.patience, 1):
+            raise ConfigError(f"patience must be None or an integer of at least 1 (measured "
+                              f"configs without improvement), got {self.patience!r}")
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(
+                self.timeout, int | float) or not self.timeout >= 0):
+            raise ConfigError(f"timeout must be None or seconds of at least 0 (wall time per "
+                              f"problem), got {self.timeout!r}")
+
+
+def _whole(value: Any, least: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 @dataclass

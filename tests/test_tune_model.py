@@ -169,3 +169,14 @@ def test_tune_model_refuses_a_trial_count_below_one(model, sqlite_db_url, trials
     with pytest.raises(kernel.ConfigError, match="trials must be an integer of at least 1"):
         autotune.tune_model(model.forward, *model.example_args()[1:2], db=sqlite_db_url,
                             trials=trials, kernels="xla")
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(patience=0), "patience"), (dict(patience=-2), "patience"),
+    (dict(patience=1.5), "patience"), (dict(timeout=-1.0), "timeout"),
+    (dict(timeout=float("nan")), "timeout"), (dict(timeout="60"), "timeout")])
+def test_tune_options_refuse_what_the_cli_refuses(options, field):
+    """``tune_model(options=TuneOptions(patience=0))`` or a negative timeout was accepted (the
+    search stopped at once), where ``--patience`` and ``--timeout`` refuse them."""
+    with pytest.raises(kernel.ConfigError, match=f"^{field} must be None or"):
+        TuneOptions(**options)
