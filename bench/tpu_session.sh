@@ -15,6 +15,9 @@
 #                                            space up to TRIALS in all (DB: a study to go on
 #                                            with, e.g. one kept from an earlier run):
 #                                            $OUT/landscape-KERNEL.json.gz and .db (goal 4)
+#   bash bench/tpu_session.sh model MODEL SEQ TRIALS [flags]  # a training step tuned with
+#                                            tune_model against MaxText's splash and XLA:
+#                                            $OUT/model-MODEL-SEQ.json (issue 63, item 2)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,4 +77,8 @@ print([json.loads(l) for l in open(sys.argv[1]) if "best_config" in l][-1]["stud
     python3 -m autotune landscape "$study" --partial --db "$db" \
         -o "$OUT/landscape-$kernel.json.gz"
     cp "/tmp/landscape-$kernel.db" "$OUT/" ;;
+model)
+    name=model-$2-$3
+    python3 bench/model_step.py --model "$2" --seq "$3" --trials "$4" "${@:5}" \
+        --out "$OUT/$name.json" 2> "$OUT/$name.err" | tail -n 60 ;;
 esac
