@@ -23,7 +23,7 @@ rules). Sections, in order, each skipped (and saying so) when the budget is spen
    rejected); also the op names of the default's compiled program, to check the kernel names
    ``mosaic_gpu`` guesses (``kernel_names``).
 
-On the GPU machine, from the repository root (the ``tune`` extra installed; see README)::
+On the GPU machine, from the repository root (the ``tune`` extra installed; see README's Install)::
 
     PYTHONPATH=. python bench/gpu_check.py --out-dir bench/results/h200
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The chip runs of issue 54 on one TPU VM, in stages (each fits one 10-minute device command;
-# the wheels of the `tune` extra ride along in .whl-tpu, see README's TPU section):
+# the wheels of the `tune` extra ride along in .whl-tpu, see docs/chip-results.md):
 #   bash bench/tpu_session.sh tier         # the hardware tier: $OUT/tier.json, tier.log
 #   bash bench/tpu_session.sh tune KERNEL TRIALS [tune flags]  # $OUT/tune-KERNEL.jsonl, a fresh-
 #                                            process check of its winner: verify-KERNEL.json

@@ -64,8 +64,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     keys of its own segment only (packed sequences). A query that sees no key at all gets
     zeros from ``flash`` and ``xla`` (as from the reference), an average of the values from
     ``splash`` and ``jax_tpu_flash``.
-    Each is part of the problem: only a kernel that runs it is picked (see the README's
-    table), and tuning measures it.
+    Each is part of the problem: only a kernel that runs it is picked (see the table in
+    docs/models.md), and tuning measures it.
 
     Without ``config``, the backend is the one the kernel choice for this problem, device and
     mode names (pinned table > lookup service; ``fwd_bwd`` when differentiated; when it cannot

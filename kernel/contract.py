@@ -198,7 +198,7 @@ class TunableKernel(ABC):
       - Optionally ``discover`` (facts only the installed JAX can tell), ``stored_violations``,
         ``compile_parts`` (kernels of a gradient program that compile separately) or ``build``
         (when the measured function needs more than ``attention``).
-      - Register it in ``kernel/registry.py`` and list it in the README. The common suite
+      - Register it in ``kernel/registry.py`` and list it in docs/kernels.md. The common suite
         (``tests/test_kernel_contract.py``) then checks its numerics and rules with no change.
     """
 

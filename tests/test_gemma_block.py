@@ -1,8 +1,8 @@
-"""Issue 48's user path: the README's Gemma-2-style block (alternating local and global layers,
-a sliding window, a logit soft cap, packed sequences) trains a step on a CPU through
-``kernel.flash_attention``; its shapes tune, publish, export, and resolve at trace time from the
-exported table and from the service, in fresh processes, each named by
-``resolution_sources()``. The README's snippets run as written, scaled down by their arguments.
+"""Issue 48's user path: the Gemma-2-style block of docs/models.md (alternating local and
+global layers, a sliding window, a logit soft cap, packed sequences) trains a step on a CPU
+through ``kernel.flash_attention``; its shapes tune, publish, export, and resolve at trace time
+from the exported table and from the service, in fresh processes, each named by
+``resolution_sources()``. The page's snippets run as written, scaled down by their arguments.
 """
 
 from __future__ import annotations
@@ -25,22 +25,22 @@ import autotune
 import kernel
 from conftest import run_cli, running_server
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 SCALE = dict(window=64, heads=2, kv_heads=1)  # a 64-key window over 256 tokens, GQA 2/1
 D, HD, SEQ = 128, 128, 256
 
 
 def _snippet() -> str:
-    """The README's Python block that defines the Gemma-2 block."""
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    """The Python block of docs/models.md that defines the Gemma-2 block."""
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", MODELS_PAGE.read_text(), re.S)
                if "def gemma2_layer" in b]
     return block
 
 
 def _block(attention_module) -> types.SimpleNamespace:
-    """The README's definitions, with ``kernel`` bound to ``attention_module``."""
+    """The page's definitions, with ``kernel`` bound to ``attention_module``."""
     namespace: dict = {}
-    exec(compile(_snippet(), str(README), "exec"), namespace)
+    exec(compile(_snippet(), str(MODELS_PAGE), "exec"), namespace)
     namespace["kernel"] = attention_module
     return types.SimpleNamespace(**namespace)
 
@@ -69,7 +69,7 @@ def _arrays(block):
     return jax.tree.map(draw, layers), draw(x), block.packed_ids(1, SEQ)
 
 
-# Run in a fresh process: the README's block trains a step under the environment's sources
+# Run in a fresh process: the page's block trains a step under the environment's sources
 # (AUTOTUNE_TABLE or AUTOTUNE_URL) and prints how each key resolved, as JSON.
 FRESH = """
 import json, sys, types, jax, jax.numpy as jnp, kernel
@@ -91,7 +91,7 @@ def _fresh_sources(env: dict[str, str]) -> dict[str, str]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_the_readme_block_trains_a_step_as_the_float64_reference_does():
+def test_the_models_page_block_trains_a_step_as_the_float64_reference_does():
     """One step through ``kernel.flash_attention`` moves the weights as the same step through
     the reference does: a kernel that ignored the window, the cap or the ids would not."""
     block = _block(kernel)
@@ -110,7 +110,7 @@ def test_the_readme_block_trains_a_step_as_the_float64_reference_does():
 
 
 @pytest.mark.timeout(900)
-def test_the_readme_block_tunes_exports_and_resolves_from_table_and_service(tmp_path):
+def test_the_models_page_block_tunes_exports_and_resolves_from_table_and_service(tmp_path):
     db = f"sqlite:///{tmp_path / 'tune.db'}"
     block = _block(kernel)
     table = autotune.tune_model(functools.partial(block.train_step, **SCALE), *_abstract(),

@@ -1,4 +1,5 @@
-"""The import graph of the project's packages: no cycles and the layering the README promises.
+"""The import graph of the project's packages: no cycles and the layering that
+docs/architecture.md promises.
 
 Every import counts: module level, inside functions, and dotted module names loaded by string
 (``importlib.import_module``, ``find_spec``, ``importlib.resources.files``, lazy tables of dotted

@@ -556,7 +556,7 @@ def test_ours_xla_and_splash_claim_every_feature_case():
         assert "pallas_gpu" not in claiming
 
 
-# What a query that sees no key gets, per kernel (as the README says): zeros, as the
+# What a query that sees no key gets, per kernel (as docs/models.md says): zeros, as the
 # reference, or an average of the values (a softmax over logits that are all the kernel's mask
 # value). The feature cases leave such queries out of their comparison.
 MASKED_AVERAGE = {"splash", "jax_tpu_flash"}

@@ -140,7 +140,8 @@ WIDE_FWD_SCRATCH = UnrolledScratch(base=1.25, per_step=0.9, max_steps=16, base_s
 ONE_KV_BLOCK_SCRATCH = UnrolledScratch(base=1.35, per_step=0.3, max_steps=13, base_steps=1)
 # dK/dV's loop over (block_kv_dkv_compute, block_q_dkv) tiles: one tile, a quarter per step.
 DKV_SCRATCH = UnrolledScratch(base=1, per_step=0.25, base_steps=1)
-# dQ's one (block_q_dq, block_kv_dq) step: two tiles (not refitted; it over-counts, see README).
+# dQ's one (block_q_dq, block_kv_dq) step: two tiles (not refitted; it over-counts, see
+# docs/vmem-estimate.md).
 DQ_SCRATCH = UnrolledScratch(base=2, per_step=0)
 # The model is fitted on v5e and v6e. Measured at 2048 tokens, v5p's and v4's compilers
 # allocate more, above all for the forward with residuals (q2048 kv128/128: 8.00 MiB on v5p,

@@ -1,0 +1,92 @@
+"""The README is a front page (issue 62 item 13): at most 300 lines, a Quickstart of exactly two
+command lines, a chip section that says where its figures were measured; the rest lives under
+docs/, and every relative link of these pages leads to a file (and heading) that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under ``## heading``, up to the next heading of level 2."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"README.md has no '## {heading}' section"
+    return match.group(1)
+
+
+def _prose(text: str) -> str:
+    """The page without its code: links inside code blocks or spans are not links."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    headings = re.findall(r"^#{1,6} (.+)$", FENCE.sub("", page.read_text()), re.M)
+    return {_slug(heading) for heading in headings}
+
+
+def _relative_links() -> list[tuple[Path, str]]:
+    links = []
+    for page in PAGES:
+        for target in LINK.findall(_prose(page.read_text())):
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ...
+                links.append((page, target))
+    return links
+
+
+def test_the_readme_is_a_front_page_of_at_most_300_lines() -> None:
+    lines = README.read_text().count("\n")
+    assert lines <= 300, f"README.md has {lines} lines; move detail under docs/"
+
+
+def test_the_quickstart_is_two_command_lines() -> None:
+    [block] = re.findall(r"^```bash\n(.*?)^```", _section(README.read_text(), "Quickstart"),
+                         re.S | re.M)
+    commands = [line for line in block.splitlines() if line.strip() and
+                not line.lstrip().startswith("#")]
+    assert commands == [
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv/bin/autotune demo",
+        "bash .ci/run"]
+
+
+def test_the_chip_results_say_where_they_were_measured() -> None:
+    section = _section(README.read_text(), "Chip results")
+    for label in ("TPU v5e", "2026-12-0", "jax and jaxlib 0.10.2", "libtpu 0.0.42.1",
+                  "--timing profile", "docs/measurements.md"):
+        assert label in section, f"the chip section does not say {label!r}"
+
+
+def test_the_link_checker_sees_links_and_anchors() -> None:
+    """The checks below would pass vacuously if no link were found."""
+    targets = [target for _, target in _relative_links()]
+    assert "docs/chip-results.md" in targets
+    assert any("#" in target for target in targets)
+    assert _slug("Tune on every chip of a TPU VM (or every GPU of a server)") == \
+        "tune-on-every-chip-of-a-tpu-vm-or-every-gpu-of-a-server"
+
+
+@pytest.mark.parametrize(("page", "target"), _relative_links(),
+                         ids=lambda value: value.name if isinstance(value, Path) else value)
+def test_every_relative_link_resolves(page: Path, target: str) -> None:
+    path, _, anchor = target.partition("#")
+    linked = (page.parent / path).resolve() if path else page
+    assert linked.is_file(), f"{page.relative_to(ROOT)} links to {target}: no such file"
+    if anchor and linked.suffix == ".md":
+        assert anchor in _anchors(linked), \
+            f"{page.relative_to(ROOT)} links to {target}: no such heading in {linked.name}"
