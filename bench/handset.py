@@ -13,7 +13,9 @@ geometric mean of ``over_maxtext`` (goal 1 wants at least 1.10).
 
 The grid (bfloat16, head_dim 128, 16 heads, batch x sequence = 16k tokens): causal fwd_bwd at
 2048, 4096 and 8192; full fwd_bwd at 4096; causal fwd at 4096; GQA 32/8 heads causal fwd_bwd at
-8192. ``--problems 1,3`` runs some of them (a chip session runs a part)::
+8192; then the long problems users train (issue 60): GQA 32/8 causal fwd_bwd at 32768 tokens
+(batch 1), and a Gemma-2-style local layer (GQA 16/8, 8192 tokens, a 4096-key causal window,
+soft cap 50). ``--problems 1,3`` runs some of them (a chip session runs a part)::
 
     python bench/handset.py --problems 1 --trials 30 --out handset-1.json
     python bench/handset.py --interpret     # a CPU check with tiny shapes, no device figures
@@ -30,15 +32,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-GRID = [  # (batch, q_heads, kv_heads, seq, causal, mode)
+GRID = [  # (batch, q_heads, kv_heads, seq, causal, mode[, window, softcap])
     (8, 16, 16, 2048, True, "fwd_bwd"),
     (4, 16, 16, 4096, True, "fwd_bwd"),
     (2, 16, 16, 8192, True, "fwd_bwd"),
     (4, 16, 16, 4096, False, "fwd_bwd"),
     (4, 16, 16, 4096, True, "fwd"),
     (2, 32, 8, 8192, True, "fwd_bwd"),
+    (1, 32, 8, 32768, True, "fwd_bwd"),
+    (2, 16, 8, 8192, True, "fwd_bwd", (4095, 0), 50.0),
 ]
-INTERPRET_GRID = [(1, 2, 2, 256, True, "fwd_bwd"), (1, 4, 2, 256, True, "fwd")]
+INTERPRET_GRID = [(1, 2, 2, 256, True, "fwd_bwd"), (1, 4, 2, 256, True, "fwd"),
+                  (1, 2, 1, 256, True, "fwd_bwd", (127, 0), 50.0)]
 MAXTEXT = "splash MaxText default"
 UNIFORM = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
@@ -63,8 +68,8 @@ def problems(args: argparse.Namespace) -> list[Any]:
                              else (GRID, "bfloat16", 128))
     chosen = (range(len(grid)) if args.problems is None
               else [int(i) for i in args.problems.split(",")])
-    return [Problem(b, hq, hkv, seq, seq, head_dim, dtype, causal, mode)
-            for b, hq, hkv, seq, causal, mode in (grid[i] for i in chosen)]
+    return [Problem(b, hq, hkv, seq, seq, head_dim, dtype, causal, mode, *features)
+            for b, hq, hkv, seq, causal, mode, *features in (grid[i] for i in chosen)]
 
 
 def handset(problem: Any, interpret: bool) -> tuple[dict[str, tuple[Any, Any]],
