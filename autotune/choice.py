@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from autotune.failures import Status
+from autotune.failures import ProblemTooLarge, Status
 from autotune.measure import Measurer, Timing, check_fits, interleaved
 from autotune.tune import (
     NothingToPublish,
@@ -96,8 +96,9 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
                   observer_for: ObserverFor | None = None) -> ChoiceSummary:
     """Tunes each of ``kernels`` for ``problem`` (``options.trials`` each, its own study and
     published result), then :func:`publish_choice`. Raises ``NothingToPublish`` when no
-    candidate produced a confirmed timing, ``ConfigError`` when the problem's operands do not
-    fit the device (:func:`autotune.measure.check_fits`)."""
+    candidate produced a confirmed timing, ``ProblemTooLarge`` when measuring the problem does
+    not fit the device (:func:`autotune.measure.check_fits`, or its memory running out while
+    the gate's reference runs)."""
     check_fits(problem, jax.devices()[0])
     tuned: dict[str, dict[str, Any]] = {}
     lost: dict[str, tuple[str, str]] = {}
@@ -106,6 +107,8 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
             with (observer_for(name) if observer_for else nullcontext()) as observer:
                 tuned[name] = tune(problem, store, db_url, options, observer,
                                    kernel_name=name).to_dict()
+        except ProblemTooLarge:  # the problem's, not the candidate's: no other runs it
+            raise
         except (ConfigError, NothingToPublish) as error:
             lost[name] = tuning_failure(error)
     return publish_choice(problem, store, kernels, tuned, lost, options)

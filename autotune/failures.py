@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
-from kernel.errors import AutotuneError
+from kernel.errors import AutotuneError, ConfigError
 
 
 class Status(StrEnum):
@@ -30,6 +30,17 @@ class ChipStateCorrupted(AutotuneError):
     def __init__(self, what: str) -> None:
         self.what = what
         super().__init__(f"{what}; run the same command again to go on in a fresh process")
+
+
+class ProblemTooLarge(ConfigError):
+    """Measuring a problem needs more memory than its device has: no config of it can be
+    measured there. The message, one line, names the sizes and the fix."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the runtime saying the device's memory ran out
+    (``RESOURCE_EXHAUSTED`` on allocating an array or running a program)."""
+    return isinstance(error, RuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
 # What Mosaic / XLA:TPU say when a kernel's VMEM does not fit, e.g.

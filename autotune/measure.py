@@ -11,15 +11,17 @@ mode: the pipeline is exercised for real, but the times are no device figure (me
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -27,7 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autotune.failures import ChipStateCorrupted, Status, classify_compile_error
+from autotune.failures import (
+    ChipStateCorrupted,
+    ProblemTooLarge,
+    Status,
+    classify_compile_error,
+    out_of_memory,
+)
 from autotune.timing import (
     TimingError,
     kernel_op_matcher,
@@ -38,8 +46,9 @@ from autotune.timing import (
     timing_plan,
 )
 from autotune.trials import Measurement
-from kernel import ConfigError, Problem, TunableKernel
+from kernel import Problem, TunableKernel
 from kernel.aot import example_inputs, input_specs
+from kernel.contract import gate_reference
 from kernel.tolerance import max_relative_error
 from kernel.tolerance import relative_error as output_error
 from present.text import first_line
@@ -78,13 +87,56 @@ class Timing:
         return q3 - q1
 
 
-def held_bytes(problem: Problem) -> int:
-    """The least a measurement of ``problem`` holds on its device: the inputs (q, k, v and
-    any segment ids), and the outputs (the attention output, or dq, dk and dv) twice: the
-    reference's and a run's."""
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes a measurement of a problem holds on its device at its peak: the ``inputs`` (q, k,
+    v, any segment ids), the reference's ``outputs`` (the gate's expected values, kept for the
+    whole search), and the larger of the reference's temporaries while it runs
+    (``reference_temps``) and two more sets of outputs while a config runs (the canary's first
+    output and the run's)."""
+
+    inputs: int
+    outputs: int
+    reference_temps: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.inputs + self.outputs + max(self.reference_temps, 2 * self.outputs)
+
+    def parts(self) -> str:
+        temps = (f"the reference's temporaries {self.reference_temps / GIB:,.2f}"
+                 if self.reference_temps > 2 * self.outputs else
+                 f"a run's and the canary's outputs {2 * self.outputs / GIB:,.2f}")
+        return (f"inputs {self.inputs / GIB:,.2f}, expected outputs {self.outputs / GIB:,.2f}, "
+                f"{temps} GiB")
+
+
+def least_footprint(problem: Problem) -> Footprint:
+    """What a measurement of ``problem`` holds at the least, from the shapes alone: its
+    inputs, and three sets of outputs (the attention output, or dq, dk and dv), the
+    reference's temporaries left out."""
     q, k, *rest = [math.prod(spec.shape) * spec.dtype.itemsize for spec in input_specs(problem)]
-    outputs = q if problem.mode == "fwd" else q + 2 * k
-    return q + k + sum(rest) + 2 * outputs
+    return Footprint(q + k + sum(rest), q if problem.mode == "fwd" else q + 2 * k)
+
+
+@functools.lru_cache(maxsize=2)
+def compiled_reference(problem: Problem, device: jax.Device) -> Any:
+    """The gate's reference (:func:`kernel.contract.gate_reference`) of ``problem`` compiled
+    for ``device``: what :func:`check_fits` sizes and the measurer runs (one compile each)."""
+    return jax.jit(gate_reference(problem)).lower(*input_specs(problem, device)).compile()
+
+
+def reference_footprint(problem: Problem, device: jax.Device) -> Footprint:
+    """What a measurement of ``problem`` holds on ``device``, from the compiler's memory
+    analysis of the reference; :func:`least_footprint` where the compiler gives none."""
+    analysis = compiled_reference(problem, device).memory_analysis()
+    if analysis is None:
+        return least_footprint(problem)
+    return Footprint(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
+                     analysis.temp_size_in_bytes)
 
 
 def device_memory_bytes(device: jax.Device) -> int | None:
@@ -99,16 +151,38 @@ def device_memory_bytes(device: jax.Device) -> int | None:
         return None
 
 
-def check_fits(problem: Problem, device: jax.Device) -> None:
-    """Raises ``ConfigError`` naming both sizes when measuring ``problem`` needs more memory
-    than ``device`` has (:func:`held_bytes`), before anything is allocated."""
-    needed, memory = held_bytes(problem), device_memory_bytes(device)
-    if memory is not None and needed > memory:
-        raise ConfigError(
-            f"{problem.label()} needs at least {needed / 2**30:,.1f} GiB on the device (q, k, "
-            f"v and two sets of outputs) and the {device.device_kind} device has "
-            f"{memory / 2**30:,.1f} GiB: tune the shape one device runs (its batch and "
-            "heads after sharding)")
+def check_fits(problem: Problem, device: jax.Device, memory: int | None = None) -> None:
+    """Raises ``ProblemTooLarge``, one line naming the sizes, when measuring ``problem`` needs
+    more than ``memory`` bytes (default: ``device``'s, :func:`device_memory_bytes`), before
+    anything is allocated: first by the shapes alone (:func:`least_footprint`), then, if that
+    fits, by the compiled reference's memory analysis (:func:`reference_footprint`)."""
+    memory = device_memory_bytes(device) if memory is None else memory
+    if memory is None:
+        return
+    for footprint in (lambda: least_footprint(problem),
+                      lambda: reference_footprint(problem, device)):
+        needed = footprint()
+        if needed.total > memory:
+            raise ProblemTooLarge(
+                f"{problem.label()} needs {needed.total / GIB:,.2f} GiB on the device "
+                f"({needed.parts()}) and the {device.device_kind} device has "
+                f"{memory / GIB:,.2f} GiB: tune the shape one device runs (its batch and "
+                "heads after sharding)")
+
+
+@contextmanager
+def refused_out_of_memory(problem: Problem, device: jax.Device, doing: str) -> Iterator[None]:
+    """Turns the device's memory running out (``RESOURCE_EXHAUSTED``) while ``doing`` into
+    ``ProblemTooLarge``: one line, never a traceback."""
+    try:
+        yield
+    except Exception as error:
+        if not out_of_memory(error):
+            raise
+        raise ProblemTooLarge(
+            f"{problem.label()} ran out of memory on the {device.device_kind} device {doing} "
+            f"({first_line(str(error))}): tune the shape one device runs (its batch and heads "
+            "after sharding)") from None
 
 
 def same_bits(got: Any, want: Any) -> bool:
@@ -156,8 +230,10 @@ class Measurer:
 
     ``prepare(config)`` starts compiling a config the search will ask about soon; calling the
     measurer with a config waits for its compile (``compile_timeout_s``), checks the result
-    against ``kernel.reference`` and times it with ``timing`` (``auto``, ``profile``, ``loop``
-    or ``wallclock``; after construction the method in use). ``build`` makes the function to
+    against the gate's reference (:func:`compiled_reference`) and times it with ``timing``
+    (``auto``, ``profile``, ``loop`` or ``wallclock``; after construction the method in use).
+    Construction raises ``ProblemTooLarge`` when the problem does not fit the device
+    (:func:`check_fits`, or the device's memory running out). ``build`` makes the function to
     measure (``kernel.build`` by default). ``fallback`` is the method used when a profile
     trace holds no event of the kernel (``auto`` sets ``loop`` on a TPU or GPU; without one,
     ``profile`` raises ``TimingError``); on falling back, ``timing_note`` says why and
@@ -206,11 +282,18 @@ class Measurer:
             # that fails the gate, however fast.
             self.tolerance = max_relative_error(self.problem.dtype, self.device.platform)
         check_fits(self.problem, self.device)
+        self.inputs, self.expected = self._gate_values()
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
-        # q, k, v, and a segmented problem's representative packing (example_inputs)
-        self.inputs = [jax.device_put(x, self.device)
-                       for x in example_inputs(self.problem, self.seed)]
-        self.expected = jax.jit(self.kernel.reference(self.problem))(*self.inputs)
+
+    def _gate_values(self) -> tuple[list[jax.Array], Any]:
+        """The gate's inputs on the device (q, k, v, and a segmented problem's representative
+        packing: :func:`kernel.aot.example_inputs`) and the reference's outputs on them."""
+        with refused_out_of_memory(self.problem, self.device,
+                                   "computing the correctness gate's reference"):
+            inputs = [jax.device_put(x, self.device)
+                      for x in example_inputs(self.problem, self.seed)]
+            return inputs, jax.block_until_ready(
+                compiled_reference(self.problem, self.device)(*inputs))
 
     def config(self, params: dict[str, Any]) -> Config:
         return self.base.replace(**params)

@@ -36,7 +36,7 @@ from typing import Any, TextIO
 from autotune.progress import trial_record
 from autotune.choice import publish_choice, tuning_failure
 from autotune.claims import process_identity, worker_name
-from autotune.failures import ChipStateCorrupted
+from autotune.failures import ChipStateCorrupted, ProblemTooLarge
 from autotune.search import SearchResult, StudyMismatchError
 from autotune.timing import TimingError
 from autotune.trials import TrialResult
@@ -91,10 +91,11 @@ def serve(spec: dict[str, Any], commands: TextIO, events: _Events) -> int:
                     try:
                         job = TuneJob(events.problem, store, spec["db_url"], options, events,
                                       command.get("kernel") or spec["kernel"])
-                    except ConfigError as error:
-                        if not choosing:
+                    except ConfigError as error:  # too large: the other problems go on
+                        if not choosing and not isinstance(error, ProblemTooLarge):
                             raise
-                        events.emit("error", kind="lost", failure=tuning_failure(error))
+                        events.emit("error", kind="lost" if choosing else "nothing",
+                                    message=str(error), failure=tuning_failure(error))
                         continue
                     events.emit("study", study=job.name, measured=job.measured(),
                                 worker=worker_name(), process=process_identity())

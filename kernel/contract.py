@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from kernel.config import IntConfig
 from kernel.errors import ConfigError
 from kernel.problem import Problem
+from kernel.reference import attention_mask, problem_reference
 from kernel.rules import Violation
 from kernel.targets import GPU_TARGET, TARGETS, Target
 
@@ -61,6 +62,13 @@ def measured_fn(problem: Problem, attend: AttentionFn, *,
         return lambda q, k, v, *ids: jax.vjp(lambda q, k, v: attend(q, k, v, *ids), q, k, v)
     return jax.grad(lambda q, k, v, *ids: attend(q, k, v, *ids).astype(jnp.float32).sum(),
                     argnums=(0, 1, 2))
+
+
+def gate_reference(problem: Problem) -> AttentionFn:
+    """What the tuner's correctness gate checks every backend against, in ``problem.mode``:
+    attention in float32 at ``highest`` precision, in bounded memory
+    (:func:`kernel.reference.blockwise_reference`), or its gradients (:func:`measured_fn`)."""
+    return measured_fn(problem, problem_reference(problem))
 
 
 def by_mode(attend_for: Callable[[str], AttentionFn],
@@ -140,27 +148,6 @@ def reference_attention(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
     probs = weights / jnp.where(total == 0, 1, total)  # a row with no key: zeros
     return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v,
                       preferred_element_type=probs.dtype).astype(q.dtype)
-
-
-def attention_mask(q_len: int, kv_len: int, *, causal: bool = False,
-                   window: tuple[int, int] | None = None, q_segment_ids: Any = None,
-                   kv_segment_ids: Any = None) -> Any:
-    """Which keys each query sees, a bool array ``[batch or 1, 1, q_len, kv_len]``: key j is
-    seen by query i when ``j <= i`` (``causal``, top-left aligned), ``i - left <= j <= i +
-    right`` (``window``) and their segment ids are equal (when given)."""
-    import jax.numpy as jnp
-
-    rows = jnp.arange(q_len)[:, None]
-    cols = jnp.arange(kv_len)[None, :]
-    mask = jnp.ones((q_len, kv_len), bool)
-    if causal:
-        mask &= cols <= rows
-    if window is not None:
-        mask &= (cols >= rows - window[0]) & (cols <= rows + window[1])
-    mask = mask[None, None]
-    if q_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
-    return mask
 
 
 class TunableKernel(ABC):
@@ -297,10 +284,9 @@ class TunableKernel(ABC):
             problem, lambda config_mode: config, default_scale(problem))))
 
     def reference(self, problem: Problem) -> AttentionFn:
-        """The XLA reference of what ``build`` computes."""
-        return measured_fn(problem, functools.partial(
-            reference_attention, causal=problem.causal, window=problem.window,
-            softcap=problem.softcap))
+        """The XLA reference of what ``build`` computes: :func:`gate_reference`, the same for
+        every backend."""
+        return gate_reference(problem)
 
     def target(self, target: Target | str) -> Target:
         """Resolves a target (a name or a JAX device kind) among this backend's targets."""

@@ -740,11 +740,12 @@ def test_a_problem_larger_than_the_device_is_refused_with_its_size(tmp_path: Pat
     from storage import upgrade
 
     huge = Problem(batch=1024, q_heads=64, kv_heads=8, q_len=1 << 20, kv_len=1 << 20,
-                   head_dim=128)  # q 16 TiB, k and v 2 TiB each: 3 q + 2 k
+                   head_dim=128)  # q 16 TiB, k and v 2 TiB each: inputs and 3 outputs
     db = f"sqlite:///{tmp_path / 'tune.db'}"
     upgrade(db)
     with Store(db) as store:
-        with pytest.raises(ConfigError, match=r"needs at least 53,248\.0 GiB on the device"):
+        with pytest.raises(ConfigError, match=r"needs 69,632\.00 GiB on the device \(inputs "
+                                              r"20,480\.00, expected outputs 16,384\.00"):
             tune(huge, store, db, TuneOptions(trials=1), kernel_name="flash")
         with pytest.raises(ConfigError, match=r"GiB on the device .* the cpu device has"):
             choose_kernel(huge, store, db, ["flash", "xla"], TuneOptions(trials=1))

@@ -64,7 +64,11 @@ def tune(
     """Tune each candidate kernel's block sizes (and pipeline depth) on the local device,
     confirm each winner against its default and publish it under the kernel's name; then
     confirm the kernels' winners against each other and publish the kernel choice. With
-    --kernel, tune that one kernel (on several devices with --devices)."""
+    --kernel, tune that one kernel (on several devices with --devices). Every problem given
+    is tuned: one that cannot be (too large for the device's memory, or no config of it ran
+    and passed the correctness check) is reported in one line and the others go on; the exit
+    status is then 1. Exit 2 stops the run at once: a bad option, shapes file or database, a
+    problem the --kernel given cannot run, a --timing that cannot time here."""
     from autotune.devices import DeviceSelectionError, LocalDevices, parse_devices, select_devices
 
     if sampler not in SAMPLER_NAMES:
@@ -107,7 +111,7 @@ def tune(
 
     from autotune.choice import choose_kernel, local_kernels
     from autotune.progress import TuneProgress
-    from autotune.failures import ChipStateCorrupted
+    from autotune.failures import ChipStateCorrupted, ProblemTooLarge
     from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
     from autotune.search import StudyMismatchError
     from autotune.timing import TimingError
@@ -149,6 +153,10 @@ def tune(
                 else:
                     summary = choose_kernel(item, store, db_url, candidates, options,
                                             observer_for=progress_for)
+            except ProblemTooLarge as error:  # the other problems may fit: they are tuned
+                typer.echo(f"error: {error}", err=True)
+                failed += 1
+                continue
             except (ConfigError, TimingError, StudyMismatchError) as error:  # nothing to tune
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2) from None
