@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ def per_device_problems():
 """
 
 
-def _run(devices: int, body: str) -> dict:
+def _run(devices: int, body: str) -> Any:
     """Runs ``body`` (after SETUP) on ``devices`` forced CPU devices in a new process; returns
     the JSON object it prints last."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
@@ -158,6 +159,24 @@ def test_capture_records_the_per_device_problems_of_a_sharded_step() -> None:
     """)
     per_device = ["b2 h4/4 q256 kv256 d64 bfloat16 causal fwd_bwd"]
     assert out == {"shard_map": per_device, "jit": per_device}
+
+
+def test_tune_model_tunes_the_per_device_problems_of_a_sharded_step(tmp_path: Path) -> None:
+    """autotune.tune_model of a data + head parallel step (jit over sharded abstract
+    arguments on a 2 x 2 mesh, GQA) tunes and tables b2 h2/1, each device's problem. Before:
+    the probe's error."""
+    out = _run(4, f"""
+        import autotune
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        spec = NamedSharding(mesh, P("data", "model"))
+        step = jax.grad(lambda q, k, v: jnp.sum(kernel.flash_attention(q, k, v, causal=True)))
+        args = [jax.ShapeDtypeStruct((4, h, 128, 64), jnp.float32, sharding=spec)
+                for h in (4, 2, 2)]
+        table = autotune.tune_model(step, *args, db="sqlite:///{tmp_path / 'autotune.db'}",
+                                    trials=1, kernels="xla")
+        print(json.dumps([c.problem.label() for c in table.choices]))
+    """)
+    assert out == ["b2 h2/1 q128 kv128 d64 float32 causal fwd_bwd"]
 
 
 def test_upstream_kernels_give_way_inside_shard_map_with_check_vma() -> None:
