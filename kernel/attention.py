@@ -154,7 +154,8 @@ def _per_device(sharded: tuple[Any, Any, Any], attention: Any, q: Any, k: Any, v
 
     mesh, q_spec, kv_spec = sharded
     ids_spec = jax.sharding.PartitionSpec(q_spec[0], None)
-    ids = tuple(jax.sharding.reshard(x, ids_spec) for x in ids)
+    ids_sharding = jax.sharding.NamedSharding(mesh, ids_spec)
+    ids = tuple(jax.sharding.reshard(x, ids_sharding) for x in ids)
 
     def local(q: Any, k: Any, v: Any, *ids: Any) -> Any:
         return attention(q, k, v, segment_ids=ids or None)

@@ -3,10 +3,12 @@
 
 - Inside ``jax.shard_map`` (its default ``check_vma=True``) a ``pallas_call``'s ``out_shape``
   must say which mesh axes its outputs vary over: :func:`varying_struct` builds it from the
-  inputs (``jax.typeof(x).mat``; ``manual_axis_type`` in JAX 0.10 to 0.12, ``vma`` before).
-  Our kernels build every ``out_shape`` with it. Upstream's kernels (splash, jax_tpu_flash)
-  build theirs without, so there they are refused by rule (:func:`vma_violations`, as x64)
-  and the kernel choice's next candidate that can run runs instead.
+  inputs (``jax.typeof(x).mat``, passed as ``manual_axis_type``: the same in JAX 0.10.2, the
+  oldest supported, and 0.12.1). Our kernels build every ``out_shape`` with it, and their
+  backward sums a K/V gradient over the axes the query heads vary over and K/V do not
+  (:func:`summed_as`). Upstream's kernels (splash, jax_tpu_flash) build theirs without, so
+  there they are refused by rule (:func:`vma_violations`, as x64) and the kernel choice's
+  next candidate that can run runs instead.
 - Under ``jax.jit`` with inputs sharded over a mesh's explicit axes (``jax.make_mesh``'s
   default), a Mosaic kernel is not partitioned by XLA ("cannot be automatically
   partitioned"): :func:`explicit_specs` reads the inputs' shardings, and the wrapper runs
@@ -54,6 +56,16 @@ def varying_struct(shape: tuple[int, ...], dtype: Any, *inputs: Any) -> Any:
     varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
     return jax.ShapeDtypeStruct(shape, dtype,
                                 manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def summed_as(cotangent: Any, primal: Any) -> Any:
+    """``cotangent`` summed over the manual mesh axes it varies over and ``primal`` does not:
+    the gradient of an input replicated over them (K/V of one head while the query heads are
+    sharded) sums what each device's kernel computed."""
+    import jax
+
+    extra = jax.typeof(cotangent).mat.varying - jax.typeof(primal).mat.varying
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:

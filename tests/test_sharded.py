@@ -96,6 +96,28 @@ def test_dot_product_attention_in_shard_map_over_data_and_heads() -> None:
     assert out["problems"][0] == [1, 2, 1, 128, "fwd"]
 
 
+def test_multi_query_kv_replicated_over_the_heads_axis_gets_summed_gradients() -> None:
+    """One K/V head, unsharded over "model" while the 4 query heads are sharded over it: dK
+    and dV sum what each device computed (psum over "model"), in shard_map and under plain
+    jit. Before: the custom VJP's dK varied over "model", which k does not (ValueError)."""
+    out = _run(4, """
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        q, k, v = arrays(4, 4, 1, 128, 64)
+        attend = lambda q, k, v: kernel.flash_attention(q, k, v, causal=True)
+        loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
+        q_spec, kv_spec = P("data", "model"), P("data")
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                                out_specs=q_spec)
+        put = [jax.device_put(x, NamedSharding(mesh, spec))
+               for x, spec in zip((q, k, v), (q_spec, kv_spec, kv_spec))]
+        wanted = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
+        errors = {name: max(map(largest_error, jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(
+                      *put), wanted)) for name, f in (("shard_map", sharded), ("jit", attend))}
+        print(json.dumps(errors))
+    """)
+    assert out["shard_map"] < 1e-4 and out["jit"] < 1e-4
+
+
 def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
     """Plain jax.jit with q, k, v sharded over batch and heads (jax.make_mesh's explicit
     axes): the wrapper runs per device under shard_map, so forward and gradients match and
@@ -119,6 +141,22 @@ def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
     assert out["out"] < 1e-5 and out["grads"] < 1e-4
     assert out["sharded"] == {"data": "data", "model": "model"}  # stays sharded as given
     assert out["problems"] == [[2, 2, 1, 128, "fwd"], [2, 2, 1, 128, "fwd_bwd"]]
+
+
+def test_segment_ids_under_jit_over_a_mesh_follow_q_batch() -> None:
+    """Packed sequences under plain jit, q, k, v sharded over batch and the (unsharded) ids
+    resharded as q's batch: matches the unsharded call. Before: ValueError (a PartitionSpec
+    outside a mesh context)."""
+    out = _run(2, """
+        mesh = jax.make_mesh((2,), ("data",))
+        q, k, v = arrays(4, 2, 2, 128, 64)
+        ids = jnp.concatenate([jnp.zeros((4, 48), jnp.int32), jnp.ones((4, 80), jnp.int32)], 1)
+        attend = jax.jit(lambda q, k, v, ids: kernel.flash_attention(q, k, v, causal=True,
+                                                                     segment_ids=(ids, ids)))
+        put = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v)]
+        print(json.dumps({"out": largest_error(attend(*put, ids), attend(q, k, v, ids))}))
+    """)
+    assert out["out"] < 1e-5
 
 
 def test_a_sharded_jit_lowers_for_tpu_with_the_per_device_kernel() -> None:

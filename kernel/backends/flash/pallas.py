@@ -28,7 +28,7 @@ from kernel.backends.flash.blocks import Reach
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import ConfigFor
 from kernel.rules import LANES, SUBLANES
-from kernel.sharded import varying_struct
+from kernel.sharded import summed_as, varying_struct
 
 # Masked logits and the running max's start: the most negative finite f32, so every finite
 # logit is at least as large (a fixed value like -1e30 loses to smaller visible logits, which then
@@ -78,7 +78,8 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     cols = jnp.stack([stats[..., 0], inv_l, delta], axis=-1)
     dk, dv = _backward_dkv(q, k, v, d_out, cols, segments, config, logits)
     dq = _backward_dq(q, k, v, d_out, cols, segments, config, logits)
-    return dq, dk, dv, None  # segment ids: integers, no cotangent
+    # segment ids: integers, no cotangent
+    return summed_as(dq, q), summed_as(dk, k), summed_as(dv, v), None
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
