@@ -35,8 +35,10 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     """Tunes the attention problems of ``fn(*abstract_args)`` on the local device and returns
     their lookup table (for ``kernel.tables(...)`` or ``table.to_dict()`` as a file).
 
-    ``abstract_args``: arrays, ``jax.ShapeDtypeStruct`` or pytrees of them (only shapes and
-    dtypes are used). ``db``: the database URL (default ``$AUTOTUNE_DB_URL`` or
+    ``abstract_args``: arrays, ``jax.ShapeDtypeStruct`` or pytrees of them (their shapes,
+    dtypes and shardings). A sharded step (attention inside ``jax.shard_map``, or arguments
+    sharded over a mesh's explicit axes) is tuned for the problem each device computes
+    (docs/sharded-training.md). ``db``: the database URL (default ``$AUTOTUNE_DB_URL`` or
     ``sqlite:///autotune.db``). ``trials``: measured configs per kernel and problem.
     ``kernels``: the candidates (names, or ``"a,b"``; default: every registered kernel with
     rules for this device). ``options`` overrides the other tuning settings (its ``trials``

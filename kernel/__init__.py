@@ -1,7 +1,7 @@
 """Attention kernels whose tiles come from a tuned config, resolved at trace time.
 
 Layers, each importing only those above it in this list: core types (``errors``, ``problem``,
-``config``, ``targets``, ``rules``); the backend contract (``contract``); the backends
+``config``, ``targets``, ``rules``, ``sharded``); the backend contract (``contract``); the backends
 (``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
 (``shapesfile``) and scoped tables (``table_scope``); resolution (``resolve``, then
 ``scoped_resolver`` inside ``kernel.tables`` blocks); misses (``misses``) and capture

@@ -9,6 +9,7 @@ the first call, so ``import kernel`` stays cheap for the service and storage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from kernel.capture import Call, observe
@@ -16,6 +17,7 @@ from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem, finite_float, shown_number
 from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
+from kernel.sharded import explicit_specs
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
@@ -77,6 +79,11 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     problem. With an explicit ``config`` (one of its configs, checked against its rules), it
     is the platform's backend, which must run the problem's features. Any other keyword
     (bias, a mask, dropout, ...) raises ``TypeError`` naming it as unsupported.
+
+    Sharded steps (docs/sharded-training.md): inside ``jax.shard_map`` it runs on each
+    device's shard; under ``jax.jit`` with q, k and v sharded over a mesh's explicit axes
+    (batch and heads only) it runs itself per device under ``jax.shard_map``. Either way the
+    problem resolved, tuned and captured is the one each device computes.
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
@@ -98,6 +105,11 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     if logits_soft_cap is not None:
         _check_positive("logits_soft_cap", logits_soft_cap)
     ids = _segment_ids(segment_ids, problem)
+    sharded = explicit_specs(q, k, v)
+    if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
+        return _per_device(sharded, functools.partial(
+            flash_attention, causal=causal, sm_scale=sm_scale, window=window,
+            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD"), q, k, v, ids)
     problem = dataclasses.replace(problem, window=window, softcap=logits_soft_cap,
                                   segmented=bool(ids))
     platform, device_kind = _default_device()
@@ -131,6 +143,26 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         return backend.attention(moded, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v, *ids)
+
+
+def _per_device(sharded: tuple[Any, Any, Any], attention: Any, q: Any, k: Any, v: Any,
+                ids: tuple[Any, ...]) -> Any:
+    """``attention(q, k, v, segment_ids=...)`` on each device's shard under ``jax.shard_map``
+    over the inputs' mesh (``sharded``: :func:`kernel.sharded.explicit_specs`), the segment ids
+    resharded as q's batch."""
+    import jax
+
+    mesh, q_spec, kv_spec = sharded
+    ids_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+    ids_sharding = jax.sharding.NamedSharding(mesh, ids_spec)
+    ids = tuple(jax.sharding.reshard(x, ids_sharding) for x in ids)
+
+    def local(q: Any, k: Any, v: Any, *ids: Any) -> Any:
+        return attention(q, k, v, segment_ids=ids or None)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec,
+                                                      *(ids_spec,) * len(ids)),
+                         out_specs=q_spec)(q, k, v, *ids)
 
 
 def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableKernel,

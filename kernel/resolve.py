@@ -35,6 +35,7 @@ from kernel.errors import ConfigError, TableError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
+from kernel.sharded import checked_vma
 from kernel.service import Answer, ServiceClient
 from kernel.table import KernelChoice, LookupTable, ProblemIndex
 from kernel.table_scope import retrace_all
@@ -256,8 +257,9 @@ class Resolver:
              target: Target) -> KernelPick:
         """The backend that runs ``problem`` (as called) on this device, when no explicit
         config pins it to the platform's: the module docstring gives the order."""
-        # x64 too: a kernel that refuses it (x64_violations) must not stay picked for such calls
-        key = (platform, device_kind, problem, x64_enabled())
+        # x64 and check_vma too: a kernel that refuses them (x64_violations, vma_violations)
+        # must not stay picked for such calls
+        key = (platform, device_kind, problem, x64_enabled(), checked_vma())
         return self._once(self._picks, key,
                           lambda: self._pick_uncached(problem, device_kind, platform, target))
 

@@ -48,6 +48,7 @@ from kernel.rules import (
     vmem_limit_violations,
     x64_violations,
 )
+from kernel.sharded import vma_violations
 from kernel.targets import TPU_TARGETS, Target
 
 MIN_BLOCK_SIZE = 128  # upstream: in-kernel key blocks tile the lane-replicated row statistics
@@ -173,7 +174,7 @@ class JaxTpuFlashKernel(TunableKernel):
         if problem.head_dim > LANES and problem.head_dim % LANES:
             out.append(Violation("head_dim", f"head_dim={problem.head_dim} must be at most "
                                  f"{LANES} or a multiple of {LANES} for this kernel"))
-        return (out + x64_violations()
+        return (out + x64_violations() + vma_violations()
                 + feature_violations(problem, self.name, frozenset({"segment_ids"})))
 
     def space_params(self, problem: Problem) -> Params:

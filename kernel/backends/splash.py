@@ -47,6 +47,7 @@ from kernel.rules import (
     vmem_limit_violations,
     x64_violations,
 )
+from kernel.sharded import vma_violations
 from kernel.targets import TPU_TARGETS, Target
 
 Layout = Literal["HEAD_DIM_MINOR", "SEQ_MINOR"]
@@ -250,7 +251,7 @@ class SplashKernel(TunableKernel):
 
     def problem_violations(self, problem: Problem) -> list[Violation]:
         return (sequence_violations(problem.q_len, "q_len")
-                + key_lane_violations(problem.kv_len) + x64_violations())
+                + key_lane_violations(problem.kv_len) + x64_violations() + vma_violations())
 
     def space_params(self, problem: Problem) -> Params:
         q_values = block_values(problem.q_len)

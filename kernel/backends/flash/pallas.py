@@ -28,6 +28,7 @@ from kernel.backends.flash.blocks import Reach
 from kernel.backends.flash.config import FlashConfig
 from kernel.contract import ConfigFor
 from kernel.rules import LANES, SUBLANES
+from kernel.sharded import summed_as, varying_struct
 
 # Masked logits and the running max's start: the most negative finite f32, so every finite
 # logit is at least as large (a fixed value like -1e30 loses to smaller visible logits, which then
@@ -77,7 +78,8 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     cols = jnp.stack([stats[..., 0], inv_l, delta], axis=-1)
     dk, dv = _backward_dkv(q, k, v, d_out, cols, segments, config, logits)
     dq = _backward_dq(q, k, v, d_out, cols, segments, config, logits)
-    return dq, dk, dv, None  # segment ids: integers, no cotangent
+    # segment ids: integers, no cotangent
+    return summed_as(dq, q), summed_as(dk, k), summed_as(dv, v), None
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)
@@ -381,14 +383,14 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q
     q_spec = _q_block_spec(bq, head_dim)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [varying_struct(q.shape, q.dtype, q, k, v)]
     out_specs = [q_spec]
     if save_stats:
         # (…, 128) so the kernel stores whole vregs; callers keep lanes 0 (m) and 1 (l).
-        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, q_len, LANES), jnp.float32))
+        out_shape.append(varying_struct((batch, q_heads, q_len, LANES), jnp.float32, q, k, v))
         out_specs.append(_q_block_spec(bq, LANES))
         if q.dtype != jnp.float32:
-            out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+            out_shape.append(varying_struct(q.shape, q.dtype, q, k, v))
             out_specs.append(q_spec)
     kernel = functools.partial(
         _forward_kernel, logits=logits, segmented=segments is not None,
@@ -472,7 +474,8 @@ def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: L
         in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
                   *_segment_specs(_IN_HBM, kv_ids_spec, segments is not None)],
         out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[varying_struct(k.shape, k.dtype, q, k, v, d_out),
+                   varying_struct(v.shape, v.dtype, q, k, v, d_out)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
@@ -517,7 +520,7 @@ def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Lo
         in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM,
                   *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=varying_struct(q.shape, q.dtype, q, k, v, d_out),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dq",

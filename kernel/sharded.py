@@ -1,0 +1,104 @@
+"""Sharded steps: the wrapper and the Pallas kernels inside ``jax.shard_map`` and under
+``jax.jit`` over a mesh.
+
+- Inside ``jax.shard_map`` (its default ``check_vma=True``) a ``pallas_call``'s ``out_shape``
+  must say which mesh axes its outputs vary over: :func:`varying_struct` builds it from the
+  inputs (``jax.typeof(x).mat``, passed as ``manual_axis_type``: the same in JAX 0.10.2, the
+  oldest supported, and 0.12.1). Our kernels build every ``out_shape`` with it, and their
+  backward sums a K/V gradient over the axes the query heads vary over and K/V do not
+  (:func:`summed_as`). Upstream's kernels (splash, jax_tpu_flash) build theirs without, so
+  there they are refused by rule (:func:`vma_violations`, as x64) and the kernel choice's
+  next candidate that can run runs instead.
+- Under ``jax.jit`` with inputs sharded over a mesh's explicit axes (``jax.make_mesh``'s
+  default), a Mosaic kernel is not partitioned by XLA ("cannot be automatically
+  partitioned"): :func:`explicit_specs` reads the inputs' shardings, and the wrapper runs
+  itself per device under ``jax.shard_map`` over them, so the problem it resolves is the
+  per-device one. Sharded sequence or head_dim axes are refused naming the fix.
+
+jax loads on the first call (``import kernel`` stays cheap).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kernel.rules import Violation
+
+# Axes of our [batch, heads, seq, head_dim] layout that may be sharded: each device then
+# computes whole sequences of its batch rows and heads.
+SHARDABLE = ("batch", "heads")
+AXES = ("batch", "heads", "seq", "head_dim")
+
+
+def checked_vma() -> bool:
+    """Whether the current trace is the body of a ``jax.shard_map`` with ``check_vma=True``
+    (JAX's ``check_vma`` context). False while jax is not loaded."""
+    jax = sys.modules.get("jax")
+    return jax is not None and bool(getattr(jax.config, "check_vma", False))
+
+
+def vma_violations() -> list[Violation]:
+    """``check_vma``, inside a ``jax.shard_map`` with ``check_vma=True``: for an upstream
+    Pallas kernel whose ``out_shape`` names no varying mesh axes (JAX refuses to trace it)."""
+    if not checked_vma():
+        return []
+    return [Violation("check_vma", "upstream's kernel does not trace inside jax.shard_map with "
+                      "check_vma=True (its pallas_call outputs name no varying mesh axes); use "
+                      "the flash or xla kernel, or pass check_vma=False to jax.shard_map")]
+
+
+def varying_struct(shape: tuple[int, ...], dtype: Any, *inputs: Any) -> Any:
+    """``jax.ShapeDtypeStruct(shape, dtype)`` varying over every manual mesh axis that one of
+    ``inputs`` varies over: a ``pallas_call`` output computed from them."""
+    import jax
+
+    varying = frozenset().union(*(jax.typeof(x).mat.varying for x in inputs))
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def summed_as(cotangent: Any, primal: Any) -> Any:
+    """``cotangent`` summed over the manual mesh axes it varies over and ``primal`` does not:
+    the gradient of an input replicated over them (K/V of one head while the query heads are
+    sharded) sums what each device's kernel computed."""
+    import jax
+
+    extra = jax.typeof(cotangent).mat.varying - jax.typeof(primal).mat.varying
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
+def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
+    """``(mesh, q_spec, kv_spec)`` when ``q``, ``k`` or ``v`` (``[batch, heads, seq,
+    head_dim]``) is sharded over a mesh's explicit axes, else None. Only batch and heads may be
+    sharded, alike in all three (k and v unsharded over heads when they have one head, as
+    multi-query attention); anything else raises naming the fix."""
+    import jax
+
+    shardings = [jax.typeof(x).sharding for x in (q, k, v)]
+    specs = [_padded(sharding.spec) for sharding in shardings]
+    if not any(any(spec) for spec in specs):
+        return None
+    for name, spec in zip("qkv", specs, strict=True):
+        sharded = [axis for axis, entry in zip(AXES, spec, strict=True)
+                   if entry is not None and axis not in SHARDABLE]
+        if sharded:
+            raise ValueError(f"{name} is sharded over its {' and '.join(sharded)} axis "
+                             f"({jax.sharding.PartitionSpec(*spec)}): flash_attention "
+                             "computes whole sequences per device; shard [batch, heads, seq, "
+                             "head_dim] over batch and heads only (jax.sharding.reshard)")
+    q_spec, k_spec, v_spec = specs
+    kv_heads = q_spec[1] if k.shape[1] > 1 else k_spec[1]
+    if k_spec != v_spec or k_spec[:2] != (q_spec[0], kv_heads):
+        raise ValueError(f"q, k and v must be sharded alike over batch and heads, got "
+                         f"{[str(jax.sharding.PartitionSpec(*s)) for s in specs]}; reshard k "
+                         "and v as q (jax.sharding.reshard)")
+    P = jax.sharding.PartitionSpec
+    return shardings[0].mesh, P(*q_spec), P(*k_spec)
+
+
+def _padded(spec: Any) -> tuple[Any, ...]:
+    """A rank-4 array's ``PartitionSpec`` as four entries (a shorter spec leaves the rest
+    unsharded)."""
+    entries = tuple(spec)
+    return entries + (None,) * (len(AXES) - len(entries))

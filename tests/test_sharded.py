@@ -1,0 +1,275 @@
+"""Sharded steps on forced CPU devices: ``jax.shard_map`` (default ``check_vma=True``) and
+``jax.jit`` over a mesh run the wrapper's kernels, match the unsharded result, and resolve
+(and capture) the problem each device computes.
+
+The device count is fixed when jax starts, so each case runs in a fresh Python process with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (this process keeps its one device),
+as the first JAX computation there (the pipeline-depth probe runs inside the sharded trace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUP = """
+import json
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import kernel
+
+def arrays(b, hq, hk, s, d, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [jax.random.normal(key, (b, h, s, d), dtype)
+            for key, h in zip(keys, (hq, hk, hk))]
+
+def largest_error(a, b):
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+def per_device_problems():
+    return sorted({(p.batch, p.q_heads, p.kv_heads, p.q_len, p.mode)
+                   for (_, _, p) in kernel.resolution_sources()})
+"""
+
+
+def _run(devices: int, body: str) -> Any:
+    """Runs ``body`` (after SETUP) on ``devices`` forced CPU devices in a new process; returns
+    the JSON object it prints last."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in env.items() if not k.startswith("AUTOTUNE_")}
+    done = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent(body)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_shard_map_with_check_vma_runs_flash_per_device_as_unsharded() -> None:
+    """Batch over 2 devices, grouped-query heads: forward and gradients match the unsharded
+    call, and the resolved problem is each device's (batch 2 of 4). Before: the depth probe,
+    the first call of the process, reported that no Pallas kernel lowers for TPU; after it,
+    pallas_call refused its out_shape (no manual_axis_type)."""
+    out = _run(2, """
+        mesh = jax.make_mesh((2,), ("data",))
+        q, k, v = arrays(4, 4, 2, 256, 64)
+        attend = lambda q, k, v: kernel.flash_attention(q, k, v, causal=True)
+        loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(P("data"),) * 3,
+                                out_specs=P("data"))
+        put = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v)]
+        got, want = jax.jit(sharded)(*put), jax.jit(attend)(q, k, v)
+        grads = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(*put)
+        wanted = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
+        print(json.dumps({"out": largest_error(got, want),
+                          "grads": max(map(largest_error, grads, wanted)),
+                          "problems": per_device_problems()}))
+    """)
+    assert out["out"] < 1e-5 and out["grads"] < 1e-4
+    assert [2, 4, 2, 256, "fwd"] in out["problems"]
+    assert [2, 4, 2, 256, "fwd_bwd"] in out["problems"]
+
+
+def test_dot_product_attention_in_shard_map_over_data_and_heads() -> None:
+    """jax.nn's layout [batch, seq, heads, head_dim] on a 2 x 2 mesh, batch over "data" and
+    heads over "model" (GQA: 4 query heads, 2 K/V heads): matches the unsharded call and
+    resolves b1 h2/1. Before: the probe's error."""
+    out = _run(4, """
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in arrays(2, 4, 2, 128, 64))
+        attend = lambda q, k, v: kernel.dot_product_attention(q, k, v, is_causal=True)
+        spec = P("data", None, "model")
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        put = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        print(json.dumps({"out": largest_error(jax.jit(sharded)(*put), attend(q, k, v)),
+                          "problems": per_device_problems()}))
+    """)
+    assert out["out"] < 1e-5
+    assert out["problems"][0] == [1, 2, 1, 128, "fwd"]
+
+
+def test_multi_query_kv_replicated_over_the_heads_axis_gets_summed_gradients() -> None:
+    """One K/V head, unsharded over "model" while the 4 query heads are sharded over it: dK
+    and dV sum what each device computed (psum over "model"), in shard_map and under plain
+    jit. Before: the custom VJP's dK varied over "model", which k does not (ValueError)."""
+    out = _run(4, """
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        q, k, v = arrays(4, 4, 1, 128, 64)
+        attend = lambda q, k, v: kernel.flash_attention(q, k, v, causal=True)
+        loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
+        q_spec, kv_spec = P("data", "model"), P("data")
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                                out_specs=q_spec)
+        put = [jax.device_put(x, NamedSharding(mesh, spec))
+               for x, spec in zip((q, k, v), (q_spec, kv_spec, kv_spec))]
+        wanted = jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2)))(q, k, v)
+        errors = {name: max(map(largest_error, jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(
+                      *put), wanted)) for name, f in (("shard_map", sharded), ("jit", attend))}
+        print(json.dumps(errors))
+    """)
+    assert out["shard_map"] < 1e-4 and out["jit"] < 1e-4
+
+
+def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
+    """Plain jax.jit with q, k, v sharded over batch and heads (jax.make_mesh's explicit
+    axes): the wrapper runs per device under shard_map, so forward and gradients match and
+    the resolved problem is b2 h2/1, not the global b4 h4/2. Before: the kernel's refs could
+    not be indexed (TypeError: sharded ref), and the key would be global."""
+    out = _run(4, """
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        q, k, v = arrays(4, 4, 2, 128, 64)
+        attend = lambda q, k, v: kernel.flash_attention(q, k, v, causal=True)
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)
+        put = [jax.device_put(x, NamedSharding(mesh, P("data", "model"))) for x in (q, k, v)]
+        got = jax.jit(attend)(*put)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*put)
+        sharded = {"data": got.sharding.spec[0], "model": got.sharding.spec[1]}
+        problems = per_device_problems()
+        wanted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        print(json.dumps({"out": largest_error(got, attend(q, k, v)),
+                          "grads": max(map(largest_error, grads, wanted)),
+                          "sharded": sharded, "problems": problems}))
+    """)
+    assert out["out"] < 1e-5 and out["grads"] < 1e-4
+    assert out["sharded"] == {"data": "data", "model": "model"}  # stays sharded as given
+    assert out["problems"] == [[2, 2, 1, 128, "fwd"], [2, 2, 1, 128, "fwd_bwd"]]
+
+
+def test_segment_ids_under_jit_over_a_mesh_follow_q_batch() -> None:
+    """Packed sequences under plain jit, q, k, v sharded over batch and the (unsharded) ids
+    resharded as q's batch: matches the unsharded call. Before: ValueError (a PartitionSpec
+    outside a mesh context)."""
+    out = _run(2, """
+        mesh = jax.make_mesh((2,), ("data",))
+        q, k, v = arrays(4, 2, 2, 128, 64)
+        ids = jnp.concatenate([jnp.zeros((4, 48), jnp.int32), jnp.ones((4, 80), jnp.int32)], 1)
+        attend = jax.jit(lambda q, k, v, ids: kernel.flash_attention(q, k, v, causal=True,
+                                                                     segment_ids=(ids, ids)))
+        put = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v)]
+        print(json.dumps({"out": largest_error(attend(*put, ids), attend(q, k, v, ids))}))
+    """)
+    assert out["out"] < 1e-5
+
+
+def test_a_sharded_jit_lowers_for_tpu_with_the_per_device_kernel() -> None:
+    """jax.export for TPU of a jit over 2 devices (no TPU needed): one Mosaic kernel, inside a
+    shard_map; capture records the per-device problem. Before: TypeError (sharded ref)."""
+    out = _run(2, """
+        mesh = jax.make_mesh((2,), ("data",))
+        arg = jax.ShapeDtypeStruct((4, 2, 256, 128), jnp.bfloat16,
+                                   sharding=NamedSharding(mesh, P("data")))
+        step = jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v, causal=True))
+        module = jax.export.export(step, platforms=["tpu"])(arg, arg, arg).mlir_module()
+        with kernel.capture() as captured:
+            step.lower(arg, arg, arg)
+        print(json.dumps({"kernels": module.count("tpu_custom_call"),
+                          "captured": [p.label() for p in captured]}))
+    """)
+    assert out["kernels"] == 1
+    assert out["captured"] == ["b2 h2/2 q256 kv256 d128 bfloat16 causal fwd"]
+
+
+def test_capture_records_the_per_device_problems_of_a_sharded_step() -> None:
+    """What tune_model tunes (autotune.traced.captured_problems): a training step whose
+    attention runs in shard_map over 4 devices (batch 8 -> 2), and the same step under jit
+    with sharded abstract arguments. Before: the probe's error inside shard_map."""
+    out = _run(4, """
+        from autotune.traced import captured_problems
+        mesh = jax.make_mesh((4,), ("data",))
+        attend = lambda q, k, v: kernel.flash_attention(q, k, v, causal=True)
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(P("data"),) * 3,
+                                out_specs=P("data"))
+        step = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)))
+        arg = jax.ShapeDtypeStruct((8, 4, 256, 64), jnp.bfloat16,
+                                   sharding=NamedSharding(mesh, P("data")))
+        print(json.dumps({"shard_map": [p.label() for p in
+                                        captured_problems(step(sharded), arg, arg, arg)],
+                          "jit": [p.label() for p in
+                                  captured_problems(step(attend), arg, arg, arg)]}))
+    """)
+    per_device = ["b2 h4/4 q256 kv256 d64 bfloat16 causal fwd_bwd"]
+    assert out == {"shard_map": per_device, "jit": per_device}
+
+
+def test_tune_model_tunes_the_per_device_problems_of_a_sharded_step(tmp_path: Path) -> None:
+    """autotune.tune_model of a data + head parallel step (jit over sharded abstract
+    arguments on a 2 x 2 mesh, GQA) tunes and tables b2 h2/1, each device's problem. Before:
+    the probe's error."""
+    out = _run(4, f"""
+        import autotune
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        spec = NamedSharding(mesh, P("data", "model"))
+        step = jax.grad(lambda q, k, v: jnp.sum(kernel.flash_attention(q, k, v, causal=True)))
+        args = [jax.ShapeDtypeStruct((4, h, 128, 64), jnp.float32, sharding=spec)
+                for h in (4, 2, 2)]
+        table = autotune.tune_model(step, *args, db="sqlite:///{tmp_path / 'autotune.db'}",
+                                    trials=1, kernels="xla")
+        print(json.dumps([c.problem.label() for c in table.choices]))
+    """)
+    assert out == ["b2 h2/1 q128 kv128 d64 float32 causal fwd_bwd"]
+
+
+def test_upstream_kernels_give_way_inside_shard_map_with_check_vma() -> None:
+    """A kernel choice of splash (whose pallas_call outputs name no varying axes) for the
+    per-device problem: inside shard_map with check_vma=True the next candidate runs (flash),
+    saying why; outside, splash. Before: ValueError (manual_axis_type must not be None)."""
+    out = _run(2, """
+        from kernel import get_kernel
+        from kernel.table import KernelChoice, KernelTiming, LookupTable
+        mesh = jax.make_mesh((2,), ("data",))
+        q, k, v = arrays(4, 2, 2, 256, 64)
+        local = kernel.Problem(2, 2, 2, 256, 256, 64, dtype="float32", causal=True)
+        splash = get_kernel("splash")
+        choice = KernelChoice(local, "splash", splash.default_config(local),
+                              {"splash": KernelTiming(1.0, 0.1), "flash": KernelTiming(2.0, 0.1)})
+        table = LookupTable("flash", "1", jax.devices()[0].device_kind, (), choices=(choice,))
+        attend = lambda q, k, v: kernel.flash_attention(q, k, v, causal=True)
+        sharded = jax.shard_map(attend, mesh=mesh, in_specs=(P("data"),) * 3,
+                                out_specs=P("data"))
+        put = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v)]
+        with kernel.tables(table):
+            got = jax.jit(sharded)(*put)
+            inside = sorted({name for (name, _, _) in kernel.resolution_sources()})
+            unsharded = jax.jit(attend)(q[:2], k[:2], v[:2])
+            both = sorted({name for (name, _, _) in kernel.resolution_sources()})
+        print(json.dumps({"out": largest_error(jnp.asarray(jax.device_get(got)[:2]), unsharded),
+                          "inside": inside,
+                          "both": both}))
+    """)
+    assert out["out"] < 1e-5
+    assert out["inside"] == ["flash"] and out["both"] == ["flash", "splash"]
+
+
+def test_a_sharded_sequence_is_refused_naming_the_fix() -> None:
+    out = _run(2, """
+        mesh = jax.make_mesh((2,), ("seq",))
+        q, k, v = (jax.device_put(x, NamedSharding(mesh, P(None, None, "seq")))
+                   for x in arrays(1, 2, 2, 256, 64))
+        try:
+            jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v))(q, k, v)
+        except ValueError as error:
+            print(json.dumps({"error": str(error)}))
+    """)
+    assert "sharded over its seq axis" in out["error"]
+    assert "batch and heads only" in out["error"]
+
+
+def test_the_depth_probe_names_a_real_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that is no depth's (here injected at the probe's lowering) is named in the
+    probe's error, not hidden behind 'install the tpu extra'."""
+    from kernel.backends.flash import depths
+
+    def broken(depth: int) -> None:
+        raise ValueError("manual_axis_type on jax.ShapeDtypeStruct must not be None")
+
+    monkeypatch.setattr(depths, "_lower_here", broken)
+    with pytest.raises(RuntimeError, match="ValueError: manual_axis_type on jax"):
+        depths.supported_pipeline_depths.__wrapped__()
