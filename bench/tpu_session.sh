@@ -15,6 +15,10 @@
 #                                            space up to TRIALS in all (DB: a study to go on
 #                                            with, e.g. one kept from an earlier run):
 #                                            $OUT/landscape-KERNEL.json.gz and .db (goal 4)
+#   bash bench/tpu_session.sh steptime [PROBLEMS]  # every kernel's tuner figure against the
+#                                            wall time of 10 back-to-back calls, problems
+#                                            PROBLEMS (1, 2 or 1,2, the default):
+#                                            $OUT/step-time-PROBLEMS.json (issue 60, item 1)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +65,10 @@ handset)
 cost)
     python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;
+steptime)
+    problems=${2:-1,2}
+    python3 bench/step_time.py --problems "$problems" --out "$OUT/step-time-${problems//,/-}.json" \
+        2> "$OUT/step-time-${problems//,/-}.err" | tail -n 80 ;;
 landscape)
     kernel=$2 trials=$3 seconds=$4 db=sqlite:////tmp/landscape-$2.db
     [ -n "${5:-}" ] && cp "$5" "/tmp/landscape-$kernel.db"

@@ -48,6 +48,9 @@ SOURCES = ("table", "service", "default")
 MAX_TIMEOUT_MS = 60_000  # a trace waits at most a minute for the service
 MAX_BREAKER_S = 86_400
 VERSIONED_PACKAGES = ("jax", "jaxlib", "libtpu")
+# Timing methods the tuner no longer uses (autotune.timing), each with why a time it took is
+# stale: results timed by one are still legal, but were ranked by another figure.
+RETIRED_TIMINGS = {"profile": "the named kernels only, not the whole step"}
 SAFE_KERNEL = "xla"  # runs every problem on every platform: the last fallback of a choice
 NO_TUNABLE_FIELDS = "no tunable fields"  # the detail of a kernel with one config (xla)
 Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
@@ -162,12 +165,17 @@ def installed_versions() -> dict[str, str | None]:
 
 
 def stale_versions(provenance: Mapping[str, Any], installed: Mapping[str, str | None]) -> str:
-    """Which recorded ``<package>_version`` differ from the installed ones ('' if none); a
-    package not installed here (libtpu on a service host) cannot have moved."""
+    """Which recorded ``<package>_version`` differ from the installed ones, and a retired
+    timing method (the version of the measurement itself, :data:`RETIRED_TIMINGS`), as
+    ``jax 0.9.0 (installed 0.10.2)``; '' if none. A package not installed here (libtpu on a
+    service host) cannot have moved."""
     moved = [f"{package} {provenance[f'{package}_version']} (installed {installed[package]})"
              for package in VERSIONED_PACKAGES
              if installed[package] is not None
              and provenance.get(f"{package}_version") not in (None, installed[package])]
+    timing = provenance.get("timing")
+    if timing in RETIRED_TIMINGS:
+        moved.append(f"timing {timing} ({RETIRED_TIMINGS[timing]})")
     return ", ".join(moved)
 
 
