@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +66,17 @@ def measure(name: str, problem: Problem, args: argparse.Namespace) -> dict[str, 
     reason = runs_here(kernel, args.interpret)
     if reason:
         return {"skipped": reason}
-    config = kernel.default_config(problem, target_here(kernel))
-    measurer = Measurer(problem, config, kernel, timing=args.timing)
     try:
-        timing = measurer.confirm([config], rounds=args.rounds).get(config)
-        if timing is None:
-            _, failure = measurer.checked(config)
-            return {"failure": failure.status if failure else "not confirmed",
-                    "error": failure.attrs.get("error", "") if failure else ""}
-        program, _ = measurer.checked(config)  # the confirmed program, held
-        walls = wall_ms(measurer, program, args.rounds)
+        config = kernel.default_config(problem, target_here(kernel))
+        with closing(Measurer(problem, config, kernel, timing=args.timing)) as measurer:
+            timing = measurer.confirm([config], rounds=args.rounds).get(config)
+            program, failure = measurer.checked(config)  # the confirmed program, held
+            if timing is None or program is None:
+                return {"failure": failure.status if failure else "not confirmed",
+                        "error": failure.attrs.get("error", "") if failure else ""}
+            walls = wall_ms(measurer, program, args.rounds)
     except Exception as error:  # noqa: BLE001 - a kernel that cannot run it is a row too
         return {"failure": type(error).__name__, "error": str(error).splitlines()[0]}
-    finally:
-        measurer.close()
     wall = statistics.median(walls)
     ratio = timing.median_ms / wall
     kernels = timing.kernel_median_ms
