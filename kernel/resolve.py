@@ -60,7 +60,8 @@ Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
 class Resolution:
     """The config a key resolved to, from which source, and why (for fallbacks). ``stale``
     names the versions a table or service entry was tuned under when they differ from the
-    installed ones (it is still used: legality is checked here, speed may have moved).
+    installed ones, or its retired timing method (it is still used: legality is checked here,
+    speed may have moved).
     ``match``: ``exact``, or ``nearest`` with ``origin`` the tuned problem it comes from."""
 
     config: Any  # the backend's config type
@@ -494,6 +495,7 @@ def use_table(path: str | Path) -> None:
 def resolution_sources() -> dict[Key, str]:
     """How each key traced so far in this process was resolved: the source (``table``,
     ``service`` or ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu
-    versions), ``exact`` or ``nearest (from <tuned problem>)``, the config that ran, and
+    versions or a retired timing method), ``exact`` or ``nearest (from <tuned problem>)``, the
+    config that ran, and
     ``; kernel: ...`` when a kernel choice picked the key's kernel (which ran)."""
     return get_resolver().sources()

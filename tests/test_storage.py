@@ -107,7 +107,8 @@ def test_result_fields_are_validated() -> None:
         result(method="guess")
     with pytest.raises(ResultError, match="device_kind"):
         result(device_kind=" ")
-    with pytest.raises(ResultError, match="timing must be one of step_profile, loop, wallclock, profile"):
+    with pytest.raises(ResultError,
+                       match="timing must be one of step_profile, loop, wallclock, profile"):
         result(timing="stopwatch")
     with pytest.raises(ResultError, match="roofline_bound must be one of compute, memory"):
         result(roofline_bound="disk")
