@@ -34,8 +34,9 @@ NEAREST_FAMILY = ("with the same dtype, head_dim, causal, mode, window, segment 
                   "softcap (any value) or none")
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
 MAX_ASKED_KERNELS = 16  # kernels whose configs a choice lookup answers, per key at most
-# The versions a result was tuned under: the resolver marks an entry stale when they moved.
-VERSION_FIELDS = tuple(f"{package}_version" for package in VERSIONED_PACKAGES)
+# The versions a result was tuned under and its timing method: the resolver marks an entry
+# stale when a version moved or the method is retired (kernel.resolve.stale_versions).
+STALENESS_FIELDS = (*(f"{package}_version" for package in VERSIONED_PACKAGES), "timing")
 
 Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
@@ -196,8 +197,11 @@ class Measurements(_Strict):
     speedup: Millis | None = None
     trials: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] | None = None
     method: Method | None = None
-    timing: Timing | None = Field(None, description="How runs were timed: profile (device "
-                                  "time from a profiler trace), loop or wallclock.")
+    timing: Timing | None = Field(None, description="How runs were timed: step_profile (the "
+                                  "whole step's device time from a profiler trace), loop or "
+                                  "wallclock; profile (the named kernels only) is retired.")
+    kernel_median_ms: Millis | None = Field(None, description="The part of median_ms the "
+                                            "kernel's named pallas_calls took.")
     achieved_tflops: Millis | None = None
     roofline_fraction: Millis | None = Field(None, description="The fraction of the device's "
                                              "binding roof (roofline_bound) reached.")
@@ -247,6 +251,7 @@ class EntryOut(BaseModel):
     libtpu_version: str | None
     study: str | None
     device_index: int | None
+    kernel_median_ms: float | None
     created_at: datetime
     updated_at: datetime
 
@@ -433,4 +438,4 @@ def lookup_body(entry: Entry, match: str) -> dict[str, Any]:
     result = entry.result
     return {"config": result.config.to_dict(), "match": match, "key": result.key.to_dict(),
             "time_ms": result.median_ms, "speedup": result.speedup,
-            "provenance": {name: getattr(result, name) for name in VERSION_FIELDS}}
+            "provenance": {name: getattr(result, name) for name in STALENESS_FIELDS}}

@@ -203,7 +203,7 @@ def choose_among(timings: Mapping[str, Timing], default: str) -> tuple[str, bool
 def confirm_timing(methods: Iterable[str]) -> str:
     """The one timing method the candidates' winners are confirmed with: theirs when they
     agree, else ``loop``, which times any kernel on any device. Times of two methods are not
-    compared: a loop's run includes the loop's own cost, a profile's does not (see
+    compared: a loop's run includes the loop's own cost, a step profile's does not (see
     :mod:`autotune.timing`)."""
     distinct = set(methods)
     return distinct.pop() if len(distinct) == 1 else "loop"

@@ -2,8 +2,9 @@
 
 Per candidate: an ahead-of-time compile (started early, in a small thread pool, for the
 candidates the search will ask about next), a correctness gate against the XLA reference, then
-timing with one method of :mod:`autotune.timing` (``profile``, ``loop`` or ``wallclock``):
-warm-up, repeated runs, median and spread. Every failure is classified and returned, never
+timing with one method of :mod:`autotune.timing` (``step_profile``, ``loop`` or
+``wallclock``): warm-up, repeated runs, median and spread (with ``step_profile``, of the whole
+step, and the named kernels' part of it beside). Every failure is classified and returned, never
 raised. Off the kernel's platforms (a CPU-only machine) the kernel runs in Pallas interpret
 mode: the pipeline is exercised for real, but the times are no device figure (method
 ``interpret``).
@@ -37,13 +38,15 @@ from autotune.failures import (
     out_of_memory,
 )
 from autotune.timing import (
+    PROFILE,
     TimingError,
     kernel_op_matcher,
     looped,
     op_names,
-    profile_runs,
     profiler_missing,
+    run_times,
     timing_plan,
+    trace_runs,
 )
 from autotune.trials import Measurement
 from kernel import Problem, TunableKernel
@@ -71,13 +74,20 @@ AHEAD = 2
 @dataclass(frozen=True)
 class Timing:
     """Times of repeated runs of one compiled config, in milliseconds (what each is depends
-    on the timing method: a run's wall or device time, or a loop's time per run)."""
+    on the timing method: a run's wall or the whole step's device time, or a loop's time per
+    run); ``kernel_samples_ms``, per sample, the part of it the kernel's named
+    ``pallas_call``s took (``step_profile`` timing of a kernel that names them; else empty)."""
 
     samples_ms: tuple[float, ...]
+    kernel_samples_ms: tuple[float, ...] = ()
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.samples_ms)
+
+    @property
+    def kernel_median_ms(self) -> float | None:
+        return statistics.median(self.kernel_samples_ms) if self.kernel_samples_ms else None
 
     @property
     def iqr_ms(self) -> float:
@@ -205,9 +215,9 @@ def _same_bits(got: Any, want: Any) -> jax.Array:
 @dataclass(frozen=True)
 class Program:
     """A measured function compiled for the timing method: a ``looped`` one takes the number
-    of runs first (:func:`autotune.timing.looped`); ``kernel_names`` are the kernels a profile
-    counts (``TunableKernel.profile_names``; empty: every op); ``compile_s`` the seconds its
-    compile took."""
+    of runs first (:func:`autotune.timing.looped`); ``kernel_names`` are the kernels whose
+    share of the step a profile reports (``TunableKernel.profile_names``; empty: none);
+    ``compile_s`` the seconds its compile took."""
 
     fn: Callable[..., Any]
     compiled: Any
@@ -231,13 +241,13 @@ class Measurer:
     ``prepare(config)`` starts compiling a config the search will ask about soon; calling the
     measurer with a config waits for its compile (``compile_timeout_s``), checks the result
     against the gate's reference (:func:`compiled_reference`) and times it with ``timing``
-    (``auto``, ``profile``, ``loop`` or ``wallclock``; after construction the method in use).
-    Construction raises ``ProblemTooLarge`` when the problem does not fit the device
+    (``auto``, ``step_profile``, ``loop`` or ``wallclock``; after construction the method in
+    use). Construction raises ``ProblemTooLarge`` when the problem does not fit the device
     (:func:`check_fits`, or the device's memory running out). ``build`` makes the function to
     measure (``kernel.build`` by default). ``fallback`` is the method used when a profile
-    trace holds no event of the kernel (``auto`` sets ``loop`` on a TPU or GPU; without one,
-    ``profile`` raises ``TimingError``); on falling back, ``timing_note`` says why and
-    ``notify`` (else the log) is told once.
+    trace holds no event of the measured program (``auto`` sets ``loop`` on a TPU or GPU;
+    without one, ``step_profile`` raises ``TimingError``); on falling back, ``timing_note``
+    says why and ``notify`` (else the log) is told once.
     """
 
     problem: Problem
@@ -272,7 +282,7 @@ class Measurer:
         self.method = "device" if self.device.platform in self.kernel.platforms else "interpret"
         self.timing, planned = timing_plan(self.timing, self.device.platform)
         self.fallback = self.fallback or planned
-        missing = profiler_missing() if self.timing == "profile" else None
+        missing = profiler_missing() if self.timing == PROFILE else None
         if missing is not None:  # else every config would fail to time, as a runtime error
             self._fall_back(missing)
         if self.build is None:
@@ -358,12 +368,12 @@ class Measurer:
                 self._compiles.pop(config, None)
 
     def settle_timing(self, params: dict[str, Any]) -> None:
-        """Settles a ``profile`` timing before a search by timing ``params`` (the default)
-        twice: falls back to ``loop``, or raises ``TimingError`` for an explicit ``profile``,
-        when the trace holds no event of the kernel. The default's program is kept (the
-        canary's) for the search; a config that fails leaves the question to the first config
-        that runs."""
-        if self.timing != "profile":
+        """Settles a ``step_profile`` timing before a search by timing ``params`` (the
+        default) twice: falls back to ``loop``, or raises ``TimingError`` for an explicit
+        ``step_profile``, when the trace holds no event of the measured program. The
+        default's program is kept (the canary's) for the search; a config that fails leaves
+        the question to the first config that runs."""
+        if self.timing != PROFILE:
             return
         self._take_canary()
         program, _ = self.checked(self.config(params))
@@ -465,10 +475,13 @@ class Measurer:
             return failure
         checked = time.perf_counter()
         timing = self.time(program)
+        kernel_ms = {} if timing.kernel_median_ms is None else {
+            "kernel_ms": timing.kernel_median_ms}
         return Measurement(timing.median_ms, Status.OK, {
             "compile_s": round(program.compile_s, 4), "gate_s": round(checked - start, 4),
             "time_s": round(time.perf_counter() - checked, 4), "iqr_ms": timing.iqr_ms,
-            "runs": len(timing.samples_ms), "max_error": error, "timing": self.timing})
+            "runs": len(timing.samples_ms), "max_error": error, "timing": self.timing,
+            **kernel_ms})
 
     def time(self, program: Program, *, runs: int | None = None) -> Timing:
         """Times ``program`` with the timing method after ``warmup`` runs: exactly ``runs``
@@ -480,23 +493,32 @@ class Measurer:
         for _ in range(self.warmup):
             self.run(program)
         run_s = (time.perf_counter() - start) / max(self.warmup, 1)
-        if self.timing == "profile":
+        if self.timing == PROFILE:
             count = runs or min(self.max_runs, max(self.min_runs,
                                                    math.ceil(self.min_time_s / run_s)))
-            samples = profile_runs(lambda: program.compiled(*self.inputs), count,
-                                   kernel_op_matcher(op_names(program.compiled),
-                                                     program.kernel_names))
-            if samples is not None:
-                return Timing(tuple(samples))
-            what = (f"named {', '.join(program.kernel_names)}" if program.kernel_names
-                    else "of the measured program")
+            timing = self._profile(program, count)
+            if timing is not None:
+                return timing
             self._fall_back(f"the profiler trace on {self.device.device_kind} holds no device "
-                            f"event {what}")
+                            f"event of the measured program")
             return self.time(program, runs=runs)
         if self.timing == "loop":
             n = min(self.max_loop_runs, max(2, math.ceil(self.loop_sample_s / run_s)))
             return self._sample(lambda: self.run(program, n), runs, per_call=n)
         return self._sample(lambda: self.run(program), runs)
+
+    def _profile(self, program: Program, runs: int) -> Timing | None:
+        """``runs`` runs of ``program`` under one profiler trace: per run, the busy time of
+        every op of its executable (the whole step), and of its named kernels (the
+        breakdown; empty when it names none or the trace shows none of them); None when the
+        trace holds no op of the executable."""
+        events = trace_runs(lambda: program.compiled(*self.inputs), runs)
+        step = run_times(events, runs, kernel_op_matcher(op_names(program.compiled), ()))
+        if step is None:
+            return None
+        kernels = run_times(events, runs, kernel_op_matcher((), program.kernel_names)) \
+            if program.kernel_names else None
+        return Timing(tuple(step), tuple(kernels or ()))
 
     def _sample(self, call: Callable[[], Any], runs: int | None, per_call: int = 1) -> Timing:
         samples: list[float] = []
@@ -511,13 +533,13 @@ class Measurer:
         return Timing(tuple(samples))
 
     def _fall_back(self, reason: str) -> None:
-        """Profile timing cannot time the kernel (``reason``): switch to the fallback and say
-        so once, or (an explicit ``profile``) raise ``TimingError``."""
+        """``step_profile`` timing cannot time the kernel (``reason``): switch to the fallback
+        and say so once, or (an explicit ``step_profile``) raise ``TimingError``."""
         if self.fallback is None:
-            raise TimingError(f"profile timing cannot time kernel {self.kernel.name!r}: "
+            raise TimingError(f"{PROFILE} timing cannot time kernel {self.kernel.name!r}: "
                               f"{reason}; use --timing loop or wallclock")
         self.timing, self.fallback = self.fallback, None
-        self.timing_note = f"timing with {self.timing} instead of profile: {reason}"
+        self.timing_note = f"timing with {self.timing} instead of {PROFILE}: {reason}"
         (self.notify or log.warning)(self.timing_note)
 
     def checked(self, config: Config) -> tuple[Program | None, Measurement | None]:
@@ -563,9 +585,15 @@ class Measurer:
 
 def interleaved(timers: Mapping[K, Callable[[], Timing]], rounds: int) -> dict[K, Timing]:
     """Runs every timer once per round, interleaved (A B C A B C ...), so drift and noise hit
-    all alike; each round contributes the median of that timer's runs."""
+    all alike; each round contributes the median of that timer's runs (and of their named
+    kernels' part, where measured)."""
     samples: dict[K, list[float]] = {key: [] for key in timers}
+    kernel_samples: dict[K, list[float]] = {key: [] for key in timers}
     for _ in range(rounds):
         for key, timer in timers.items():
-            samples[key].append(timer().median_ms)
-    return {key: Timing(tuple(values)) for key, values in samples.items()}
+            timing = timer()
+            samples[key].append(timing.median_ms)
+            if timing.kernel_median_ms is not None:
+                kernel_samples[key].append(timing.kernel_median_ms)
+    return {key: Timing(tuple(values), tuple(kernel_samples[key]))
+            for key, values in samples.items()}

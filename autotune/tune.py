@@ -52,7 +52,7 @@ class TuneOptions:
     compile_timeout_s: float = 300.0
     force: bool = False  # confirm a finished problem again; replace a stored entry timed otherwise
     device_index: int = 0  # which local device measures (its worker sees only that one)
-    timing: str = "auto"  # autotune.timing: auto, profile, loop or wallclock
+    timing: str = "auto"  # autotune.timing: auto, step_profile, loop or wallclock
 
     def __post_init__(self) -> None:
         """Refuses what the CLI's options refuse, naming the field."""
@@ -93,7 +93,7 @@ class TuneSummary:
     stop_reason: str
     device_index: int = 0
     timing: str = "wallclock"  # the method every trial and the confirmation were timed with
-    timing_note: str | None = None  # why auto fell back from profile, if it did
+    timing_note: str | None = None  # why auto fell back from step_profile, if it did
     roofline: Roofline | None = None  # None on a CPU
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -359,6 +359,7 @@ class TuneJob:
         roofline = device_roofline(device, problem, winner_ms)
         confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                     "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                                    "kernel_median_ms": t.kernel_median_ms,
                                     "is_default": c == base, "is_winner": c == winner}
                         for c, t in timings.items()}
         # The study is complete before the entry names it: a kill in between leaves no entry
@@ -374,6 +375,7 @@ class TuneJob:
             speedup=speedup, trials=result.measured, method=self.measurer.method,
             timing=self.measurer.timing, **result_roofline(roofline),
             study=self.name if study else None, device_index=options.device_index,
+            kernel_median_ms=timings[winner].kernel_median_ms,
             **{f"{package}_version": version
                for package, version in installed_versions().items()}))
         if study:  # what a rerun compares: nothing measured since means nothing to confirm

@@ -10,7 +10,7 @@ rules). Sections, in order, each skipped (and saying so) when the budget is spen
 
 1. ``problems``: per problem, ``mosaic_gpu`` searched (``autotune.search``, our TPE sampler,
    the default first, ``--trials`` configs), then its tuned and default configs and every
-   candidate's default timed in interleaved rounds (``--rounds``) by profile timing (every
+   candidate's default timed in interleaved rounds (``--rounds``) by step_profile timing (every
    device op of each program; ``loop`` when the trace holds none): median, IQR, achieved
    TFLOP/s, fraction of the device's bf16 dense roofline, tuned over default, the winner.
    Every program is checked against the XLA reference before it is timed.

@@ -1,11 +1,11 @@
 """How stable each timing method is, for a tiny kernel whose dispatch dominates and a larger
-one: per-call time under ``profile``, ``loop`` and ``wallclock`` in one run, each measured
+one: per-call time under ``step_profile``, ``loop`` and ``wallclock`` in one run, each measured
 ``--repeats`` times (interleaved, so drift hits all alike), with the spread of the repeats.
 
-Prints per kernel and method the median per-call time, its ratio to ``profile``'s and the
+Prints per kernel and method the median per-call time, its ratio to ``step_profile``'s and the
 spread (IQR over median of the repeats, and max/min), then which method is the most stable and
 by how much against ``wallclock``; ends with a JSON line. Runs on whatever JAX sees: on a CPU
-the measured functions are XLA programs (``profile`` then reads the executable's host-side op
+the measured functions are XLA programs (``step_profile`` then reads the executable's host-side op
 events), on a TPU or GPU the same programs on the device::
 
     python bench/timing.py [--repeats 15]
@@ -22,11 +22,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from storage import CURRENT_TIMINGS  # noqa: E402
+
 # (batch, heads, kv_heads, q_len, kv_len, head_dim): the tiny one is microseconds of work,
 # dispatch-dominated anywhere; the larger one milliseconds (on a CPU a smaller "larger").
 KERNELS = {"tiny": (1, 1, 1, 128, 128, 64), "larger": (4, 16, 16, 4096, 4096, 128)}
 CPU_KERNELS = {"tiny": (1, 1, 1, 128, 128, 64), "larger": (1, 4, 4, 512, 512, 64)}
-METHODS = ("profile", "loop", "wallclock")
+METHODS = CURRENT_TIMINGS  # step_profile first: the others are shown over it
 
 
 def spread(samples: list[float]) -> float:
@@ -57,7 +59,7 @@ def main() -> None:
                      for m in METHODS}
         try:
             programs = {m: measurers[m].compile(kernel.build(problem, config),
-                                                kernel.profile_names)[0] for m in METHODS}
+                                                kernel.profile_names) for m in METHODS}
             samples: dict[str, list[float]] = {m: [] for m in METHODS}
             for _ in range(args.repeats):
                 for method in METHODS:
@@ -65,7 +67,7 @@ def main() -> None:
         finally:
             for measurer in measurers.values():
                 measurer.close()
-        profile_ms = statistics.median(samples["profile"])
+        profile_ms = statistics.median(samples[METHODS[0]])
         rows = {m: {"median_ms": statistics.median(s), "over_profile":
                     statistics.median(s) / profile_ms, "spread": spread(s),
                     "max_over_min": max(s) / min(s)} for m, s in samples.items()}
@@ -76,7 +78,7 @@ def main() -> None:
         print(f"{name} ({problem.label()}):")
         for method, row in rows.items():
             print(f"  {method:9s} {row['median_ms']:.4f} ms/call ({row['over_profile']:.2f}x "
-                  f"profile), spread {row['spread']:.1%} IQR/median, "
+                  f"{METHODS[0]}), spread {row['spread']:.1%} IQR/median, "
                   f"max/min {row['max_over_min']:.2f}")
         print(f"  most stable: {stablest}, wallclock's spread "
               f"{results[name]['wallclock_spread_over_stablest']:.1f}x its")

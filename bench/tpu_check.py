@@ -16,7 +16,7 @@ Sections (each kernel and config is checked against the XLA reference before it 
    ``fwd_bwd``; the others are listed with the reason they are skipped.
 2. ``timing``: three shapes, each tuned (``autotune.tune``, a throwaway SQLite file) once per
    timing method; per shape, the default config timed by each method, as a ratio to
-   ``profile``, and whether the methods' winners agree.
+   ``step_profile``, and whether the methods' winners agree.
 3. ``comparison``: per shape, the tuned winner, the default, ``jax_tpu_flash`` and ``xla``
    timed in interleaved rounds (every device op counted, for a like-for-like figure), each
    with achieved TFLOP/s and its fraction of the chip's roofline.
@@ -30,8 +30,8 @@ Sections (each kernel and config is checked against the XLA reference before it 
    ``bench/choice.py``, every candidate kernel's confirmed time and the chosen kernel over a
    grid of shapes.
 
-``--interpret`` runs it all on a CPU with tiny shapes (the kernels in interpret mode; ``profile``
-cannot see a Pallas kernel there, so its rows say why; times are no device figure)::
+``--interpret`` runs it all on a CPU with tiny shapes (the kernels in interpret mode, whose
+steps ``step_profile`` reads as host-side op events; times are no device figure)::
 
     python bench/tpu_check.py --interpret
 """
@@ -51,10 +51,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+from storage import CURRENT_TIMINGS  # noqa: E402
+
 TUNED_KERNEL = "flash"
 BASELINES = ("jax_tpu_flash", "xla")
 SPLASH = "splash"  # tuned against MaxText's default and recipes (section 4)
-METHODS = ("profile", "loop", "wallclock")
+METHODS = CURRENT_TIMINGS  # step_profile first: the others are shown over it
 DEVICE_SHAPES = [  # (batch, q_heads, kv_heads, seq, head_dim, causal, mode), bfloat16
     (1, 8, 8, 1024, 128, False, "fwd"),  # ~4.3 GFLOP: dispatch is as long as the kernel
     (4, 16, 16, 4096, 128, True, "fwd"),
@@ -76,7 +78,7 @@ td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}.num{text-align:ri
 <td>{{ n.status }}</td><td class="num">{{ fmt(n.max_error, ".2e") }}</td></tr>{% endfor %}</table>
 <h2>Timing methods</h2>
 {% for t in r.timing %}<h3>{{ t.problem }}</h3><table><tr><th>method</th><th>winner</th>
-<th>best (ms)</th><th>default (ms)</th><th>default / profile</th><th>note</th></tr>
+<th>best (ms)</th><th>default (ms)</th><th>default / step_profile</th><th>note</th></tr>
 {% for m, v in t.methods.items() %}<tr><td>{{ m }}</td><td>{{ v.winner or "–" }}</td>
 <td class="num">{{ fmt(v.best_ms) }}</td><td class="num">{{ fmt(v.default_ms) }}</td>
 <td class="num">{{ fmt(t.default_over_profile.get(m), ".2f") }}</td><td>{{ v.note or "" }}</td>
@@ -216,7 +218,7 @@ def timing_methods(problem: Any, db_url: str, args: argparse.Namespace) -> dict[
                 methods[method]["note"] = f"default not timed: {error}"
             finally:
                 measurer.close()
-    profile_ms = default_ms.get("profile")
+    profile_ms = default_ms.get(METHODS[0])
     winners = {v["winner"] for v in methods.values() if v["winner"]}
     return {"problem": problem.label(), "methods": methods, "default_ms": default_ms,
             "default_over_profile": {m: ms / profile_ms for m, ms in default_ms.items()}
@@ -424,7 +426,7 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1, default=str))
     write_html(report, args.html)
     for timed in report["timing"]:
-        print(f"{timed['problem']}: default / profile "
+        print(f"{timed['problem']}: default / step_profile "
               + (", ".join(f"{m} {r:.2f}" for m, r in timed["default_over_profile"].items())
                  or "n/a (no profile here)"))
     for compared in report["comparison"] + report["splash"]:

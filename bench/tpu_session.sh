@@ -18,6 +18,10 @@
 #   bash bench/tpu_session.sh model MODEL SEQ TRIALS [flags]  # a training step tuned with
 #                                            tune_model against MaxText's splash and XLA:
 #                                            $OUT/model-MODEL-SEQ.json (issue 63, item 2)
+#   bash bench/tpu_session.sh steptime [PROBLEMS]  # every kernel's tuner figure against the
+#                                            wall time of 10 back-to-back calls, problems
+#                                            PROBLEMS (1, 2 or 1,2, the default):
+#                                            $OUT/step-time-PROBLEMS.json (issue 60, item 1)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +68,10 @@ handset)
 cost)
     python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;
+steptime)
+    problems=${2:-1,2}
+    python3 bench/step_time.py --problems "$problems" --out "$OUT/step-time-${problems//,/-}.json" \
+        2> "$OUT/step-time-${problems//,/-}.err" | tail -n 80 ;;
 landscape)
     kernel=$2 trials=$3 seconds=$4 db=sqlite:////tmp/landscape-$2.db
     [ -n "${5:-}" ] && cp "$5" "/tmp/landscape-$kernel.db"

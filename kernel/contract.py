@@ -177,8 +177,8 @@ class TunableKernel(ABC):
         backward rule, or through :func:`per_mode` for a kernel whose custom VJP takes one
         config both ways).
       - Optionally ``profile_names``: the ``name=`` of each ``pallas_call`` it runs, so the
-        tuner's profiler timing counts those kernels' device events only (empty: every device
-        op of the measured program).
+        tuner reports those kernels' share of the step beside its time (the tuner's profiler
+        timing counts every device op of the measured step either way; empty: no share).
       - Optionally ``seed_configs``: hand-set configs known to do well (a library's own
         recipes), which a search measures right after the default; by default every block
         field at one size, for each size declared.
@@ -200,7 +200,8 @@ class TunableKernel(ABC):
     # A config compiles exactly when each part does with the others at the default, so
     # precheck covers the product of the parts with their sum of compiles. Empty: one program.
     compile_parts: ClassVar[tuple[tuple[str, ...], ...]] = ()
-    # The pallas_call names of its kernels, as device profiles show them; (): every device op.
+    # The pallas_call names of its kernels, as device profiles show them: their share of the
+    # step is reported beside its time; (): none is.
     profile_names: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod

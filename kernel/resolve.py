@@ -49,6 +49,9 @@ SOURCES = ("table", "service", "default")
 MAX_TIMEOUT_MS = 60_000  # a trace waits at most a minute for the service
 MAX_BREAKER_S = 86_400
 VERSIONED_PACKAGES = ("jax", "jaxlib", "libtpu")
+# Timing methods the tuner no longer uses (autotune.timing), each with why a time it took is
+# stale: results timed by one are still legal, but were ranked by another figure.
+RETIRED_TIMINGS = {"profile": "the named kernels only, not the whole step"}
 SAFE_KERNEL = "xla"  # runs every problem on every platform: the last fallback of a choice
 NO_TUNABLE_FIELDS = "no tunable fields"  # the detail of a kernel with one config (xla)
 Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
@@ -58,7 +61,8 @@ Key = tuple[str, str, Problem]  # (kernel, device kind, problem)
 class Resolution:
     """The config a key resolved to, from which source, and why (for fallbacks). ``stale``
     names the versions a table or service entry was tuned under when they differ from the
-    installed ones (it is still used: legality is checked here, speed may have moved).
+    installed ones, or its retired timing method (it is still used: legality is checked here,
+    speed may have moved).
     ``match``: ``exact``, or ``nearest`` with ``origin`` the tuned problem it comes from."""
 
     config: Any  # the backend's config type
@@ -163,12 +167,17 @@ def installed_versions() -> dict[str, str | None]:
 
 
 def stale_versions(provenance: Mapping[str, Any], installed: Mapping[str, str | None]) -> str:
-    """Which recorded ``<package>_version`` differ from the installed ones ('' if none); a
-    package not installed here (libtpu on a service host) cannot have moved."""
+    """Which recorded ``<package>_version`` differ from the installed ones, and a retired
+    timing method (the version of the measurement itself, :data:`RETIRED_TIMINGS`), as
+    ``jax 0.9.0 (installed 0.10.2)``; '' if none. A package not installed here (libtpu on a
+    service host) cannot have moved."""
     moved = [f"{package} {provenance[f'{package}_version']} (installed {installed[package]})"
              for package in VERSIONED_PACKAGES
              if installed[package] is not None
              and provenance.get(f"{package}_version") not in (None, installed[package])]
+    timing = provenance.get("timing")
+    if timing in RETIRED_TIMINGS:
+        moved.append(f"timing {timing} ({RETIRED_TIMINGS[timing]})")
     return ", ".join(moved)
 
 
@@ -488,6 +497,7 @@ def use_table(path: str | Path) -> None:
 def resolution_sources() -> dict[Key, str]:
     """How each key traced so far in this process was resolved: the source (``table``,
     ``service`` or ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu
-    versions), ``exact`` or ``nearest (from <tuned problem>)``, the config that ran, and
+    versions or a retired timing method), ``exact`` or ``nearest (from <tuned problem>)``, the
+    config that ran, and
     ``; kernel: ...`` when a kernel choice picked the key's kernel (which ran)."""
     return get_resolver().sources()

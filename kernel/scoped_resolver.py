@@ -197,8 +197,9 @@ def _memory(base: Resolver, blocks: tuple[Block, ...]) -> _Memory:
 
 def resolution_sources() -> dict[Key, str]:
     """How each key traced so far in this process was resolved: ``table``, ``service`` or
-    ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu versions and
-    followed by ``; kernel: ...`` when a kernel choice picked the key's kernel (which ran).
+    ``default``, marked ``(stale: ...)`` when tuned under other jax/jaxlib/libtpu versions or a
+    retired timing method, and followed by ``; kernel: ...`` when a kernel choice picked the
+    key's kernel (which ran).
     Inside ``kernel.tables`` blocks, the keys a block answered name it (``scoped table
     'path'``)."""
     return active_resolver().sources()

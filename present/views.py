@@ -43,13 +43,22 @@ def _roofline(result: TunedResult) -> str:
     return f"{text}, {result.roofline_fraction:.0%} of {result.roofline_bound} roof"
 
 
+def _kernel_share(result: TunedResult) -> str:
+    """The named kernels' part of the step's median and their share of it, where measured
+    (``step_profile`` timing of a kernel that names its ``pallas_call``s)."""
+    if result.kernel_share is None:
+        return "–"
+    return f"{_ms(result.kernel_median_ms)} ms, {result.kernel_share:.0%} of the step"
+
+
 def template_env() -> jinja2.Environment:
     """The templates with autoescaping and the filters they use (``ms``, ``ratio``,
-    ``speedup``, ``roofline``)."""
+    ``speedup``, ``roofline``, ``kernel_share``)."""
     env = jinja2.Environment(loader=jinja2.PackageLoader("present"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline)
+    env.filters.update(ms=_ms, ratio=_ratio, speedup=_speedup, roofline=_roofline,
+                       kernel_share=_kernel_share)
     return env
 
 

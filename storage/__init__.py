@@ -14,6 +14,7 @@ from storage.engine import (
     shown_url,
 )
 from storage.results import (
+    CURRENT_TIMINGS,
     MAX_STORED_INT,
     METHODS,
     ROOFLINE_BOUNDS,
@@ -26,6 +27,7 @@ from storage.results import (
     StorageError,
     TunedResult,
     check_text,
+    unknown_timing,
 )
 from storage.schema import check_writable, schema_is_current, schema_problem, upgrade
 from storage.settings import DEFAULT_DB_URL, StorageSettings
@@ -38,11 +40,11 @@ from storage.store import (
 )
 
 __all__ = [
-    "CHOICE_FILTER_FIELDS", "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError",
+    "CHOICE_FILTER_FIELDS", "CURRENT_TIMINGS", "ConfigKey", "DEFAULT_DB_URL", "DatabaseFullError",
     "DatabaseUrlError", "Entry", "FILTER_FIELDS", "HistoryEntry", "LookupRequest",
     "MAX_STORED_INT", "METHODS", "PublishOutcome", "ROOFLINE_BOUNDS", "ReadOnlyDatabaseError",
     "ResultError", "SchemaError", "StorageError", "StorageSettings", "Store", "StoredChoice",
     "TIMINGS", "TunedResult", "WriteRefusedError", "check_text", "check_writable",
     "make_engine", "normalize_url", "shown_url", "schema_is_current", "schema_problem",
-    "upgrade",
+    "unknown_timing", "upgrade",
 ]

@@ -81,6 +81,7 @@ class _ResultColumns(_ProblemColumns, _ProvenanceColumns):
     roofline_bound: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["roofline_bound"]))
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
     device_index: Mapped[int | None] = mapped_column(Integer)
+    kernel_median_ms: Mapped[float | None] = mapped_column(Float)
 
 
 class TunedConfigRow(_ResultColumns, Base):

@@ -12,19 +12,35 @@ from datetime import datetime
 from typing import Any, Literal
 
 from kernel import DEFAULT_KERNEL, AutotuneError, Problem, TableEntry, get_kernel
-from kernel.resolve import installed_versions, stale_versions
+from kernel.resolve import RETIRED_TIMINGS, installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
-# How a run was timed (autotune.timing): device time from a profiler trace, a compiled loop's
-# time per run, or host wall time around each call.
-TIMINGS: tuple[str, ...] = ("profile", "loop", "wallclock")
+# How a run was timed (autotune.timing): the whole step's device time from a profiler trace, a
+# compiled loop's time per run, or host wall time around each call; and the retired methods,
+# which older results recorded (stale: kernel.resolve.RETIRED_TIMINGS).
+CURRENT_TIMINGS: tuple[str, ...] = ("step_profile", "loop", "wallclock")
+TIMINGS: tuple[str, ...] = (*CURRENT_TIMINGS, *RETIRED_TIMINGS)
+
+
+def unknown_timing(requested: str) -> str | None:
+    """Why ``requested`` is no timing method to time with (a retired one says why it was
+    retired), naming the ones to choose; None for ``auto`` or a current method."""
+    if requested in ("auto", *CURRENT_TIMINGS):
+        return None
+    retired = f" (retired: it timed {RETIRED_TIMINGS[requested]})" if requested in RETIRED_TIMINGS \
+        else ""
+    return (f"unknown timing method {requested!r}{retired}; choose one of auto, "
+            f"{', '.join(CURRENT_TIMINGS)}")
 ROOFLINE_BOUNDS: tuple[str, ...] = ("compute", "memory")
+# kernel_median_ms: the part of the winner's median its named kernels took (step_profile
+# timing of a kernel that names its pallas_calls; None otherwise), a breakdown that ranks nothing.
 MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup", "achieved_tflops",
-                      "roofline_fraction")
+                      "roofline_fraction", "kernel_median_ms")
 PROVENANCE_FIELDS = ("trials", "method", "timing", "roofline_bound", "jax_version",
                      "jaxlib_version", "libtpu_version", "study", "device_index")
 # What a lookup table's entry carries besides its timings (kernel.table.TableEntry.provenance).
 TABLE_PROVENANCE = ("platform", "iqr_ms", "achieved_tflops", "roofline_fraction",
+                    "kernel_median_ms",
                     *PROVENANCE_FIELDS)
 
 
@@ -163,7 +179,7 @@ class TunedResult:
     speedup: float | None = None
     trials: int | None = None
     method: Literal["device", "interpret", "replay"] | None = None
-    timing: Literal["profile", "loop", "wallclock"] | None = None
+    timing: Literal["step_profile", "loop", "wallclock", "profile"] | None = None
     # Against the device's roofline (kernel.roofline); None on a CPU or where peaks are unknown.
     achieved_tflops: float | None = None
     roofline_fraction: float | None = None
@@ -173,6 +189,7 @@ class TunedResult:
     libtpu_version: str | None = None
     study: str | None = None
     device_index: int | None = None  # which local device measured it (tune --devices)
+    kernel_median_ms: float | None = None  # of median_ms, the named kernels' part
     kernel: str = DEFAULT_KERNEL
     kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
@@ -242,6 +259,13 @@ class TunedResult:
         (default: this environment's), as ``jax 0.9.0 (installed 0.10.2)``; '' when none do.
         A stale config is still legal, but may no longer be the fastest."""
         return stale_versions(self.measurements(), installed or _installed_versions())
+
+    @property
+    def kernel_share(self) -> float | None:
+        """The fraction of the step's median its named kernels took (None where unmeasured)."""
+        if self.kernel_median_ms is None or not self.median_ms:
+            return None
+        return self.kernel_median_ms / self.median_ms
 
     def measurements(self) -> dict[str, Any]:
         """Timings and provenance as plain fields (everything but key and config)."""

@@ -294,8 +294,8 @@ def test_a_cudnn_choice_is_the_nearest_choice_for_another_shape_and_can_be_store
                                                                      GPU_TARGET)
     assert (pick.kernel.name, pick.by) == ("cudnn", "chosen (nearest choice in pinned table)")
     check_choice("NVIDIA H200", choice)  # raises when a rule is broken
-    with pytest.raises(ResultError, match="timing must be one of profile, loop, wallclock, "
-                                          "got 'stopwatch'"):
+    with pytest.raises(ResultError, match="timing must be one of step_profile, loop, "
+                                          "wallclock, profile, got 'stopwatch'"):
         check_choice("NVIDIA H200", dataclasses.replace(choice, provenance={
             "timing": "stopwatch"}))
 

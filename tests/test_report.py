@@ -117,9 +117,9 @@ def failing_db(tmp_path_factory: pytest.TempPathFactory) -> str:
     with Store(url) as store:
         store.publish(TunedResult(
             device_kind="TPU v5 lite", problem=FAILING, config=WINNER, median_ms=1.575,
-            iqr_ms=0.1, default_median_ms=2.1, trials=15, method="device", timing="profile",
-            achieved_tflops=2.72, roofline_fraction=0.014, roofline_bound="compute",
-            study=FAILING_STUDY))
+            iqr_ms=0.1, default_median_ms=2.1, trials=15, method="device",
+            timing="step_profile", kernel_median_ms=1.26, achieved_tflops=2.72,
+            roofline_fraction=0.014, roofline_bound="compute", study=FAILING_STUDY))
     return url
 
 
@@ -210,6 +210,8 @@ def test_report_of_a_tuning_run(tuned_db: str, tmp_path: Path) -> None:
     # Timed by wall clock on the CPU, where no roofline figure is made up (index rows of both
     # kernels, and the summary).
     assert len(re.findall(r'<td>wallclock</td>\s*<td class="roofline">–</td>', html)) == 2
+    # Nor a kernels' share: wall clock times the step alone.
+    assert len(re.findall(r'<td class="num kernel-share">–</td>', html)) == 2
     assert re.search(r'<th>roofline</th><td class="roofline">–</td>', html)
 
 
@@ -223,8 +225,19 @@ def test_report_names_each_distinct_error(failing_db: str, tmp_path: Path) -> No
     assert OOM in html and MOSAIC in html and "at line 3" not in html  # first lines only
     row = re.search(r"<td>vmem_oom</td><td class=\"num\">(\d+)</td>", html)
     assert row and int(row.group(1)) == 2  # (512, 512) at both depths
-    assert "<td>profile</td>" in html
+    assert "<td>step_profile</td>" in html
     assert html.count("2.7 TFLOP/s, 1% of compute roof") == 2  # the index and the summary
+
+
+def test_report_shows_the_kernels_share_of_the_step(failing_db: str) -> None:
+    """The median is the whole step's device time; its named kernels' part (1.26 of 1.575
+    ms) is shown beside it, in the index and the summary."""
+    with Store(failing_db) as store:
+        html = " ".join(render(store).split())
+    assert "<th>kernels' share</th>" in html
+    assert '<td class="num">1.575</td> <td class="num kernel-share">80%</td>' in html
+    assert '<td class="kernel-share">1.260 ms, 80% of the step</td>' in html
+    assert 'class="stale"' not in html  # step_profile is the current method
 
 
 def test_report_on_an_empty_database_says_so(tmp_path: Path) -> None:

@@ -155,3 +155,50 @@ def test_device_kinds_whose_hashed_names_collide_get_a_shapes_file_each() -> Non
     for kind in ("x", "x c032adc1", "X"):
         taken.add(shapes_file_name("flash", kind, taken))
     assert len(taken) == 3, taken
+
+
+def _timed_by_each(db_url: str) -> tuple[Problem, Problem]:
+    """Two entries under this environment's versions on a v5e, one timed by the retired
+    ``profile`` and one by ``step_profile``: their problems, in that order."""
+    retired, current = _problem(256), _problem(512)
+    with Store(db_url) as store:
+        for problem, timing in ((retired, "profile"), (current, "step_profile")):
+            store.publish(TunedResult(device_kind="TPU v5 lite", problem=problem,
+                                      median_ms=1.0, config=default_config(problem),
+                                      timing=timing, **INSTALLED))
+    return retired, current
+
+
+def test_a_result_timed_by_the_retired_profile_method_is_stale_and_says_why(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """``profile`` timed the named kernels only (on a v5e 13% under flash's whole step): an
+    entry it timed is stale under this environment's versions, listed with the reason and a
+    re-tune command; one timed by ``step_profile`` is not."""
+    retired, current = _timed_by_each(sqlite_db_url)
+    with Store(sqlite_db_url) as store:
+        stored = {e.result.problem: e.result for e in store.list(limit=None)[0]}
+    assert stored[retired].stale_versions() == \
+        "timing profile (the named kernels only, not the whole step)"
+    assert stored[current].stale_versions() == ""
+    result = run_cli("stale", "--db", sqlite_db_url, "--output-dir", str(tmp_path),
+                     env={"COLUMNS": "250"})
+    assert result.returncode == 0, result.stderr
+    assert retired.label() in result.stdout and current.label() not in result.stdout
+    assert "timing profile (the named kernels only, not the whole step)" in result.stdout
+    assert load_shapes(tmp_path / "stale-flash-tpu-v5-lite.json") == [retired]
+
+
+def test_the_resolver_marks_a_service_answer_timed_by_profile_stale(sqlite_db_url: str,
+                                                                    start_server) -> None:
+    """The service's answer carries the entry's timing, so a config the retired ``profile``
+    timed resolves marked stale, with the reason; one timed by ``step_profile`` does not."""
+    from kernel.resolve import Resolver, ResolverSettings
+    from kernel.targets import TARGETS
+
+    retired, current = _timed_by_each(sqlite_db_url)
+    resolver = Resolver(ResolverSettings(url=start_server(sqlite_db_url).url, timeout_s=10))
+    stale = {problem: resolver.resolve(problem, "TPU v5 lite", "flash", TARGETS["v5e"])
+             for problem in (retired, current)}
+    assert stale[retired].source == stale[current].source == "service"
+    assert stale[retired].stale == "timing profile (the named kernels only, not the whole step)"
+    assert stale[current].stale == ""

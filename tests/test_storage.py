@@ -107,7 +107,8 @@ def test_result_fields_are_validated() -> None:
         result(method="guess")
     with pytest.raises(ResultError, match="device_kind"):
         result(device_kind=" ")
-    with pytest.raises(ResultError, match="timing must be one of profile, loop, wallclock"):
+    with pytest.raises(ResultError,
+                       match="timing must be one of step_profile, loop, wallclock, profile"):
         result(timing="stopwatch")
     with pytest.raises(ResultError, match="roofline_bound must be one of compute, memory"):
         result(roofline_bound="disk")
@@ -376,8 +377,8 @@ def test_upgrade_keeps_rows_and_adds_timing_and_roofline(empty_db_url: str) -> N
         assert (kept.median_ms, kept.method) == (2.0, "device")
         assert (kept.timing, kept.achieved_tflops, kept.roofline_fraction,
                 kept.roofline_bound) == (None, None, None, None)
-        new = result(1.0, timing="profile", achieved_tflops=151.5, roofline_fraction=0.77,
-                     roofline_bound="compute")
+        new = result(1.0, timing="step_profile", achieved_tflops=151.5,
+                     roofline_fraction=0.77, roofline_bound="compute", kernel_median_ms=0.8)
         assert store.publish(new).status == "replaced"
         assert store.get(new.key).result == new
         [entry] = store.export_table(DEVICE).entries

@@ -388,7 +388,7 @@ def _splash_study(url: str, problem: Problem, times: dict[int, float]) -> None:
     with Store(url) as store:
         store.publish(TunedResult(device_kind=DEVICE, problem=problem, median_ms=times[best],
                                   config=base.replace(block_kv_compute=best), kernel="splash",
-                                  study=name, timing="profile", trials=len(times)))
+                                  study=name, timing="step_profile", trials=len(times)))
 
 
 LOCAL = Problem(batch=2, q_heads=8, kv_heads=4, q_len=512, kv_len=512, head_dim=128,

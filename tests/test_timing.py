@@ -1,10 +1,10 @@
 """Timing methods and the roofline, on this machine's CPU.
 
-``profile`` reads a real ``jax.profiler`` trace of a real executable with xprof (on a CPU the
-executable's ops are host-side events); ``auto`` falls back to ``loop`` when the trace holds no
-event of the kernel (our Pallas kernels in interpret mode run no ``flash_fwd``) and says why,
-once; a looped program really runs its body n times; the roofline formulas against values
-worked out by hand, and no roofline figure on a CPU.
+``step_profile`` reads a real ``jax.profiler`` trace of a real executable with xprof (on a CPU
+the executable's ops are host-side events): every op of the step counts, the named kernels'
+part beside it; ``auto`` falls back to ``loop`` without xprof and says why, once; the retired
+``profile`` is refused, naming why; a looped program really runs its body n times; the
+roofline formulas against values worked out by hand, and no roofline figure on a CPU.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autotune.measure import Measurer
+from autotune.measure import Measurer, interleaved
 from autotune.peaks import device_roofline, gpu_peaks, tpu_peaks
 from autotune.timing import (
     TimingError,
     kernel_op_matcher,
     looped,
     op_names,
-    profile_runs,
     run_times,
     timing_plan,
     trace_events,
+    trace_runs,
 )
 from kernel import Problem, get_kernel
 from kernel.roofline import Peaks, attention_bytes, attention_flops, attention_pairs, roofline
@@ -44,6 +44,10 @@ X = jnp.asarray(np.random.default_rng(0).normal(size=(384, 384)), jnp.float32)
 
 def matmuls(x: jax.Array) -> jax.Array:
     return jnp.tanh(x @ x) @ x
+
+
+def profile_runs(call, runs: int, counts) -> list[float] | None:  # noqa: ANN001
+    return run_times(trace_runs(call, runs), runs, counts)
 
 
 def test_profile_reads_device_time_per_run_from_a_real_trace() -> None:
@@ -148,40 +152,76 @@ def test_a_profile_drops_the_native_profiler_noise_and_keeps_other_native_output
 
 
 def test_auto_plan_per_platform() -> None:
-    assert timing_plan("auto", "tpu") == ("profile", "loop")
-    assert timing_plan("auto", "gpu") == ("profile", "loop")
+    assert timing_plan("auto", "tpu") == ("step_profile", "loop")
+    assert timing_plan("auto", "gpu") == ("step_profile", "loop")
     assert timing_plan("auto", "cpu") == ("wallclock", None)
     assert timing_plan("loop", "tpu") == ("loop", None)
     with pytest.raises(TimingError, match="unknown timing method 'stopwatch'; choose one of"):
         timing_plan("stopwatch", "cpu")
+    # The retired method, which counted the named kernels only, is refused, saying why.
+    with pytest.raises(TimingError, match=r"'profile' \(retired: it timed the named kernels "
+                                          r"only, not the whole step\); choose one of auto, "
+                                          r"step_profile, loop"):
+        timing_plan("profile", "tpu")
 
 
-def test_profile_without_kernel_events_falls_back_to_loop_and_says_why_once() -> None:
-    """What ``auto`` does on a TPU or GPU, on our kernel in interpret mode: its trace has no
-    ``flash_fwd`` event, so the run's measurements are a loop's."""
+def doubled_tanh(x: jax.Array) -> jax.Array:
+    """A Pallas kernel (interpret mode, a grid of 4) over the rows of ``x``."""
+    from jax.experimental import pallas as pl
+
+    rows = x.reshape(-1, x.shape[-1])
+    block = pl.BlockSpec((rows.shape[0] // 4, rows.shape[1]), lambda i: (i, 0))
+    return pl.pallas_call(lambda x, o: o.__setitem__(..., jnp.tanh(x[...]) * 2.0),
+                          out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype), grid=(4,),
+                          in_specs=[block], out_specs=block, interpret=True,
+                          name="doubled_tanh")(rows)
+
+
+def products(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """:func:`matmuls` of a 512 x 512 matrix made of q, k and v: XLA ops, no kernel."""
+    return matmuls(jnp.concatenate([x.reshape(-1, 128) for x in (q, k, v, q)])
+                   .reshape(512, 512))
+
+
+def test_step_profile_counts_every_op_of_the_step_and_the_named_kernels_beside() -> None:
+    """The measured step is a kernel and matrix products outside it: the step's time holds
+    both, the kernel's part (all that ``profile`` counted) leaves the products out. On a CPU
+    an interpret-mode ``pallas_call`` runs as an XLA while loop (its ``name=`` names no op
+    there), so the kernel here is named by that loop, the step's only one."""
+    problem = Problem(1, 2, 2, 256, 256, 128, "float32", False, "fwd")
+    xla = get_kernel("xla")
+    measurer = Measurer(problem, xla.default_config(problem, "cpu"), xla,
+                        timing="step_profile", min_runs=5, min_time_s=0.05)
+    try:
+        step = measurer.compile(lambda q, k, v: (doubled_tanh(q), products(q, k, v)),
+                                ("while",))
+        alone = measurer.compile(products, ("while",))
+        timings = interleaved({"step": measurer.timer(step, 5),
+                               "products": measurer.timer(alone, 5)}, rounds=3)
+    finally:
+        measurer.close()
+    whole, products_ms = timings["step"], timings["products"].median_ms
+    assert timings["products"].kernel_median_ms is None  # no kernel of that name ran
+    assert whole.kernel_median_ms is not None and whole.kernel_median_ms > 0
+    # The products count in the step, and are no part of its kernel.
+    assert whole.median_ms > whole.kernel_median_ms + 0.5 * products_ms, (whole, products_ms)
+    assert whole.kernel_median_ms < 0.5 * whole.median_ms, whole
+
+
+def test_step_profile_times_an_interpreted_kernels_whole_step_without_a_breakdown() -> None:
+    """Our kernel in interpret mode: its step's ops are timed (no fall back to ``loop``), and
+    its named kernels, which run no ``flash_fwd`` event there, give no breakdown."""
     notes: list[str] = []
-    base = FLASH.default_config(TINY, "cpu")
-    measurer = Measurer(TINY, base, FLASH, timing="profile", fallback="loop",
-                        notify=notes.append, min_time_s=0.01, min_runs=2)
+    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="step_profile",
+                        fallback="loop", notify=notes.append, min_time_s=0.01, min_runs=2)
     try:
         measurer.settle_timing({})
         first = measurer({})
     finally:
         measurer.close()
-    assert measurer.timing == "loop"
-    assert notes == [measurer.timing_note]
-    assert "timing with loop instead of profile" in notes[0]
-    assert "no device event named flash_fwd, flash_bwd_dkv, flash_bwd_dq" in notes[0]
-    assert first.ok and first.attrs["timing"] == "loop"
-
-
-def test_explicit_profile_without_kernel_events_names_the_way_out() -> None:
-    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="profile")
-    try:
-        with pytest.raises(TimingError, match="use --timing loop or wallclock"):
-            measurer.settle_timing({})
-    finally:
-        measurer.close()
+    assert (measurer.timing, notes) == ("step_profile", [])
+    assert first.ok and first.attrs["timing"] == "step_profile" and first.value > 0
+    assert "kernel_ms" not in first.attrs
 
 
 def test_profile_without_xprof_falls_back_before_any_config_fails(monkeypatch) -> None:
@@ -189,7 +229,7 @@ def test_profile_without_xprof_falls_back_before_any_config_fails(monkeypatch) -
     was stored as a runtime error. Now ``auto`` falls back at once, and says how to fix it."""
     monkeypatch.setitem(sys.modules, "xprof", None)  # what an environment without it imports
     notes: list[str] = []
-    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="profile",
+    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="step_profile",
                         fallback="loop", notify=notes.append, min_time_s=0.01, min_runs=2)
     try:
         first = measurer({})
@@ -200,7 +240,7 @@ def test_profile_without_xprof_falls_back_before_any_config_fails(monkeypatch) -
         in notes[0]
     assert first.ok and first.attrs["timing"] == "loop"
     with pytest.raises(TimingError, match="pip install xprof.*use --timing loop or wallclock"):
-        Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="profile")
+        Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="step_profile")
 
 
 def test_loop_runs_its_body_n_times() -> None:

@@ -353,22 +353,21 @@ def test_the_progress_shows_trials_per_minute_and_the_time_left() -> None:
 
 
 def test_timing_that_cannot_time_here_is_refused_naming_the_fix(tmp_path: Path) -> None:
-    """An unknown method, and ``profile`` of our kernel in interpret mode (its trace holds no
-    flash_fwd event): exit 2 with the way out, and nothing published."""
+    """An unknown method, and the retired ``profile`` (the named kernels only): exit 2 with
+    the way out, and nothing published."""
     db = f"sqlite:///{tmp_path / 'tune.db'}"
     flags = ["--batch", "1", "--q-heads", "1", "--q-len", "256", "--head-dim", "128",
              "--dtype", "float32", "--trials", "2", "--db", db]
     unknown = run_cli("tune", *flags, "--timing", "stopwatch", env=WIDE)
     assert unknown.returncode == 2
-    assert "'stopwatch': use one of auto, profile, loop, wallclock" in unknown.stderr
+    assert ("unknown timing method 'stopwatch'; choose one of auto, step_profile, loop, "
+            "wallclock") in unknown.stderr
     profile = run_cli("tune", *flags, "--timing", "profile", env=WIDE, timeout=300)
     assert profile.returncode == 2, profile.stderr
-    assert ("profile timing cannot time kernel 'flash': the profiler trace on cpu holds no "
-            "device event named flash_fwd") in profile.stderr
-    assert "use --timing loop or wallclock" in profile.stderr
+    assert ("'profile' (retired: it timed the named kernels only, not the whole step); "
+            "choose one of auto, step_profile") in profile.stderr
     assert "Traceback" not in profile.stderr + profile.stdout
-    with Store(db) as store:
-        assert store.list() == ([], 0)
+    assert not (tmp_path / "tune.db").exists()  # refused before anything was written
 
 
 # --- failure classes, in process ---

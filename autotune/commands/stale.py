@@ -1,5 +1,6 @@
 """``autotune stale``: the stored configs tuned under other jax, jaxlib or libtpu versions than
-the installed ones, and the commands that re-tune them."""
+the installed ones, or timed by a retired timing method (``profile``, the named kernels only),
+and the commands that re-tune them."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def stale(
         help="Where to write the shapes files of the re-tune commands.")] = Path("."),
 ) -> None:
     """List the tuned configs whose jax, jaxlib or libtpu version differs from the installed
-    one (still legal, maybe no longer the fastest), and write per kernel and device kind a
-    shapes file with the `autotune tune` command that re-tunes them there. Only entries of
-    the installed kernel versions count: a re-tune publishes under those, so it would never
-    replace an entry of another version (they are counted, not listed)."""
+    one, or timed by a retired timing method (still legal, maybe no longer the fastest), and
+    write per kernel and device kind a shapes file with the `autotune tune` command that
+    re-tunes them there. Only entries of the installed kernel versions count: a re-tune
+    publishes under those, so it would never replace an entry of another version (they are
+    counted, not listed)."""
     from rich.console import Console
     from rich.markup import escape  # stored strings (a device kind) are no markup
     from rich.table import Table
@@ -59,7 +61,7 @@ def stale(
     groups: dict[tuple[str, str], dict[Problem, None]] = {}  # problems once, in order
     other_versions = 0
     table = Table(title=escape(f"configs tuned under other versions than this environment's "
-                               f"({here})"))
+                               f"({here}) or timed by a retired method"))
     for column in ("kernel", "device kind", "problem", "config", "tuned under"):
         table.add_column(column)
     for entry in entries:
@@ -81,7 +83,8 @@ def stale(
         counted = (f"all {len(entries) - other_versions} of the installed kernel versions"
                    if other_versions else f"all {len(entries)}")
         console.print(escape(f"no stale configs: {counted} were tuned under this environment's"
-                             f" versions ({here}) or recorded none"))
+                             f" versions ({here}) or recorded none, and timed by a current "
+                             "method"))
         return
     console.print(table)
     try:
@@ -97,7 +100,7 @@ def stale(
                 command += ' "$AUTOTUNE_DB_URL"'
             console.print(escape(f"re-tune the {len(problems)} stale {kernel} config(s) on a "
                                  f"{device_kind!r} device (--force replaces the stored timings "
-                                 f"measured under the old versions):\n  {command}"),
+                                 f"measured under the old versions or method):\n  {command}"),
                           soft_wrap=True, highlight=False)
     except OSError as error:
         typer.echo(f"error: cannot write the shapes file: {error}", err=True)

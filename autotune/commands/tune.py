@@ -49,10 +49,11 @@ def tune(
                         "--timing even if that is faster; one timed alike, only beyond the "
                         "noise.")] = False,
     timing: Annotated[str, typer.Option(
-        help="How runs are timed: profile (device time from a profiler trace), loop (many "
-             "runs in one compiled program), wallclock (host time per call), or auto: "
-             "profile on a TPU or GPU (loop if the trace shows no kernel), wallclock on a "
-             "CPU.")] = "auto",
+        help="How runs are timed: step_profile (the whole step's device time, every op of "
+             "the measured program, from a profiler trace; the named kernels' part beside "
+             "it), loop (many runs in one compiled program), wallclock (host time per call), "
+             "or auto: step_profile on a TPU or GPU (loop if the trace shows none of the "
+             "program), wallclock on a CPU.")] = "auto",
     json_output: Annotated[bool, typer.Option(
         "--json", help="One JSON object per trial, then one summary object per problem.")]
     = False,
@@ -78,11 +79,10 @@ def tune(
         selection = parse_devices(devices)
     except DeviceSelectionError as error:
         raise typer.BadParameter(str(error), param_hint="--devices") from None
-    from storage import TIMINGS
+    from storage import unknown_timing
 
-    if timing not in ("auto", *TIMINGS):
-        raise typer.BadParameter(f"{timing!r}: use one of auto, {', '.join(TIMINGS)}",
-                                 param_hint="--timing")
+    if unknown_timing(timing) is not None:
+        raise typer.BadParameter(unknown_timing(timing), param_hint="--timing")
     if kernel is not None and kernels is not None:
         raise typer.BadParameter("give --kernel (one kernel) or --kernels (a choice), not both",
                                  param_hint="--kernels")

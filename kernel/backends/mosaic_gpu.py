@@ -163,9 +163,9 @@ class MosaicGpuKernel(TunableKernel):
     config_type: ClassVar[type[MosaicGpuConfig]] = MosaicGpuConfig
     landscape_axes: ClassVar[tuple[str, str, str]] = ("block_q", "block_kv",
                                                       "max_concurrent_steps")
-    # Every device op counts (profile_names empty): upstream's backward computes delta and,
-    # for GQA, sums dK/dV over the group in XLA ops outside its kernels, and cudnn, pallas_gpu
-    # and xla are timed whole too. Its kernels' names, by upstream's bodies (plgpu.kernel names
+    # No kernels' share is reported (profile_names empty; every kernel's whole step is timed
+    # anyway): upstream's backward computes delta and, for GQA, sums dK/dV over the group in
+    # XLA ops outside its kernels. Its kernels' names, by upstream's bodies (plgpu.kernel names
     # a kernel after its body function; the backward's are functools.partials), unverified on
     # a device: bench/gpu_check.py lists the compiled program's op names to check them.
     kernel_names: ClassVar[tuple[str, ...]] = ("entry", "anonymous")
