@@ -196,7 +196,24 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
             return captured_problems(function, *arguments)
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
-    return given_problems(context, problem, shapes)
+    problems = given_problems(context, problem, shapes)
+    if shapes:
+        _note_borrowed(shapes)
+    return problems
+
+
+def _note_borrowed(shapes: Path) -> None:
+    """Says which problems of ``shapes`` ran on a config borrowed from the nearest tuned
+    problem (an ``AUTOTUNE_RECORD_MISSES`` file marks them): they are tuned with the misses."""
+    from kernel.misses import BORROWED_FROM
+    from kernel.shapesfile import notes
+
+    lent = [note for note in notes(shapes.read_text(encoding="utf-8"))
+            if note.startswith(BORROWED_FROM)]
+    if lent:
+        typer.echo(f"note: {shapes}: {len(lent)} problem(s) ran on a config borrowed from the "
+                   f"nearest tuned problem ({lent[0]}{', ...' if len(lent) > 1 else ''}): "
+                   "tuning gives each its own", err=True)
 
 
 def _unfinished(problems: list[Problem], store: Any, device_kind: str, kernel: str | None,
