@@ -499,3 +499,18 @@ def test_a_rerun_of_a_finished_choice_measures_and_publishes_nothing(tmp_path: P
     with Store(db) as store:
         [after] = store.list_choices(limit=None)[0]
     assert after.updated_at > before.updated_at
+
+
+def test_the_cpu_s_default_candidates_leave_the_gpu_kernels_out(tmp_path: Path) -> None:
+    """Issue 62 item 11: on a CPU the default candidates of ``autotune tune`` included
+    pallas_gpu (45-62 ms a trial interpreted), which no CPU user runs; they are the kernels the
+    CPU runs natively or interprets for a TPU. ``--kernel pallas_gpu`` still tunes it."""
+    from autotune.choice import local_kernels
+
+    assert jax.devices()[0].platform == "cpu"
+    assert local_kernels() == ["flash", "jax_tpu_flash", "splash", "xla"]
+    done = run_cli("tune", "--kernel", "pallas_gpu", *problem_flags(SMALL), "--trials", "1",
+                   "--db", f"sqlite:///{tmp_path / 'gpu.db'}", "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    [summary] = [json.loads(line) for line in done.stdout.splitlines() if '"summary"' in line]
+    assert summary["kernel"] == "pallas_gpu" and summary["publish"] == "inserted"
