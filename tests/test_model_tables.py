@@ -227,3 +227,18 @@ def test_a_malformed_table_file_is_refused_before_the_block(tmp_path):
     with pytest.raises(kernel.TableError, match="is not valid JSON"):
         with kernel.tables(path):
             pytest.fail("the block ran")
+
+
+def test_a_table_prints_as_its_counts_device_and_file_not_its_entries(tmp_path):
+    """Issue 62 item 11: ``print(table)`` dumped every entry (10 KB of repr for a real
+    table); it says how many entries of which kernel, on which device kind, from which file."""
+    many = table(*((dataclasses.replace(P, q_len=128 * n, kv_len=128 * n), SMALL)
+                   for n in range(1, 101)))
+    assert repr(many) == (f"LookupTable('cpu': entries 100 flash v{FLASH.version}; 0 kernel "
+                          "choices)")
+    path = tmp_path / "v5e.json"
+    path.write_text(json.dumps(many.to_dict()))
+    loaded = LookupTable.load(path)
+    assert str(loaded) == (f"LookupTable('cpu': entries 100 flash v{FLASH.version}; 0 kernel "
+                           f"choices, from {path})")
+    assert loaded == many  # where it came from is no part of what it holds
