@@ -2,9 +2,9 @@
 
 Each problem is one line, ``- {"batch": 1, ...}``: a YAML block sequence of JSON flow
 mappings, so a file stays valid YAML when lines are appended to it, and each line is read
-back alone. A line may end in a note, a YAML comment (``  # borrowed from ...``). Appends take an exclusive lock (``fcntl.flock``, where the OS has it) and go out
-in one ``O_APPEND`` write, so processes appending at once neither interleave lines nor add a
-problem twice.
+back alone; it may end in a note, a YAML comment (``  # borrowed from ...``). Appends take an
+exclusive lock (``fcntl.flock``, where the OS has it) and go out in one ``O_APPEND`` write, so
+processes appending at once neither interleave lines nor add a problem twice.
 """
 
 from __future__ import annotations
