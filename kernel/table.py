@@ -337,7 +337,7 @@ def read_table_bytes(path: str | Path) -> bytes:
 # The fields of an ``others`` item: a table's own, less those the outer table holds for all.
 _OTHER_FIELDS = tuple(field.name for field in dataclasses.fields(LookupTable)
                       if field.name not in ("device_kind", "schema_version", "choices", "others",
-                                            "left_out"))
+                                            "left_out", "source"))
 
 
 def _others(data: dict[str, Any], version: int, device_kind: str,

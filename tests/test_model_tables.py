@@ -242,3 +242,11 @@ def test_a_table_prints_as_its_counts_device_and_file_not_its_entries(tmp_path):
     assert str(loaded) == (f"LookupTable('cpu': entries 100 flash v{FLASH.version}; 0 kernel "
                            f"choices, from {path})")
     assert loaded == many  # where it came from is no part of what it holds
+    xla = get_kernel("xla")
+    both = dataclasses.replace(many, others=(LookupTable(
+        kernel="xla", kernel_version=xla.version, device_kind="cpu",
+        entries=(TableEntry(P, xla.default_config(P)),)),))
+    path.write_text(json.dumps(both.to_dict()))
+    assert repr(LookupTable.load(path)) == (
+        f"LookupTable('cpu': entries 100 flash v{FLASH.version}, 1 xla v{xla.version}; 0 "
+        f"kernel choices, from {path})")
