@@ -34,9 +34,15 @@ NEAREST_FAMILY = ("with the same dtype, head_dim, causal, mode, window, segment 
                   "softcap (any value) or none")
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
 MAX_ASKED_KERNELS = 16  # kernels whose configs a choice lookup answers, per key at most
-# The versions a result was tuned under and its timing method: the resolver marks an entry
-# stale when a version moved or the method is retired (kernel.resolve.stale_versions).
-STALENESS_FIELDS = (*(f"{package}_version" for package in VERSIONED_PACKAGES), "timing")
+# What a lookup says of how its config was measured: the versions it was tuned under and the
+# timing method (the resolver marks an entry stale when a version moved or the method is
+# retired: kernel.resolve.stale_versions), the method (on the device, or in interpret mode on a
+# CPU: no device figure) and which local device measured it.
+LOOKUP_PROVENANCE = (*(f"{package}_version" for package in VERSIONED_PACKAGES), "timing",
+                     "method", "device_index")
+LOOKUP_PROVENANCE_DOC = ("The jax, jaxlib and libtpu versions it was tuned under, its timing "
+                         "method, the method (device, or interpret: a CPU's interpret mode, no "
+                         "device figure) and device_index (which local device measured it).")
 
 Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
@@ -269,8 +275,7 @@ class LookupResponse(BaseModel):
     key: KeyOut = Field(description="The tuned key the config comes from.")
     time_ms: float | None
     speedup: float | None
-    provenance: dict[str, str | None] = Field(
-        description="The jax, jaxlib and libtpu versions it was tuned under.")
+    provenance: dict[str, str | int | None] = Field(description=LOOKUP_PROVENANCE_DOC)
 
 
 class BatchLookupRequest(_Strict):
@@ -284,8 +289,8 @@ class BatchLookupItem(BaseModel):
     key: KeyOut | None = None
     time_ms: float | None = None
     speedup: float | None = None
-    provenance: dict[str, str | None] | None = Field(
-        None, description="The jax, jaxlib and libtpu versions it was tuned under.")
+    provenance: dict[str, str | int | None] | None = Field(
+        None, description=LOOKUP_PROVENANCE_DOC)
     detail: str | None = None
 
 
@@ -438,4 +443,4 @@ def lookup_body(entry: Entry, match: str) -> dict[str, Any]:
     result = entry.result
     return {"config": result.config.to_dict(), "match": match, "key": result.key.to_dict(),
             "time_ms": result.median_ms, "speedup": result.speedup,
-            "provenance": {name: getattr(result, name) for name in STALENESS_FIELDS}}
+            "provenance": {name: getattr(result, name) for name in LOOKUP_PROVENANCE}}

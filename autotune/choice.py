@@ -39,19 +39,23 @@ ObserverFor = Callable[[str], AbstractContextManager[TuneObserver | None]]
 
 def local_kernels(platform: str | None = None, device_kind: str | None = None) -> list[str]:
     """Every registered kernel with rules for the local device (default: this process's
-    first; on a CPU, those that run interpreted too): the default candidates of
-    ``autotune tune``."""
+    first) that runs on its platform, or on the platform of the kernel the wrapper runs there
+    (on a CPU: the TPU kernels, which it interprets as their correctness oracle; not a GPU
+    kernel, whose interpreted trials no CPU user runs and take tens of ms each): the default
+    candidates of ``autotune tune`` (``--kernel`` still picks any kernel with rules here)."""
     if platform is None or device_kind is None:
         device = jax.devices()[0]
         platform, device_kind = device.platform, device.device_kind
     target = device_target(platform, device_kind)
+    runs_as = {platform, *get_kernel(default_kernel(platform)).platforms}
     out = []
     for name in kernel_names():
         try:
             get_kernel(name).target(target)
         except ConfigError:
             continue
-        out.append(name)
+        if runs_as & set(get_kernel(name).platforms):
+            out.append(name)
     return out
 
 

@@ -3,9 +3,14 @@ splash configs: the stored entry of one shape, or the config best for several sh
 one set of settings must serve (a model's local and global attention layers).
 
 MaxText takes one ``BlockSizes`` per model, field for field (``block_q`` is ``sa_block_q``,
-...; a null dQ block of a fused backward is left out). For several shapes the configs
-measured in every shape's study are the candidates, and the one whose times sum lowest wins
-(each shape counted once): a config one of the searches never measured has no time there.
+...; a null dQ block of a fused backward is left out). For several shapes the candidates are
+the configs measured in every shape's study whose search times sum lowest, and each shape's
+stored winner; they are confirmed on this device as a tune confirms its winner
+(``Measurer.confirm``: interleaved rounds, with MaxText's default among them), shape by
+shape, and the one whose confirmed times sum lowest wins (each shape counted once) unless it
+does not beat MaxText's default beyond the noise (``autotune.tune.choose_winner``). A single
+search trial is too noisy to choose by: a config one search timed fastest can be slower than
+the default when timed again.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import optuna
 
-from kernel import AutotuneError, Problem, device_target, get_kernel
+from autotune.measure import Measurer, Timing
+from autotune.tune import TuneOptions, choose_winner
+from kernel import AutotuneError, Problem, TunableKernel, device_target, get_kernel
 from storage import Entry, Store
 from storage.studies import OK, get_storage, is_measurement, trial_status
 
 KERNEL = "splash"
+DEFAULT = "MaxText's default"  # the default's key among the confirmed candidates
 
 
 class MaxTextError(AutotuneError):
@@ -30,12 +39,22 @@ class MaxTextError(AutotuneError):
 
 @dataclass(frozen=True)
 class SharedConfig:
-    """The config best for several shapes together, from their stored trials."""
+    """The config best for several shapes together, confirmed on this device."""
 
     config: Any  # a SplashConfig
-    times_ms: dict[Problem, float]  # its measured time per shape
-    best_ms: dict[Problem, float]  # each shape's own best measured time
-    candidates: int  # configs measured for every shape
+    confirmed: dict[Any, dict[Problem, Timing]]  # each candidate's (DEFAULT too) per shape
+    chosen: Any  # the key of ``config`` in ``confirmed``
+    device_kind: str
+    timing: str  # the method the confirmation timed with (the stored entries')
+    rounds: int
+
+    @property
+    def problems(self) -> list[Problem]:
+        return list(self.confirmed[self.chosen])
+
+    def total(self, candidate: Any) -> float:
+        """``candidate``'s confirmed medians, summed over the shapes."""
+        return sum(timing.median_ms for timing in self.confirmed[candidate].values())
 
 
 def sa_flags(config: Any) -> str:
@@ -56,24 +75,104 @@ def stored_entry(store: Store, device_kind: str, problem: Problem,
 
 
 def shared_config(store: Store, device_kind: str, problems: Sequence[Problem],
-                  kernel_version: str | None = None) -> SharedConfig:
-    """The config whose measured times over ``problems`` sum lowest, among the configs every
-    problem's study measured (the studies of their stored splash entries, all timed by one
-    method)."""
+                  kernel_version: str | None = None,
+                  options: TuneOptions = TuneOptions()) -> SharedConfig:
+    """The config best for ``problems`` together, confirmed on this device against MaxText's
+    default in ``options.confirm_rounds`` interleaved rounds a shape: among the
+    ``options.confirm_top`` configs whose search times over every shape sum lowest and each
+    shape's stored winner (all timed by one method, which the confirmation times with)."""
     entries = [stored_entry(store, device_kind, p, kernel_version) for p in problems]
     methods = sorted({str(e.result.timing) for e in entries})
     if len(methods) > 1:
         raise MaxTextError(f"the shapes were timed by different methods ({', '.join(methods)}), "
                            "whose times do not add up: tune them with one --timing")
+    kernel = get_kernel(KERNEL).discover()
+    _check_measurable(kernel, device_kind, entries)
+    candidates = _candidates(store, entries, options.confirm_top)
+    target = device_target(jax.devices()[0].platform, device_kind)
+    defaults = {p: kernel.default_config(p, target) for p in problems}
+    candidates = [c for c in candidates if set(defaults.values()) != {c}]  # not the default
+    per_shape = {p: _confirmed(p, defaults[p], candidates, kernel, methods[0], options)
+                 for p in problems}
+    confirmed = {key: {p: per_shape[p][key] for p in problems}
+                 for key in (DEFAULT, *candidates) if all(key in per_shape[p] for p in problems)}
+    if not confirmed:
+        raise MaxTextError(f"neither MaxText's default nor any of the {len(candidates)} "
+                           f"candidate configs compiled, ran and passed the correctness check "
+                           f"for every shape on {device_kind}")
+    chosen = choose_winner({key: _summed(list(times.values()))
+                            for key, times in confirmed.items()}, DEFAULT)
+    config = chosen if chosen != DEFAULT else _default_flags(kernel, set(defaults.values()))
+    return SharedConfig(config, confirmed, chosen, device_kind, methods[0],
+                        options.confirm_rounds)
+
+
+def _check_measurable(kernel: TunableKernel, device_kind: str, entries: list[Entry]) -> None:
+    """Raises ``MaxTextError`` unless this machine can confirm ``entries``: its device is of
+    their kind and its splash is their version."""
+    here = jax.devices()[0].device_kind
+    if here != device_kind:
+        raise MaxTextError(f"the shared config is confirmed by measuring it, and this machine's "
+                           f"device is {here!r}, not {device_kind!r}: export on a "
+                           f"{device_kind!r} machine")
+    versions = sorted({e.result.kernel_version for e in entries} - {kernel.version})
+    if versions:
+        raise MaxTextError(f"the entries are of splash version {', '.join(versions)} and the "
+                           f"installed splash is version {kernel.version}, which the "
+                           "confirmation measures: tune the shapes with this version")
+
+
+def _candidates(store: Store, entries: list[Entry], top: int) -> list[Any]:
+    """The ``top`` configs measured in every entry's study whose times there sum lowest, then
+    each entry's own config, each once."""
     measured = [_measured(store, entry) for entry in entries]
     common = set.intersection(*(set(times) for times in measured))
-    if not common:
-        raise MaxTextError("no config was measured for every shape, so none has a time for "
-                           "each: tune them again with more --trials, or --sampler grid")
-    best = min(common, key=lambda config: sum(times[config] for times in measured))
-    return SharedConfig(best, {p: times[best] for p, times in zip(problems, measured)},
-                        {p: min(times.values()) for p, times in zip(problems, measured)},
-                        len(common))
+    ranked = sorted(common, key=lambda config: sum(times[config] for times in measured))
+    return list(dict.fromkeys([*ranked[:top], *(e.result.config for e in entries)]))
+
+
+def _confirmed(problem: Problem, default: Any, candidates: list[Any], kernel: TunableKernel,
+               timing: str, options: TuneOptions) -> dict[Any, Timing]:
+    """``candidates`` and ``default`` (keyed ``DEFAULT``) re-measured on ``problem`` by the
+    tuner's confirmation; those that fail here are left out."""
+    measurer = Measurer(problem, default, kernel, compile_timeout_s=options.compile_timeout_s,
+                        timing=timing)
+    try:
+        timings = measurer.confirm([default, *candidates], rounds=options.confirm_rounds)
+    finally:
+        measurer.close()
+    keys = {DEFAULT: default, **{config: config for config in candidates}}
+    return {key: timings[config] for key, config in keys.items() if config in timings}
+
+
+def _summed(timings: list[Timing]) -> Timing:
+    """Round by round sums of interleaved timings (one sample a round each)."""
+    return Timing(tuple(map(sum, zip(*(t.samples_ms for t in timings), strict=True))))
+
+
+def _default_flags(kernel: TunableKernel, defaults: set[Any]) -> Any:
+    """MaxText's default as flags: the shapes' one default, or, when their sequence lengths
+    cap it differently, MaxText's uncapped one (which MaxText caps per shape)."""
+    return next(iter(defaults)) if len(defaults) == 1 else kernel.config_type()
+
+
+def confirmation_lines(shared: SharedConfig) -> list[str]:
+    """The confirmed figures: each candidate's median per shape and their sum, fastest first,
+    the chosen one marked, and why when MaxText's default stays."""
+    problems = shared.problems
+    lines = [f"confirmed on {shared.device_kind} against MaxText's default: the median ms of "
+             f"{shared.rounds} interleaved rounds a shape, timed by {shared.timing}",
+             *(f"  shape {n}: {p.label()}" for n, p in enumerate(problems, 1)),
+             "  " + "".join(f"{f'shape {n}':>9}" for n in range(1, len(problems) + 1))
+             + f"{'sum':>8}  config"]
+    for key in sorted(shared.confirmed, key=shared.total):
+        times = "".join(f"{t.median_ms:9.3f}" for t in shared.confirmed[key].values())
+        name = key if key == DEFAULT else key.label(problems[0].mode)
+        mark = "  <- chosen" if key == shared.chosen else ""
+        lines.append(f"  {times}{shared.total(key):8.3f}  {name}{mark}")
+    if shared.chosen == DEFAULT and min(shared.confirmed, key=shared.total) != DEFAULT:
+        lines.append("MaxText's default stays: no candidate beat it beyond the measured noise")
+    return lines
 
 
 def _measured(store: Store, entry: Entry) -> dict[Any, float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing as mp
+import re
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -27,10 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.failures import Status, classify_compile_error
+from autotune.timing import native_noise_dropped
 from kernel import Problem, Target, TunableKernel, get_kernel
 from present.text import first_line
 
 START_TIMEOUT_S = 180.0  # a compiler process that is not ready by then will not be
+# What libtpu prints to stderr as it starts for a deviceless compile on a machine without a
+# TPU, with nothing for a user to do about it (seen with libtpu 0.0.42.1): warnings that it
+# cannot determine the TPU's accelerator type and worker hostnames, an ``E0000 ...
+# INVALID_ARGUMENT: Error: unexpected worker hostname`` line and its source location trace.
+LIBTPU_START_NOISE = re.compile(r"Failed to find host bounds for accelerator type|"
+                                r"Logging before InitGoogle\(\) is written to STDERR|"
+                                r"INVALID_ARGUMENT: Error: unexpected worker hostname|"
+                                r"^=== Source Location Trace: ===|libtpu_init_utils\.cc:\d+")
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,8 @@ def _worker(target_name: str, kernel_name: str, conn: Connection) -> None:
     from kernel.aot import compile_for_target, topology_device
 
     kernel = get_kernel(kernel_name).discover()
-    topology_device(target_name)  # pay libtpu start-up once, before the first deadline
+    with native_noise_dropped(LIBTPU_START_NOISE):
+        topology_device(target_name)  # pay libtpu start-up once, before the first deadline
     conn.send(("ready", None))
     while (task := conn.recv()) is not None:
         index, problem_dict, config_dict, options, forward_only = task

@@ -7,11 +7,25 @@ import time
 from collections import Counter
 from typing import Any
 
+from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.trials import TrialResult
-from kernel import Problem
+from kernel import ConfigError, Problem
+from present.text import first_line
+
+# The width a console writes to a file or a pipe: wide enough that no line is cut or wrapped
+# (Rich's default there is 80 columns).
+UNTERMINATED_WIDTH = 100_000
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A Rich console on stdout (or stderr) that prints lines whole when that is no terminal
+    (redirected to a file or a pipe), where Rich would cut or wrap them at 80 columns."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(
+        stderr=stderr, width=UNTERMINATED_WIDTH, soft_wrap=True)
 
 
 def trial_record(problem: Problem, result: TrialResult) -> dict[str, Any]:
@@ -35,7 +49,8 @@ class TuneProgress:
         self._pace = _Pace()
         self._progress = None if json_output else Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("{task.fields[status]}"))
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+            console=output_console())
         self._task = None if self._progress is None else self._progress.add_task(
             f"{kernel} {problem.label()}" if kernel else problem.label(), total=budget,
             status="starting")
@@ -45,8 +60,11 @@ class TuneProgress:
             self._progress.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 *_: object) -> None:
         if self._progress is not None:
+            if error is not None:  # the last frame says how it ended, not its last phase
+                self._progress.update(self._task, status=_ending(error))
             self._progress.stop()
 
     def on_start(self, measured: int) -> None:
@@ -89,6 +107,17 @@ class TuneProgress:
                                                 sorted(self.failures.items())))
         parts.append(self._pace.describe(self.budget - self.measured))
         return ", ".join(part for part in parts if part)
+
+
+def _ending(error: BaseException) -> str:
+    """How a tuning that raised ``error`` ended, for its progress line: refused as illegal (a
+    kernel that cannot run the problem here), interrupted, or failed, with the first line of
+    the reason."""
+    if isinstance(error, ConfigError):
+        return f"refused (illegal): {escape(first_line(str(error)))}"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    return f"failed: {escape(first_line(str(error)))}"
 
 
 class _Pace:

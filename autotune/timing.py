@@ -182,7 +182,7 @@ def trace_runs(call: Callable[[], Any], runs: int) -> list[dict[str, Any]]:
     """Runs ``call`` ``runs`` times (each to completion, in its own ``RUN_MARK`` annotation)
     under one ``jax.profiler`` trace and returns the trace's :func:`trace_events`."""
     with tempfile.TemporaryDirectory(prefix="autotune-profile-") as logdir, \
-            _native_noise_dropped():
+            native_noise_dropped(PROFILER_NOISE):
         jax.profiler.start_trace(logdir)
         try:
             for index in range(runs):
@@ -196,15 +196,15 @@ def trace_runs(call: Callable[[], Any], runs: int) -> list[dict[str, Any]]:
 
 # What the profiler's and xprof's C++ logging prints to stderr for every trace on a TPU, with
 # nothing for a user to do about it (seen with jax 0.10.2, libtpu 0.0.42.1, xprof 2.24).
-_NATIVE_NOISE = re.compile(r"No UnifiedProfileProcessor registered for tool|"
-                           r"Unified processor not found for tool|Remapping device id")
+PROFILER_NOISE = re.compile(r"No UnifiedProfileProcessor registered for tool|"
+                            r"Unified processor not found for tool|Remapping device id")
 
 
 @contextlib.contextmanager
-def _native_noise_dropped() -> Iterator[None]:
+def native_noise_dropped(noise: re.Pattern[str]) -> Iterator[None]:
     """Holds what native code writes to the process's stderr (file descriptor 2, which
     Python's ``sys.stderr`` cannot intercept) while the block runs, then writes it back
-    without the lines of :data:`_NATIVE_NOISE`."""
+    without the lines ``noise`` matches."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -217,5 +217,5 @@ def _native_noise_dropped() -> Iterator[None]:
             os.close(saved)
             held.seek(0)
             kept = [line for line in held.read().decode(errors="replace").splitlines(True)
-                    if not _NATIVE_NOISE.search(line)]
+                    if not noise.search(line)]
             sys.stderr.write("".join(kept))

@@ -96,10 +96,11 @@ class TuneSummary:
     timing_note: str | None = None  # why auto fell back from step_profile, if it did
     roofline: Roofline | None = None  # None on a CPU
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    platform: str = ""  # JAX's platform of the device that measured it
 
     def to_dict(self) -> dict[str, Any]:
         return {"problem": self.problem.to_dict(), "kernel": self.kernel,
-                "device_kind": self.device_kind,
+                "device_kind": self.device_kind, "platform": self.platform,
                 "method": self.method, "timing": self.timing, "timing_note": self.timing_note,
                 **result_roofline(self.roofline), "study": self.study,
                 "best_config": self.best_config.to_dict(),
@@ -395,7 +396,7 @@ class TuneJob:
             publish=outcome.status, stop_reason=result.stop_reason,
             device_index=options.device_index, timing=self.measurer.timing,
             timing_note=self.measurer.timing_note, roofline=roofline,
-            confirmation=confirmation)
+            confirmation=confirmation, platform=device.platform)
 
     def _publish(self, result: TunedResult) -> PublishOutcome:
         """Publishes ``result`` if it beats the stored entry beyond the noise of both. With

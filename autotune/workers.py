@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.devices import worker_env
+from autotune.progress import output_console
 from kernel import Problem
 
 STOP_WAIT_S = 60.0  # how long a stopped worker may take to give its claims back
@@ -142,7 +142,7 @@ class WorkerPool:
         self.progress = None if json_output else Progress(
             TextColumn("[bold]device {task.fields[device]}"), TextColumn("{task.description}"),
             BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[status]}"))
+            TextColumn("{task.fields[status]}"), console=output_console())
         self.workers = [self._start(d) for d in devices]
 
     def _start(self, device: int, previous: _Worker | None = None) -> _Worker:
@@ -321,7 +321,8 @@ class WorkerPool:
                               worker.identity)
 
     def _say(self, message: str) -> None:
-        console = self.progress.console if self.progress is not None else Console(stderr=True)
+        console = (self.progress.console if self.progress is not None
+                   else output_console(stderr=True))
         console.print(message, markup=False, highlight=False, style=None)
 
     # --- the run ----------------------------------------------------------------------------

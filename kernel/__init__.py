@@ -17,7 +17,7 @@ from kernel.backends.flash.config import FlashConfig
 from kernel.capture import Capture, capture
 from kernel.contract import TunableKernel, reference_attention
 from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
-from kernel.misses import Miss, untuned
+from kernel.misses import Borrowed, Miss, borrowed, untuned
 from kernel.platforms import skip_absent_tpu
 from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
@@ -29,11 +29,11 @@ from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
-    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Capture", "ConfigError", "FlashConfig",
-    "LookupTable", "Miss", "Problem", "ProblemError", "TableEntry", "TableError", "Target",
-    "TunableKernel", "Violation", "capture", "device_target", "dot_product_attention",
-    "flash_attention", "get_kernel", "get_target", "kernel_names", "reference_attention",
-    "resolution_sources", "tables", "untuned", "use_table",
+    "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Borrowed", "Capture", "ConfigError",
+    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "TableEntry", "TableError",
+    "Target", "TunableKernel", "Violation", "borrowed", "capture", "device_target",
+    "dot_product_attention", "flash_attention", "get_kernel", "get_target", "kernel_names",
+    "reference_attention", "resolution_sources", "tables", "untuned", "use_table",
 ]
 
 skip_absent_tpu()  # before the caller's first JAX computation starts the backends

@@ -166,13 +166,15 @@ def _per_device(sharded: tuple[Any, Any, Any], attention: Any, q: Any, k: Any, v
 
 
 def _source(resolver: Any, problem: Problem, device_kind: str, backend: TunableKernel,
-            target: Target, kernel_by: str) -> tuple[str, str, bool]:
-    """Where the config of ``problem`` (as it runs) comes from, why, and whether ``backend``
-    has fields to tune for it (one without, like ``xla``, resolves nothing: never a miss)."""
+            target: Target, kernel_by: str) -> tuple[str, str, bool, Problem | None]:
+    """Where the config of ``problem`` (as it runs) comes from, why, whether ``backend`` has
+    fields to tune for it (one without, like ``xla``, resolves nothing: never a miss), and
+    the tuned problem it borrowed the config from when that was the nearest entry."""
     if not backend.space_params(problem):
-        return "default", NO_TUNABLE_FIELDS, False
+        return "default", NO_TUNABLE_FIELDS, False, None
     resolution = resolver.resolve(problem, device_kind, backend.name, target, kernel_by)
-    return resolution.source, resolution.detail, True
+    nearest = resolution.match == "nearest"
+    return resolution.source, resolution.detail, True, resolution.origin if nearest else None
 
 
 def _unsupported_message(unsupported: dict[str, Any]) -> str:

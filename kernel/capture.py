@@ -90,13 +90,14 @@ def capture() -> Iterator[Capture]:
 
 
 def observe(call: Call, problem: Problem, kernel: str, source: str, detail: str,
-            tunable: bool) -> None:
+            tunable: bool, origin: Problem | None = None) -> None:
     """What the wrapper tells of each mode a call resolves: ``problem`` (in that mode) runs
     ``kernel`` with a config from ``source`` (``detail``: why); ``tunable``: the kernel has
-    fields to tune for it. Feeds the captures around the caller, else the misses
+    fields to tune for it; ``origin``: the tuned problem the config was borrowed from (the
+    nearest entry). Feeds the captures around the caller, else the misses
     (:mod:`kernel.misses`: an abstract trace for a capture runs nothing)."""
     captures = _CAPTURES.get()
     for captured in captures:
         captured._note(call, problem)
     if not captures:
-        note_miss(call, problem, kernel, source, detail, tunable)
+        note_miss(call, problem, kernel, source, detail, tunable, origin)

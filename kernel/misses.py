@@ -1,11 +1,14 @@
-"""Misses: the problems this process ran on a default config, and why.
+"""Misses: the problems this process ran on a default config, and why; and the problems it
+ran on a config borrowed from the nearest tuned problem (a table's or the service's nearest
+entry), which have no config of their own either.
 
 The wrapper reports each call's resolution per mode (:func:`note`, through
 :func:`kernel.capture.observe`). A call that ran differentiated is a ``fwd_bwd`` problem even
 where its primal was traced first (``lax.scan``, ``jax.checkpoint``): only the mode a call
-finally ran counts. :func:`untuned` lists the misses; ``AUTOTUNE_RECORD_MISSES=path`` appends
-them to a shapes file at exit (``autotune tune --shapes path`` tunes them), safely when
-several processes write the same file.
+finally ran counts. :func:`untuned` lists the misses, :func:`borrowed` the borrowers;
+``AUTOTUNE_RECORD_MISSES=path`` appends both to a shapes file at exit, each borrower's line
+marked with the problem it borrowed from (``autotune tune --shapes path`` tunes them all),
+safely when several processes write the same file.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kernel.problem import Problem
 from kernel.shapesfile import append_shapes
@@ -39,6 +42,25 @@ class Miss:
     detail: str
 
 
+@dataclass(frozen=True)
+class Borrowed:
+    """A problem that ran ``kernel`` on the config tuned for another problem, ``origin``: the
+    nearest entry ``source`` (``table`` or ``service``) had. Tuning it gives it its own."""
+
+    problem: Problem
+    kernel: str
+    source: str
+    origin: Problem
+
+    def note(self) -> str:
+        """Its mark in a shapes file."""
+        return f"{BORROWED_FROM} {self.origin.label()} (the nearest {self.source} entry)"
+
+
+BORROWED_FROM = "borrowed from"
+Record = TypeVar("Record", Miss, Borrowed)
+
+
 def miss_reason(detail: str) -> str:
     """The reason class of a default resolution's detail (``Resolution.detail``)."""
     if "illegal here" in detail:
@@ -49,18 +71,24 @@ def miss_reason(detail: str) -> str:
 
 
 _lock = threading.Lock()
-_calls: dict[Any, dict[str, Miss | None]] = {}  # call -> mode -> its miss (None: tuned)
+# call -> mode -> its miss or borrowing (None: tuned for it)
+_calls: dict[Any, dict[str, Miss | Borrowed | None]] = {}
 _exit_hook = False
 
 
 def note(call: Any, problem: Problem, kernel: str, source: str, detail: str,
-         tunable: bool) -> None:
-    """Records how ``call`` resolved ``problem`` (its mode included) with ``kernel``."""
+         tunable: bool, origin: Problem | None = None) -> None:
+    """Records how ``call`` resolved ``problem`` (its mode included) with ``kernel``;
+    ``origin``: the tuned problem whose config it borrowed, when its source's entry was the
+    nearest, not its own."""
     global _exit_hook
-    miss = (Miss(problem, kernel, miss_reason(detail), detail)
-            if tunable and source == "default" else None)
+    found: Miss | Borrowed | None = None
+    if tunable and source == "default":
+        found = Miss(problem, kernel, miss_reason(detail), detail)
+    elif tunable and origin is not None:
+        found = Borrowed(problem, kernel, source, origin)
     with _lock:
-        _calls.setdefault(call, {})[problem.mode] = miss
+        _calls.setdefault(call, {})[problem.mode] = found
         if not _exit_hook:
             atexit.register(_record_at_exit)
             _exit_hook = True
@@ -68,19 +96,33 @@ def note(call: Any, problem: Problem, kernel: str, source: str, detail: str,
 
 def untuned() -> list[Miss]:
     """The problems this process ran on a default config, each once, first seen first."""
+    return _each_once(Miss)
+
+
+def borrowed() -> list[Borrowed]:
+    """The problems this process ran on a config borrowed from the nearest tuned problem,
+    each once, first seen first."""
+    return _each_once(Borrowed)
+
+
+def _each_once(kind: type[Record]) -> list[Record]:
+    """The calls' records of ``kind`` in the mode each call ran, each problem once."""
     with _lock:
         calls = [dict(modes) for modes in _calls.values()]
-    out: dict[Problem, Miss] = {}
+    out: dict[Problem, Record] = {}
     for modes in calls:
-        miss = modes.get("fwd_bwd", modes.get("fwd"))
-        if miss is not None:
-            out.setdefault(miss.problem, miss)
+        found = modes.get("fwd_bwd", modes.get("fwd"))
+        if isinstance(found, kind):
+            out.setdefault(found.problem, found)
     return list(out.values())
 
 
 def record(path: str | os.PathLike[str]) -> int:
-    """Appends the misses' problems to the shapes file ``path``; how many were new there."""
-    return append_shapes(path, [miss.problem for miss in untuned()])
+    """Appends the misses' and the borrowers' problems to the shapes file ``path`` (each
+    borrower marked with what it borrowed from); how many were new there."""
+    lent = borrowed()
+    return append_shapes(path, [miss.problem for miss in untuned()]
+                         + [b.problem for b in lent], {b.problem: b.note() for b in lent})
 
 
 def _record_at_exit() -> None:

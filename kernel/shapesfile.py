@@ -2,9 +2,9 @@
 
 Each problem is one line, ``- {"batch": 1, ...}``: a YAML block sequence of JSON flow
 mappings, so a file stays valid YAML when lines are appended to it, and each line is read
-back alone. Appends take an exclusive lock (``fcntl.flock``, where the OS has it) and go out
-in one ``O_APPEND`` write, so processes appending at once neither interleave lines nor add a
-problem twice.
+back alone; it may end in a note, a YAML comment (``  # borrowed from ...``). Appends take an
+exclusive lock (``fcntl.flock``, where the OS has it) and go out in one ``O_APPEND`` write, so
+processes appending at once neither interleave lines nor add a problem twice.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from kernel.problem import FEATURE_FIELDS, Problem
@@ -21,6 +21,7 @@ from kernel.problem import FEATURE_FIELDS, Problem
 HEADER = "# attention problems for `autotune tune --shapes FILE`\n"
 # A shapes file of 16k problems is 3 MiB; a file past this is no shapes file.
 MAX_SHAPES_BYTES = 64 << 20
+NOTE = "  # "  # what starts a line's note
 
 
 def problem_line(problem: Problem) -> str:
@@ -36,16 +37,26 @@ def save_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> No
     Path(path).write_text(HEADER + "".join(lines), encoding="utf-8")
 
 
-def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> int:
-    """Appends the problems not in ``path`` yet (created if missing); how many were added.
-    Only a regular file is read, up to MAX_SHAPES_BYTES (a device or a FIFO is written to, and
-    a write that would block fails); a larger file raises ``OSError`` (EFBIG)."""
+def notes(text: str) -> list[str]:
+    """The notes the problem lines of a shapes file's ``text`` end in."""
+    return [line.split(NOTE, 1)[1] for line in text.splitlines()
+            if line.startswith("- ") and NOTE in line]
+
+
+def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem],
+                  noted: Mapping[Problem, str] | None = None) -> int:
+    """Appends the problems not in ``path`` yet (created if missing), a problem of ``noted``
+    with its note; how many were added. Only a regular file is read, up to MAX_SHAPES_BYTES
+    (a device or a FIFO is written to, and a write that would block fails); a larger file
+    raises ``OSError`` (EFBIG)."""
+    noted = noted or {}
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
         _lock(fd)
         present = _present_text(fd, path)
-        known = set(present.splitlines())
-        new = [line for line in dict.fromkeys(map(problem_line, problems))
+        known = {line.split(NOTE, 1)[0] for line in present.splitlines()}
+        new = [line.rstrip("\n") + (NOTE + noted[p] if p in noted else "") + "\n"
+               for p, line in {p: problem_line(p) for p in problems}.items()
                if line.rstrip("\n") not in known]
         text = ("" if present else HEADER) + "".join(new)
         if new:

@@ -197,6 +197,16 @@ class LookupTable:
     # The kernels of ``others`` items this build does not register (a table from a newer
     # build): their entries were left out on reading, and are not written back.
     left_out: tuple[str, ...] = field(default=(), compare=False)
+    source: str = field(default="", compare=False)  # the file it was loaded from, if any
+
+    def __repr__(self) -> str:
+        """Its kernels' entry counts, device kinds, choices and file, not every entry."""
+        tables = self.kernel_tables()
+        entries = ", ".join(f"{len(t.entries)} {t.kernel} v{t.kernel_version}" for t in tables)
+        kinds = ", ".join(sorted({repr(t.device_kind) for t in tables}))
+        where = f", from {self.source}" if self.source else ""
+        return (f"LookupTable({kinds}: entries {entries}; {len(self.choices)} kernel "
+                f"choices{where})")
 
     def kernel_tables(self) -> tuple[LookupTable, ...]:
         """This table and its ``others``: the entries of each kernel it carries."""
@@ -248,7 +258,7 @@ class LookupTable:
         except RecursionError:
             raise TableError(f"table {path} is nested too deeply to be a lookup table") from None
         try:
-            return cls.from_dict(data)
+            return dataclasses.replace(cls.from_dict(data), source=str(path))
         except AutotuneError as error:
             raise TableError(f"table {path}: {error}") from None
 
@@ -327,7 +337,7 @@ def read_table_bytes(path: str | Path) -> bytes:
 # The fields of an ``others`` item: a table's own, less those the outer table holds for all.
 _OTHER_FIELDS = tuple(field.name for field in dataclasses.fields(LookupTable)
                       if field.name not in ("device_kind", "schema_version", "choices", "others",
-                                            "left_out"))
+                                            "left_out", "source"))
 
 
 def _others(data: dict[str, Any], version: int, device_kind: str,

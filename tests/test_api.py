@@ -122,6 +122,21 @@ def test_keep_better_and_force_keep_history(server: Server) -> None:
             ("rejected", 2.0), ("replaced", 1.0), ("forced", 0.5)]
 
 
+def test_a_lookup_says_whether_it_was_measured_in_interpret_mode_and_on_which_device(
+        server: Server) -> None:
+    """Issue 62 item 11: the lookup's provenance held only the versions, so a config timed
+    in interpret mode on a CPU read like a device figure."""
+    kind = device()
+    publish(server, {**body(kind), "method": "interpret", "device_index": 2})
+    found = httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(kind)).json()
+    assert found["provenance"] == {"jax_version": "0.10.2", "jaxlib_version": None,
+                                   "libtpu_version": None, "method": "interpret",
+                                   "device_index": 2}
+    batch = httpx.post(f"{server.url}/v1/configs/lookup:batch",
+                       json={"keys": [lookup_params(kind, q_len=2048)]}).json()
+    assert batch["results"][0]["provenance"] == found["provenance"]
+
+
 def test_batch_lookup_answers_every_key_in_order(server: Server) -> None:
     kind = device()
     publish(server, body(kind))

@@ -499,3 +499,40 @@ def test_a_rerun_of_a_finished_choice_measures_and_publishes_nothing(tmp_path: P
     with Store(db) as store:
         [after] = store.list_choices(limit=None)[0]
     assert after.updated_at > before.updated_at
+
+
+def test_the_cpu_s_default_candidates_leave_the_gpu_kernels_out(tmp_path: Path) -> None:
+    """Issue 62 item 11: on a CPU the default candidates of ``autotune tune`` included
+    pallas_gpu (45-62 ms a trial interpreted), which no CPU user runs; they are the kernels the
+    CPU runs natively or interprets for a TPU. ``--kernel pallas_gpu`` still tunes it."""
+    from autotune.choice import local_kernels
+
+    assert jax.devices()[0].platform == "cpu"
+    assert local_kernels() == ["flash", "jax_tpu_flash", "splash", "xla"]
+    done = run_cli("tune", "--kernel", "pallas_gpu", *problem_flags(SMALL), "--trials", "1",
+                   "--db", f"sqlite:///{tmp_path / 'gpu.db'}", "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    [summary] = [json.loads(line) for line in done.stdout.splitlines() if '"summary"' in line]
+    assert summary["kernel"] == "pallas_gpu" and summary["publish"] == "inserted"
+
+
+def test_the_redirected_output_of_a_choice_is_whole_and_says_what_ran_where(
+        tmp_path: Path) -> None:
+    """Issue 62 item 12: redirected (no terminal), the progress display and the summaries
+    were cut or wrapped at 80 columns; cudnn, refused as illegal on a CPU, stayed
+    "starting" in the last frame; and xla on the CPU was labelled "device"."""
+    done = run_cli("tune", "--kernels", "flash,xla,cudnn", *problem_flags(SMALL), "--trials",
+                   "1", "--db", f"sqlite:///{tmp_path / 'out.db'}", timeout=300,
+                   env={"COLUMNS": ""})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    label = SMALL.label()
+    [refused] = [line for line in lines if line.startswith(f"cudnn {label} ")]
+    assert refused.endswith("refused (illegal): kernel 'cudnn' has no target 'cpu'; choose "
+                            "one of gpu"), refused
+    [xla] = [line for line in lines if line.startswith(f"xla {label} on cpu")]
+    assert "on cpu device 0 (cpu, timed by wallclock)" in xla and "published:" in xla
+    [flash] = [line for line in lines if line.startswith(f"flash {label} on cpu")]
+    assert "(interpret, timed by wallclock)" in flash and flash.endswith(f"{label}')")
+    assert any(line.startswith("chosen: ") and "cudnn failed (illegal)" in line
+               for line in lines)

@@ -19,7 +19,7 @@ import pytest
 import kernel
 from autotune.problem_options import load_shapes
 from kernel import LookupTable, Problem, TableEntry, get_kernel
-from kernel.misses import ILLEGAL, NO_ENTRY, STALE
+from kernel.misses import ILLEGAL, NO_ENTRY, STALE, Borrowed
 from kernel.resolve import ResolverSettings, reset_resolver
 from kernel.shapesfile import MAX_SHAPES_BYTES, append_shapes
 
@@ -82,6 +82,71 @@ def test_a_differentiated_call_misses_in_fwd_bwd_only():
     jax.eval_shape(jax.grad(jax.checkpoint(lambda q: kernel.flash_attention(q, q, q).sum())), x)
     new = [miss.problem for miss in kernel.untuned() if miss not in before]
     assert new == [dataclasses.replace(p, mode="fwd_bwd")]
+
+
+def test_a_nearest_entry_s_config_is_recorded_as_borrowed_apart_from_the_misses(tmp_path):
+    """Issue 62 item 10: a problem served by the nearest entry (a training run whose sequence
+    length changed) was neither in untuned() nor anywhere else, so nothing said to tune it."""
+    flash = get_kernel("flash")
+    tuned, near, far = problem(1536), problem(3072), dataclasses.replace(problem(3072),
+                                                                          head_dim=64)
+    table = write_table(tmp_path / "t.json", [TableEntry(tuned, flash.default_config(tuned))],
+                        flash.version)
+    before_missed, before_lent = kernel.untuned(), kernel.borrowed()
+    reset_resolver(ResolverSettings(table_paths=(str(table),)))
+    try:
+        for p in (tuned, near, far):
+            trace(p, differentiated=False)
+    finally:
+        reset_resolver(ResolverSettings())
+    lent = [b for b in kernel.borrowed() if b not in before_lent]
+    assert lent == [Borrowed(near, "flash", "table", tuned)]
+    assert lent[0].note() == f"borrowed from {tuned.label()} (the nearest table entry)"
+    assert [m.problem for m in kernel.untuned() if m not in before_missed] == [far]
+
+
+BORROWER = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    import kernel
+
+    for q_len, head_dim in ((256, 128), (256, 64)):
+        x = jax.ShapeDtypeStruct((1, 1, q_len, head_dim), jnp.float32)
+        jax.eval_shape(jax.grad(lambda q: kernel.flash_attention(q, q, q).sum()), x)
+""")
+
+
+def test_the_misses_file_marks_the_borrowers_and_tune_names_them(tmp_path):
+    """Issue 62 item 10: AUTOTUNE_RECORD_MISSES writes the borrowers too, each line marked
+    with what it borrowed from; `autotune tune --shapes` on that file says so and tunes them."""
+    from conftest import run_cli
+
+    flash = get_kernel("flash")
+    tuned = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=128,
+                    dtype="float32", mode="fwd_bwd")
+    table = write_table(tmp_path / "t.json", [TableEntry(tuned, flash.default_config(tuned))],
+                        flash.version)
+    path = tmp_path / "misses.yaml"
+    env = {**os.environ, "AUTOTUNE_RECORD_MISSES": str(path), "AUTOTUNE_TABLE": str(table),
+           "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", BORROWER], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    missed, borrower = load_shapes(path)
+    assert (missed.head_dim, borrower.q_len, borrower.head_dim) == (64, 256, 128)
+    header, missed_line, borrower_line = path.read_text().splitlines()
+    assert borrower_line.endswith(f"}}  # borrowed from {tuned.label()} (the nearest table "
+                                  "entry)")
+    assert "#" not in missed_line
+    assert append_shapes(path, [missed, borrower], {borrower: "another note"}) == 0  # known
+    path.write_text(f"{header}\n{borrower_line}\n")  # the borrower alone: one quick tune
+    done = run_cli("tune", "--shapes", str(path), "--kernel", "flash", "--trials", "1",
+                   "--db", f"sqlite:///{tmp_path / 'tune.db'}", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"note: {path}: 1 problem(s) ran on a config borrowed from the nearest tuned " \
+           f"problem (borrowed from {tuned.label()} (the nearest table entry)): tuning gives " \
+           "each its own" in " ".join(done.stderr.split())
+    assert "published: inserted" in " ".join(done.stdout.split())
 
 
 RECORDER = textwrap.dedent("""

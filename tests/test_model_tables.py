@@ -227,3 +227,26 @@ def test_a_malformed_table_file_is_refused_before_the_block(tmp_path):
     with pytest.raises(kernel.TableError, match="is not valid JSON"):
         with kernel.tables(path):
             pytest.fail("the block ran")
+
+
+def test_a_table_prints_as_its_counts_device_and_file_not_its_entries(tmp_path):
+    """Issue 62 item 11: ``print(table)`` dumped every entry (10 KB of repr for a real
+    table); it says how many entries of which kernel, on which device kind, from which file."""
+    many = table(*((dataclasses.replace(P, q_len=128 * n, kv_len=128 * n), SMALL)
+                   for n in range(1, 101)))
+    assert repr(many) == (f"LookupTable('cpu': entries 100 flash v{FLASH.version}; 0 kernel "
+                          "choices)")
+    path = tmp_path / "v5e.json"
+    path.write_text(json.dumps(many.to_dict()))
+    loaded = LookupTable.load(path)
+    assert str(loaded) == (f"LookupTable('cpu': entries 100 flash v{FLASH.version}; 0 kernel "
+                           f"choices, from {path})")
+    assert loaded == many  # where it came from is no part of what it holds
+    xla = get_kernel("xla")
+    both = dataclasses.replace(many, others=(LookupTable(
+        kernel="xla", kernel_version=xla.version, device_kind="cpu",
+        entries=(TableEntry(P, xla.default_config(P)),)),))
+    path.write_text(json.dumps(both.to_dict()))
+    assert repr(LookupTable.load(path)) == (
+        f"LookupTable('cpu': entries 100 flash v{FLASH.version}, 1 xla v{xla.version}; 0 "
+        f"kernel choices, from {path})")

@@ -209,3 +209,25 @@ def test_cli_refuses_a_problem_the_kernel_cannot_run():
     assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
     message = " ".join(done.stderr.replace("│", " ").split())
     assert "kv_len=100 is not a multiple of 128" in message, message
+
+
+def test_cli_in_fwd_mode_labels_forward_fields_without_libtpu_s_start_up_noise():
+    """Issue 62 item 12: in fwd mode the table labelled each config with the backward blocks
+    it never compiles, and every compiler process's libtpu start-up wrote ``E0000 ...
+    INVALID_ARGUMENT`` and its source location trace to stderr; redirected, the lines were
+    cut at 80 columns."""
+    problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=128, kv_len=128, head_dim=128,
+                      mode="fwd")
+    done = run_cli("precheck", "--target", "v5e", "--q-len", "128", "--q-heads", "1",
+                   "--kv-heads", "1", "--head-dim", "128", "--mode", "fwd", "--jobs", "2",
+                   timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for noise in ("E0000", "INVALID_ARGUMENT", "Source Location Trace", "libtpu_init_utils",
+                  "Failed to find host bounds"):
+        assert noise not in done.stderr, done.stderr
+    rows = [line.split("│")[1].strip() for line in done.stdout.splitlines()
+            if line.startswith("│")]
+    labels = [c.config.label("fwd") for c in candidates(problem, get_target("v5e"), FLASH)]
+    assert sorted(rows) == sorted(labels) and not any("dkv" in row for row in rows)
+    assert any(line.startswith("estimate admits") and line.endswith("(recall 100.0%)")
+               for line in done.stdout.splitlines()), done.stdout

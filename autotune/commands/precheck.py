@@ -58,13 +58,13 @@ def precheck(
 def _precheck_one(problem: Problem, rules, tpu, *, json_output: bool,  # noqa: ANN001
                   include_rejected: bool, **precheck_options) -> None:  # noqa: ANN003
     """Compiles ``problem``'s configs and prints the per-config results and their summary."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from autotune.precheck import Agreement, candidates, precheck as run_precheck
+    from autotune.progress import output_console
 
     total = len(candidates(problem, tpu, rules, include_rejected=include_rejected))
-    console = Console(stderr=json_output)
+    console = output_console(stderr=json_output)
     with Progress(TextColumn("[bold]precheck {task.description}"), BarColumn(),
                   MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
                   console=console, transient=json_output) as progress:
@@ -85,10 +85,11 @@ def _precheck_one(problem: Problem, rules, tpu, *, json_output: bool,  # noqa: A
     if json_output:
         print(json.dumps(agreement.to_dict()))
         return
-    _print_table(console, results, agreement)
+    _print_table(console, results, agreement, problem.mode)
 
 
-def _print_table(console, results, agreement) -> None:  # noqa: ANN001
+def _print_table(console, results, agreement, mode: str) -> None:  # noqa: ANN001
+    """The results, each config labelled with the fields ``mode`` compiles."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -96,7 +97,7 @@ def _print_table(console, results, agreement) -> None:  # noqa: ANN001
     for column in ("config", "predicted fit", "status", "compile s", "error"):
         table.add_column(column)
     for r in sorted(results, key=lambda r: (r.status, r.compile_s)):
-        table.add_row(r.config.label(), "yes" if r.predicted_fit else "no", str(r.status),
+        table.add_row(r.config.label(mode), "yes" if r.predicted_fit else "no", str(r.status),
                       f"{r.compile_s:.2f}", escape(r.error or ""))  # compiler text: no markup
     console.print(table)
     fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731

@@ -20,7 +20,7 @@ from autotune.commands.db import (
 from autotune.files import write_atomically
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel,
                                       problem_flags_given, with_problem_options)
-from kernel import LookupTable, Problem, TableError, kernel_names
+from kernel import AutotuneError, LookupTable, Problem, TableError, kernel_names
 
 
 @with_problem_options
@@ -105,9 +105,10 @@ def _stored_device_kind(device_kind: str | None, kernel: str | None, db: str | N
 def _export_maxtext(problems: list[Problem], output: Path | None, device_kind: str | None,
                     kernel: str | None, kernel_version: str | None, db: str | None) -> None:
     """Prints (or writes to ``output``) the sa_* flags of the splash config tuned for the one
-    problem, or of the config best for several together (said on stderr, with each one's
-    time against its own best)."""
-    from autotune.maxtext import KERNEL, MaxTextError, sa_flags, shared_config, stored_entry
+    problem, or of the config best for several together, confirmed here by measuring it
+    (its confirmed figures on stderr)."""
+    from autotune.maxtext import (KERNEL, confirmation_lines, sa_flags, shared_config,
+                                  stored_entry)
 
     if kernel not in (None, KERNEL):
         raise typer.BadParameter(f"MaxText's flags are splash's; leave --kernel out or give "
@@ -121,13 +122,10 @@ def _export_maxtext(problems: list[Problem], output: Path | None, device_kind: s
             else:
                 shared = shared_config(store, device_kind, problems, kernel_version)
                 config = shared.config
-        except MaxTextError as error:
+                typer.echo("\n".join(confirmation_lines(shared)), err=True)
+        except AutotuneError as error:
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(1) from None
-    if len(problems) > 1:
-        typer.echo(f"the best of {shared.candidates} configs measured for every shape: "
-                   + "; ".join(f"{p.label()} {shared.times_ms[p]:.3f} ms (its own best "
-                               f"{shared.best_ms[p]:.3f})" for p in problems), err=True)
     flags = sa_flags(config)
     if output is None:
         typer.echo(flags)

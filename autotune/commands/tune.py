@@ -204,7 +204,24 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
             return captured_problems(function, *arguments)
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
-    return given_problems(context, problem, shapes)
+    problems = given_problems(context, problem, shapes)
+    if shapes:
+        _note_borrowed(shapes)
+    return problems
+
+
+def _note_borrowed(shapes: Path) -> None:
+    """Says which problems of ``shapes`` ran on a config borrowed from the nearest tuned
+    problem (an ``AUTOTUNE_RECORD_MISSES`` file marks them): they are tuned with the misses."""
+    from kernel.misses import BORROWED_FROM
+    from kernel.shapesfile import notes
+
+    lent = [note for note in notes(shapes.read_text(encoding="utf-8"))
+            if note.startswith(BORROWED_FROM)]
+    if lent:
+        typer.echo(f"note: {shapes}: {len(lent)} problem(s) ran on a config borrowed from the "
+                   f"nearest tuned problem ({lent[0]}{', ...' if len(lent) > 1 else ''}): "
+                   "tuning gives each its own", err=True)
 
 
 def _unfinished(problems: list[Problem], store: Any, device_kind: str, kernel: str | None,
@@ -268,8 +285,9 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
     if json_output:
         print(json.dumps({"summary": True, **summary}), flush=True)
         return
-    from rich.console import Console
     from rich.markup import escape  # stored and user strings (a study, an error) are no markup
+
+    from autotune.progress import output_console
 
     if "chosen_kernel" in summary:
         for tuned in summary["tuned"].values():
@@ -278,12 +296,14 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
             f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
             f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
             for name, ms in summary["kernels"].items())
-        Console().print(f"[bold]chosen: {summary['chosen_kernel']}[/] for "
-                        f"{Problem.from_dict(summary['problem']).label()} on "
-                        f"{escape(summary['device_kind'])} ({summary['choice_method']}, "
-                        f"{summary['choice_timing']}): {times}"
-                        + ("; the platform's default kernel kept: the faster one led within "
-                           "the measured noise" if summary["choice_within_noise"] else ""))
+        output_console().print(
+            f"[bold]chosen: {summary['chosen_kernel']}[/] for "
+            f"{Problem.from_dict(summary['problem']).label()} on "
+            f"{escape(summary['device_kind'])} "
+            f"({_method_label(summary['choice_method'], summary)}, "
+            f"{summary['choice_timing']}): {times}"
+            + ("; the platform's default kernel kept: the faster one led within the measured "
+               "noise" if summary["choice_within_noise"] else ""))
         return
     from kernel import get_kernel
 
@@ -298,10 +318,17 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
     verdict = ("the default stays: no candidate beat it beyond the measured noise"
                if summary["winner_is_default"] else "the default failed on this device"
                if summary["speedup"] is None else f"{summary['speedup']:.2f}x over the default")
-    Console().print(
+    output_console().print(
         f"[bold]{summary['kernel']} {problem.label()}[/] on {escape(summary['device_kind'])} "
-        f"device {summary['device_index']} ({summary['method']}, timed by {summary['timing']}): "
+        f"device {summary['device_index']} ({_method_label(summary['method'], summary)}, "
+        f"timed by {summary['timing']}): "
         f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
         f"{summary['measured']} measured, failures {escape(str(summary['failures'] or 'none'))}"
         f"; published: {summary['publish']}"
         + (f" (study {escape(repr(summary['study']))})" if summary["study"] else ""))
+
+
+def _method_label(method: str, summary: dict[str, Any]) -> str:
+    """``method`` as what measured it: ``device`` on a CPU is the CPU itself (a kernel native
+    to it, such as xla), no accelerator."""
+    return "cpu" if method == "device" and summary.get("platform") == "cpu" else method
