@@ -18,6 +18,8 @@
 #   bash bench/tpu_session.sh model MODEL SEQ TRIALS [flags]  # a training step tuned with
 #                                            tune_model against MaxText's splash and XLA:
 #                                            $OUT/model-MODEL-SEQ.json (issue 63, item 2)
+#   bash bench/tpu_session.sh long NAME KERNELS TRIALS PROBLEM-FLAGS  # as tune, a problem of
+#                                            its own: $OUT/tune-NAME.jsonl, verify-NAME.json
 #   bash bench/tpu_session.sh steptime [PROBLEMS]  # every kernel's tuner figure against the
 #                                            wall time of 10 back-to-back calls, problems
 #                                            PROBLEMS (1, 2 or 1,2, the default):
@@ -37,6 +39,15 @@ fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$SITE:/tmp/site-index PYTHONUNBUFFERED=1
 PROBLEM=(--batch 4 --q-heads 16 --q-len 4096 --head-dim 128 --dtype bfloat16 --causal
          --mode fwd_bwd)
+tune_and_verify() {  # NAME TUNE-FLAGS...: $OUT/tune-NAME.jsonl, then its winner checked in a
+                     # fresh process: $OUT/verify-NAME.json
+    local name=$1; shift
+    python3 -m autotune tune "$@" --db "sqlite:////tmp/tune-$name.db" --json \
+        > "$OUT/tune-$name.jsonl" 2> "$OUT/tune-$name.err"
+    echo "tune exit $?"; tail -c 3000 "$OUT/tune-$name.jsonl"; tail -n 5 "$OUT/tune-$name.err"
+    python3 bench/verify_published.py "$OUT/tune-$name.jsonl" --out "$OUT/verify-$name.json" \
+        2>&1 | tail -n 30
+}
 case "$1" in
 verify)  # a tune output kept from an earlier run
     python3 bench/verify_published.py "$2" --out "$OUT/verify-$(basename "$2" .jsonl).json" \
@@ -47,12 +58,10 @@ tier)
 tune)
     kernel=$2 trials=$3; shift 3
     flags=(--kernel "$kernel"); [ "$kernel" = choice ] && flags=()
-    python3 -m autotune tune "${PROBLEM[@]}" "${flags[@]}" --trials "$trials" "$@" \
-        --db "sqlite:////tmp/tune-$kernel.db" --json > "$OUT/tune-$kernel.jsonl" \
-        2> "$OUT/tune-$kernel.err"
-    echo "tune exit $?"; tail -c 3000 "$OUT/tune-$kernel.jsonl"; tail -n 5 "$OUT/tune-$kernel.err"
-    python3 bench/verify_published.py "$OUT/tune-$kernel.jsonl" --out "$OUT/verify-$kernel.json" \
-        2>&1 | tail -n 30 ;;
+    tune_and_verify "$kernel" "${PROBLEM[@]}" "${flags[@]}" --trials "$trials" "$@" ;;
+long)  # NAME KERNELS TRIALS PROBLEM-FLAGS...: a problem of its own, kernels a,b (issue 60)
+    name=$2 kernels=$3 trials=$4; shift 4
+    tune_and_verify "$name" "$@" --kernels "$kernels" --trials "$trials" ;;
 kerneltests)  # less the one test that needs a loopback server: the chip VM has no sockets
     timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -q -rfE \
         tests/test_kernel_numerics.py tests/test_flash_features.py tests/test_splash.py \
