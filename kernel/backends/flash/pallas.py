@@ -35,7 +35,6 @@ from kernel.rules import LANES, SUBLANES
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
-STATS = 2  # softmax statistics the forward saves per query row: the max m and the sum l
 
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
@@ -52,14 +51,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments
 
 def _flash_fwd(q, k, v, segments, logits, config_for):
     # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
-    out, stats, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
-                                   save_stats=True)
-    # stats lanes 0, 1: the row max m and sum l
-    return out, (q, k, v, segments, out, out_low, stats[..., :STATS])
+    out, lse, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
+                                 save_stats=True)
+    return out, (q, k, v, segments, out, out_low, lse)
 
 
 def _flash_bwd(logits, config_for, residuals, d_out):
-    q, k, v, segments, out, out_low, stats = residuals
+    q, k, v, segments, out, out_low, lse = residuals
     config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     # With the f32 output (bf16: its rounded part plus the remainder), not the output rounded
@@ -68,15 +66,11 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     out = out.astype(jnp.float32)
     if out_low is not None:
         out = out + out_low.astype(jnp.float32)
-    delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
-    # Per query row: m, 1/l and delta. P = exp(S - m) / l, as the forward normalised it; a single
-    # saved logsumexp m + log l would be rounded to the ulp of m (large for large logits), an
-    # error every recomputed probability shares.
-    # A row that saw no key (m still MASK_VALUE) keeps 1/l = 0: its P is 0, not 0 * inf.
-    inv_l = jnp.where(stats[..., 0] > MASK_VALUE, 1.0 / stats[..., 1], 0.0)
-    cols = jnp.stack([stats[..., 0], inv_l, delta], axis=-1)
-    dk, dv = _backward_dkv(q, k, v, d_out, cols, segments, config, logits)
-    dq = _backward_dq(q, k, v, d_out, cols, segments, config, logits)
+    # Row statistics [batch, heads, 1, q_len], rows on lanes (see _forward); the sum over
+    # head_dim leaves delta in that layout, with no relayout pass of its own.
+    delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)[:, :, None, :]
+    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, segments, config, logits)
+    dq = _backward_dq(q, k, v, d_out, lse, delta, segments, config, logits)
     return dq, dk, dv, None  # segment ids: integers, no cotangent
 
 
@@ -90,7 +84,7 @@ Segments = tuple[jax.Array, jax.Array]  # (q ids [batch, q_len], kv ids [batch, 
 
 def _segment_layouts(segments: Segments | None) -> list[jax.Array]:
     """The segment ids as the kernels read them, as splash lays them out: q ids lane-replicated
-    [batch, q_len, 128] (a block is whole vregs, like the row statistics), kv ids
+    [batch, q_len, 128] (a block is whole vregs, like the running max and sum), kv ids
     sublane-replicated [batch, 8, kv_len] (a block row broadcasts down the query rows). None:
     no inputs."""
     if segments is None:
@@ -176,19 +170,25 @@ def _ds_dot(ds: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.A
     return lax.dot_general(ds.astype(y.dtype), y, dims, preferred_element_type=jnp.float32)
 
 
-def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0, same_segment=None):
+def _column(row_ref) -> jax.Array:
+    """A (1, rows) row-statistic block as a (rows, 1) column, to broadcast along a logits
+    tile's keys (lanes): a relayout of one vector, as splash's dQ kernel reads its lse."""
+    return jnp.expand_dims(row_ref[0], -1)
+
+
+def _probs_and_ds(q, k, v, do, lse, delta, logits: Logits, q0, k0, same_segment=None):
     """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
     whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
     computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
-    exp(S - m) / l from the (block_q, 3) ``cols`` (m, 1/l, delta), dS = P (dO V^T - delta)
-    (through the soft cap's derivative when capped)."""
+    exp(S - lse), dS = P (dO V^T - delta) (through the soft cap's derivative when capped);
+    ``lse`` and ``delta`` are (block_q, 1) columns."""
     s = logits.of(q, k)
-    p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
+    p = jnp.exp(s - lse)
     mask = logits.visible(p.shape, q0, k0, same_segment)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    return p, logits.capped_grad(s, p * (dp - cols[:, 2:3]))
+    return p, logits.capped_grad(s, p * (dp - delta))
 
 
 def _div(index, divisor: int):
@@ -316,7 +316,7 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
                     block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
     (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
     *outs, m_ref, l_ref, acc_ref = refs
-    o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
+    o_ref, lse_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     q0 = pl.program_id(2) * block_q
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
@@ -360,15 +360,28 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
     o_ref[...] = out.astype(o_ref.dtype)
     if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
         low_ref[...] = (out - o_ref[...].astype(jnp.float32)).astype(low_ref.dtype)
-    if save_stats:  # m in lane 0, l in lane 1: one whole-vreg store
-        lane = lax.broadcasted_iota(jnp.int32, stats_ref.shape, 1)
-        stats_ref[...] = jnp.where(lane == 0, m_ref[...], l_ref[...])
+    if save_stats:
+        # The logsumexp m + log l: P = exp(S - lse) in the backward. A row that saw no key
+        # gets +inf, so its every P is exp(-inf) = 0. lse is rounded to the ulp of m (large for
+        # large logits), an error every recomputed probability of the row shares: splash's
+        # trade, for one statistic instead of two and no multiply by 1/l per logit.
+        lse = jnp.where(m_ref[...] > MASK_VALUE, m_ref[...] + jnp.log(l_ref[...]), jnp.inf)
+        # Stored rows on lanes, (1, block_q) (one XLU transpose of the lane-replicated
+        # (block_q, 128) value): a (q_len, 1) column would be padded to 128 lanes in HBM,
+        # 128x the bytes for every pass that writes or reads it.
+        lse_ref[...] = lse.T[:1]
 
 
 def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
     """A (block_q, head_dim) window of q (or dO, or the output) on a (batch, q_head, q_block)
     grid."""
     return pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
+
+
+def _row_spec(block_q: int) -> pl.BlockSpec:
+    """A (1, block_q) window of a row statistic [batch, q_heads, 1, q_len] on a (batch, q_head,
+    q_block) grid."""
+    return pl.BlockSpec((None, None, 1, block_q), lambda b, h, i: (b, h, 0, i))
 
 
 def _q_ids_spec(block_q: int) -> pl.BlockSpec:
@@ -383,10 +396,9 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     q_spec = _q_block_spec(bq, head_dim)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
-    if save_stats:
-        # (…, 128) so the kernel stores whole vregs; callers keep lanes 0 (m) and 1 (l).
-        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, q_len, LANES), jnp.float32))
-        out_specs.append(_q_block_spec(bq, LANES))
+    if save_stats:  # the logsumexp, [batch, q_heads, 1, q_len]: rows on lanes
+        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, 1, q_len), jnp.float32))
+        out_specs.append(_row_spec(bq))
         if q.dtype != jnp.float32:
             out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
             out_specs.append(q_spec)
@@ -413,8 +425,8 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, segmented: bool,
-                group: int, block_q: int, depth: int):
+def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
+                segmented: bool, group: int, block_q: int, depth: int):
     (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = _segment_refs(refs, segmented)
     block_kv, head_dim = k_ref.shape
     k0 = pl.program_id(2) * block_kv
@@ -426,7 +438,7 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, se
     first, count = seen_by.kv_blocks(k0, block_kv, block_q, q_hbm.shape[2] // block_q,
                                      _TRACED_OPS)
 
-    def step(q_ref, do_ref, cols_ref, q_ids_ref=None):
+    def step(q_ref, do_ref, lse_ref, delta_ref, q_ids_ref=None):
         q0 = (pl.program_id(1) + first) * block_q  # of the Q/dO pipeline
 
         def run():
@@ -437,7 +449,8 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, se
             # but round differently from the forward's, so P no longer matches the saved m and
             # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
             q, do = q_ref[...], do_ref[...]
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...], logits, q0, k0,
+            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, _column(lse_ref),
+                                  _column(delta_ref), logits, q0, k0,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                            preferred_element_type=jnp.float32)
@@ -447,16 +460,17 @@ def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, se
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
 
     head0 = pl.program_id(1) * group
-    streamed = [q_hbm, do_hbm, cols_hbm] + ([q_ids_hbm] if segmented else [])
-    blocks = [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1), (block_q, LANES)]
-    index_maps = [lambda g, i: (head0 + g, i + first, 0)] * 3 + [lambda g, i: (i + first, 0)]
+    streamed = [q_hbm, do_hbm, lse_hbm, delta_hbm] + ([q_ids_hbm] if segmented else [])
+    blocks = [(None, block_q, head_dim)] * 2 + [(None, 1, block_q)] * 2 + [(block_q, LANES)]
+    index_maps = ([lambda g, i: (head0 + g, i + first, 0)] * 2
+                  + [lambda g, i: (head0 + g, 0, i + first)] * 2 + [lambda g, i: (i + first, 0)])
     stream(step, (group, count), [ref.at[pl.program_id(0)] for ref in streamed],
            blocks[:len(streamed)], index_maps[:len(streamed)], depth)
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
+def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logits: Logits):
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
@@ -469,7 +483,7 @@ def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: L
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
-        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
+        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
                   *_segment_specs(_IN_HBM, kv_ids_spec, segments is not None)],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -477,11 +491,11 @@ def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: L
                         pltpu.VMEM((bkv, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dkv",
-    )(q, d_out, cols, k, v, *_segment_layouts(segments))
+    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
 
 
-def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
-               group: int, block_kv: int, depth: int):
+def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
+               segmented: bool, group: int, block_kv: int, depth: int):
     (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
     q0 = pl.program_id(2) * block_q
@@ -490,8 +504,8 @@ def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, seg
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def run():
             k = k_ref[...]
-            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...], logits,
-                                  q0, kv_block * block_kv,
+            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(lse_ref),
+                                  _column(delta_ref), logits, q0, kv_block * block_kv,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dq_acc[...] += _ds_dot(ds, k)
 
@@ -503,7 +517,7 @@ def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, seg
     dq_ref[...] = (dq_acc[...] * logits.sm_scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
+def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logits: Logits):
     """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q_dq
@@ -514,11 +528,11 @@ def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Lo
     return _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM,
+        in_specs=[q_spec, q_spec, _row_spec(bq), _row_spec(bq), _IN_HBM, _IN_HBM,
                   *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dq",
-    )(q, d_out, cols, k, v, *_segment_layouts(segments))
+    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
