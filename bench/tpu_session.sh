@@ -24,6 +24,13 @@
 #                                            wall time of 10 back-to-back calls, problems
 #                                            PROBLEMS (1, 2 or 1,2, the default):
 #                                            $OUT/step-time-PROBLEMS.json (issue 60, item 1)
+#   bash bench/tpu_session.sh flash_ablation [flags]  # each .ablation/NAME.py, a copy of
+#                                            kernel/backends/flash/pallas.py made before the run
+#                                            (the chip's copy has no .git; carry .ablation):
+#                                            git show REV:kernel/backends/flash/pallas.py \
+#                                              > .ablation/NAME.py
+#                                            against splash over the step: $OUT/flash-ablation.json
+#                                            (issue 61; flags: bench/flash_ablation.py's)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +78,11 @@ kerneltests)  # less the one test that needs a loopback server: the chip VM has 
 backward)
     python3 bench/backward_passes.py --out "$OUT/backward.json" 2> "$OUT/backward.err" \
         | tail -n 60 ;;
+flash_ablation)
+    shift
+    variants=(); for f in .ablation/*.py; do variants+=(--variant "$(basename "$f" .py)=$f"); done
+    python3 bench/flash_ablation.py "${variants[@]}" "$@" --out "$OUT/flash-ablation.json" \
+        2> "$OUT/flash-ablation.err" | tail -n 80 ;;
 handset)
     python3 bench/handset.py --problems "$2" --trials "$3" \
         --out "$OUT/handset-${2//,/-}.json" 2> "$OUT/handset-${2//,/-}.err" | tail -n 80 ;;

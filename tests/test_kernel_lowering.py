@@ -150,15 +150,15 @@ def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():
 def _traced_kernels(config: FlashConfig) -> dict[str, str]:
     """The jaxpr (text) of each kernel traced with ``config`` for PROBLEM (causal, unsegmented)."""
     q, k, v = _specs(PROBLEM)
-    cols = jax.ShapeDtypeStruct((*q.shape[:3], pallas.STATS + 1), jnp.float32)
+    row = jax.ShapeDtypeStruct((*q.shape[:2], 1, q.shape[2]), jnp.float32)  # lse, delta
     logits = pallas.Logits(0.1, Reach.of(PROBLEM))
     calls = {
         "fwd": (lambda q, k, v: pallas._forward(q, k, v, None, config, logits, False)[0],
                 (q, k, v)),
-        "dkv": (lambda q, k, v, do, cols: pallas._backward_dkv(q, k, v, do, cols, None, config,
-                                                               logits), (q, k, v, q, cols)),
-        "dq": (lambda q, k, v, do, cols: pallas._backward_dq(q, k, v, do, cols, None, config,
-                                                             logits), (q, k, v, q, cols)),
+        "dkv": (lambda q, k, v, do, lse, delta: pallas._backward_dkv(
+            q, k, v, do, lse, delta, None, config, logits), (q, k, v, q, row, row)),
+        "dq": (lambda q, k, v, do, lse, delta: pallas._backward_dq(
+            q, k, v, do, lse, delta, None, config, logits), (q, k, v, q, row, row)),
     }
     return {name: str(jax.make_jaxpr(call)(*args)) for name, (call, args) in calls.items()}
 
@@ -172,9 +172,9 @@ def test_each_kernel_buffers_its_streamed_operands_with_its_own_depth(depth):
     configs = {field: FlashConfig(block_q=256, block_kv=128, block_q_dkv=128, block_kv_dkv=256,
                                   block_q_dq=128, block_kv_dq=256).replace(
         **{**dict.fromkeys(DEPTH_FIELDS, others), field: depth}) for field in DEPTH_FIELDS}
-    d, stats = PROBLEM.head_dim, pallas.STATS + 1
+    d = PROBLEM.head_dim
     buffers = {"fwd": [f"bf16[{depth},128,{d}]"] * 2,
-               "dkv": [f"bf16[{depth},128,{d}]"] * 2 + [f"f32[{depth},128,{stats}]"],
+               "dkv": [f"bf16[{depth},128,{d}]"] * 2 + [f"f32[{depth},1,128]"],
                "dq": [f"bf16[{depth},256,{d}]"] * 2}
     for field, name in zip(DEPTH_FIELDS, ("fwd", "dkv", "dq"), strict=True):
         traced = _traced_kernels(configs[field])
@@ -185,3 +185,36 @@ def test_each_kernel_buffers_its_streamed_operands_with_its_own_depth(depth):
             else:  # the other kernels keep their own depth
                 assert not any(b.startswith(tuple(f"{t}[{depth}," for t in ("bf16", "f32")))
                                for b in found), (field, kernel_name, found)
+
+
+# Issue 61: what each kernel computes per logit and how the statistics travel (a chip-only
+# cost: interpret mode runs either way).
+SHAPED = FlashConfig(block_q=256, block_kv=256, block_kv_compute=256, block_q_dkv=256,
+                     block_kv_dkv=512, block_q_dq=256, block_kv_dq=512)
+
+
+def test_backward_statistics_travel_as_rows_not_lane_padded_columns():
+    """lse and delta reach the backward as [batch, heads, 1, q_len] rows: no (q_len, n < 128)
+    f32 column (the TPU pads each to 128 lanes, 32x a statistic's bytes)."""
+    problem = dataclasses.replace(PROBLEM, mode="fwd_bwd")
+    text = str(jax.make_jaxpr(_attention(problem, SHAPED))(*_specs(problem)))
+    b, h, q = problem.batch, problem.q_heads, problem.q_len
+    columns = set(re.findall(rf"f32\[{b},{h},{q},(\d+)\]", text)) - {str(problem.head_dim)}
+    assert not columns, f"statistics as (q_len, {columns}) columns"
+    assert f"f32[{b},{h},1,{q}]" in text
+
+
+def test_no_kernel_scales_its_logits_tile():
+    """The scale multiplies the operand a kernel holds (q or k: head_dim columns), once per
+    grid step, never a (queries, keys) logits tile."""
+    for name, text in _traced_kernels(SHAPED).items():
+        scaled = set(re.findall(r"f32\[\d+,(\d+)\] = mul \w+ 0\.1\d*:f32\[\]", text))
+        assert scaled <= {str(PROBLEM.head_dim)}, (name, scaled)
+
+
+def test_dkv_kernel_multiplies_no_transposed_tile():
+    """dK/dV works on keys x queries tiles: no product contracts its left operand's first axis
+    (Pᵀ dO, dSᵀ Q), for which Mosaic would transpose P and dS."""
+    text = _traced_kernels(SHAPED)["dkv"]
+    assert "dot_general" in text
+    assert "dimension_numbers=(([0], [0])" not in text

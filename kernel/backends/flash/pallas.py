@@ -35,8 +35,6 @@ from kernel.sharded import summed_as, varying_struct
 # count as masked), and no inf - inf NaN arises.
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
-STATS = 2  # softmax statistics the forward saves per query row: the max m and the sum l
 
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
@@ -53,14 +51,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments
 
 def _flash_fwd(q, k, v, segments, logits, config_for):
     # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
-    out, stats, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
-                                   save_stats=True)
-    # stats lanes 0, 1: the row max m and sum l
-    return out, (q, k, v, segments, out, out_low, stats[..., :STATS])
+    out, lse, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
+                                 save_stats=True)
+    return out, (q, k, v, segments, out, out_low, lse)
 
 
 def _flash_bwd(logits, config_for, residuals, d_out):
-    q, k, v, segments, out, out_low, stats = residuals
+    q, k, v, segments, out, out_low, lse = residuals
     config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     # With the f32 output (bf16: its rounded part plus the remainder), not the output rounded
@@ -69,15 +66,11 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     out = out.astype(jnp.float32)
     if out_low is not None:
         out = out + out_low.astype(jnp.float32)
-    delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
-    # Per query row: m, 1/l and delta. P = exp(S - m) / l, as the forward normalised it; a single
-    # saved logsumexp m + log l would be rounded to the ulp of m (large for large logits), an
-    # error every recomputed probability shares.
-    # A row that saw no key (m still MASK_VALUE) keeps 1/l = 0: its P is 0, not 0 * inf.
-    inv_l = jnp.where(stats[..., 0] > MASK_VALUE, 1.0 / stats[..., 1], 0.0)
-    cols = jnp.stack([stats[..., 0], inv_l, delta], axis=-1)
-    dk, dv = _backward_dkv(q, k, v, d_out, cols, segments, config, logits)
-    dq = _backward_dq(q, k, v, d_out, cols, segments, config, logits)
+    # Row statistics [batch, heads, 1, q_len], rows on lanes (see _forward); the sum over
+    # head_dim leaves delta in that layout, with no relayout pass of its own.
+    delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)[:, :, None, :]
+    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, segments, config, logits)
+    dq = _backward_dq(q, k, v, d_out, lse, delta, segments, config, logits)
     # segment ids: integers, no cotangent
     return summed_as(dq, q), summed_as(dk, k), summed_as(dv, v), None
 
@@ -90,24 +83,27 @@ flash_attention.defvjp(_flash_fwd, _flash_bwd)
 Segments = tuple[jax.Array, jax.Array]  # (q ids [batch, q_len], kv ids [batch, kv_len])
 
 
-def _segment_layouts(segments: Segments | None) -> list[jax.Array]:
-    """The segment ids as the kernels read them, as splash lays them out: q ids lane-replicated
-    [batch, q_len, 128] (a block is whole vregs, like the row statistics), kv ids
-    sublane-replicated [batch, 8, kv_len] (a block row broadcasts down the query rows). None:
-    no inputs."""
+def _segment_layouts(segments: Segments | None, keys_major: bool = False) -> list[jax.Array]:
+    """The (q, kv) segment ids as the kernels read them, as splash lays them out: the ids of a
+    logits tile's rows lane-replicated [batch, len, 128] (a block is whole vregs, like the
+    running max and sum), those of its columns sublane-replicated [batch, 8, len] (a block row
+    broadcasts down the rows). Rows are queries, or keys for ``keys_major`` tiles (dK/dV).
+    None: no inputs."""
     if segments is None:
         return []
     q_ids, kv_ids = (ids.astype(jnp.int32) for ids in segments)
-    return [jnp.broadcast_to(q_ids[:, :, None], (*q_ids.shape, LANES)),
-            jnp.broadcast_to(kv_ids[:, None, :], (kv_ids.shape[0], SUBLANES, kv_ids.shape[1]))]
+    rows, cols = (kv_ids, q_ids) if keys_major else (q_ids, kv_ids)
+    rows = jnp.broadcast_to(rows[:, :, None], (*rows.shape, LANES))
+    cols = jnp.broadcast_to(cols[:, None, :], (cols.shape[0], SUBLANES, cols.shape[1]))
+    return [cols, rows] if keys_major else [rows, cols]
 
 
-def _same_segment(q_ids_ref, kv_ids_ref, start, cols: int) -> jax.Array | None:
-    """(rows, cols) True where the query's segment is the key's; keys ``start ..`` of the kv
-    ids block. None without segment ids."""
-    if q_ids_ref is None:
+def _same_segment(row_ids_ref, col_ids_ref, start, cols: int) -> jax.Array | None:
+    """(rows, cols) True where a logits tile's row (query, or key) is in its column's segment;
+    columns ``start ..`` of the column ids block. None without segment ids."""
+    if row_ids_ref is None:
         return None
-    return _lanes(q_ids_ref[...], cols) == kv_ids_ref[0:1, pl.ds(start, cols)]
+    return _lanes(row_ids_ref[...], cols) == col_ids_ref[0:1, pl.ds(start, cols)]
 
 
 def _segment_refs(refs: tuple, segmented: bool) -> tuple:
@@ -129,10 +125,17 @@ class Logits:
     reach: Reach
     softcap: float | None = None
 
+    def scaled(self, x: jax.Array) -> jax.Array:
+        """``x * sm_scale`` in x's dtype, for the operand a kernel holds for its whole run (q
+        in the forward and dQ, k in dK/dV): scaled once per grid step instead of every logit
+        (the VPU's work per logit, not the MXU's, bounds these kernels). Rounded to bf16 for
+        bf16 inputs, as splash's caller-scaled q is."""
+        return (x.astype(jnp.float32) * self.sm_scale).astype(x.dtype)
+
     def of(self, q: jax.Array, k: jax.Array) -> jax.Array:
-        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; the scale
-        is applied in f32, not to bf16 q."""
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * self.sm_scale
+        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; one of
+        them already :meth:`scaled`."""
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
         if self.softcap is None:
             return s
         return self.softcap * jnp.tanh(s / self.softcap)
@@ -144,17 +147,18 @@ class Logits:
             return ds
         return ds * (1.0 - jnp.square(s / self.softcap))
 
-    def visible(self, shape: tuple[int, int], row0, col0,
-                same_segment: jax.Array | None = None) -> jax.Array | None:
-        """True where a query (row) sees a key (column): in reach, and in its segment when
-        ``same_segment`` is given; None when every query sees every key (no mask)."""
-        rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
-        cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+    def visible(self, shape: tuple[int, int], q0, k0, same_segment: jax.Array | None = None,
+                keys_major: bool = False) -> jax.Array | None:
+        """True where a query sees a key in a tile of queries x keys (or keys x queries,
+        ``keys_major``) starting at positions ``q0`` and ``k0``: in reach, and in its segment
+        when ``same_segment`` is given; None when every query sees every key (no mask)."""
+        queries = lax.broadcasted_iota(jnp.int32, shape, int(keys_major)) + q0
+        keys = lax.broadcasted_iota(jnp.int32, shape, 1 - int(keys_major)) + k0
         sides = []
         if self.reach.masks_right:
-            sides.append(cols <= rows + self.reach.right)
+            sides.append(keys <= queries + self.reach.right)
         if self.reach.masks_left:
-            sides.append(cols >= rows - self.reach.left)
+            sides.append(keys >= queries - self.reach.left)
         if same_segment is not None:
             sides.append(same_segment)
         return functools.reduce(operator.and_, sides) if sides else None
@@ -169,28 +173,34 @@ def _lanes(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
-def _ds_dot(ds: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
-    """``dot_general(ds, y, dims)`` (default ``ds @ y``) for the f32 logit gradients dS: dS
-    rounded to ``y``'s dtype, one MXU pass, as splash does. Two bf16 passes (dS's rounding and
-    its remainder) made fwd_bwd 1.11x slower on a TPU v5e (s4096 causal, default and tuned
-    configs) for no smaller largest error over out, dq, dk and dv (5.2e-3 either way; splash
-    7.8e-3): bench/results/tpu-v5e-2026-12-06/backward.json."""
-    return lax.dot_general(ds.astype(y.dtype), y, dims, preferred_element_type=jnp.float32)
+def _ds_dot(ds: jax.Array, y: jax.Array) -> jax.Array:
+    """``ds @ y`` for the f32 logit gradients dS: dS rounded to ``y``'s dtype, one MXU pass,
+    as splash does. Two bf16 passes (dS's rounding and its remainder) made fwd_bwd 1.11x
+    slower on a TPU v5e (s4096 causal, default and tuned configs) for no smaller largest error
+    over out, dq, dk and dv (5.2e-3 either way; splash 7.8e-3):
+    bench/results/tpu-v5e-2026-12-06/backward.json."""
+    return jnp.dot(ds.astype(y.dtype), y, preferred_element_type=jnp.float32)
 
 
-def _probs_and_ds(q, k, v, do, cols, logits: Logits, q0, k0, same_segment=None):
-    """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
-    whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
-    computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
-    exp(S - m) / l from the (block_q, 3) ``cols`` (m, 1/l, delta), dS = P (dO V^T - delta)
-    (through the soft cap's derivative when capped)."""
-    s = logits.of(q, k)
-    p = jnp.exp(s - cols[:, 0:1]) * cols[:, 1:2]
-    mask = logits.visible(p.shape, q0, k0, same_segment)
+def _column(row_ref) -> jax.Array:
+    """A (1, rows) row-statistic block as a (rows, 1) column, to broadcast along a logits
+    tile's keys (lanes): a relayout of one vector, as splash's dQ kernel reads its lse."""
+    return jnp.expand_dims(row_ref[0], -1)
+
+
+def _probs_and_ds(a, b, grad_a, grad_b, lse, delta, logits: Logits, mask):
+    """The probabilities P and logit gradients dS (f32) of a block pair, as tiles of
+    queries x keys (``a``, ``grad_a`` = scaled q, dO; ``b``, ``grad_b`` = K, V; ``lse`` and
+    ``delta`` (block_q, 1) columns) or keys x queries (scaled K, V; Q, dO; (1, block_q) rows):
+    logits ``a @ b.T``, P = exp(S - lse) zeroed outside ``mask`` (when not None), dS = P
+    (dP - delta) with dP = ``grad_a @ grad_b.T``, through the soft cap's derivative when
+    capped."""
+    s = logits.of(a, b)
+    p = jnp.exp(s - lse)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    return p, logits.capped_grad(s, p * (dp - cols[:, 2:3]))
+    dp = lax.dot_general(grad_a, grad_b, _NT, preferred_element_type=jnp.float32)
+    return p, logits.capped_grad(s, p * (dp - delta))
 
 
 def _div(index, divisor: int):
@@ -317,19 +327,20 @@ def _stream_kv(body, k_hbm, v_hbm, kv_ids_hbm, reach: Reach, *, group: int, bloc
 def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool, group: int,
                     block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
     (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
-    *outs, m_ref, l_ref, acc_ref = refs
-    o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
+    *outs, m_ref, l_ref, acc_ref, q_scaled = refs
+    o_ref, lse_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     q0 = pl.program_id(2) * block_q
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    q_scaled[...] = logits.scaled(q_ref[...])
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def compute(start):
             k = k_ref[pl.ds(start, block_kv_compute), :]
             v = v_ref[pl.ds(start, block_kv_compute), :]
-            s = logits.of(q_ref[...], k)
+            s = logits.of(q_scaled[...], k)
             mask = logits.visible(s.shape, q0, kv_block * block_kv + start,
                                   _same_segment(q_ids_ref, kv_ids_ref, start, block_kv_compute))
             if mask is not None:
@@ -362,15 +373,28 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
     o_ref[...] = out.astype(o_ref.dtype)
     if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
         low_ref[...] = (out - o_ref[...].astype(jnp.float32)).astype(low_ref.dtype)
-    if save_stats:  # m in lane 0, l in lane 1: one whole-vreg store
-        lane = lax.broadcasted_iota(jnp.int32, stats_ref.shape, 1)
-        stats_ref[...] = jnp.where(lane == 0, m_ref[...], l_ref[...])
+    if save_stats:
+        # The logsumexp m + log l: P = exp(S - lse) in the backward. A row that saw no key
+        # gets +inf, so its every P is exp(-inf) = 0. lse is rounded to the ulp of m (large for
+        # large logits), an error every recomputed probability of the row shares: splash's
+        # trade, for one statistic instead of two and no multiply by 1/l per logit.
+        lse = jnp.where(m_ref[...] > MASK_VALUE, m_ref[...] + jnp.log(l_ref[...]), jnp.inf)
+        # Stored rows on lanes, (1, block_q) (one XLU transpose of the lane-replicated
+        # (block_q, 128) value): a (q_len, 1) column would be padded to 128 lanes in HBM,
+        # 128x the bytes for every pass that writes or reads it.
+        lse_ref[...] = lse.T[:1]
 
 
 def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
     """A (block_q, head_dim) window of q (or dO, or the output) on a (batch, q_head, q_block)
     grid."""
     return pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
+
+
+def _row_spec(block_q: int) -> pl.BlockSpec:
+    """A (1, block_q) window of a row statistic [batch, q_heads, 1, q_len] on a (batch, q_head,
+    q_block) grid."""
+    return pl.BlockSpec((None, None, 1, block_q), lambda b, h, i: (b, h, 0, i))
 
 
 def _q_ids_spec(block_q: int) -> pl.BlockSpec:
@@ -385,10 +409,9 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     q_spec = _q_block_spec(bq, head_dim)
     out_shape = [varying_struct(q.shape, q.dtype, q, k, v)]
     out_specs = [q_spec]
-    if save_stats:
-        # (…, 128) so the kernel stores whole vregs; callers keep lanes 0 (m) and 1 (l).
-        out_shape.append(varying_struct((batch, q_heads, q_len, LANES), jnp.float32, q, k, v))
-        out_specs.append(_q_block_spec(bq, LANES))
+    if save_stats:  # the logsumexp, [batch, q_heads, 1, q_len]: rows on lanes
+        out_shape.append(varying_struct((batch, q_heads, 1, q_len), jnp.float32, q, k, v))
+        out_specs.append(_row_spec(bq))
         if q.dtype != jnp.float32:
             out_shape.append(varying_struct(q.shape, q.dtype, q, k, v))
             out_specs.append(q_spec)
@@ -406,7 +429,8 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
-                        pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
+                        pltpu.VMEM((bq, head_dim), jnp.float32),  # output accumulator
+                        pltpu.VMEM((bq, head_dim), q.dtype)],  # q * sm_scale
         semantics=("parallel", "parallel", "parallel"),
         name="flash_fwd",
     )(q, k, v, *_segment_layouts(segments))
@@ -415,50 +439,52 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_hbm, do_hbm, cols_hbm, k_ref, v_ref, *refs, logits: Logits, segmented: bool,
-                group: int, block_q: int, depth: int):
-    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = _segment_refs(refs, segmented)
+def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
+                segmented: bool, group: int, block_q: int, depth: int):
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, k_scaled) = _segment_refs(
+        refs, segmented)  # kv ids lane-replicated, q ids sublane-replicated (keys_major)
     block_kv, head_dim = k_ref.shape
     k0 = pl.program_id(2) * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    k_scaled[...] = logits.scaled(k_ref[...])
     # Only the run of query blocks that see this kv block is streamed (none above the causal
     # diagonal or outside the window is fetched).
     seen_by = logits.reach.transposed()
     first, count = seen_by.kv_blocks(k0, block_kv, block_q, q_hbm.shape[2] // block_q,
                                      _TRACED_OPS)
 
-    def step(q_ref, do_ref, cols_ref, q_ids_ref=None):
+    def step(q_ref, do_ref, lse_ref, delta_ref, q_ids_ref=None):
         q0 = (pl.program_id(1) + first) * block_q  # of the Q/dO pipeline
 
         def run():
-            # P and dS as the forward and the dQ kernel compute them (queries x keys), then
-            # dV += P^T dO and dK += dS^T Q as transposed-lhs products (TN: contract the query
-            # axis, 0, of both), as upstream's kernel does: Mosaic transposes the lhs on the
-            # XLU before the MXU pass. Transposed logits (k @ q.T) would avoid that transpose
-            # but round differently from the forward's, so P no longer matches the saved m and
-            # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
+            # Tiles of keys x queries, as splash's: Pᵀ and dSᵀ from Sᵀ = K Qᵀ, so dV += Pᵀ dO
+            # and dK += dSᵀ Q are plain products. Queries x keys tiles would need them as
+            # transposed-lhs products, for which Mosaic transposes P and dS on the XLU.
+            # lse and delta broadcast down the keys as (1, block_q) rows, as stored.
             q, do = q_ref[...], do_ref[...]
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, cols_ref[...], logits, q0, k0,
-                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
-            dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
-                                           preferred_element_type=jnp.float32)
-            dk_acc[...] += _ds_dot(ds, q, _TN)
+            mask = logits.visible((block_kv, block_q), q0, k0, _same_segment(
+                kv_ids_ref, q_ids_ref, 0, block_q), keys_major=True)
+            p, ds = _probs_and_ds(k_scaled[...], q, v_ref[...], do, lse_ref[...],
+                                  delta_ref[...], logits, mask)
+            dv_acc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            dk_acc[...] += _ds_dot(ds, q)
 
         # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
 
     head0 = pl.program_id(1) * group
-    streamed = [q_hbm, do_hbm, cols_hbm] + ([q_ids_hbm] if segmented else [])
-    blocks = [(None, block_q, head_dim)] * 2 + [(None, block_q, STATS + 1), (block_q, LANES)]
-    index_maps = [lambda g, i: (head0 + g, i + first, 0)] * 3 + [lambda g, i: (i + first, 0)]
+    streamed = [q_hbm, do_hbm, lse_hbm, delta_hbm] + ([q_ids_hbm] if segmented else [])
+    blocks = [(None, block_q, head_dim)] * 2 + [(None, 1, block_q)] * 2 + [(SUBLANES, block_q)]
+    index_maps = ([lambda g, i: (head0 + g, i + first, 0)] * 2
+                  + [lambda g, i: (head0 + g, 0, i + first)] * 2 + [lambda g, i: (0, i + first)])
     stream(step, (group, count), [ref.at[pl.program_id(0)] for ref in streamed],
            blocks[:len(streamed)], index_maps[:len(streamed)], depth)
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
+def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logits: Logits):
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
@@ -467,35 +493,38 @@ def _backward_dkv(q, k, v, d_out, cols, segments, config: FlashConfig, logits: L
     kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segments is not None,
                                group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
                                depth=config.pipeline_depth_dkv)
-    kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
+    kv_ids_spec = pl.BlockSpec((None, bkv, LANES), lambda b, h, j: (b, j, 0))
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
-        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
+        in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
                   *_segment_specs(_IN_HBM, kv_ids_spec, segments is not None)],
         out_specs=[kv_spec, kv_spec],
         out_shape=[varying_struct(k.shape, k.dtype, q, k, v, d_out),
                    varying_struct(v.shape, v.dtype, q, k, v, d_out)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
-                        pltpu.VMEM((bkv, head_dim), jnp.float32)],
+                        pltpu.VMEM((bkv, head_dim), jnp.float32),
+                        pltpu.VMEM((bkv, head_dim), k.dtype)],  # k * sm_scale
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dkv",
-    )(q, d_out, cols, k, v, *_segment_layouts(segments))
+    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments, keys_major=True))
 
 
-def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
-               group: int, block_kv: int, depth: int):
-    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc) = _segment_refs(refs, segmented)
+def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
+               segmented: bool, group: int, block_kv: int, depth: int):
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, q_scaled) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
     q0 = pl.program_id(2) * block_q
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+    q_scaled[...] = logits.scaled(q_ref[...])
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def run():
             k = k_ref[...]
-            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], cols_ref[...], logits,
-                                  q0, kv_block * block_kv,
+            mask = logits.visible((block_q, block_kv), q0, kv_block * block_kv,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
+            _, ds = _probs_and_ds(q_scaled[...], k, do_ref[...], v_ref[...], _column(lse_ref),
+                                  _column(delta_ref), logits, mask)
             dq_acc[...] += _ds_dot(ds, k)
 
         _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
@@ -506,7 +535,7 @@ def _dq_kernel(q_ref, do_ref, cols_ref, k_hbm, v_hbm, *refs, logits: Logits, seg
     dq_ref[...] = (dq_acc[...] * logits.sm_scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Logits):
+def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logits: Logits):
     """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q_dq
@@ -517,11 +546,12 @@ def _backward_dq(q, k, v, d_out, cols, segments, config: FlashConfig, logits: Lo
     return _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, q_spec, _q_block_spec(bq, STATS + 1), _IN_HBM, _IN_HBM,
+        in_specs=[q_spec, q_spec, _row_spec(bq), _row_spec(bq), _IN_HBM, _IN_HBM,
                   *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
         out_shape=varying_struct(q.shape, q.dtype, q, k, v, d_out),
-        scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32),
+                        pltpu.VMEM((bq, head_dim), q.dtype)],  # q * sm_scale
         semantics=("parallel", "parallel", "parallel"),
         name="flash_bwd_dq",
-    )(q, d_out, cols, k, v, *_segment_layouts(segments))
+    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
