@@ -7,14 +7,18 @@ transactions (as on a standby), and a full disk while publishing (nothing half-w
 from __future__ import annotations
 
 import errno
+import html
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import optuna
 import pytest
+from optuna.distributions import CategoricalDistribution
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
@@ -22,6 +26,7 @@ from conftest import running_server, run_cli
 from kernel.table import LookupTable
 from storage import Store, upgrade
 from storage.schema import VERSION_TABLE
+from storage.studies import get_storage
 
 TABLE = {"schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": "cpu",
          "entries": [{"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
@@ -89,14 +94,32 @@ def small_mount(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
+def seed_with_a_study(url: str) -> None:
+    """TABLE, and an Optuna study of one trial (so that readers open Optuna's tables)."""
+    seed(url)
+    storage = get_storage(url)
+    study = optuna.create_study(study_name="a study", storage=storage)
+    study.add_trial(optuna.trial.create_trial(
+        params={"block_q": 128}, distributions={"block_q": CategoricalDistribution([128, 256])},
+        value=1.0, user_attrs={"status": "ok"}))
+    storage.engine.dispose()  # SQLite: its WAL checkpointed into the file
+
+
 def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> None:
-    """``export`` and a served lookup work; ``import``, a served publish and ``tune`` (before
-    it searches: no trial line) say read-only."""
-    table = tmp_path / "faster.json"
+    """``export``, ``report``, the import of what is stored (a no-op), a served lookup and a
+    config's page work; ``import``, a served publish and ``tune`` (before it searches: no
+    trial line) say read-only. Issue 62 item 3: ``report`` was a traceback from Optuna's
+    storage, the config's page a 500, the no-op import "read-only"."""
+    table, same = tmp_path / "faster.json", tmp_path / "same.json"
     faster = {**TABLE, "entries": [{**TABLE["entries"][0], "time_ms": 0.5}]}
     table.write_text(json.dumps(faster))
+    same.write_text(json.dumps(TABLE))
     exported = run_cli("export", "--db", db_url, "-o", str(tmp_path / "out.json"))
     assert exported.returncode == 0, exported.stderr
+    reported = run_cli("report", "--db", db_url, "-o", str(tmp_path / "report.html"))
+    assert reported.returncode == 0, reported.stderr
+    imported = run_cli("import", str(same), "--db", db_url)
+    assert imported.returncode == 0 and "1 kept" in imported.stdout, imported.stderr
     assert_clean_failure(run_cli("import", str(table), "--db", db_url), "read-only")
     tuned = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "128",
                     "--q-heads", "1", "--trials", "1", "--db", db_url, "--json", timeout=300)
@@ -105,6 +128,10 @@ def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> N
     with running_server(db_url, tmp_path) as server:
         found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
         assert found.status_code == 200 and found.json()["match"] == "exact"
+        listed = httpx.get(f"{server.url}/")
+        [link] = re.findall(r'href="(/configs/detail\?[^"]+)"', listed.text)
+        page = httpx.get(f"{server.url}{html.unescape(link)}")
+        assert page.status_code == 200, page.text
         refused = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
         assert refused.status_code == 503 and "read-only" in refused.json()["detail"]
 
@@ -112,7 +139,7 @@ def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> N
 def test_a_read_only_sqlite_file_serves_reads_and_refuses_writes(small_mount: Path,
                                                                   tmp_path: Path) -> None:
     url = f"sqlite:///{small_mount / 'autotune.db'}"
-    seed(url)
+    seed_with_a_study(url)
     subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
     assert_reads_work_and_writes_say_read_only(url, tmp_path)
     upgraded = run_cli("db", "upgrade", "--db", url)  # current: nothing to write
@@ -124,7 +151,7 @@ def test_a_read_only_sqlite_file_serves_reads_and_refuses_writes(small_mount: Pa
 def test_a_read_only_postgresql_serves_reads_and_refuses_writes(postgres_databases,
                                                                 tmp_path: Path) -> None:
     url = postgres_databases()
-    seed(url)
+    seed_with_a_study(url)
     parsed = make_url(url)
     options = parsed.query["options"] + " -cdefault_transaction_read_only=on"
     read_only = parsed.update_query_dict({"options": options})
@@ -172,3 +199,4 @@ def test_a_full_disk_while_publishing_leaves_nothing_half_written(small_mount: P
         response = httpx.post(f"{server.url}/v1/tables", json=big, headers=server.auth,
                               timeout=60)
         assert response.json()["inserted"] == len(big["entries"])  # with room again, all in
+

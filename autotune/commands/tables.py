@@ -160,7 +160,7 @@ def import_table(
                    "left out: this build does not install them (upgrade flash-autotune to "
                    "import them)", err=True)
     url = resolve_url(db)
-    ensure_schema(url)
+    ensure_schema(url, refuse_read_only=False)  # importing what is stored changes nothing
     with open_store(url) as store, database_errors(store.url):
         try:
             outcomes = store.import_table(table, force=force)
