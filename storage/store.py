@@ -30,6 +30,7 @@ from kernel.table import KernelChoice, nearest_entry, shape_distance
 from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
 from storage.engine import (
     WRITE_OPTIONS,
+    FullDiskReader,
     make_engine,
     normalize_url,
     refusing_writes,
@@ -296,7 +297,8 @@ class Store:
 
         SQLite's ``PRAGMA data_version`` on a connection that never writes (a few
         microseconds, no query of our tables). None too while the file cannot be read: the
-        query that follows meets the same error as a database error (a 503, not a 500).
+        query that follows meets the same error as a database error (a 503, not a 500); and
+        while a full disk lets it be read only as it was (``FullDiskReader``).
         """
         path = sqlite_file(self.engine.url)
         if path is None:
@@ -306,6 +308,8 @@ class Store:
                 if self._watcher is None:
                     self._watcher = sqlite_connect(path, check_same_thread=False,
                                                    isolation_level=None)
+                if isinstance(self._watcher, FullDiskReader):  # sees no commit: no signal
+                    raise sqlite3.OperationalError("the disk was full when it was opened")
                 return self._watcher.execute("PRAGMA data_version").fetchone()[0]
             except sqlite3.Error:
                 if self._watcher is not None:

@@ -22,8 +22,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.engine import make_engine, sqlite_connect, sqlite_file, sqlite_in_memory, \
-    sqlite_pragmas
+from storage.engine import close_full_disk_readers, make_engine, sqlite_connect, sqlite_file, \
+    sqlite_in_memory, sqlite_pragmas
 
 OK = "ok"
 # Trial statuses that are not measurements (never count against the budget).
@@ -96,5 +96,6 @@ def _open(url: str, heartbeat_interval: int, grace_period: int, *, create: bool)
     if sqlite:
         # Each Optuna write commits on its own; WAL without a sync per commit makes those cheap.
         event.listen(storage.engine, "connect", sqlite_pragmas)
+        close_full_disk_readers(storage.engine)
         storage.engine.dispose()  # the connections that created the tables lack the pragmas
     return storage

@@ -200,3 +200,25 @@ def test_a_full_disk_while_publishing_leaves_nothing_half_written(small_mount: P
                               timeout=60)
         assert response.json()["inserted"] == len(big["entries"])  # with room again, all in
 
+
+def test_a_disk_full_before_the_first_open_serves_reads_and_says_full_to_writes(
+        small_mount: Path, tmp_path: Path) -> None:
+    """Issue 62 item 4: on a disk full before the service first opened the file (no ``-shm``
+    yet, and none could grow) every read and /readyz answered 503 "disk I/O error" (here
+    ``serve`` did not start); reads work, a write is a 507, and with room again it is stored
+    and read back (no reader stays on the file as it was)."""
+    url = f"sqlite:///{small_mount / 'autotune.db'}"
+    seed(url)
+    filler = fill(small_mount)
+    assert not (small_mount / "autotune.db-shm").exists()
+    with running_server(url, tmp_path) as server:
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
+        assert found.status_code == 200 and found.json()["config"]["block_q"] == 256
+        refused = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
+        assert refused.status_code == 507 and "full" in refused.json()["detail"], refused.text
+        filler.unlink()
+        stored = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
+        assert stored.status_code == 200 and stored.json()["status"] == "replaced"
+        found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
+        assert found.json()["config"]["block_q"] == 128
