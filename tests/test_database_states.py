@@ -23,7 +23,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from conftest import running_server, run_cli
-from kernel.table import LookupTable
+from kernel import FlashConfig, Problem
+from kernel.table import KernelChoice, KernelTiming, LookupTable
 from storage import Store, upgrade
 from storage.schema import VERSION_TABLE
 from storage.studies import get_storage
@@ -95,8 +96,15 @@ def small_mount(tmp_path: Path) -> Iterator[Path]:
 
 
 def seed_with_a_study(url: str) -> None:
-    """TABLE, and an Optuna study of one trial (so that readers open Optuna's tables)."""
+    """TABLE with a kernel choice, and an Optuna study of one trial (so that readers open
+    Optuna's tables)."""
     seed(url)
+    problem = Problem.from_dict(TABLE["entries"][0]["problem"])
+    with Store(url) as store:
+        store.publish_choice("cpu", KernelChoice(
+            problem, "flash", FlashConfig(block_q=256, block_kv=256),
+            {"flash": KernelTiming(1.0, 0.1), "xla": KernelTiming(2.0, 0.1)},
+            {"kernel_version": "1"}))
     storage = get_storage(url)
     study = optuna.create_study(study_name="a study", storage=storage)
     study.add_trial(optuna.trial.create_trial(
@@ -113,13 +121,13 @@ def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> N
     table, same = tmp_path / "faster.json", tmp_path / "same.json"
     faster = {**TABLE, "entries": [{**TABLE["entries"][0], "time_ms": 0.5}]}
     table.write_text(json.dumps(faster))
-    same.write_text(json.dumps(TABLE))
-    exported = run_cli("export", "--db", db_url, "-o", str(tmp_path / "out.json"))
+    exported = run_cli("export", "--db", db_url, "-o", str(same))
     assert exported.returncode == 0, exported.stderr
     reported = run_cli("report", "--db", db_url, "-o", str(tmp_path / "report.html"))
     assert reported.returncode == 0, reported.stderr
-    imported = run_cli("import", str(same), "--db", db_url)
-    assert imported.returncode == 0 and "1 kept" in imported.stdout, imported.stderr
+    imported = run_cli("import", str(same), "--db", db_url)  # what is stored: a no-op
+    assert imported.returncode == 0, imported.stderr
+    assert "1 kept, 1 kernel choices" in imported.stdout
     assert_clean_failure(run_cli("import", str(table), "--db", db_url), "read-only")
     tuned = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "128",
                     "--q-heads", "1", "--trials", "1", "--db", db_url, "--json", timeout=300)
