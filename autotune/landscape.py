@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.files import write_atomically
+from autotune.files import write_output
 from autotune.searchspace import Config, Key, Space
 from autotune.trials import OK, Measurement, is_measurement, trial_status
 from kernel import AutotuneError
@@ -229,5 +229,5 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
 
 
 def save_landscape(document: dict[str, Any], path: str | Path) -> None:
-    """Writes ``document`` as gzip JSON to ``path``, whole or not at all."""
-    write_atomically(path, gzip.compress(json.dumps(document).encode("utf-8")))
+    """Writes ``document`` as gzip JSON to ``path`` (as :func:`autotune.files.write_output`)."""
+    write_output(path, gzip.compress(json.dumps(document).encode("utf-8")))

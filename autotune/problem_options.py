@@ -14,6 +14,8 @@ from typing import Annotated, Any
 import typer
 
 from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
+from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
+from kernel.shapesfile import MAX_SHAPES_BYTES
 
 _PANEL = "Problem"
 
@@ -183,9 +185,15 @@ def _parse_shapes(path: Path) -> Any:
     import yaml
 
     try:
-        loader = _shapes_loader()(path.read_text(encoding="utf-8"))
+        loader = _shapes_loader()(read_regular_file(path, MAX_SHAPES_BYTES).decode("utf-8"))
     except OSError as error:
         raise _shapes_error(f"cannot read {path}: {error.strerror}") from None
+    except NotARegularFile:
+        raise _shapes_error(f"{path} is not a regular file; give the path of a YAML or JSON "
+                            "file") from None
+    except FileTooLarge:
+        raise _shapes_error(f"{path} is over the {MAX_SHAPES_BYTES >> 20} MiB a shapes file "
+                            "may have; split it in several") from None
     except UnicodeDecodeError as error:
         raise _shapes_error(f"{path} is not UTF-8 text (byte {error.start})") from None
     try:

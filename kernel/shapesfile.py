@@ -12,11 +12,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from kernel.problem import FEATURE_FIELDS, Problem
+from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular
 
 HEADER = "# attention problems for `autotune tune --shapes FILE`\n"
 # A shapes file of 16k problems is 3 MiB; a file past this is no shapes file.
@@ -71,13 +71,13 @@ def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem],
 def _present_text(fd: int, path: str | os.PathLike[str]) -> str:
     """What the file of ``fd`` holds: its text if it is a regular file of at most
     MAX_SHAPES_BYTES ("" for anything else: /dev/zero would never end)."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        data = read_regular(fd, MAX_SHAPES_BYTES)
+    except NotARegularFile:
         return ""
-    with open(fd, "rb", closefd=False) as reader:
-        data = reader.read(MAX_SHAPES_BYTES + 1)
-    if len(data) > MAX_SHAPES_BYTES:
+    except FileTooLarge:
         raise OSError(errno.EFBIG, f"over the {MAX_SHAPES_BYTES >> 20} MiB a shapes file may "
-                      "have; give a new path", str(path))
+                      "have; give a new path", str(path)) from None
     return data.decode("utf-8", errors="replace")  # a line that is no UTF-8 is not ours
 
 

@@ -13,8 +13,6 @@ import dataclasses
 import heapq
 import json
 import math
-import os
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 from kernel.errors import AutotuneError, TableError
 from kernel.problem import FEATURE_FIELDS, Problem, finite_float, shown_number
 from kernel.registry import KERNELS, get_kernel
+from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
 
 MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
@@ -307,31 +306,19 @@ def read_table_bytes(path: str | Path) -> bytes:
     """The bytes of a table file: a regular file of at most :data:`MAX_TABLE_BYTES` (a device,
     a FIFO or a huge file is refused before it is read, without blocking on it)."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        return read_regular_file(path, MAX_TABLE_BYTES)
     except FileNotFoundError:
         raise TableError(f"table {path} does not exist; give the path of a table written by "
                          "`autotune export`") from None
     except OSError as error:
         raise TableError(f"cannot read table {path}: {error.strerror}") from None
-    status = os.fstat(descriptor)
-    if not stat.S_ISREG(status.st_mode):
-        os.close(descriptor)
+    except NotARegularFile:
         raise TableError(f"table {path} is not a regular file; give the path of a table "
-                         "written by `autotune export`")
-    if status.st_size > MAX_TABLE_BYTES:
-        os.close(descriptor)
-        raise TableError(f"table {path} is {status.st_size / MiB:.0f} MiB, over the "
-                         f"{MAX_TABLE_BYTES // MiB} MiB a lookup table may have; export "
-                         "one device kind's table (`autotune export --device-kind ...`)")
-    with os.fdopen(descriptor, "rb") as file:
-        try:
-            data = file.read(MAX_TABLE_BYTES + 1)
-        except OSError as error:
-            raise TableError(f"cannot read table {path}: {error.strerror}") from None
-    if len(data) > MAX_TABLE_BYTES:  # it grew while read
+                         "written by `autotune export`") from None
+    except FileTooLarge:
         raise TableError(f"table {path} is over the {MAX_TABLE_BYTES // MiB} MiB a lookup "
-                         "table may have")
-    return data
+                         "table may have; export one device kind's table (`autotune export "
+                         "--device-kind ...`)") from None
 
 
 # The fields of an ``others`` item: a table's own, less those the outer table holds for all.

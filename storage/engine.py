@@ -54,14 +54,36 @@ def sqlite_file(url: str | URL) -> Path | None:
     return Path(url.database)
 
 
+class FullDiskReader(sqlite3.Connection):
+    """A connection that reads a WAL database whose disk was full when it was opened: no
+    other could open, its shared-memory (``-shm``) file could not grow. Opened read-only and
+    immutable, with an empty WAL (so the file holds every commit, and nothing else writes
+    there); the engines of :func:`make_engine` refuse its write transactions as a full disk,
+    and close it when it is given back, so that the next one opens normally once there is
+    room."""
+
+
 def sqlite_connect(path: Path, **kwargs: object) -> sqlite3.Connection:
     """A connection to the SQLite file ``path``; read-only when the file is not writable, and
     then also immutable on a read-only file system (where a WAL database cannot be read
-    otherwise: its shared-memory file cannot be created)."""
+    otherwise: its shared-memory file cannot be created); a :class:`FullDiskReader` when the
+    disk is full."""
     # Exists first: a file another process creates between the two checks is writable.
     if not path.exists() or os.access(path, os.W_OK):
-        return sqlite3.connect(path, **kwargs)
-    immutable = os.statvfs(path).f_flag & os.ST_RDONLY
+        connection = sqlite3.connect(path, **kwargs)
+        try:
+            connection.execute("PRAGMA schema_version")  # maps the shared-memory file
+        except sqlite3.Error as error:  # another fails again at the first statement
+            wal = path.with_name(path.name + "-wal")
+            if getattr(error, "sqlite_errorname", "") == "SQLITE_IOERR_SHMSIZE" and \
+                    not (wal.exists() and wal.stat().st_size):
+                connection.close()
+                return _read_only(path, immutable=True, factory=FullDiskReader, **kwargs)
+        return connection
+    return _read_only(path, immutable=bool(os.statvfs(path).f_flag & os.ST_RDONLY), **kwargs)
+
+
+def _read_only(path: Path, immutable: bool, **kwargs: object) -> sqlite3.Connection:
     uri = f"file:{quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
     return sqlite3.connect(uri, uri=True, **kwargs)
 
@@ -92,10 +114,13 @@ def refusing_writes(url: str | URL) -> Iterator[None]:
                 f"the database {shown} is read-only ({reason}): lookups and exports work, but "
                 "nothing can be stored; make it writable or use a writable database") from None
         if code == "SQLITE_FULL" or code == "53100":
-            raise DatabaseFullError(
-                f"the database {shown} is full ({reason}): nothing of this write was stored; "
-                "free disk space and retry") from None
+            raise database_full(url, reason) from None
         raise
+
+
+def database_full(url: str | URL, reason: str) -> DatabaseFullError:
+    return DatabaseFullError(f"the database {shown_url(url)} is full ({reason}): nothing of "
+                             "this write was stored; free disk space and retry")
 
 
 def normalize_url(url: str) -> str:
@@ -181,4 +206,17 @@ def _configure_sqlite(engine: Engine) -> None:
         # write transactions take the write lock up front. Reads run in autocommit (each
         # statement its own snapshot): the lookup path saves a BEGIN/ROLLBACK round.
         if connection.get_execution_options().get("autotune_write", False):
+            if isinstance(connection.connection.dbapi_connection, FullDiskReader):
+                raise database_full(engine.url, "no room for its shared-memory file")
             connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    close_full_disk_readers(engine)
+
+
+def close_full_disk_readers(engine: Engine) -> None:
+    """Closes each :class:`FullDiskReader` as it is given back to ``engine``'s pool: the next
+    checkout opens anew, normally once there is room."""
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(dbapi_connection, record) -> None:  # noqa: ANN001
+        if isinstance(dbapi_connection, FullDiskReader):
+            record.invalidate()

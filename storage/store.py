@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from sqlalchemy import String, bindparam, cast, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Select, String, bindparam, cast, event, func, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from kernel import (
@@ -30,6 +30,8 @@ from kernel.table import KernelChoice, nearest_entry, shape_distance
 from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
 from storage.engine import (
     WRITE_OPTIONS,
+    FullDiskReader,
+    WriteRefusedError,
     make_engine,
     normalize_url,
     refusing_writes,
@@ -186,6 +188,23 @@ def _choice(row: Any) -> StoredChoice:
     return stored_choice(_getter(row), _utc)
 
 
+_READ_ONLY = "autotune_read_only"  # Session.info key: a pass that locks no row
+
+
+def _for_update(session: Session, statement: Select[Any]) -> Select[Any]:
+    """``statement``, locking the rows it reads, but in a read-only pass
+    (``Store._answer_without_writing``)."""
+    return statement if session.info.get(_READ_ONLY) else statement.with_for_update()
+
+
+class _WouldWrite(Exception):
+    """A read-only pass met a change to flush."""
+
+
+def _stop_before_a_write(*_: object) -> None:
+    raise _WouldWrite
+
+
 def _best(entries: Sequence[Entry]) -> Entry | None:
     """The fastest of several platforms' entries for one key (usually there is one)."""
     best = None
@@ -296,7 +315,8 @@ class Store:
 
         SQLite's ``PRAGMA data_version`` on a connection that never writes (a few
         microseconds, no query of our tables). None too while the file cannot be read: the
-        query that follows meets the same error as a database error (a 503, not a 500).
+        query that follows meets the same error as a database error (a 503, not a 500); and
+        while a full disk lets it be read only as it was (``FullDiskReader``).
         """
         path = sqlite_file(self.engine.url)
         if path is None:
@@ -306,6 +326,8 @@ class Store:
                 if self._watcher is None:
                     self._watcher = sqlite_connect(path, check_same_thread=False,
                                                    isolation_level=None)
+                if isinstance(self._watcher, FullDiskReader):  # sees no commit: no signal
+                    raise sqlite3.OperationalError("the disk was full when it was opened")
                 return self._watcher.execute("PRAGMA data_version").fetchone()[0]
             except sqlite3.Error:
                 if self._watcher is not None:
@@ -375,11 +397,13 @@ class Store:
         now = datetime.now(UTC)
         columns = choice_columns(device_kind, choice)
         key = {name: columns[name] for name in CHOICE_KEY_COLUMNS}
-        row = session.scalars(select(KernelChoiceRow).filter_by(**key).with_for_update()) \
+        row = session.scalars(_for_update(session, select(KernelChoiceRow).filter_by(**key))) \
             .one_or_none()
         if row is None:
             row = KernelChoiceRow(**columns, created_at=now, updated_at=now)
             session.add(row)
+        elif all(getattr(row, name) == value for name, value in columns.items()):
+            return _choice(row)  # the same choice: a no-op
         else:
             for name, value in columns.items():
                 setattr(row, name, value)
@@ -426,7 +450,9 @@ class Store:
         return self._write(write)
 
     def _write(self, work: Callable[[Session], _T]) -> _T:
-        """Runs ``work`` in one write transaction; ReadOnlyDatabaseError if writes are refused."""
+        """Runs ``work`` in one write transaction. Where writes are refused (read-only, full),
+        the answer of a ``work`` that changes nothing (importing what is stored), else the
+        refusal (``WriteRefusedError``)."""
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 with refusing_writes(self.engine.url), \
@@ -437,7 +463,25 @@ class Store:
                 # PostgreSQL: another writer inserted the same new key first; retrying finds it.
                 if attempt == PUBLISH_ATTEMPTS - 1:
                     raise
+            except WriteRefusedError:
+                answer = self._answer_without_writing(work)
+                if answer is None:
+                    raise
+                return answer
         raise AssertionError("unreachable")
+
+    def _answer_without_writing(self, work: Callable[[Session], _T]) -> _T | None:
+        """``work``'s answer, run without a write transaction or row locks (a read-only
+        transaction refuses both), stopped before it writes anything (on SQLite, outside a
+        write transaction, each statement would commit alone); None if it would change
+        something, or cannot read."""
+        with Session(self.engine, info={_READ_ONLY: True}) as session:
+            event.listen(session, "before_flush", _stop_before_a_write)
+            try:
+                answer = work(session)
+            except (_WouldWrite, SQLAlchemyError):
+                return None
+            return None if session.new or session.dirty or session.deleted else answer
 
     @staticmethod
     def _publish(session: Session, result: TunedResult, force: bool,
@@ -445,7 +489,7 @@ class Store:
         now = datetime.now(UTC)
         key = LookupRequest(result.device_kind, result.problem, result.kernel,
                             result.kernel_version, result.platform).params(KEY_COLUMNS)
-        row = session.scalars(select(TunedConfigRow).filter_by(**key).with_for_update()) \
+        row = session.scalars(_for_update(session, select(TunedConfigRow).filter_by(**key))) \
             .one_or_none()
         if row is None:
             row = TunedConfigRow(**_columns(result), created_at=now, updated_at=now)

@@ -22,7 +22,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.engine import make_engine, sqlite_in_memory, sqlite_pragmas
+from storage.engine import close_full_disk_readers, make_engine, sqlite_connect, sqlite_file, \
+    sqlite_in_memory, sqlite_pragmas
 
 OK = "ok"
 # Trial statuses that are not measurements (never count against the budget).
@@ -82,7 +83,11 @@ def get_storage(url: str | None, *, create: bool = True, heartbeat_interval: int
 
 def _open(url: str, heartbeat_interval: int, grace_period: int, *, create: bool) -> RDBStorage:
     sqlite = url.startswith("sqlite")
+    path = sqlite_file(url)
     engine_kwargs: dict[str, Any] = (
+        # Opened as the results are (sqlite_connect): a read-only file is read, not refused.
+        {"creator": lambda: sqlite_connect(path, timeout=30, check_same_thread=False)}
+        if path is not None else
         {"connect_args": {"timeout": 30}} if sqlite else {"pool_pre_ping": True})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -91,5 +96,6 @@ def _open(url: str, heartbeat_interval: int, grace_period: int, *, create: bool)
     if sqlite:
         # Each Optuna write commits on its own; WAL without a sync per commit makes those cheap.
         event.listen(storage.engine, "connect", sqlite_pragmas)
+        close_full_disk_readers(storage.engine)
         storage.engine.dispose()  # the connections that created the tables lack the pragmas
     return storage

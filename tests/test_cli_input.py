@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from autotune.problem_options import ShapesOption, given_problems, load_shapes, 
     with_problem_options
 from kernel import Problem, get_kernel
 from kernel.resolve import installed_versions
-from kernel.shapesfile import append_shapes, save_shapes
+from kernel.shapesfile import MAX_SHAPES_BYTES, append_shapes, save_shapes
 from storage import Store, TunedResult
 from tests.conftest import run_cli
 
@@ -136,6 +137,33 @@ def test_precheck_takes_shapes_like_tune(tmp_path: Path) -> None:
     shapes.write_text("- {batch: 1, q_heads: 2, q_len: 128, head_dim: 64, dtype: int8}\n")
     done = run_cli("precheck", "--shapes", str(shapes), env={"COLUMNS": "250"})
     assert done.returncode == 2 and "problem 0: " in done.stderr, done.stderr  # the file read
+
+
+def shapes_path(kind: str, tmp_path: Path) -> Path:
+    """/dev/zero, a FIFO, or a sparse file one byte over the bound (no disk used)."""
+    if kind == "device":
+        return Path("/dev/zero")
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with path.open("wb") as file:
+            file.truncate(MAX_SHAPES_BYTES + 1)
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [("device", "is not a regular file"),
+                                           ("fifo", "is not a regular file"),
+                                           ("huge", "is over the 64 MiB a shapes file may have")])
+@pytest.mark.parametrize("command", [["tune"], ["precheck"], ["export", "--format", "maxtext"]])
+def test_a_shapes_path_that_is_no_regular_file_of_bounded_size_is_refused(
+        kind: str, message: str, command: list[str], tmp_path: Path) -> None:
+    """Issue 62 item 2: ``--shapes /dev/zero`` grew to 24 GB until the OOM killer ended it, a
+    FIFO hung, a file of 600 MiB was read whole; refused as a table path is."""
+    path = shapes_path(kind, tmp_path)
+    done = run_cli(*command, "--shapes", str(path), env={"COLUMNS": "250"}, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"{path} {message}" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_exponent_softcaps_are_numbers_in_a_shapes_file(tmp_path: Path) -> None:

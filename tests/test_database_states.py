@@ -7,21 +7,27 @@ transactions (as on a standby), and a full disk while publishing (nothing half-w
 from __future__ import annotations
 
 import errno
+import html
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import optuna
 import pytest
+from optuna.distributions import CategoricalDistribution
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from conftest import running_server, run_cli
-from kernel.table import LookupTable
+from kernel import FlashConfig, Problem
+from kernel.table import KernelChoice, KernelTiming, LookupTable
 from storage import Store, upgrade
 from storage.schema import VERSION_TABLE
+from storage.studies import get_storage
 
 TABLE = {"schema_version": 1, "kernel": "flash", "kernel_version": "1", "device_kind": "cpu",
          "entries": [{"problem": {"batch": 1, "q_heads": 8, "q_len": 256, "head_dim": 128},
@@ -89,14 +95,39 @@ def small_mount(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
+def seed_with_a_study(url: str) -> None:
+    """TABLE with a kernel choice, and an Optuna study of one trial (so that readers open
+    Optuna's tables)."""
+    seed(url)
+    problem = Problem.from_dict(TABLE["entries"][0]["problem"])
+    with Store(url) as store:
+        store.publish_choice("cpu", KernelChoice(
+            problem, "flash", FlashConfig(block_q=256, block_kv=256),
+            {"flash": KernelTiming(1.0, 0.1), "xla": KernelTiming(2.0, 0.1)},
+            {"kernel_version": "1"}))
+    storage = get_storage(url)
+    study = optuna.create_study(study_name="a study", storage=storage)
+    study.add_trial(optuna.trial.create_trial(
+        params={"block_q": 128}, distributions={"block_q": CategoricalDistribution([128, 256])},
+        value=1.0, user_attrs={"status": "ok"}))
+    storage.engine.dispose()  # SQLite: its WAL checkpointed into the file
+
+
 def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> None:
-    """``export`` and a served lookup work; ``import``, a served publish and ``tune`` (before
-    it searches: no trial line) say read-only."""
-    table = tmp_path / "faster.json"
+    """``export``, ``report``, the import of what is stored (a no-op), a served lookup and a
+    config's page work; ``import``, a served publish and ``tune`` (before it searches: no
+    trial line) say read-only. Issue 62 item 3: ``report`` was a traceback from Optuna's
+    storage, the config's page a 500, the no-op import "read-only"."""
+    table, same = tmp_path / "faster.json", tmp_path / "same.json"
     faster = {**TABLE, "entries": [{**TABLE["entries"][0], "time_ms": 0.5}]}
     table.write_text(json.dumps(faster))
-    exported = run_cli("export", "--db", db_url, "-o", str(tmp_path / "out.json"))
+    exported = run_cli("export", "--db", db_url, "-o", str(same))
     assert exported.returncode == 0, exported.stderr
+    reported = run_cli("report", "--db", db_url, "-o", str(tmp_path / "report.html"))
+    assert reported.returncode == 0, reported.stderr
+    imported = run_cli("import", str(same), "--db", db_url)  # what is stored: a no-op
+    assert imported.returncode == 0, imported.stderr
+    assert "1 kept, 1 kernel choices" in imported.stdout
     assert_clean_failure(run_cli("import", str(table), "--db", db_url), "read-only")
     tuned = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "128",
                     "--q-heads", "1", "--trials", "1", "--db", db_url, "--json", timeout=300)
@@ -105,6 +136,10 @@ def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> N
     with running_server(db_url, tmp_path) as server:
         found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
         assert found.status_code == 200 and found.json()["match"] == "exact"
+        listed = httpx.get(f"{server.url}/")
+        [link] = re.findall(r'href="(/configs/detail\?[^"]+)"', listed.text)
+        page = httpx.get(f"{server.url}{html.unescape(link)}")
+        assert page.status_code == 200, page.text
         refused = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
         assert refused.status_code == 503 and "read-only" in refused.json()["detail"]
 
@@ -112,7 +147,7 @@ def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> N
 def test_a_read_only_sqlite_file_serves_reads_and_refuses_writes(small_mount: Path,
                                                                   tmp_path: Path) -> None:
     url = f"sqlite:///{small_mount / 'autotune.db'}"
-    seed(url)
+    seed_with_a_study(url)
     subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
     assert_reads_work_and_writes_say_read_only(url, tmp_path)
     upgraded = run_cli("db", "upgrade", "--db", url)  # current: nothing to write
@@ -124,7 +159,7 @@ def test_a_read_only_sqlite_file_serves_reads_and_refuses_writes(small_mount: Pa
 def test_a_read_only_postgresql_serves_reads_and_refuses_writes(postgres_databases,
                                                                 tmp_path: Path) -> None:
     url = postgres_databases()
-    seed(url)
+    seed_with_a_study(url)
     parsed = make_url(url)
     options = parsed.query["options"] + " -cdefault_transaction_read_only=on"
     read_only = parsed.update_query_dict({"options": options})
@@ -172,3 +207,26 @@ def test_a_full_disk_while_publishing_leaves_nothing_half_written(small_mount: P
         response = httpx.post(f"{server.url}/v1/tables", json=big, headers=server.auth,
                               timeout=60)
         assert response.json()["inserted"] == len(big["entries"])  # with room again, all in
+
+
+def test_a_disk_full_before_the_first_open_serves_reads_and_says_full_to_writes(
+        small_mount: Path, tmp_path: Path) -> None:
+    """Issue 62 item 4: on a disk full before the service first opened the file (no ``-shm``
+    yet, and none could grow) every read and /readyz answered 503 "disk I/O error" (here
+    ``serve`` did not start); reads work, a write is a 507, and with room again it is stored
+    and read back (no reader stays on the file as it was)."""
+    url = f"sqlite:///{small_mount / 'autotune.db'}"
+    seed(url)
+    filler = fill(small_mount)
+    assert not (small_mount / "autotune.db-shm").exists()
+    with running_server(url, tmp_path) as server:
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
+        assert found.status_code == 200 and found.json()["config"]["block_q"] == 256
+        refused = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
+        assert refused.status_code == 507 and "full" in refused.json()["detail"], refused.text
+        filler.unlink()
+        stored = httpx.put(f"{server.url}/v1/configs", json=PUBLISH, headers=server.auth)
+        assert stored.status_code == 200 and stored.json()["status"] == "replaced"
+        found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
+        assert found.json()["config"]["block_q"] == 128

@@ -88,10 +88,11 @@ def reading_store(db: str | None) -> Iterator[Store]:
             typer.echo(f"warning: {note}", err=True)
 
 
-def ensure_schema(db_url: str) -> None:
+def ensure_schema(db_url: str, *, refuse_read_only: bool = True) -> None:
     """Creates the tables in a database that has none, and refuses one that does not take
-    writes (exit 1); an out-of-date schema is left for ``autotune db upgrade`` (``open_store``
-    then says so)."""
+    writes (exit 1), unless ``refuse_read_only`` is False (an import that may change nothing
+    says read-only itself when it writes); an out-of-date schema is left for ``autotune db
+    upgrade`` (``open_store`` then says so)."""
     from sqlalchemy import inspect
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -109,8 +110,8 @@ def ensure_schema(db_url: str) -> None:
                     # loser is fine if the winner left a current schema.
                     if not schema_is_current(engine):
                         raise
-            elif schema_is_current(engine):  # else open_store names the upgrade to run
-                check_writable(engine)  # a read-only database: refused before the search
+            elif refuse_read_only and schema_is_current(engine):  # (an old schema: open_store
+                check_writable(engine)  # names the upgrade) a read-only one: refused up front
         finally:
             engine.dispose()
 

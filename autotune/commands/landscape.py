@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
+from autotune.files import is_stdout
 
 
 def landscape(
@@ -57,4 +58,4 @@ def landscape(
     typer.echo(f"wrote {output}: {len(document['records'])} configs ({ok} ok) of "
                f"{document['kernel']} on {document['device']}"
                + ("" if document["complete"] else "; partial: unmeasured configs replay as "
-                  "illegal"))
+                  "illegal"), err=is_stdout(output))

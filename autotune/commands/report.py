@@ -8,13 +8,13 @@ from typing import Annotated
 import typer
 
 from autotune.commands.db import DbOption, reading_store
-from autotune.files import write_atomically
+from autotune.files import is_stdout, write_output
 from kernel.problem import DTYPES, MODES
 
 
 def report(
     output: Annotated[Path, typer.Option("-o", "--output", dir_okay=False,
-                                         help="Where to write the HTML file.")]
+                                         help="Where to write the HTML file (- for stdout).")]
     = Path("report.html"),
     device_kind: Annotated[str | None, typer.Option(
         help="Only this device kind, as JAX reports it, e.g. 'TPU v5 lite'.",
@@ -46,8 +46,8 @@ def report(
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(1) from None
     try:
-        write_atomically(output, html.encode("utf-8"))
+        write_output(output, html.encode("utf-8"))
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"wrote {output} ({len(html) // 1024} KiB)")
+    typer.echo(f"wrote {output} ({len(html) // 1024} KiB)", err=is_stdout(output))

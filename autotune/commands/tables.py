@@ -17,7 +17,7 @@ from autotune.commands.db import (
     reading_store,
     resolve_url,
 )
-from autotune.files import write_atomically
+from autotune.files import is_stdout, write_output
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel,
                                       problem_flags_given, with_problem_options)
 from kernel import AutotuneError, LookupTable, Problem, TableError, kernel_names
@@ -29,8 +29,8 @@ def export_table(
     problem: Problem,
     output: Annotated[Path | None, typer.Option(
         "-o", "--output", dir_okay=False, show_default=False,
-        help="Where to write the table (with --format maxtext: the flags; default: print "
-             "them).")] = None,
+        help="Where to write the table, - for stdout (with --format maxtext: the flags; "
+             "default: print them).")] = None,
     format_: Annotated[str, typer.Option(
         "--format", help="table (a lookup table of every tuned shape) or maxtext (MaxText's "
                          "sa_* flags of the splash config of the shape the problem flags or "
@@ -63,7 +63,8 @@ def export_table(
         raise typer.BadParameter(f"a table holds every tuned shape; {', '.join(given)} "
                                  "pick(s) the shape of --format maxtext", param_hint="--format")
     if output is None:
-        raise typer.BadParameter("give the file to write the table to", param_hint="-o")
+        raise typer.BadParameter("give the file to write the table to (- for stdout)",
+                                 param_hint="-o")
     device_kind = _stored_device_kind(device_kind, kernel, db)
     with reading_store(db) as store:
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
@@ -76,13 +77,13 @@ def export_table(
                       f"them with --kernel {others[0]}" if others else ""), err=True)
         raise typer.Exit(1)
     try:
-        write_atomically(output, (json.dumps(table.to_dict(), indent=2) + "\n").encode())
+        write_output(output, (json.dumps(table.to_dict(), indent=2) + "\n").encode())
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None
     counts = ", ".join(f"{len(t.entries)} {t.kernel}" for t in table.kernel_tables())
     typer.echo(f"wrote entries ({counts}) and {len(table.choices)} kernel choices for "
-               f"{device_kind!r} to {output}")
+               f"{device_kind!r} to {output}", err=is_stdout(output))
 
 
 def _stored_device_kind(device_kind: str | None, kernel: str | None, db: str | None) -> str:
@@ -131,7 +132,7 @@ def _export_maxtext(problems: list[Problem], output: Path | None, device_kind: s
         typer.echo(flags)
         return
     try:
-        write_atomically(output, (flags + "\n").encode())
+        write_output(output, (flags + "\n").encode())
     except OSError as error:
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None
@@ -157,7 +158,7 @@ def import_table(
                    "left out: this build does not install them (upgrade flash-autotune to "
                    "import them)", err=True)
     url = resolve_url(db)
-    ensure_schema(url)
+    ensure_schema(url, refuse_read_only=False)  # importing what is stored changes nothing
     with open_store(url) as store, database_errors(store.url):
         try:
             outcomes = store.import_table(table, force=force)
