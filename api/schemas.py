@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, create_model
 from pydantic_core import PydanticCustomError
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
-from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES
+from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES, SOFTCAP_RANGE
 from kernel.resolve import VERSIONED_PACKAGES
 from storage import (
     MAX_STORED_INT,
@@ -97,8 +97,10 @@ _FEATURE_TYPES = {
     "window": Annotated[list[_KeyCount], Field(
         min_length=2, max_length=2, description="[left, right]: keys visible before and after "
         "each query (right is 0 when causal); null: no window.")] | None,
-    "softcap": Annotated[float, Field(gt=0, allow_inf_nan=False, description="Logits become "
-                                      "softcap * tanh(logits / softcap); null: none.")] | None,
+    "softcap": Annotated[float, Field(
+        gt=0, le=SOFTCAP_RANGE[1], allow_inf_nan=False, description="Logits become softcap * "
+        "tanh(logits / softcap), in float32: at least its smallest normal number "
+        f"({SOFTCAP_RANGE[0]:.8g}); null: none.")] | None,
 }
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import re
 import typing
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
+from kernel.problem import SOFTCAP_RANGE, softcap_problem
 
 _PANEL = "Problem"
 
@@ -31,10 +31,13 @@ def _window_option(value: str | None) -> tuple[int, int] | None:
 
 
 def _softcap_option(value: float | None) -> float | None:
-    """``--softcap X``: a positive finite number."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50), got "
-                                 f"{value}; leave the flag out for no capping")
+    """``--softcap X``: a positive number float32 holds (``kernel.problem.SOFTCAP_RANGE``)."""
+    if value is not None and softcap_problem("--softcap", value):
+        low, high = SOFTCAP_RANGE
+        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50) that "
+                                 f"float32, in which the kernels apply it, holds: {low:.8g} "
+                                 f"to {high:.8g}; got {value}; leave the flag out for no "
+                                 "capping")
     return value
 
 

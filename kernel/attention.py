@@ -13,7 +13,7 @@ from typing import Any
 
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
-from kernel.problem import DTYPES, Problem, finite_float, shown_number
+from kernel.problem import DTYPES, Problem, finite_float, shown_number, softcap_problem
 from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
 from kernel.targets import GPU_PLATFORMS, Target, device_target
@@ -57,7 +57,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
 
     ``window=(left, right)``: query i sees keys ``i - left`` to ``i + right`` (as
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
-    0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
+    0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2), in
+    float32: a cap it cannot hold (``kernel.problem.SOFTCAP_RANGE``) is refused.
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
     ``[batch, kv_len]`` (a tuple or list; cast to int32, concrete ids outside its range are
     refused, as are traced ids of a wider type under ``jax_enable_x64``); a query sees the
@@ -97,6 +98,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     _check_positive("sm_scale", sm_scale)
     if logits_soft_cap is not None:
         _check_positive("logits_soft_cap", logits_soft_cap)
+        if out_of_range := softcap_problem("logits_soft_cap", logits_soft_cap):
+            raise ValueError(out_of_range)
     ids = _segment_ids(segment_ids, problem)
     problem = dataclasses.replace(problem, window=window, softcap=logits_soft_cap,
                                   segmented=bool(ids))

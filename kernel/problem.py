@@ -29,6 +29,10 @@ MAX_HEAD_DIM = 1 << 10
 INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_heads": MAX_HEADS,
                               "q_len": MAX_SEQ_LEN, "kv_len": MAX_SEQ_LEN,
                               "head_dim": MAX_HEAD_DIM}
+# A softcap's range: float32's normal numbers. The kernels apply it in float32 (``softcap *
+# tanh(logits / softcap)``), where a larger value rounds to inf and a smaller one to 0 (or a
+# subnormal, which a TPU flushes to 0): either makes every output NaN.
+SOFTCAP_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 # The optional features a problem may use (None or False when not in use).
 FEATURE_FIELDS = ("window", "softcap", "segmented")
 # Fields that may be left out of a problem's JSON, and the field each then copies.
@@ -207,16 +211,26 @@ def shown_number(value: Any) -> str:
     return repr(value)
 
 
+def softcap_problem(name: str, softcap: Any) -> str:
+    """What is wrong with ``softcap`` (a number, positive and finite in float32:
+    ``SOFTCAP_RANGE``) given as argument ``name``, or '' when nothing is."""
+    number = finite_float(softcap)
+    if number is not None and SOFTCAP_RANGE[0] <= number <= SOFTCAP_RANGE[1]:
+        return ""
+    low, high = SOFTCAP_RANGE
+    return (f"{name} must be positive and finite (logits become softcap * tanh(logits / "
+            f"softcap)), got {shown_number(softcap)}; the kernels apply it in float32, which "
+            f"holds {low:.8g} to {high:.8g} (beyond, every output is NaN)")
+
+
 def _softcap(softcap: Any) -> float:
-    """``softcap`` as a positive finite float; anything else raises naming the fix."""
+    """``softcap`` as a float in ``SOFTCAP_RANGE``; anything else raises naming the fix."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ProblemError(f"softcap must be a number, got {softcap!r}")
-    number = finite_float(softcap)
-    if number is None or number <= 0:
-        raise ProblemError(f"softcap must be positive and finite (logits become softcap * "
-                           f"tanh(logits / softcap)), got {shown_number(softcap)}; leave it "
-                           "out for none")
-    return number
+    problem = softcap_problem("softcap", softcap)
+    if problem:
+        raise ProblemError(f"{problem}; leave it out for none")
+    return float(softcap)
 
 
 _said_covering = False  # whether a window covering every key was reported (once a process)

@@ -80,6 +80,14 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "logits_soft_cap must be positive and finite, got inf"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 10 ** 400}, ValueError,  # OverflowError
      "logits_soft_cap must be positive and finite, got an integer too large for a float"),
+    # Issue 62 item 5: float32 rounds these to inf and to 0: every output was NaN.
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 1e300}, ValueError,
+     "logits_soft_cap must be positive and finite (logits become softcap * tanh(logits / "
+     "softcap)), got 1e+300; the kernels apply it in float32, which holds 1.1754944e-38 to "
+     "3.4028235e+38"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 1e-300}, ValueError,
+     "logits_soft_cap must be positive and finite (logits become softcap * tanh(logits / "
+     "softcap)), got 1e-300"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": "50"}, TypeError,
      "logits_soft_cap must be a Python float (static), got '50'"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": _sds((1, 256), jnp.int32)}, TypeError,
@@ -105,7 +113,7 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
         "head-dim", "heads", "no-legal-block", "no-compute-block", "config-type",
         "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config",
         "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
-        "soft-cap-overflow",
+        "soft-cap-overflow", "soft-cap-past-float32", "soft-cap-below-float32",
         "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
         "segment-ids-float", "segment-ids-dict", "segment-ids-past-int32"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
