@@ -23,7 +23,8 @@ PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interp
 LAYOUTS = ("BHSD", "BSHD")
 # More heads than this, over fewer positions, in what the default layout reads as the heads
 # axis looks like a [batch, seq, heads, head_dim] array: refused unless the layout is given.
-MOST_PLAUSIBLE_HEADS = 256
+# The most query heads of published models' attention layers (Llama 3.1 405B, DeepSeek-V3).
+MOST_PLAUSIBLE_HEADS = 128
 # Attention features of other APIs (jax.nn, tokamax, upstream's kernels) that no backend here
 # implements, or that this wrapper takes under another name, named in the error when a caller
 # passes them.
@@ -49,9 +50,10 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
     head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``layout="BSHD"`` takes
     and returns ``[batch, seq, heads, head_dim]`` arrays instead (``jax.nn``'s layout, as
-    :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD (more
-    than 256 heads over fewer positions, head counts only BSHD makes consistent) are refused
-    naming the fix; ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
+    :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD are
+    refused naming both readings and the fix: q or k with more than ``MOST_PLAUSIBLE_HEADS``
+    (128) heads over fewer positions, or head counts only BSHD makes consistent;
+    ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
     position, top-left aligned (query i sees keys j <= i). ``sm_scale`` defaults to
     ``head_dim ** -0.5``.
 
@@ -284,7 +286,9 @@ def _layout_mix_up(q: Any, k: Any) -> str:
     for name, x in (("q", q), ("k", k)):
         heads, seq = x.shape[1], x.shape[2]
         if heads > MOST_PLAUSIBLE_HEADS and seq < heads:
-            return f"{name} {tuple(x.shape)} reads as {heads} heads over {seq} positions"
+            return (f"{name} {tuple(x.shape)} reads as {heads} heads over {seq} positions "
+                    f"(models use at most {MOST_PLAUSIBLE_HEADS} heads) or, as [batch, seq, "
+                    f"heads, head_dim], as {heads} positions of {seq} heads")
     if 0 in (*q.shape, *k.shape):
         return ""  # refused below, saying which size is empty
     if (q.shape[1] % k.shape[1] and not q.shape[2] % k.shape[2]
