@@ -24,6 +24,7 @@ from autotune.tune import (
     NothingToPublish,
     TuneObserver,
     TuneOptions,
+    check_device_index,
     choose_winner,
     finished_entry,
     tune,
@@ -99,6 +100,7 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
     candidate produced a confirmed timing, ``ConfigError`` when the problem's operands do not
     fit the device (:func:`autotune.measure.check_fits`)."""
     check_fits(problem, jax.devices()[0])
+    check_device_index(options, jax.devices()[0].platform)  # not each candidate's loss
     tuned: dict[str, dict[str, Any]] = {}
     lost: dict[str, tuple[str, str]] = {}
     for name in kernels:
