@@ -40,6 +40,7 @@ VERSION_FIELDS = tuple(f"{package}_version" for package in VERSIONED_PACKAGES)
 Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
 Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a time, or a ratio of times
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 Mode = Literal[MODES]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
@@ -192,17 +193,18 @@ ConfigOut = dict[str, bool | int | str | None]
 class Measurements(_Strict):
     """Timings and provenance of a tuned result (field names as in storage.TunedResult)."""
 
-    median_ms: Millis
+    median_ms: Positive
     iqr_ms: Millis | None = None
-    default_median_ms: Millis | None = None
-    speedup: Millis | None = None
+    default_median_ms: Positive | None = None
+    speedup: Positive | None = None
     trials: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] | None = None
     method: Method | None = None
     timing: Timing | None = Field(None, description="How runs were timed: profile (device "
                                   "time from a profiler trace), loop or wallclock.")
     achieved_tflops: Millis | None = None
-    roofline_fraction: Millis | None = Field(None, description="The fraction of the device's "
-                                             "binding roof (roofline_bound) reached.")
+    roofline_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="The fraction of the device's binding roof (roofline_bound) reached: "
+                          "the least time its peaks allow over the measured one.")
     roofline_bound: RooflineBound | None = None
     jax_version: Version | None = None
     jaxlib_version: Version | None = None
@@ -317,6 +319,24 @@ class ListQuery(ChoiceListQuery):
     kernel: _KeyText["kernel"] | None = None
     kernel_version: _KeyText["kernel_version"] | None = None
     study: Text | None = None
+
+
+class ExportQuery(QueryModel):
+    """``GET /v1/tables/{device_kind}``: which kernel's table; an unknown query parameter is a
+    422, as on the other endpoints."""
+
+    kernel: Text | None = Field(None, description="Only this kernel's configs (default: the "
+                                "default kernel's, and those of every kernel a stored choice "
+                                "names)")
+    kernel_version: Version | None = Field(None, description="Kernel version of `kernel` "
+                                           "(default: the installed one)")
+
+
+class ImportQuery(QueryModel):
+    """``POST /v1/tables``: ``force`` is ``true`` or ``false`` (``yes``, ``1`` or ``on`` are
+    422s, not read as true); an unknown query parameter is a 422."""
+
+    force: bool = Field(False, description="Replace stored entries even if faster.")
 
 
 SKIPPED = Field(description="Rows of this page left out: written by a newer build (a kernel "
