@@ -100,8 +100,8 @@ _FEATURE_TYPES = {
         "each query (right is 0 when causal); null: no window.")] | None,
     "softcap": Annotated[float, Field(
         gt=0, le=SOFTCAP_RANGE[1], allow_inf_nan=False, description="Logits become softcap * "
-        "tanh(logits / softcap), in float32: at least its smallest normal number "
-        f"({SOFTCAP_RANGE[0]:.8g}); null: none.")] | None,
+        f"tanh(logits / softcap), in float32: at least {SOFTCAP_RANGE[0]:g} (kernel.problem."
+        "SOFTCAP_RANGE); null: none.")] | None,
 }
 
 

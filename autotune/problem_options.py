@@ -31,13 +31,12 @@ def _window_option(value: str | None) -> tuple[int, int] | None:
 
 
 def _softcap_option(value: float | None) -> float | None:
-    """``--softcap X``: a positive number float32 holds (``kernel.problem.SOFTCAP_RANGE``)."""
+    """``--softcap X``: a positive number in ``kernel.problem.SOFTCAP_RANGE``."""
     if value is not None and softcap_problem("--softcap", value):
         low, high = SOFTCAP_RANGE
-        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50) that "
-                                 f"float32, in which the kernels apply it, holds: {low:.8g} "
-                                 f"to {high:.8g}; got {value}; leave the flag out for no "
-                                 "capping")
+        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50) from "
+                                 f"{low:g} to {high:g} (the kernels apply it in float32); "
+                                 f"got {value}; leave the flag out for no capping")
     return value
 
 

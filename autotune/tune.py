@@ -90,9 +90,9 @@ class TuneOptions:
 class TuneOptionError(ConfigError):
     """A ``TuneOptions`` field holds a value no tune runs with; ``field`` names it."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, name: str, message: str) -> None:
         super().__init__(message)
-        self.field = field
+        self.field = name
 
 
 def _whole(value: Any, least: int) -> bool:

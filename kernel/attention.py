@@ -60,7 +60,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     ``window=(left, right)``: query i sees keys ``i - left`` to ``i + right`` (as
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2), in
-    float32: a cap it cannot hold (``kernel.problem.SOFTCAP_RANGE``) is refused.
+    float32: a cap outside ``kernel.problem.SOFTCAP_RANGE`` (1e-30 to 1e30) is refused.
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
     ``[batch, kv_len]`` (a tuple or list; cast to int32, concrete ids outside its range are
     refused, as are traced ids of a wider type under ``jax_enable_x64``); a query sees the
