@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, create_model
 from pydantic_core import PydanticCustomError
 
 from kernel import DEFAULT_KERNEL, Problem, get_kernel
-from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES
+from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES, SOFTCAP_RANGE
 from kernel.resolve import VERSIONED_PACKAGES
 from storage import (
     MAX_STORED_INT,
@@ -47,6 +47,7 @@ LOOKUP_PROVENANCE_DOC = ("The jax, jaxlib and libtpu versions it was tuned under
 Text = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_PATTERN)]
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=TEXT_PATTERN)]
 Millis = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a time, or a ratio of times
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 Mode = Literal[MODES]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
@@ -104,8 +105,10 @@ _FEATURE_TYPES = {
     "window": Annotated[list[_KeyCount], Field(
         min_length=2, max_length=2, description="[left, right]: keys visible before and after "
         "each query (right is 0 when causal); null: no window.")] | None,
-    "softcap": Annotated[float, Field(gt=0, allow_inf_nan=False, description="Logits become "
-                                      "softcap * tanh(logits / softcap); null: none.")] | None,
+    "softcap": Annotated[float, Field(
+        gt=0, le=SOFTCAP_RANGE[1], allow_inf_nan=False, description="Logits become softcap * "
+        f"tanh(logits / softcap), in float32: at least {SOFTCAP_RANGE[0]:g} (kernel.problem."
+        "SOFTCAP_RANGE); null: none.")] | None,
 }
 
 
@@ -197,10 +200,10 @@ ConfigOut = dict[str, bool | int | str | None]
 class Measurements(_Strict):
     """Timings and provenance of a tuned result (field names as in storage.TunedResult)."""
 
-    median_ms: Millis
+    median_ms: Positive
     iqr_ms: Millis | None = None
-    default_median_ms: Millis | None = None
-    speedup: Millis | None = None
+    default_median_ms: Positive | None = None
+    speedup: Positive | None = None
     trials: Annotated[int, Field(ge=0, le=MAX_STORED_INT)] | None = None
     method: Method | None = None
     timing: Timing | None = Field(None, description="How runs were timed: step_profile (the "
@@ -209,8 +212,9 @@ class Measurements(_Strict):
     kernel_median_ms: Millis | None = Field(None, description="The part of median_ms the "
                                             "kernel's named pallas_calls took.")
     achieved_tflops: Millis | None = None
-    roofline_fraction: Millis | None = Field(None, description="The fraction of the device's "
-                                             "binding roof (roofline_bound) reached.")
+    roofline_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="The fraction of the device's binding roof (roofline_bound) reached: "
+                          "the least time its peaks allow over the measured one.")
     roofline_bound: RooflineBound | None = None
     jax_version: Version | None = None
     jaxlib_version: Version | None = None
@@ -325,6 +329,24 @@ class ListQuery(ChoiceListQuery):
     kernel: _KeyText["kernel"] | None = None
     kernel_version: _KeyText["kernel_version"] | None = None
     study: Text | None = None
+
+
+class ExportQuery(QueryModel):
+    """``GET /v1/tables/{device_kind}``: which kernel's table; an unknown query parameter is a
+    422, as on the other endpoints."""
+
+    kernel: Text | None = Field(None, description="Only this kernel's configs (default: the "
+                                "default kernel's, and those of every kernel a stored choice "
+                                "names)")
+    kernel_version: Version | None = Field(None, description="Kernel version of `kernel` "
+                                           "(default: the installed one)")
+
+
+class ImportQuery(QueryModel):
+    """``POST /v1/tables``: ``force`` is ``true`` or ``false`` (``yes``, ``1`` or ``on`` are
+    422s, not read as true); an unknown query parameter is a 422."""
+
+    force: bool = Field(False, description="Replace stored entries even if faster.")
 
 
 SKIPPED = Field(description="Rows of this page left out: written by a newer build (a kernel "

@@ -30,5 +30,13 @@ class ApiSettings(StorageSettings):
     @field_validator("api_token")
     @classmethod
     def _empty_is_unset(cls, token: SecretStr | None) -> SecretStr | None:
-        """An empty ``AUTOTUNE_API_TOKEN`` is no token (writes refused with a 403)."""
-        return token if token is not None and token.get_secret_value() else None
+        """An empty ``AUTOTUNE_API_TOKEN`` is no token (writes refused with a 403). One that
+        starts or ends with whitespace is refused, not stripped: an HTTP header's value loses
+        it, so no client's bearer token would match it, and a stripped one would be another
+        token than the one its clients were given."""
+        if token is None or not token.get_secret_value():
+            return None
+        if token.get_secret_value() != token.get_secret_value().strip():
+            raise ValueError("the token starts or ends with whitespace, which no HTTP header "
+                             "carries (no bearer token would match it); remove the whitespace")
+        return token

@@ -24,6 +24,7 @@ from autotune.tune import (
     NothingToPublish,
     TuneObserver,
     TuneOptions,
+    check_device_index,
     choose_winner,
     finished_entry,
     tune,
@@ -104,6 +105,7 @@ def choose_kernel(problem: Problem, store: Store, db_url: str | None, kernels: S
     not fit the device (:func:`autotune.measure.check_fits`, or its memory running out while
     the gate's reference runs)."""
     check_fits(problem, jax.devices()[0])
+    check_device_index(options, jax.devices()[0].platform)  # not each candidate's loss
     tuned: dict[str, dict[str, Any]] = {}
     lost: dict[str, tuple[str, str]] = {}
     for name in kernels:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from kernel import AutotuneError
 
 TPU_BASE_PORT = 8476  # libtpu's default TPU_PROCESS_PORT; worker d takes 8476 + d
+# The variable that makes a worker process see only its own device, by platform.
+VISIBLE_DEVICES = {"tpu": "TPU_VISIBLE_CHIPS", "gpu": "CUDA_VISIBLE_DEVICES"}
 PROBE = ("import json, jax; d = jax.local_devices(); print(json.dumps("
          "{'platform': d[0].platform, 'kind': d[0].device_kind, 'count': len(d)}))")
 
@@ -50,8 +52,35 @@ class LocalDevices:
                                        + (done.stderr.strip().splitlines() or ["?"])[-1])
         found = json.loads(done.stdout.strip().splitlines()[-1])
         platform = "gpu" if found["platform"] in ("cuda", "rocm", "gpu") else found["platform"]
-        count = (os.cpu_count() or 1) if platform == "cpu" else found["count"]
+        count = cpu_devices() if platform == "cpu" else found["count"]
         return cls(platform, count, found["kind"])
+
+
+def cpu_devices() -> int:
+    """How many devices a CPU machine offers ``--devices``: one per core."""
+    return os.cpu_count() or 1
+
+
+def measuring_index_problem(index: int, platform: str) -> str:
+    """Why ``device_index`` ``index`` names no device a tune in this process measures on
+    ('' when it does). The process measures on its first device: index 0, or the device the
+    platform's :data:`VISIBLE_DEVICES` variable names alone (as in a worker of ``--devices``);
+    on a CPU, where an index only names a worker, any index ``--devices`` selects."""
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform not in VISIBLE_DEVICES:
+        count = cpu_devices()
+        return "" if index < count else (f"device_index {index} names no {platform} device: "
+                                         f"--devices names 0 to {count - 1} here (one per "
+                                         "core); leave device_index at 0")
+    variable = VISIBLE_DEVICES[platform]
+    visible = os.environ.get(variable, "").strip()
+    if index == 0 or visible == str(index):
+        return ""
+    seen = f"{variable}={visible!r}" if visible else f"{variable} unset"
+    return (f"device_index {index} names no device this process measures on: its first "
+            f"{platform} device, 0 or the one {variable} names alone ({seen}); leave "
+            f"device_index at 0, or tune on device {index} with `autotune tune --devices "
+            f"{index},`")
 
 
 def parse_devices(spec: str) -> int | tuple[int, ...] | None:
@@ -93,10 +122,10 @@ def worker_env(platform: str, index: int) -> dict[str, str]:
     """The environment variables that make a worker process see only device ``index``."""
     if platform == "tpu":
         port = TPU_BASE_PORT + index
-        return {"TPU_VISIBLE_CHIPS": str(index), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        return {VISIBLE_DEVICES["tpu"]: str(index), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
                 "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_PORT": str(port),
                 "TPU_PROCESS_ADDRESSES": f"localhost:{port}", "CLOUD_TPU_TASK_ID": "0",
                 "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_PLATFORMS": "tpu"}
     if platform == "gpu":
-        return {"CUDA_VISIBLE_DEVICES": str(index)}
+        return {VISIBLE_DEVICES["gpu"]: str(index)}
     return {"JAX_PLATFORMS": "cpu"}

@@ -8,11 +8,14 @@ listed, has none: its results store no fraction of a roofline rather than a made
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kernel import Problem, device_target
 from kernel.roofline import Peaks, Roofline, roofline
 from kernel.targets import TARGETS
+
+log = logging.getLogger(__name__)
 
 # Dense (no sparsity) tensor-core peaks per device kind, matched as a substring of
 # jax.Device.device_kind in this order: (bf16 FLOP/s, tf32 FLOP/s for float32 inputs, HBM B/s).
@@ -71,4 +74,12 @@ def device_roofline(device: Any, problem: Problem, time_ms: float) -> Roofline |
     are no device figure), no fraction where the device's peaks are unknown."""
     if device.platform == "cpu":
         return None
-    return roofline(problem, time_ms, device_peaks(device, problem.dtype))
+    peaks = device_peaks(device, problem.dtype)
+    measured = roofline(problem, time_ms, peaks)
+    if measured.fraction is not None and measured.fraction > 1:  # storage refuses it
+        log.warning("flash-autotune: %.3f ms for %s beats the least time the peaks of %s allow "
+                    "(%s: %.2f of the roofline): they are not this device's; no fraction is "
+                    "recorded", time_ms, problem.label(), device.device_kind, peaks.source,
+                    measured.fraction)
+        return Roofline(measured.tflops)
+    return measured

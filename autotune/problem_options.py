@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import re
 import typing
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import typer
 from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
 from kernel.shapesfile import MAX_SHAPES_BYTES
+from kernel.problem import SOFTCAP_RANGE, softcap_problem
 
 _PANEL = "Problem"
 
@@ -33,10 +33,12 @@ def _window_option(value: str | None) -> tuple[int, int] | None:
 
 
 def _softcap_option(value: float | None) -> float | None:
-    """``--softcap X``: a positive finite number."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50), got "
-                                 f"{value}; leave the flag out for no capping")
+    """``--softcap X``: a positive number in ``kernel.problem.SOFTCAP_RANGE``."""
+    if value is not None and softcap_problem("--softcap", value):
+        low, high = SOFTCAP_RANGE
+        raise typer.BadParameter(f"give a positive finite number (e.g. --softcap 50) from "
+                                 f"{low:g} to {high:g} (the kernels apply it in float32); "
+                                 f"got {value}; leave the flag out for no capping")
     return value
 
 

@@ -8,6 +8,7 @@ as the results, named after the key, so re-running the same command resumes it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -17,15 +18,17 @@ import jax
 import optuna
 from optuna.trial import FrozenTrial
 
+from autotune.devices import measuring_index_problem
 from autotune.failures import ChipStateCorrupted
 from autotune.measure import AHEAD, Config, Measurer, Timing
 from autotune.peaks import device_roofline
-from autotune.samplers import SamplerName
+from autotune.samplers import SAMPLERS, SamplerName
 from autotune.search import SearchResult, search
 from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult, is_measurement, trial_status
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
+from kernel.problem import shown_number
 from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
 from kernel.table import problem_family, shape_distance
@@ -35,6 +38,7 @@ from storage.studies import get_storage
 
 K = TypeVar("K", bound=Hashable)
 MAX_WARM_SEEDS = 3
+MAX_SEED = 2**32 - 1  # the largest seed numpy's RandomState, which TPE draws from, takes
 CONFIRMED_ATTR = "confirmed"  # a study's measured count and stop reason at its last publish
 NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
 
@@ -55,22 +59,58 @@ class TuneOptions:
     timing: str = "auto"  # autotune.timing: auto, step_profile, loop or wallclock
 
     def __post_init__(self) -> None:
-        """Refuses what the CLI's options refuse, naming the field."""
-        if not _whole(self.trials, 1):
-            raise ConfigError(f"trials must be an integer of at least 1 (measured configs "
-                              f"per problem), got {self.trials!r}")
-        if self.patience is not None and not _whole(self.patience, 1):
-            raise ConfigError(f"patience must be None or an integer of at least 1 (measured "
-                              f"configs without improvement), got {self.patience!r}")
-        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(
-                self.timeout, int | float) or not self.timeout >= 0):
-            raise ConfigError(f"timeout must be None or seconds of at least 0 (wall time per "
-                              f"problem), got {self.timeout!r}")
+        """Refuses what the CLI's options refuse, and values no tune runs with, naming the
+        field (``TuneOptionError``). ``device_index`` is checked where the devices are known,
+        when a tune starts (:func:`check_device_index`)."""
+        seed, rounds, compile_s = self.seed, self.confirm_rounds, self.compile_timeout_s
+        rules = (
+            ("trials", _whole(self.trials, 1),
+             "an integer of at least 1 (measured configs per problem)"),
+            ("patience", self.patience is None or _whole(self.patience, 1),
+             "None or an integer of at least 1 (measured configs without improvement)"),
+            ("timeout", self.timeout is None or _seconds(self.timeout),
+             "None or seconds of at least 0 (wall time per problem)"),
+            ("sampler", self.sampler in SAMPLERS, f"one of {', '.join(SAMPLERS)}"),
+            ("seed", seed is None or _whole(seed, 0) and seed <= MAX_SEED,
+             "None or an integer from 0 to 2**32 - 1 (the sampler's random seed)"),
+            ("confirm_top", _whole(self.confirm_top, 0),
+             "an integer of at least 0 (best measured configs confirmed against the default)"),
+            ("confirm_rounds", _whole(rounds, 1),
+             "an integer of at least 1 (interleaved rounds of the confirmation)"),
+            ("compile_timeout_s", _seconds(compile_s) and 0 < compile_s < math.inf,
+             "seconds above 0, finite (the wait for one config's compile)"),
+            ("device_index", _whole(self.device_index, 0),
+             "an integer of at least 0 (the local device that measures)"))
+        for name, holds, wanted in rules:
+            if not holds:
+                raise TuneOptionError(name, f"{name} must be {wanted}, got "
+                                            f"{shown_number(getattr(self, name))}")
+
+
+class TuneOptionError(ConfigError):
+    """A ``TuneOptions`` field holds a value no tune runs with; ``field`` names it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = name
 
 
 def _whole(value: Any, least: int) -> bool:
     """Whether ``value`` is an int (not a bool) of at least ``least``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _seconds(value: Any) -> bool:
+    """Whether ``value`` is a number (not a bool) of at least 0 seconds (not NaN)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+
+
+def check_device_index(options: TuneOptions, platform: str) -> None:
+    """Raises ``TuneOptionError`` unless ``options.device_index`` names the device this process
+    measures on (:func:`autotune.devices.measuring_index_problem`): its provenance."""
+    problem = measuring_index_problem(options.device_index, platform)
+    if problem:
+        raise TuneOptionError("device_index", problem)
 
 
 @dataclass
@@ -265,6 +305,7 @@ class TuneJob:
                  kernel_name: str = DEFAULT_KERNEL) -> None:
         self.kernel = kernel = get_kernel(kernel_name).discover()
         self.device = jax.devices()[0]
+        check_device_index(options, self.device.platform)
         self.target = target = device_target(self.device.platform, self.device.device_kind)
         kernel.check_runs(problem, target)
         self.problem, self.store, self.options, self.observer = problem, store, options, observer

@@ -14,7 +14,7 @@ from typing import Any
 
 from kernel.capture import Call, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
-from kernel.problem import DTYPES, Problem, finite_float, shown_number
+from kernel.problem import DTYPES, Problem, finite_float, shown_number, softcap_problem
 from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
 from kernel.sharded import explicit_specs
@@ -25,7 +25,8 @@ PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interp
 LAYOUTS = ("BHSD", "BSHD")
 # More heads than this, over fewer positions, in what the default layout reads as the heads
 # axis looks like a [batch, seq, heads, head_dim] array: refused unless the layout is given.
-MOST_PLAUSIBLE_HEADS = 256
+# The most query heads of published models' attention layers (Llama 3.1 405B, DeepSeek-V3).
+MOST_PLAUSIBLE_HEADS = 128
 # Attention features of other APIs (jax.nn, tokamax, upstream's kernels) that no backend here
 # implements, or that this wrapper takes under another name, named in the error when a caller
 # passes them.
@@ -51,15 +52,17 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
     head_dim]`` with ``q_heads % kv_heads == 0``; float32 or bfloat16. ``layout="BSHD"`` takes
     and returns ``[batch, seq, heads, head_dim]`` arrays instead (``jax.nn``'s layout, as
-    :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD (more
-    than 256 heads over fewer positions, head counts only BSHD makes consistent) are refused
-    naming the fix; ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
+    :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD are
+    refused naming both readings and the fix: q or k with more than ``MOST_PLAUSIBLE_HEADS``
+    (128) heads over fewer positions, or head counts only BSHD makes consistent;
+    ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
     position, top-left aligned (query i sees keys j <= i). ``sm_scale`` defaults to
     ``head_dim ** -0.5``.
 
     ``window=(left, right)``: query i sees keys ``i - left`` to ``i + right`` (as
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
-    0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2).
+    0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2), in
+    float32: a cap outside ``kernel.problem.SOFTCAP_RANGE`` (1e-30 to 1e30) is refused.
     ``segment_ids=(q_segment_ids, kv_segment_ids)``: integer arrays ``[batch, q_len]`` and
     ``[batch, kv_len]`` (a tuple or list; cast to int32, concrete ids outside its range are
     refused, as are traced ids of a wider type under ``jax_enable_x64``); a query sees the
@@ -104,6 +107,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     _check_positive("sm_scale", sm_scale)
     if logits_soft_cap is not None:
         _check_positive("logits_soft_cap", logits_soft_cap)
+        if out_of_range := softcap_problem("logits_soft_cap", logits_soft_cap):
+            raise ValueError(out_of_range)
     ids = _segment_ids(segment_ids, problem)
     sharded = explicit_specs(q, k, v)
     if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
@@ -315,7 +320,9 @@ def _layout_mix_up(q: Any, k: Any) -> str:
     for name, x in (("q", q), ("k", k)):
         heads, seq = x.shape[1], x.shape[2]
         if heads > MOST_PLAUSIBLE_HEADS and seq < heads:
-            return f"{name} {tuple(x.shape)} reads as {heads} heads over {seq} positions"
+            return (f"{name} {tuple(x.shape)} reads as {heads} heads over {seq} positions "
+                    f"(models use at most {MOST_PLAUSIBLE_HEADS} heads) or, as [batch, seq, "
+                    f"heads, head_dim], as {heads} positions of {seq} heads")
     if 0 in (*q.shape, *k.shape):
         return ""  # refused below, saying which size is empty
     if (q.shape[1] % k.shape[1] and not q.shape[2] % k.shape[2]

@@ -29,6 +29,13 @@ MAX_HEAD_DIM = 1 << 10
 INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_heads": MAX_HEADS,
                               "q_len": MAX_SEQ_LEN, "kv_len": MAX_SEQ_LEN,
                               "head_dim": MAX_HEAD_DIM}
+# A softcap's range, far past any cap in use (Gemma 2: 30 and 50). The kernels apply it in
+# float32 (``softcap * tanh(logits / softcap)``), where a cap past float32's range rounds to
+# inf or to 0 (a subnormal is 0 on a TPU), and every output is NaN; and autodiff multiplies
+# the cap by the logits' cotangent, so near float32's largest (3.4e38) xla's gradients are NaN.
+# 1e30 leaves that product room for a cotangent up to 3.4e8, and 1e-30 keeps it a normal
+# number down to a cotangent of 1e-8 (bench/softcap_range.py checks both ends on a device).
+SOFTCAP_RANGE = (1e-30, 1e30)
 # The optional features a problem may use (None or False when not in use).
 FEATURE_FIELDS = ("window", "softcap", "segmented")
 # Fields that may be left out of a problem's JSON, and the field each then copies.
@@ -207,16 +214,26 @@ def shown_number(value: Any) -> str:
     return repr(value)
 
 
+def softcap_problem(name: str, softcap: Any) -> str:
+    """What is wrong with ``softcap`` (a number in ``SOFTCAP_RANGE``) given as argument
+    ``name``, or '' when nothing is."""
+    number = finite_float(softcap)
+    if number is not None and SOFTCAP_RANGE[0] <= number <= SOFTCAP_RANGE[1]:
+        return ""
+    low, high = SOFTCAP_RANGE
+    return (f"{name} must be positive and finite (logits become softcap * tanh(logits / "
+            f"softcap)), got {shown_number(softcap)}; the kernels apply it in float32, where it "
+            f"must lie from {low:g} to {high:g} (beyond, outputs or gradients are NaN)")
+
+
 def _softcap(softcap: Any) -> float:
-    """``softcap`` as a positive finite float; anything else raises naming the fix."""
+    """``softcap`` as a float in ``SOFTCAP_RANGE``; anything else raises naming the fix."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ProblemError(f"softcap must be a number, got {softcap!r}")
-    number = finite_float(softcap)
-    if number is None or number <= 0:
-        raise ProblemError(f"softcap must be positive and finite (logits become softcap * "
-                           f"tanh(logits / softcap)), got {shown_number(softcap)}; leave it "
-                           "out for none")
-    return number
+    problem = softcap_problem("softcap", softcap)
+    if problem:
+        raise ProblemError(f"{problem}; leave it out for none")
+    return float(softcap)
 
 
 _said_covering = False  # whether a window covering every key was reported (once a process)

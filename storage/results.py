@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,8 +35,21 @@ def unknown_timing(requested: str) -> str | None:
 ROOFLINE_BOUNDS: tuple[str, ...] = ("compute", "memory")
 # kernel_median_ms: the part of the winner's median its named kernels took (step_profile
 # timing of a kernel that names its pallas_calls; None otherwise), a breakdown that ranks nothing.
-MEASUREMENT_FIELDS = ("median_ms", "iqr_ms", "default_median_ms", "speedup", "achieved_tflops",
-                      "roofline_fraction", "kernel_median_ms")
+# What each measurement must be, as (above 0 rather than at least 0, at most, said): a time,
+# and a speedup (a ratio of times), is above 0; a spread or a throughput may be 0; a fraction
+# of the roofline (kernel.roofline: the least time the device's peaks allow over the measured
+# one) is above 0 and at most 1.
+_POSITIVE = (True, math.inf, "a finite number above 0")
+_AT_LEAST_0 = (False, math.inf, "a finite number of at least 0")
+MEASUREMENT_RANGES: dict[str, tuple[bool, float, str]] = {
+    "median_ms": _POSITIVE, "iqr_ms": _AT_LEAST_0, "default_median_ms": _POSITIVE,
+    "speedup": _POSITIVE, "achieved_tflops": _AT_LEAST_0,
+    "kernel_median_ms": _POSITIVE,
+    "roofline_fraction": (True, 1.0, "above 0 and at most 1 (the least time the device's "
+                                     "peaks allow over the measured one)")}
+MEASUREMENT_FIELDS = tuple(MEASUREMENT_RANGES)
+# The names a lookup table gives them (kernel.table.TableEntry), said in errors.
+TABLE_NAMES = {"median_ms": "time_ms", "default_median_ms": "default_time_ms"}
 PROVENANCE_FIELDS = ("trials", "method", "timing", "roofline_bound", "jax_version",
                      "jaxlib_version", "libtpu_version", "study", "device_index")
 # What a lookup table's entry carries besides its timings (kernel.table.TableEntry.provenance).
@@ -148,6 +162,20 @@ def check_text(name: str, value: Any, *, optional: bool = False) -> None:
         shown = value[:40].encode("utf-8", "backslashreplace").decode("utf-8")
         raise ResultError(f"{name} must be at most {TEXT_LIMITS[name]} characters of text "
                           f"without control characters or lone surrogates, got {shown!r}")
+    unseen = next((c for c in value if not c.isprintable()), None)
+    if unseen is not None:  # a BOM, a zero-width or a no-break space: 'cpu' stored apart
+        raise ResultError(f"{name} must be printable text, got {value[:40]!r}, which holds "
+                          f"U+{ord(unseen):04X} ({unicodedata.name(unseen, 'unnamed')}): it "
+                          "shows as nothing or as a plain space, so the name would read as "
+                          "another; remove it")
+
+
+def _measurement_in(value: Any, positive: bool, most: float) -> bool:
+    """Whether ``value`` is a finite number (not a bool), above 0 (``positive``) or at least 0,
+    and at most ``most``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return (value > 0 if positive else value >= 0) and value <= most
 
 
 NOISE_FLOOR = 0.01  # a lead under 1% of the slower median is noise, however tight the spreads
@@ -208,11 +236,11 @@ class TunedResult:
         if not isinstance(self.config, rules.config_type):
             raise ResultError(f"config of kernel {self.kernel!r} must be a "
                               f"{rules.config_type.__name__}, got {self.config!r}")
-        for name in MEASUREMENT_FIELDS:
+        for name, (positive, most, wanted) in MEASUREMENT_RANGES.items():
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or not math.isfinite(value) or value < 0):
-                raise ResultError(f"{name} must be a finite non-negative number, got {value!r}")
+            if value is not None and not _measurement_in(value, positive, most):
+                table = f" (a table entry's {TABLE_NAMES[name]})" if name in TABLE_NAMES else ""
+                raise ResultError(f"{name}{table} must be {wanted}, got {value!r}")
         for name in ("trials", "device_index"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

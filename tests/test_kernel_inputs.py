@@ -17,6 +17,7 @@ import pytest
 from conftest import plain_sources
 from kernel import ConfigError, FlashConfig, LookupTable, Problem, TableEntry, \
     dot_product_attention, flash_attention, get_kernel, reference_attention, resolution_sources
+from kernel.problem import SOFTCAP_RANGE
 from kernel.resolve import ResolverSettings, reset_resolver
 
 
@@ -80,6 +81,14 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
      "logits_soft_cap must be positive and finite, got inf"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 10 ** 400}, ValueError,  # OverflowError
      "logits_soft_cap must be positive and finite, got an integer too large for a float"),
+    # Issue 62 item 5: float32 rounds these to inf and to 0: every output was NaN.
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 1e300}, ValueError,
+     "logits_soft_cap must be positive and finite (logits become softcap * tanh(logits / "
+     "softcap)), got 1e+300; the kernels apply it in float32, where it must lie from 1e-30 to "
+     "1e+30 (beyond, outputs or gradients are NaN)"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": 1e-300}, ValueError,
+     "logits_soft_cap must be positive and finite (logits become softcap * tanh(logits / "
+     "softcap)), got 1e-300"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"logits_soft_cap": "50"}, TypeError,
      "logits_soft_cap must be a Python float (static), got '50'"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": _sds((1, 256), jnp.int32)}, TypeError,
@@ -105,13 +114,28 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
         "head-dim", "heads", "no-legal-block", "no-compute-block", "config-type",
         "sm-scale-negative", "sm-scale-str", "causal-type", "illegal-config",
         "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
-        "soft-cap-overflow",
+        "soft-cap-overflow", "soft-cap-past-float32", "soft-cap-below-float32",
         "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
         "segment-ids-float", "segment-ids-dict", "segment-ids-past-int32"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
     assert message in str(raised.value)
+
+
+def test_the_soft_caps_range_keeps_xlas_gradients_finite_where_float32s_does_not():
+    """Issue 62 item 5: why the range ends at 1e30, not at float32's largest number: autodiff
+    of ``cap * tanh(logits / cap)`` multiplies the cap by the logits' cotangent."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 2, 256, 128), F32) for key in keys)
+
+    def finite_gradients(cap):
+        grads = jax.grad(lambda *a: reference_attention(*a, softcap=cap).sum(),
+                         argnums=(0, 1, 2))(q, k, v)
+        return all(bool(jnp.isfinite(g).all()) for g in grads)
+
+    assert all(finite_gradients(cap) for cap in SOFTCAP_RANGE)
+    assert not finite_gradients(float(np.finfo(np.float32).max))
 
 
 def test_traced_segment_ids_wider_than_int32_are_refused():

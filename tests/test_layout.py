@@ -42,6 +42,28 @@ def test_jax_nn_arrays_passed_as_bhsd_are_refused_naming_the_layout():
         kernel.flash_attention(q, k, v)
 
 
+def test_256_positions_of_a_few_heads_passed_as_bhsd_are_refused_naming_both_readings():
+    """Issue 62 item 6: 256 positions of 4 query heads and 1 key head ran as 256 heads over 4
+    query and 1 key position, 4.19 off jax.nn's result, without an error (512 was refused)."""
+    q, k, v = _bshd(seq=256, heads=4, kv_heads=1)
+    with pytest.raises(ValueError, match=r"^q \(1, 256, 4, 64\) reads as 256 heads over 4 "
+                                         r"positions \(models use at most 128 heads\) or, as "
+                                         r"\[batch, seq, heads, head_dim\], as 256 positions of "
+                                         r"4 heads: .*pass layout='BSHD'.*layout='BHSD'"):
+        kernel.flash_attention(q, k, v, causal=True)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(kernel.flash_attention(q, k, v, causal=True, layout="BSHD"),
+                               want, atol=1e-5)
+
+
+def test_the_most_heads_of_a_model_over_one_position_still_run():
+    """A decoding step of 128 heads (the most a published model's attention has) over one
+    query position, in the default layout, is no mix-up."""
+    q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 128, 256, 64), jnp.float32)
+    assert jax.eval_shape(kernel.flash_attention, q, k, k).shape == q.shape
+
+
 def test_head_counts_only_bshd_makes_consistent_are_refused_naming_the_layout():
     q, k, v = _bshd(seq=96, heads=4, kv_heads=2)  # read as BHSD: 96 heads over 64 kv heads
     k, v = (x[:, :64] for x in (k, v))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import AUTOTUNE, run_cli
-from test_database_states import TABLE, seed
+from test_database_states import seed
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from autotune.problem_options import load_shapes, with_problem_options
 from autotune.tune import kernel_space, study_name, warm_seeds
 from kernel import FlashConfig, get_kernel
 
-from kernel.errors import TableError
-from kernel.problem import FEATURE_FIELDS, Problem
+from kernel.errors import ProblemError, TableError
+from kernel.problem import FEATURE_FIELDS, SOFTCAP_RANGE, Problem
 from kernel.service import PROBLEM_FIELDS, ServiceClient, _config_params
 from kernel.shapesfile import save_shapes
 from kernel.table import (
@@ -223,6 +223,19 @@ def test_the_problem_flags_set_the_features() -> None:
     assert Problem.from_dict(json.loads(plain.output)) == PLAIN
 
 
+@pytest.mark.parametrize("softcap", [1e300, 3.4e38, 1.01e30, 1e-300, 1e-40, 0.99e-30])
+def test_a_softcap_outside_its_float32_range_is_refused(softcap: float) -> None:
+    """Issue 62 item 5: a shapes file, table or service key with softcap 1e300 (inf in float32)
+    or 1e-300 (0) was taken, and every output of the kernels was NaN; at 3.4e38 (float32's
+    largest) xla's gradients are."""
+    with pytest.raises(ProblemError, match=r"^softcap must be positive and finite .* the "
+                                           r"kernels apply it in float32, where it must lie "
+                                           r"from 1e-30 to 1e\+30 "):
+        Problem.from_dict({**PLAIN.to_dict(), "softcap": softcap})
+    for cap in SOFTCAP_RANGE:
+        assert Problem.from_dict({**PLAIN.to_dict(), "softcap": cap}).softcap == cap
+
+
 def test_softcaps_that_differ_past_six_digits_have_labels_and_studies_of_their_own() -> None:
     """Issue 55 item 12: 50.0000001 and 50.0000002 were both ``softcap50``, one study, and the
     second tune exited 2 naming a --study flag never given; an exact value keeps its short
@@ -244,6 +257,13 @@ def test_softcaps_that_differ_past_six_digits_have_labels_and_studies_of_their_o
     (["--softcap", "0"], "Invalid value for '--softcap': give a positive finite number"),
     (["--softcap", "nan"], "Invalid value for '--softcap'"),
     (["--softcap", "-inf"], "Invalid value for '--softcap'"),
+    # Issue 62 item 5: float32 holds neither (inf, or 0): tune recorded every config
+    # wrong_result, as every output was NaN.
+    (["--softcap", "1e300"], "Invalid value for '--softcap': give a positive finite number (e.g. "
+                             "--softcap 50) from 1e-30 to 1e+30 (the kernels apply it in "
+                             "float32); got 1e+300"),
+    (["--softcap", "1e-300"], "from 1e-30 to 1e+30 (the kernels apply it in float32); got "
+                              "1e-300"),
 ])
 def test_a_bad_feature_flag_is_named_with_its_fix(flags: list[str], message: str) -> None:
     done = CliRunner().invoke(_problem_app(), flags, env={"COLUMNS": "250"})
@@ -333,6 +353,8 @@ def test_the_list_endpoints_show_and_filter_the_features(server: Server) -> None
     ({"window": [1, 2, 3]}, ["window"], "at most 2 items"),
     ({"softcap": 0}, ["softcap"], "greater than 0"),
     ({"softcap": -5.0}, ["softcap"], "greater than 0"),
+    # Issue 62 item 5: beyond float32 (every output NaN) it was looked up.
+    ({"softcap": 1e308}, ["softcap"], "less than or equal to 1" + "0" * 30),
     ({"softcap": "nan"}, ["softcap"], ("give a decimal number, got 'nan'", "valid number")),
     ({"segmented": "sometimes"}, ["segmented"], ("give true or false", "valid boolean")),
     # Issue 55 item 14: values of another type were coerced (true stored as softcap 1.0,

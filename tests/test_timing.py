@@ -14,6 +14,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +304,17 @@ def test_roofline_formulas_against_hand_computed_values() -> None:
     memory = roofline(MHA, 1.0, slow_memory)  # 16.8 MB at 0.1 TB/s: 168 us of 1 ms
     assert (memory.bound, memory.fraction) == ("memory", pytest.approx(0.16777216))
     assert roofline(MHA, 1.0, None).fraction is None
+
+
+def test_a_time_below_the_roofline_records_no_fraction(caplog) -> None:
+    """Issue 62 item 8: storage refuses a roofline fraction above 1 (a time the device's peaks
+    do not allow); the tuner records none rather than fail its publish."""
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    plausible = device_roofline(h100, MHA, 1.0)
+    assert 0 < plausible.fraction <= 1 and plausible.bound == "compute"
+    impossible = device_roofline(h100, MHA, 1e-6)
+    assert (impossible.fraction, impossible.bound) == (None, None) and impossible.tflops > 1e6
+    assert "beats the least time the peaks of NVIDIA H100 80GB HBM3 allow" in caplog.text
 
 
 def test_peaks_from_jax_and_the_gpu_table_and_none_on_cpu() -> None:

@@ -267,6 +267,21 @@ def test_a_study_name_that_cannot_be_stored_is_refused_before_searching(tmp_path
     assert "Traceback" not in done.stderr and not done.stdout.strip()
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_numpy_refuses_is_refused_in_one_line_before_anything_runs(
+        tmp_path: Path, seed: str) -> None:
+    """Issue 62 item 7: ``--seed -1`` or a seed past 2**32 printed numpy's 74-line traceback
+    after the setup; now it exits 2 naming --seed, as TuneOptions refuses it."""
+    db = tmp_path / "tune.db"
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1",
+                   "--seed", seed, "--db", f"sqlite:///{db}", env=WIDE)
+    assert done.returncode == 2, done.stderr
+    [said] = [line for line in done.stderr.splitlines() if "seed" in line]
+    assert f"Invalid value for --seed: seed must be None or an integer from 0 to 2**32 - 1 " \
+           f"(the sampler's random seed), got {seed}" in said
+    assert "Traceback" not in done.stderr and not db.exists()
+
+
 def test_demo_on_a_database_holding_a_faster_result_checks_the_served_config(
         tmp_path: Path) -> None:
     """A database that already holds a faster result for the demo's problem keeps it

@@ -21,13 +21,15 @@ import pytest
 from autotune.devices import (
     DeviceSelectionError,
     LocalDevices,
+    cpu_devices,
+    measuring_index_problem,
     parse_devices,
     select_devices,
     worker_env,
 )
 from conftest import AUTOTUNE, problem_flags, run_cli
-from kernel import Problem
-from storage import Store
+from kernel import ConfigError, Problem
+from storage import Store, upgrade
 from storage.studies import is_measurement
 
 PROBLEMS = [Problem(1, 1, 1, 256, 256, 128, "float32", causal, "fwd") for causal in (False, True)]
@@ -199,6 +201,39 @@ def test_each_worker_sees_only_its_device() -> None:
     assert tpu[0]["TPU_PROCESS_PORT"] != tpu[1]["TPU_PROCESS_PORT"]
     assert worker_env("gpu", 3) == {"CUDA_VISIBLE_DEVICES": "3"}
     assert worker_env("cpu", 1) == {"JAX_PLATFORMS": "cpu"}
+
+
+def test_a_device_index_no_device_here_has_is_refused_before_anything_runs(
+        tmp_path: Path) -> None:
+    """Issue 62 item 7: ``TuneOptions(device_index=5)`` published provenance for a device the
+    tune did not run on; now it names one this process measures on, or the tune refuses."""
+    from autotune.choice import choose_kernel
+    from autotune.tune import TuneOptions, tune
+
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    absent = TuneOptions(trials=1, device_index=cpu_devices())  # one past the last core
+    message = rf"^device_index {cpu_devices()} names no cpu device: --devices names 0 to "
+    with Store(db) as store:
+        with pytest.raises(ConfigError, match=message):
+            tune(PROBLEMS[0], store, db, absent, kernel_name="flash")
+        with pytest.raises(ConfigError, match=message):
+            choose_kernel(PROBLEMS[0], store, db, ["flash", "xla"], absent)
+        assert store.list(limit=None)[1] == 0
+    assert optuna.get_all_study_names(db) == []
+
+
+def test_a_tpu_or_gpu_process_measures_on_device_0_or_the_one_it_sees_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TPU_VISIBLE_CHIPS", raising=False)
+    assert measuring_index_problem(0, "tpu") == ""
+    assert "(TPU_VISIBLE_CHIPS unset); leave device_index at 0, or tune on device 5 with " \
+           "`autotune tune --devices 5,`" in measuring_index_problem(5, "tpu")
+    monkeypatch.setenv("TPU_VISIBLE_CHIPS", worker_env("tpu", 5)["TPU_VISIBLE_CHIPS"])
+    assert measuring_index_problem(5, "tpu") == ""  # a worker of --devices 5,
+    assert "TPU_VISIBLE_CHIPS='5'" in measuring_index_problem(3, "tpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert measuring_index_problem(2, "cuda") == "" != measuring_index_problem(3, "gpu")
 
 
 def test_device_selection() -> None:

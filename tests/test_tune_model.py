@@ -180,3 +180,20 @@ def test_tune_options_refuse_what_the_cli_refuses(options, field):
     search stopped at once), where ``--patience`` and ``--timeout`` refuse them."""
     with pytest.raises(kernel.ConfigError, match=f"^{field} must be None or"):
         TuneOptions(**options)
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(confirm_rounds=0), "confirm_rounds"), (dict(confirm_rounds=2.0), "confirm_rounds"),
+    (dict(confirm_top=-1), "confirm_top"), (dict(compile_timeout_s=-1), "compile_timeout_s"),
+    (dict(compile_timeout_s=0), "compile_timeout_s"),
+    (dict(compile_timeout_s=float("inf")), "compile_timeout_s"),
+    (dict(seed="x"), "seed"), (dict(seed=-1), "seed"), (dict(seed=2**32), "seed"),
+    (dict(seed=10**5000), "seed"), (dict(sampler="bayes"), "sampler"),
+    (dict(device_index=-1), "device_index"), (dict(device_index=True), "device_index")])
+def test_tune_options_refuse_values_no_tune_runs_with(options, field):
+    """Issue 62 item 7: confirm_rounds=0 ran the whole search, then raised StatisticsError;
+    compile_timeout_s=-1 stored every config as a timeout never measured again; seed='x' was a
+    numpy TypeError, seed=-1 a numpy ValueError after the setup."""
+    with pytest.raises(kernel.ConfigError, match=f"^{field} must be ") as refused:
+        TuneOptions(**options)
+    assert refused.value.field == field and len(str(refused.value)) < 200

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Response, status
 
 from api.deps import StoreDep, Writer
-from api.schemas import TEXT_PATTERN, ErrorResponse, ImportResponse, Text, Version
+from api.schemas import TEXT_PATTERN, ErrorResponse, ExportQuery, ImportQuery, ImportResponse
 from api.strict_json import StrictJsonRoute
 from kernel import LookupTable
 
@@ -24,18 +24,15 @@ router = APIRouter(prefix="/v1/tables", tags=["tables"], route_class=StrictJsonR
 def export_table(
     store: StoreDep,
     device_kind: Annotated[str, Path(max_length=128, pattern=TEXT_PATTERN)],
-    kernel: Annotated[Text | None, Query(
-        description="Only this kernel's configs (default: the default kernel's, and those of "
-                    "every kernel a stored choice names)")] = None,
-    kernel_version: Annotated[Version | None, Query(
-        description="Kernel version of `kernel` (default: the installed one)")] = None,
+    query: Annotated[ExportQuery, Query()],
     if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
 ) -> Response:
     """Every tuned config on ``device_kind`` (of ``kernel``, or of every kernel its choices
     name), and every kernel choice there, ready to pin in a model build."""
-    table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
+    table = store.export_table(device_kind, kernel=query.kernel,
+                               kernel_version=query.kernel_version)
     if not table.entries and not table.choices:
-        known = store.device_kinds(kernel)
+        known = store.device_kinds(query.kernel)
         raise HTTPException(status.HTTP_404_NOT_FOUND,
                             f"no tuned configs of kernel {table.kernel!r} version "
                             f"{table.kernel_version!r} on device kind {device_kind!r}; "
@@ -56,13 +53,13 @@ def export_table(
 def import_table(
     store: StoreDep,
     table: Annotated[dict[str, Any], Body(description="A kernel.table.LookupTable as JSON.")],
-    force: Annotated[bool, Query(description="Replace stored entries even if faster.")] = False,
+    query: Annotated[ImportQuery, Query()],
 ) -> dict[str, Any]:
     """Imports a whole table in one transaction: all entries and choices or none (422 names
     the bad one). Each entry is published like ``PUT /v1/configs`` (keep-better unless
     ``force``); each kernel choice replaces the stored one for its problem."""
     parsed = LookupTable.from_dict(table)
-    outcomes = store.import_table(parsed, force=force)
+    outcomes = store.import_table(parsed, force=query.force)
     counts = {"inserted": 0, "replaced": 0, "kept": 0}
     for outcome in outcomes:
         counts[outcome.status] += 1

@@ -83,6 +83,14 @@ def tune(
 
     if unknown_timing(timing) is not None:
         raise typer.BadParameter(unknown_timing(timing), param_hint="--timing")
+    from autotune.tune import TuneOptionError, TuneOptions
+
+    try:  # refused before anything runs, as the option it came from
+        options = TuneOptions(trials=trials, timeout=timeout, patience=patience,
+                              sampler=sampler, seed=seed, study=study, force=force,
+                              timing=timing)
+    except TuneOptionError as error:
+        raise typer.BadParameter(str(error), param_hint=f"--{error.field}") from None
     if kernel is not None and kernels is not None:
         raise typer.BadParameter("give --kernel (one kernel) or --kernels (a choice), not both",
                                  param_hint="--kernels")
@@ -112,14 +120,12 @@ def tune(
     from autotune.choice import choose_kernel, local_kernels
     from autotune.progress import TuneProgress
     from autotune.failures import ChipStateCorrupted, ProblemTooLarge
-    from autotune.tune import NothingToPublish, TuneInterrupted, TuneOptions
+    from autotune.tune import NothingToPublish, TuneInterrupted
     from autotune.search import StudyMismatchError
     from autotune.timing import TimingError
     from autotune.tune import tune as run_tune
     from kernel import ConfigError
 
-    options = TuneOptions(trials=trials, timeout=timeout, patience=patience, sampler=sampler,
-                          seed=seed, study=study, force=force, timing=timing)
     if selection != 1:
         try:
             chosen = select_devices(selection, local := LocalDevices.probe())
