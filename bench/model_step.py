@@ -11,8 +11,10 @@ Each variant is the same step traced under its own table (``kernel.tables``) and
 ahead of time; the steps run in interleaved rounds (A B C, A B C, ...), each timed as the host
 wall time of ``--steps`` back-to-back steps (the parameters of one feed the next), which is
 the step's whole device time. The report has each variant's median step, its ratio to the
-tuned step, which kernel and config each attention problem ran, and the attention problems
-the tune found::
+tuned step, which kernel and config each attention problem ran, the attention problems the
+tune found, and the attention's share of the step: from a ``jax.profiler`` trace of a few
+steps, the busy time of the ``pallas_call``s the kernels that ran name over that of every op
+of the step (None for a kernel that names none, such as XLA's)::
 
     python bench/model_step.py --model llama --seq 4096 --trials 10 --out llama-4096.json
     python bench/model_step.py --interpret     # a CPU check: a tiny model, kernels interpreted
@@ -169,6 +171,21 @@ def timed_rounds(executables: dict[str, Any], params: Any, x: Any,
     return samples
 
 
+def attention_share(executable: Any, params: Any, x: Any, ran: dict[str, str],
+                    runs: int = 3) -> float | None:
+    """The named attention kernels' part of the step's device time, from one profiler trace
+    of ``runs`` steps (None when the kernels that ran name no ``pallas_call``)."""
+    from autotune.timing import kernel_op_matcher, op_names, run_times, trace_runs
+
+    names = {name for key in ran for name in kernel.get_kernel(key.split()[0]).profile_names}
+    events = trace_runs(lambda: executable(params, x)[1], runs)
+    step = run_times(events, runs, kernel_op_matcher(op_names(executable), ()))
+    attention = run_times(events, runs, kernel_op_matcher((), names)) if names else None
+    if not step or not attention:
+        return None
+    return statistics.median(attention) / statistics.median(step)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from bench.chip import write_report
@@ -189,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "problems": [p.label() for p in problems],
               "variants": {name: {"median_ms": medians[name], "samples_ms": samples[name],
                                   "over_tuned": medians[name] / medians["tuned"],
+                                  "attention_share": attention_share(executables[name], params, x,
+                                                                     sources[name]),
                                   "ran": sources[name]} for name in tables},
               "timing": f"host wall time of {args.steps} back-to-back steps, median of "
                         f"{args.rounds} interleaved rounds"}
