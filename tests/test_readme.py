@@ -90,3 +90,12 @@ def test_every_relative_link_resolves(page: Path, target: str) -> None:
     if anchor and linked.suffix == ".md":
         assert anchor in _anchors(linked), \
             f"{page.relative_to(ROOT)} links to {target}: no such heading in {linked.name}"
+
+
+def test_every_docs_page_is_linked_from_another_page() -> None:
+    """A page under docs/ that no other page links to is one a reader never finds."""
+    linked = {(page.parent / path).resolve() for page, target in _relative_links()
+              if (path := target.partition("#")[0]) and (page.parent / path).resolve() != page}
+    orphans = [page.name for page in PAGES[1:] if page not in linked]
+    assert not orphans, f"no page links to docs/{', docs/'.join(orphans)}: add it to README.md's " \
+                        "'Where to read on' or to a page on its topic"
