@@ -127,11 +127,12 @@ def test_a_lookup_says_whether_it_was_measured_in_interpret_mode_and_on_which_de
     """Issue 62 item 11: the lookup's provenance held only the versions, so a config timed
     in interpret mode on a CPU read like a device figure."""
     kind = device()
-    publish(server, {**body(kind), "method": "interpret", "device_index": 2})
+    publish(server, {**body(kind), "method": "interpret", "device_index": 2,
+                     "timing": "wallclock"})
     found = httpx.get(f"{server.url}/v1/configs/lookup", params=lookup_params(kind)).json()
     assert found["provenance"] == {"jax_version": "0.10.2", "jaxlib_version": None,
-                                   "libtpu_version": None, "method": "interpret",
-                                   "device_index": 2}
+                                   "libtpu_version": None, "timing": "wallclock",
+                                   "method": "interpret", "device_index": 2}
     batch = httpx.post(f"{server.url}/v1/configs/lookup:batch",
                        json={"keys": [lookup_params(kind, q_len=2048)]}).json()
     assert batch["results"][0]["provenance"] == found["provenance"]
