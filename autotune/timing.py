@@ -193,7 +193,6 @@ def trace_runs(call: Callable[[], Any], runs: int) -> list[dict[str, Any]]:
         return trace_events(logdir)
 
 
-
 # What the profiler's and xprof's C++ logging prints to stderr for every trace on a TPU, with
 # nothing for a user to do about it (seen with jax 0.10.2, libtpu 0.0.42.1, xprof 2.24).
 PROFILER_NOISE = re.compile(r"No UnifiedProfileProcessor registered for tool|"

@@ -22,7 +22,6 @@ import dataclasses
 import importlib.util
 import re
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,7 +32,7 @@ import jax  # noqa: E402
 
 from autotune.measure import Timing, interleaved  # noqa: E402
 from bench.chip import OUTPUTS, Bench, write_report  # noqa: E402
-from bench.timing import spread  # noqa: E402
+from bench.timing import back_to_back_ms, spread  # noqa: E402
 from kernel import FlashConfig, Problem, get_kernel  # noqa: E402
 from kernel.backends.flash.blocks import Reach  # noqa: E402
 from kernel.contract import AttentionFn, default_scale, measured_fn  # noqa: E402
@@ -62,15 +61,6 @@ def variant_attention(module: ModuleType, problem: Problem, config: FlashConfig)
     logits = module.Logits(default_scale(problem), Reach.of(problem), problem.softcap)
     return lambda q, k, v, *ids: module.flash_attention(q, k, v, ids or None, logits,
                                                         lambda mode: config)
-
-
-def back_to_back_ms(step: Any, inputs: list[Any], calls: int) -> float:
-    """Host wall time per call of ``calls`` calls of ``step`` dispatched back to back."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        result = step(*inputs)
-    jax.block_until_ready(result)
-    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def measure(bench: Bench, attend: AttentionFn) -> tuple[Any, dict[str, float]]:

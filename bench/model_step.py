@@ -155,20 +155,25 @@ def compiled_under(table: Any, step: Any, params: Any, x: Any) -> tuple[Any, dic
 
 def timed_rounds(executables: dict[str, Any], params: Any, x: Any,
                  args: argparse.Namespace) -> dict[str, list[float]]:
-    """Per variant, the wall time of ``args.steps`` back-to-back steps over ``args.rounds``
-    interleaved rounds (ms per step), after one untimed warm-up sample each."""
-    samples: dict[str, list[float]] = {name: [] for name in executables}
-    for round_ in range(args.rounds + 1):
-        for name, run in executables.items():
-            state = params
-            jax.block_until_ready(state)
+    """Per variant, the wall time of ``args.steps`` back-to-back steps (each feeding its
+    parameters to the next) over ``args.rounds`` interleaved rounds (ms per step), after one
+    untimed warm-up sample each."""
+    from autotune.measure import Timing, interleaved
+
+    def timer(run: Any) -> Any:
+        def sample() -> Timing:
+            state = jax.block_until_ready(params)
             start = time.perf_counter()
             for _ in range(args.steps):
                 state, value = run(state, x)
             jax.block_until_ready(value)
-            if round_:  # round 0 warms each executable up
-                samples[name].append((time.perf_counter() - start) * 1e3 / args.steps)
-    return samples
+            return Timing(((time.perf_counter() - start) * 1e3 / args.steps,))
+        return sample
+
+    timers = {name: timer(run) for name, run in executables.items()}
+    interleaved(timers, 1)  # warms each executable up
+    return {name: list(timing.samples_ms) for name, timing in
+            interleaved(timers, args.rounds).items()}
 
 
 def attention_share(executable: Any, params: Any, x: Any, ran: dict[str, str],

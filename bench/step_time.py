@@ -20,18 +20,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-import jax  # noqa: E402
-
 from autotune.measure import Measurer, Program  # noqa: E402
 from bench.chip import write_report  # noqa: E402
-from bench.timing import spread  # noqa: E402
+from bench.timing import back_to_back_ms, spread  # noqa: E402
 from bench.tpu_check import runs_here, target_here  # noqa: E402
 from kernel import Problem, get_kernel  # noqa: E402
 
@@ -48,15 +45,8 @@ GOAL = 0.03  # the tuner's figure within 3% of the wall time per call
 
 def wall_ms(measurer: Measurer, program: Program, repeats: int) -> list[float]:
     """Per repeat, the host wall time of ``CALLS`` back-to-back calls of ``program``'s
-    executable over ``CALLS`` (the last output waited for: the calls run in order)."""
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            out = program.compiled(*measurer.inputs)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) * 1e3 / CALLS)
-    return samples
+    executable over ``CALLS``."""
+    return [back_to_back_ms(program.compiled, measurer.inputs, CALLS) for _ in range(repeats)]
 
 
 def measure(name: str, problem: Problem, args: argparse.Namespace) -> dict[str, Any]:
