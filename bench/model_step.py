@@ -144,12 +144,15 @@ def variants(args: argparse.Namespace, step: Any, abstract: tuple[Any, ...],
             "xla": pinned_table(problems, "xla", lambda k, p: k.default_config(p))}, problems
 
 
-def compiled_under(table: Any, step: Any, params: Any, x: Any) -> tuple[Any, dict[str, str]]:
-    """The step compiled with its attention resolved by ``table``, and what each call ran."""
+def compiled_under(table: Any, step: Any, params: Any, x: Any,
+                   problems: list[Any]) -> tuple[Any, dict[str, str]]:
+    """The step compiled with its attention resolved by ``table``, and what each of its
+    ``problems`` ran (the process's other resolutions left out)."""
     with kernel.tables(table):
         executable = jax.jit(step).lower(params, x).compile()
         sources = {f"{name} {problem.label()}": why
-                   for (name, _, problem), why in kernel.resolution_sources().items()}
+                   for (name, _, problem), why in kernel.resolution_sources().items()
+                   if problem in problems}
     return executable, sources
 
 
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tables, problems = variants(args, step, abstract, folder)
     executables, sources = {}, {}
     for name, table in tables.items():
-        executables[name], sources[name] = compiled_under(table, step, params, x)
+        executables[name], sources[name] = compiled_under(table, step, params, x, problems)
     samples = timed_rounds(executables, params, x, args)
     medians = {name: statistics.median(times) for name, times in samples.items()}
     report = {"model": vars(args) | {"out": None},
