@@ -9,7 +9,9 @@ Per problem: each contender's median and its ratio to the tuned; ``tuned_vs_fast
 (the fastest hand-set's time over the tuned's: goal 1 wants at least 1.00), ``over_maxtext``
 (MaxText's default over the tuned), ``flash_over_splash`` (tuned flash over tuned splash: goal
 2 wants at most 1.10) and each one's fraction of the chip's peak. Over the problems run: the
-geometric mean of ``over_maxtext`` (goal 1 wants at least 1.10).
+geometric mean of ``over_maxtext`` (goal 1 wants at least 1.10). Each row also has
+``kernel_ms``, the part of its step the kernel's named ``pallas_call``s took (the rest is the
+XLA ops around them).
 
 The grid (bfloat16, head_dim 128, 16 heads, batch x sequence = 16k tokens): causal fwd_bwd at
 2048, 4096 and 8192; full fwd_bwd at 4096; causal fwd at 4096; GQA 32/8 heads causal fwd_bwd at
@@ -55,6 +57,8 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated indices into the grid (default: all)")
     parser.add_argument("--trials", type=int, default=30, help="configs measured per kernel")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--kernels", default=None,
+                        help="the tune's candidates, a,b (default: every kernel that runs here)")
     parser.add_argument("--interpret", action="store_true",
                         help="a CPU check: tiny shapes, the kernels in interpret mode")
     parser.add_argument("--out", type=Path)
@@ -121,7 +125,8 @@ def tuned(problem: Any, args: argparse.Namespace, folder: str) -> tuple[dict, li
     options = TuneOptions(trials=args.trials, confirm_rounds=args.rounds, seed=0)
     with Store(url) as store:
         try:
-            summary = choose_kernel(problem, store, url, local_kernels(), options)
+            kernels = args.kernels.split(",") if args.kernels else local_kernels()
+            summary = choose_kernel(problem, store, url, kernels, options)
         except NothingToPublish as error:
             return {}, [{"name": "tuned", "config": None, "error": str(error)}], {}
     chosen = summary.choice.kernel

@@ -302,18 +302,21 @@ def interleaved(problem: Any, contenders: dict[str, tuple[Any, Any]],
                              "error": str(failure).splitlines()[0][:200]})
                 continue
             programs[name] = (program, config, error)
-        samples: dict[str, list[float]] = {name: [] for name in programs}
+        samples: dict[str, list[Timing]] = {name: [] for name in programs}
         for _ in range(args.rounds):
             for name, (program, _, _) in programs.items():
-                samples[name].append(measurer.time(program, runs=3).median_ms)
+                samples[name].append(measurer.time(program, runs=3))
     finally:
         measurer.close()
     device = jax.devices()[0]
     for name, (_, config, error) in programs.items():
-        timing = Timing(tuple(samples[name]))
+        timing = Timing(tuple(t.median_ms for t in samples[name]),
+                        tuple(t.kernel_median_ms for t in samples[name]
+                              if t.kernel_median_ms is not None))
         roof = device_roofline(device, problem, timing.median_ms)
         rows.append({"name": name, "config": config.label(), "median_ms": timing.median_ms,
-                     "iqr_ms": timing.iqr_ms, "max_error": error,
+                     "iqr_ms": timing.iqr_ms, "kernel_ms": timing.kernel_median_ms,
+                     "max_error": error,
                      "achieved_tflops": roof and roof.tflops,
                      "roofline_fraction": roof and roof.fraction,
                      "roofline_bound": roof and roof.bound})

@@ -8,8 +8,9 @@
 #                                            $OUT/kerneltests.log (issue 54)
 #   bash bench/tpu_session.sh backward     # dS in one MXU pass (ours) against two, splash:
 #                                            $OUT/backward.json (issue 56, goal 2)
-#   bash bench/tpu_session.sh handset PROBLEMS TRIALS  # tuned against every hand-set config,
-#                                            grid problems PROBLEMS (e.g. 1,3): $OUT/handset-*.json
+#   bash bench/tpu_session.sh handset PROBLEMS TRIALS [flags]  # tuned against every hand-set
+#                                            config, grid problems PROBLEMS (e.g. 1,3; flags:
+#                                            bench/handset.py's): $OUT/handset-*.json
 #   bash bench/tpu_session.sh cost TRIALS  # trials per minute before and now: $OUT/trial-cost.json
 #   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS [DB]  # a random sample of the
 #                                            space up to TRIALS in all (DB: a study to go on
@@ -84,7 +85,7 @@ flash_ablation)
     python3 bench/flash_ablation.py "${variants[@]}" "$@" --out "$OUT/flash-ablation.json" \
         2> "$OUT/flash-ablation.err" | tail -n 80 ;;
 handset)
-    python3 bench/handset.py --problems "$2" --trials "$3" \
+    python3 bench/handset.py --problems "$2" --trials "$3" "${@:4}" \
         --out "$OUT/handset-${2//,/-}.json" 2> "$OUT/handset-${2//,/-}.err" | tail -n 80 ;;
 cost)
     python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
