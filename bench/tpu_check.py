@@ -295,7 +295,8 @@ def interleaved(problem: Any, contenders: dict[str, tuple[Any, Any]],
     try:
         for name, (owner, config) in contenders.items():
             try:
-                program = measurer.compile(owner.build(problem, config))  # every device op
+                program = measurer.compile(owner.build(problem, config),  # every device op
+                                           owner.profile_names)  # and the kernel's share
                 error = relative_error(measurer.run(program), measurer.expected)
             except Exception as failure:  # noqa: BLE001 - reported, the others still run
                 rows.append({"name": name, "config": config.label(),
