@@ -103,6 +103,16 @@ def op_names(compiled: Any) -> frozenset[str]:
     return frozenset(_INSTRUCTION.findall(compiled.as_text()))
 
 
+_SOURCE = re.compile(r'%([^\s=,()]+) = .*?metadata=\{op_name="([^"]*)"')
+
+
+def op_sources(compiled: Any) -> dict[str, str]:
+    """Per HLO instruction of a compiled executable, the JAX operation it came from (its
+    ``op_name`` metadata, e.g. ``jit(step)/transpose(jvp(...))/dot_general``), where it has
+    one: what an op event computes, since instruction names differ between compiles."""
+    return dict(_SOURCE.findall(compiled.as_text()))
+
+
 def kernel_op_matcher(ops: Iterable[str], kernel_names: Iterable[str]) -> Callable[[str], bool]:
     """Which op events count: those named after ``kernel_names`` (an HLO instruction
     ``flash_fwd.1`` is a ``pallas_call(name="flash_fwd")``), or with none given, every op of
@@ -155,6 +165,27 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def op_events(events: list[dict[str, Any]],
+              counts: Callable[[str], bool]) -> list[dict[str, Any]]:
+    """The op events ``counts`` accepts (by HLO instruction name): on a device's ``XLA Ops``
+    line when the trace has devices, else (a CPU) on the host's threads."""
+    on_device = any("/device:" in e["process"] for e in events)
+    return [e for e in events if ("/device:" in e["process"] and _is_op_line(e["thread"])
+                                  if on_device else not e["name"].startswith(RUN_MARK))
+            and counts(_op_name(e))]
+
+
+def busy_per_op(events: list[dict[str, Any]], runs: int,
+                counts: Callable[[str], bool]) -> dict[str, float]:
+    """Per HLO instruction that ``counts`` accepts, the busy time (ms) of its op events
+    (:func:`op_events`) per run: their union over the ``runs`` profiled runs, over ``runs``."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for event in op_events(events, counts):
+        spans.setdefault(_op_name(event), []).append(
+            (event["ts"], event["ts"] + event.get("dur", 0.0)))
+    return {name: _busy_ms(intervals) / runs for name, intervals in spans.items()}
+
+
 def run_times(events: list[dict[str, Any]], runs: int,
               counts: Callable[[str], bool]) -> list[float] | None:
     """Per profiled run, the busy time (ms) of the op events ``counts`` accepts: on a device's
@@ -164,10 +195,7 @@ def run_times(events: list[dict[str, Any]], runs: int,
                    if e["name"].startswith(RUN_MARK))
     if len(marks) != runs:
         raise TimingError(f"the trace holds {len(marks)} of the {runs} runs' annotations")
-    on_device = any("/device:" in e["process"] for e in events)
-    ops = [e for e in events if ("/device:" in e["process"] and _is_op_line(e["thread"])
-                                 if on_device else not e["name"].startswith(RUN_MARK))
-           and counts(_op_name(e))]
+    ops = op_events(events, counts)
     if not ops:
         return None
     starts = [ts for ts, _ in marks]

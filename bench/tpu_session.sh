@@ -17,8 +17,11 @@
 #                                            with, e.g. one kept from an earlier run):
 #                                            $OUT/landscape-KERNEL.json.gz and .db (goal 4)
 #   bash bench/tpu_session.sh model MODEL SEQ TRIALS [flags]  # a training step tuned with
-#                                            tune_model against MaxText's splash and XLA:
-#                                            $OUT/model-MODEL-SEQ.json (issue 63, item 2)
+#                                            tune_model against each candidate tuned alone,
+#                                            MaxText's splash and XLA, with the tune's figures
+#                                            and each step's device time by op (flags:
+#                                            bench/model_step.py's, e.g. --kernels, --variants,
+#                                            --db): $OUT/model-MODEL-SEQ.json (issue 63, item 2)
 #   bash bench/tpu_session.sh long NAME KERNELS TRIALS PROBLEM-FLAGS  # as tune, a problem of
 #                                            its own: $OUT/tune-NAME.jsonl, verify-NAME.json
 #   bash bench/tpu_session.sh steptime [PROBLEMS]  # every kernel's tuner figure against the

@@ -27,9 +27,11 @@ from autotune.measure import Measurer, interleaved
 from autotune.peaks import device_roofline, gpu_peaks, tpu_peaks
 from autotune.timing import (
     TimingError,
+    busy_per_op,
     kernel_op_matcher,
     looped,
     op_names,
+    op_sources,
     run_times,
     timing_plan,
     trace_events,
@@ -131,6 +133,28 @@ def test_h200_traces_count_only_the_measured_executable_and_its_named_kernels(
     # Inside a command buffer a named kernel has no op event: None (the caller falls back).
     buffered = recorded("pallas_gpu-command-buffer", tmp_path)
     assert run_times(buffered, 3, kernel_op_matcher(PALLAS_GPU_OPS, ("pallas_call",))) is None
+
+
+def test_busy_per_op_splits_the_steps_time_among_its_ops(tmp_path: Path) -> None:
+    """Per HLO instruction, its busy time per run: together the step's (within the little
+    that ops on two streams overlap), the pallas_call's its named kernel time."""
+    events = recorded("pallas_gpu-no-command-buffer", tmp_path)
+    per_op = busy_per_op(events, 3, kernel_op_matcher(PALLAS_GPU_OPS, ()))
+    assert set(per_op) <= set(PALLAS_GPU_OPS) and len(per_op) > 1, per_op
+    assert all(ms > 0 for ms in per_op.values()), per_op
+    whole = run_times(events, 3, kernel_op_matcher(PALLAS_GPU_OPS, ()))
+    assert statistics.mean(whole) <= sum(per_op.values()) < 1.01 * statistics.mean(whole)
+    kernel = run_times(events, 3, kernel_op_matcher((), ("pallas_call",)))
+    assert sum(ms for op, ms in per_op.items() if op.startswith("pallas_call")) \
+        == pytest.approx(statistics.mean(kernel), rel=1e-6)
+
+
+def test_op_sources_name_the_jax_operation_of_each_instruction() -> None:
+    compiled = jax.jit(matmuls).lower(X).compile()
+    sources = op_sources(compiled)
+    assert set(sources) <= op_names(compiled), sources
+    assert any(source.endswith("/dot_general") for source in sources.values()), sources
+    assert any(source.endswith("/tanh") for source in sources.values()), sources
 
 
 def test_a_profile_drops_the_native_profiler_noise_and_keeps_other_native_output(capfd) -> None:
