@@ -178,12 +178,26 @@ def run_times(events: list[dict[str, Any]], runs: int,
     return [_busy_ms(spans) for spans in intervals]
 
 
+def trace_options() -> jax.profiler.ProfileOptions:
+    """What a trace records: the device's op events, and on the host its annotations (the
+    runs' ``RUN_MARK``s; on a CPU also the executable's op events), all at host level 1;
+    not every Python call of every thread (the Python tracer, on by default), nor the host's
+    level-2 detail. While configs compile ahead in other threads, their Python calls were
+    most of a trace (on a 2-core CPU, 86,000 of a trial's 110,000 events), each one
+    serialised, converted by xprof and parsed, and the tracer slowed those compiles."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.host_tracer_level = 1
+    return options
+
+
 def trace_runs(call: Callable[[], Any], runs: int) -> list[dict[str, Any]]:
     """Runs ``call`` ``runs`` times (each to completion, in its own ``RUN_MARK`` annotation)
-    under one ``jax.profiler`` trace and returns the trace's :func:`trace_events`."""
+    under one ``jax.profiler`` trace (:func:`trace_options`) and returns the trace's
+    :func:`trace_events`."""
     with tempfile.TemporaryDirectory(prefix="autotune-profile-") as logdir, \
             native_noise_dropped(PROFILER_NOISE):
-        jax.profiler.start_trace(logdir)
+        jax.profiler.start_trace(logdir, profiler_options=trace_options())
         try:
             for index in range(runs):
                 with jax.profiler.TraceAnnotation(f"{RUN_MARK}{index}"):
