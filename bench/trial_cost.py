@@ -1,13 +1,22 @@
 """Where a tuning trial's time goes, and trials per minute, before and now, in one run on the
 attached device: the same configs (a seeded random sample of the kernel's space) measured by
 
-- ``before``: one config compiled ahead, in a pool of two; the gate's error and the canary's
-  comparison reduced on the host (every output moved there first), as the tuner did until
-  issue 56;
-- ``now``: ``autotune.measure.AHEAD`` configs claimed and compiled ahead; both reduced on the
-  device.
+- ``before``, as ``--before`` says:
 
-    python bench/trial_cost.py [--kernel flash] [--trials 15] [problem flags] [--out F.json]
+  - ``trace`` (the default): the tuner now, its ``step_profile`` traces as until issue 63
+    item 3: with the profiler's defaults, the Python tracer recording every call of every
+    thread (the compiles running ahead included) and the host tracer at level 2;
+  - ``issue56``: as the tuner was until issue 56: one config compiled ahead, in a pool of
+    two; the gate's error and the canary's comparison reduced on the host (every output moved
+    there first); the traces as in ``trace``;
+
+- ``now``: ``autotune.measure.AHEAD`` configs claimed and compiled ahead; both reduced on the
+  device; the traces of :func:`autotune.timing.trace_options`.
+
+    python bench/trial_cost.py [--kernel flash] [--trials 15] [--before trace|issue56]
+        [--timing auto|step_profile|...] [problem flags] [--out F.json]
+
+``--timing step_profile`` times with traces on a CPU too (``auto`` is wallclock there).
 
 Per variant: trials per minute over the whole search (the first compile and the canary
 included) and the median seconds of each phase of a trial: ``wait_s`` (its compile not yet
@@ -33,7 +42,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import autotune.measure as measure  # noqa: E402
+from autotune import timing  # noqa: E402
 from autotune.search import search  # noqa: E402
+from autotune.timing import TIMING_CHOICES  # noqa: E402
 from autotune.tune import kernel_space  # noqa: E402
 from bench.chip import write_report  # noqa: E402
 from kernel import Problem, device_target, get_kernel  # noqa: E402
@@ -61,14 +72,24 @@ def host_comparisons() -> Iterator[None]:
         measure.relative_error, measure.same_bits = device_error, device_bits
 
 
+@contextmanager
+def full_traces() -> Iterator[None]:
+    """``step_profile`` traces as before issue 63 item 3: the profiler's default options."""
+    lean, timing.trace_options = timing.trace_options, jax.profiler.ProfileOptions
+    try:
+        yield
+    finally:
+        timing.trace_options = lean
+
+
 def run_variant(problem: Problem, kernel_name: str, trials: int, seed: int, *,
-                threads: int, ahead: int) -> dict[str, Any]:
+                threads: int, ahead: int, method: str = "auto") -> dict[str, Any]:
     kernel = get_kernel(kernel_name)
     device = jax.devices()[0]
     space, base = kernel_space(kernel, problem, device_target(device.platform,
                                                               device.device_kind))
     start = time.perf_counter()
-    measurer = measure.Measurer(problem, base, kernel, pool_size=threads)
+    measurer = measure.Measurer(problem, base, kernel, pool_size=threads, timing=method)
     try:
         default = {name: getattr(base, name) for name in space.names}
         result = search(space, measurer, sampler="random", trials=trials, seed=seed,
@@ -100,17 +121,27 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--mode", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
+    parser.add_argument("--before", default="trace", choices=["trace", "issue56"])
+    parser.add_argument("--timing", default="auto", choices=TIMING_CHOICES)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     problem = Problem(batch=args.batch, q_heads=args.heads, kv_heads=args.heads,
                       q_len=args.seq, kv_len=args.seq, head_dim=args.head_dim,
                       dtype="bfloat16", causal=True, mode=args.mode)
-    with host_comparisons():
-        before = run_variant(problem, args.kernel, args.trials, args.seed, threads=2, ahead=1)
-    now = run_variant(problem, args.kernel, args.trials, args.seed,
-                      threads=measure.AHEAD + 1, ahead=measure.AHEAD)
+    now_pool = {"threads": measure.AHEAD + 1, "ahead": measure.AHEAD}
+    with full_traces():
+        if args.before == "issue56":
+            with host_comparisons():
+                before = run_variant(problem, args.kernel, args.trials, args.seed,
+                                     threads=2, ahead=1, method=args.timing)
+        else:
+            before = run_variant(problem, args.kernel, args.trials, args.seed,
+                                 method=args.timing, **now_pool)
+    now = run_variant(problem, args.kernel, args.trials, args.seed, method=args.timing,
+                      **now_pool)
     write_report({
         "problem": problem.label(), "kernel": args.kernel, "trials": args.trials,
+        "before_is": args.before,
         "before": before, "now": now,
         "trials_per_min_ratio": round(now["trials_per_min"] / before["trials_per_min"], 2),
         # Both measured the same configs: the same best, or two within each other's noise.
