@@ -3,15 +3,18 @@ attached device: the same configs (a seeded random sample of the kernel's space)
 
 - ``before``, as ``--before`` says:
 
-  - ``trace`` (the default): the tuner now, its ``step_profile`` traces as until issue 63
-    item 3: with the profiler's defaults, the Python tracer recording every call of every
-    thread (the compiles running ahead included) and the host tracer at level 2;
+  - ``trace`` (the default): the tuner as until issue 63 item 3: its ``step_profile``
+    traces with the profiler's defaults, the Python tracer recording every call of every
+    thread (the compiles running ahead included) and the host tracer at level 2; two configs
+    claimed and compiled ahead, on three threads;
   - ``issue56``: as the tuner was until issue 56: one config compiled ahead, in a pool of
     two; the gate's error and the canary's comparison reduced on the host (every output moved
     there first); the traces as in ``trace``;
 
-- ``now``: ``autotune.measure.AHEAD`` configs claimed and compiled ahead; both reduced on the
-  device; the traces of :func:`autotune.timing.trace_options`.
+- ``now``: as many configs claimed and compiled ahead as the tuner claims for its random
+  sampler here (:func:`autotune.measure.claims_ahead`: 5 on a 13-core TPU v5e VM; before,
+  ``autotune.measure.AHEAD``, 2, for every sampler); both reduced on the device; the traces
+  of :func:`autotune.timing.trace_options`.
 
     python bench/trial_cost.py [--kernel flash] [--trials 15] [--before trace|issue56]
         [--timing auto|step_profile|...] [problem flags] [--out F.json]
@@ -128,7 +131,8 @@ def main() -> None:
     problem = Problem(batch=args.batch, q_heads=args.heads, kv_heads=args.heads,
                       q_len=args.seq, kv_len=args.seq, head_dim=args.head_dim,
                       dtype="bfloat16", causal=True, mode=args.mode)
-    now_pool = {"threads": measure.AHEAD + 1, "ahead": measure.AHEAD}
+    ahead = measure.claims_ahead(sampler_learns=False)  # the sampler here is random
+    before_pool = {"threads": measure.AHEAD + 1, "ahead": measure.AHEAD}
     with full_traces():
         if args.before == "issue56":
             with host_comparisons():
@@ -136,9 +140,9 @@ def main() -> None:
                                      threads=2, ahead=1, method=args.timing)
         else:
             before = run_variant(problem, args.kernel, args.trials, args.seed,
-                                 method=args.timing, **now_pool)
+                                 method=args.timing, **before_pool)
     now = run_variant(problem, args.kernel, args.trials, args.seed, method=args.timing,
-                      **now_pool)
+                      threads=ahead + 1, ahead=ahead)
     write_report({
         "problem": problem.label(), "kernel": args.kernel, "trials": args.trials,
         "before_is": args.before,
