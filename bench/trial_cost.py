@@ -17,7 +17,7 @@ attached device: the same configs (a seeded random sample of the kernel's space)
   of :func:`autotune.timing.trace_options`.
 
     python bench/trial_cost.py [--kernel flash] [--trials 15] [--before trace|issue56]
-        [--timing auto|step_profile|...] [problem flags] [--out F.json]
+        [--timing auto|step_profile|...] [--ahead N] [problem flags] [--out F.json]
 
 ``--timing step_profile`` times with traces on a CPU too (``auto`` is wallclock there).
 
@@ -126,12 +126,14 @@ def main() -> None:
     parser.add_argument("--mode", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
     parser.add_argument("--before", default="trace", choices=["trace", "issue56"])
     parser.add_argument("--timing", default="auto", choices=TIMING_CHOICES)
+    parser.add_argument("--ahead", type=int, help="configs claimed ahead now (default: as the "
+                        "tuner's random sampler claims here); 2 keeps the pool of before")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     problem = Problem(batch=args.batch, q_heads=args.heads, kv_heads=args.heads,
                       q_len=args.seq, kv_len=args.seq, head_dim=args.head_dim,
                       dtype="bfloat16", causal=True, mode=args.mode)
-    ahead = measure.claims_ahead(sampler_learns=False)  # the sampler here is random
+    ahead = args.ahead or measure.claims_ahead(sampler_learns=False)  # the sampler is random
     before_pool = {"threads": measure.AHEAD + 1, "ahead": measure.AHEAD}
     with full_traces():
         if args.before == "issue56":
