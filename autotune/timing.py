@@ -117,21 +117,30 @@ def kernel_op_matcher(ops: Iterable[str], kernel_names: Iterable[str]) -> Callab
 
 def trace_events(logdir: str | Path) -> list[dict[str, Any]]:
     """The events of the ``jax.profiler`` trace in ``logdir`` (Chrome trace format, converted
-    by xprof), each with its process and thread names added (``process``, ``thread``)."""
+    by xprof), each with its process and thread names added (``process``, ``thread``) and its
+    HLO instruction name (``op``, :func:`_op_name`)."""
     from xprof.convert.raw_to_tool_data import xspace_to_tool_data
 
     paths = sorted(str(p) for p in Path(logdir).rglob("*.xplane.pb"))
     if not paths:
         raise TimingError(f"jax.profiler wrote no trace under {logdir}")
     data, _ = xspace_to_tool_data(paths, "trace_viewer@", {"use_saved_result": False})
-    events = json.loads(data)["traceEvents"]
-    processes = {e["pid"]: e["args"]["name"] for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    return [{**e, "process": processes.get(e["pid"], ""),
-             "thread": threads.get((e["pid"], e.get("tid")), "")}
-            for e in events if e.get("ph") == "X"]
+    processes: dict[Any, str] = {}
+    threads: dict[tuple[Any, Any], str] = {}
+    spans = []
+    for event in json.loads(data)["traceEvents"]:  # one pass: a trace holds 10,000s of events
+        kind = event.get("ph")
+        if kind == "X":
+            spans.append(event)
+        elif kind == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        elif kind == "M" and event.get("name") == "thread_name":
+            threads[event["pid"], event["tid"]] = event["args"]["name"]
+    for event in spans:
+        event["process"] = processes.get(event["pid"], "")
+        event["thread"] = threads.get((event["pid"], event.get("tid")), "")
+        event["op"] = _op_name(event)
+    return spans
 
 
 def _op_name(event: dict[str, Any]) -> str:
@@ -157,17 +166,20 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 def run_times(events: list[dict[str, Any]], runs: int,
               counts: Callable[[str], bool]) -> list[float] | None:
-    """Per profiled run, the busy time (ms) of the op events ``counts`` accepts: on a device's
-    ``XLA Ops`` line when the trace has devices, else (a CPU) on the host's threads. Runs are
-    told apart by their host annotations; None when no event counts."""
+    """Per profiled run, the busy time (ms) of the op events ``counts`` accepts (``events`` as
+    :func:`trace_events` gives them): on a device's ``XLA Ops`` line when the trace has
+    devices, else (a CPU) on the host's threads. Runs are told apart by their host
+    annotations; None when no event counts."""
     marks = sorted((e["ts"], int(e["name"][len(RUN_MARK):])) for e in events
                    if e["name"].startswith(RUN_MARK))
     if len(marks) != runs:
         raise TimingError(f"the trace holds {len(marks)} of the {runs} runs' annotations")
     on_device = any("/device:" in e["process"] for e in events)
-    ops = [e for e in events if ("/device:" in e["process"] and _is_op_line(e["thread"])
-                                 if on_device else not e["name"].startswith(RUN_MARK))
-           and counts(_op_name(e))]
+    if on_device:
+        ops = [e for e in events if "/device:" in e["process"] and _is_op_line(e["thread"])
+               and counts(e["op"])]
+    else:
+        ops = [e for e in events if counts(e["op"]) and not e["name"].startswith(RUN_MARK)]
     if not ops:
         return None
     starts = [ts for ts, _ in marks]

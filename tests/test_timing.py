@@ -113,6 +113,10 @@ def test_profile_reads_device_time_from_an_h200_trace(name: str, ops: tuple[str,
     Pallas program's five kernels as one command buffer, a single op event of no HLO name.
     Missing either, every profile there fell back to loop timing."""
     events = recorded(name, tmp_path)
+    # Each event carries its HLO instruction name, read once for every run_times call.
+    named = {e["op"] for e in events if "/device:" in e["process"]
+             and e["thread"].startswith("XLA Ops")}
+    assert named and all(op in ops or op.startswith("command_buffer") for op in named), named
     times = run_times(events, 3, kernel_op_matcher(ops, ()))
     assert times is not None and len(times) == 3, times
     assert sum(times) == pytest.approx(stream_kernels_ms(events), rel=0.02)
