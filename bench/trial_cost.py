@@ -24,8 +24,10 @@ attached device: the same configs (a seeded random sample of the kernel's space)
 Per variant: trials per minute over the whole search (the first compile and the canary
 included) and the median seconds of each phase of a trial: ``wait_s`` (its compile not yet
 done), ``gate_s`` (one run checked against the reference), ``time_s`` (timing), ``canary_s``,
-and ``compile_s`` (run ahead, overlapping the others). Both variants must find the same best
-config (the winner's quality is the same); the ratio is ``now`` over ``before``.
+and ``compile_s`` (run ahead, overlapping the others); with ``step_profile`` timing, of
+``time_s``, the median seconds of a trace's stop and of its reading, and its events. Both
+variants must find the same best config (the winner's quality is the same); the ratio is
+``now`` over ``before``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,32 @@ def full_traces() -> Iterator[None]:
         timing.trace_options = lean
 
 
+@contextmanager
+def trace_parts(seconds: dict[str, list[float]], events: list[int]) -> Iterator[None]:
+    """Records, per ``step_profile`` trace, the seconds its stop took (the profiler collecting
+    and writing it) and its reading (xprof's conversion and the parse: ``trace_events``), and
+    how many events it held."""
+    stop, read = jax.profiler.stop_trace, timing.trace_events
+
+    def timed_stop() -> None:
+        start = time.perf_counter()
+        stop()
+        seconds["stop_s"].append(time.perf_counter() - start)
+
+    def timed_read(logdir: Any) -> list[dict[str, Any]]:
+        start = time.perf_counter()
+        found = read(logdir)
+        seconds["read_s"].append(time.perf_counter() - start)
+        events.append(len(found))
+        return found
+
+    jax.profiler.stop_trace, timing.trace_events = timed_stop, timed_read
+    try:
+        yield
+    finally:
+        jax.profiler.stop_trace, timing.trace_events = stop, read
+
+
 def run_variant(problem: Problem, kernel_name: str, trials: int, seed: int, *,
                 threads: int, ahead: int, method: str = "auto") -> dict[str, Any]:
     kernel = get_kernel(kernel_name)
@@ -93,10 +121,13 @@ def run_variant(problem: Problem, kernel_name: str, trials: int, seed: int, *,
                                                               device.device_kind))
     start = time.perf_counter()
     measurer = measure.Measurer(problem, base, kernel, pool_size=threads, timing=method)
+    trace_s: dict[str, list[float]] = {"stop_s": [], "read_s": []}
+    trace_events: list[int] = []
     try:
         default = {name: getattr(base, name) for name in space.names}
-        result = search(space, measurer, sampler="random", trials=trials, seed=seed,
-                        seeds=[default], prepare=measurer.prepare, ahead=ahead)
+        with trace_parts(trace_s, trace_events):
+            result = search(space, measurer, sampler="random", trials=trials, seed=seed,
+                            seeds=[default], prepare=measurer.prepare, ahead=ahead)
     finally:
         measurer.close()
     wall_s = time.perf_counter() - start
@@ -107,6 +138,10 @@ def run_variant(problem: Problem, kernel_name: str, trials: int, seed: int, *,
         "timing": measurer.timing,
         "median_s": {phase: round(statistics.median(a[phase] for a in attrs if phase in a), 4)
                      for phase in PHASES if any(phase in a for a in attrs)},
+        # Of time_s, per trace: the profiler's stop, then xprof's conversion and the parse.
+        "trace_median_s": {part: round(statistics.median(values), 4)
+                           for part, values in trace_s.items() if values},
+        "trace_median_events": statistics.median(trace_events) if trace_events else None,
         "failures": sum(not t.measurement.ok for t in result.trials),
         "best": None if result.best is None else {
             "config": base.replace(**result.best.config).label(problem.mode),
