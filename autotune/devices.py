@@ -56,6 +56,17 @@ class LocalDevices:
         return cls(platform, count, found["kind"])
 
 
+# Set by ``autotune tune --devices`` in each worker: how many tuning processes share the host,
+# its cores and memory (:func:`autotune.measure.claims_ahead`).
+HOST_WORKERS = "AUTOTUNE_HOST_WORKERS"
+
+
+def host_workers() -> int:
+    """How many tuning processes share this host: the ``--devices`` workers, else 1."""
+    value = os.environ.get(HOST_WORKERS, "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def cpu_devices() -> int:
     """How many devices a CPU machine offers ``--devices``: one per core."""
     return os.cpu_count() or 1

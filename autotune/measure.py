@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autotune.devices import host_workers
 from autotune.failures import (
     ChipStateCorrupted,
     ProblemTooLarge,
@@ -69,6 +70,9 @@ log = logging.getLogger(__name__)
 # found configs as good as 1 ahead (the tuner before) within the seeds' noise, while 3 and 6
 # fell behind on convolution-A100 (median score@50 0.674 and 0.693 against 0.844 and 0.811).
 AHEAD = 2
+# Host memory one compile running ahead may hold at its peak: an allowance, so that a host
+# with many cores and little memory compiles fewer at once.
+COMPILE_MEMORY = 2 * 2**30
 
 
 @dataclass(frozen=True)
@@ -149,16 +153,40 @@ def reference_footprint(problem: Problem, device: jax.Device) -> Footprint:
                      analysis.temp_size_in_bytes)
 
 
+def host_memory_bytes() -> int | None:
+    """The host's physical memory; None when this system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not on this system
+        return None
+
+
 def device_memory_bytes(device: jax.Device) -> int | None:
     """The memory ``device`` holds arrays in: its allocator's limit (a TPU or GPU), or the
     host's physical memory (a CPU); None when neither is known."""
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit is not None or device.platform != "cpu":
         return limit
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # not on this system
-        return None
+    return host_memory_bytes()
+
+
+def claims_ahead(sampler_learns: bool, cores: int | None = None, memory: int | None = None,
+                 workers: int | None = None) -> int:
+    """How many configs a search claims ahead of the one it measures, compiling meanwhile
+    (the measurer's compile threads are one more). A sampler that learns from the results
+    claims ``AHEAD`` (more fell behind, above). One that does not (``random``, ``grid``: a
+    landscape's sample) claims what this process's share of the host (``workers`` tuning
+    processes share its ``cores`` and ``memory``; default: this host, :func:`host_workers`)
+    compiles at once: a thread per two cores (the rest for the measuring thread, its
+    traces' conversion and the compiler's own threads), ``COMPILE_MEMORY`` each; never
+    fewer than ``AHEAD``."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    memory = host_memory_bytes() if memory is None else memory
+    workers = host_workers() if workers is None else workers
+    if sampler_learns:
+        return AHEAD
+    threads = cores // 2 if memory is None else min(cores // 2, memory // COMPILE_MEMORY)
+    return max(AHEAD, threads // workers - 1)
 
 
 def check_fits(problem: Problem, device: jax.Device, memory: int | None = None) -> None:

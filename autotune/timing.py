@@ -127,21 +127,30 @@ def kernel_op_matcher(ops: Iterable[str], kernel_names: Iterable[str]) -> Callab
 
 def trace_events(logdir: str | Path) -> list[dict[str, Any]]:
     """The events of the ``jax.profiler`` trace in ``logdir`` (Chrome trace format, converted
-    by xprof), each with its process and thread names added (``process``, ``thread``)."""
+    by xprof), each with its process and thread names added (``process``, ``thread``) and its
+    HLO instruction name (``op``, :func:`_op_name`)."""
     from xprof.convert.raw_to_tool_data import xspace_to_tool_data
 
     paths = sorted(str(p) for p in Path(logdir).rglob("*.xplane.pb"))
     if not paths:
         raise TimingError(f"jax.profiler wrote no trace under {logdir}")
     data, _ = xspace_to_tool_data(paths, "trace_viewer@", {"use_saved_result": False})
-    events = json.loads(data)["traceEvents"]
-    processes = {e["pid"]: e["args"]["name"] for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    return [{**e, "process": processes.get(e["pid"], ""),
-             "thread": threads.get((e["pid"], e.get("tid")), "")}
-            for e in events if e.get("ph") == "X"]
+    processes: dict[Any, str] = {}
+    threads: dict[tuple[Any, Any], str] = {}
+    spans = []
+    for event in json.loads(data)["traceEvents"]:  # one pass: a trace holds 10,000s of events
+        kind = event.get("ph")
+        if kind == "X":
+            spans.append(event)
+        elif kind == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        elif kind == "M" and event.get("name") == "thread_name":
+            threads[event["pid"], event["tid"]] = event["args"]["name"]
+    for event in spans:
+        event["process"] = processes.get(event["pid"], "")
+        event["thread"] = threads.get((event["pid"], event.get("tid")), "")
+        event["op"] = _op_name(event)
+    return spans
 
 
 def _op_name(event: dict[str, Any]) -> str:
@@ -167,12 +176,13 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 def op_events(events: list[dict[str, Any]],
               counts: Callable[[str], bool]) -> list[dict[str, Any]]:
-    """The op events ``counts`` accepts (by HLO instruction name): on a device's ``XLA Ops``
+    """The op events ``counts`` accepts (by HLO instruction name; ``events`` as
+    :func:`trace_events` gives them): on a device's ``XLA Ops``
     line when the trace has devices, else (a CPU) on the host's threads."""
     on_device = any("/device:" in e["process"] for e in events)
     return [e for e in events if ("/device:" in e["process"] and _is_op_line(e["thread"])
                                   if on_device else not e["name"].startswith(RUN_MARK))
-            and counts(_op_name(e))]
+            and counts(e["op"])]
 
 
 def busy_per_op(events: list[dict[str, Any]], runs: int,
@@ -181,16 +191,17 @@ def busy_per_op(events: list[dict[str, Any]], runs: int,
     (:func:`op_events`) per run: their union over the ``runs`` profiled runs, over ``runs``."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for event in op_events(events, counts):
-        spans.setdefault(_op_name(event), []).append(
+        spans.setdefault(event["op"], []).append(
             (event["ts"], event["ts"] + event.get("dur", 0.0)))
     return {name: _busy_ms(intervals) / runs for name, intervals in spans.items()}
 
 
 def run_times(events: list[dict[str, Any]], runs: int,
               counts: Callable[[str], bool]) -> list[float] | None:
-    """Per profiled run, the busy time (ms) of the op events ``counts`` accepts: on a device's
-    ``XLA Ops`` line when the trace has devices, else (a CPU) on the host's threads. Runs are
-    told apart by their host annotations; None when no event counts."""
+    """Per profiled run, the busy time (ms) of the op events ``counts`` accepts (``events`` as
+    :func:`trace_events` gives them): on a device's ``XLA Ops`` line when the trace has
+    devices, else (a CPU) on the host's threads. Runs are told apart by their host
+    annotations; None when no event counts."""
     marks = sorted((e["ts"], int(e["name"][len(RUN_MARK):])) for e in events
                    if e["name"].startswith(RUN_MARK))
     if len(marks) != runs:
@@ -206,12 +217,26 @@ def run_times(events: list[dict[str, Any]], runs: int,
     return [_busy_ms(spans) for spans in intervals]
 
 
+def trace_options() -> jax.profiler.ProfileOptions:
+    """What a trace records: the device's op events, and on the host its annotations (the
+    runs' ``RUN_MARK``s; on a CPU also the executable's op events), all at host level 1;
+    not every Python call of every thread (the Python tracer, on by default), nor the host's
+    level-2 detail. While configs compile ahead in other threads, their Python calls were
+    most of a trace (on a 2-core CPU, 231,000 of a trial's 252,000 events), each one
+    serialised, converted by xprof and parsed, and the tracer slowed those compiles."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.host_tracer_level = 1
+    return options
+
+
 def trace_runs(call: Callable[[], Any], runs: int) -> list[dict[str, Any]]:
     """Runs ``call`` ``runs`` times (each to completion, in its own ``RUN_MARK`` annotation)
-    under one ``jax.profiler`` trace and returns the trace's :func:`trace_events`."""
+    under one ``jax.profiler`` trace (:func:`trace_options`) and returns the trace's
+    :func:`trace_events`."""
     with tempfile.TemporaryDirectory(prefix="autotune-profile-") as logdir, \
             native_noise_dropped(PROFILER_NOISE):
-        jax.profiler.start_trace(logdir)
+        jax.profiler.start_trace(logdir, profiler_options=trace_options())
         try:
             for index in range(runs):
                 with jax.profiler.TraceAnnotation(f"{RUN_MARK}{index}"):

@@ -20,9 +20,9 @@ from optuna.trial import FrozenTrial
 
 from autotune.devices import measuring_index_problem
 from autotune.failures import ChipStateCorrupted
-from autotune.measure import AHEAD, Config, Measurer, Timing
+from autotune.measure import Config, Measurer, Timing, claims_ahead
 from autotune.peaks import device_roofline
-from autotune.samplers import SAMPLERS, SamplerName
+from autotune.samplers import LEARNING_SAMPLERS, SAMPLERS, SamplerName
 from autotune.search import SearchResult, search
 from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult, is_measurement, trial_status
@@ -313,7 +313,8 @@ class TuneJob:
                                  if kernel.space_params(problem)
                                  else (None, kernel.default_config(problem, target)))
         self.storage = get_storage(db_url)
-        self.measurer = Measurer(problem, self.base, kernel,
+        self.ahead = claims_ahead(options.sampler in LEARNING_SAMPLERS)
+        self.measurer = Measurer(problem, self.base, kernel, pool_size=self.ahead + 1,
                                  compile_timeout_s=options.compile_timeout_s,
                                  timing=options.timing,
                                  notify=observer.on_notice if observer else None)
@@ -370,7 +371,7 @@ class TuneJob:
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
                                        self.space, self.base, self.kernel, self.target),
                       seed=options.seed, on_trial=self._on_trial,
-                      prepare=self.measurer.prepare, ahead=AHEAD)
+                      prepare=self.measurer.prepare, ahead=self.ahead)
 
     def publish(self, result: SearchResult) -> TuneSummary:
         """Confirms the best measured configs against the default and publishes the winner."""

@@ -32,7 +32,7 @@ from typing import IO, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.devices import worker_env
+from autotune.devices import HOST_WORKERS, worker_env
 from autotune.progress import output_console
 from kernel import Problem
 
@@ -143,6 +143,7 @@ class WorkerPool:
             TextColumn("[bold]device {task.fields[device]}"), TextColumn("{task.description}"),
             BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[status]}"), console=output_console())
+        self.host_workers = len(devices)
         self.workers = [self._start(d) for d in devices]
 
     def _start(self, device: int, previous: _Worker | None = None) -> _Worker:
@@ -153,7 +154,8 @@ class WorkerPool:
         process = subprocess.Popen(
             [sys.executable, "-m", "autotune.worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **worker_env(self.platform, device)},
+            env={**os.environ, **worker_env(self.platform, device),
+                 HOST_WORKERS: str(self.host_workers)},
             start_new_session=True)  # Ctrl-C reaches the parent, which stops each worker once
         worker = _Worker(device, process)
         threading.Thread(target=_read, daemon=True, args=(

@@ -11,7 +11,8 @@
 #   bash bench/tpu_session.sh handset PROBLEMS TRIALS [flags]  # tuned against every hand-set
 #                                            config, grid problems PROBLEMS (e.g. 1,3; flags:
 #                                            bench/handset.py's): $OUT/handset-*.json
-#   bash bench/tpu_session.sh cost TRIALS  # trials per minute before and now: $OUT/trial-cost.json
+#   bash bench/tpu_session.sh cost TRIALS [flags]  # trials per minute before and now (flags:
+#                                            bench/trial_cost.py's): $OUT/trial-cost.json
 #   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS [DB]  # a random sample of the
 #                                            space up to TRIALS in all (DB: a study to go on
 #                                            with, e.g. one kept from an earlier run):
@@ -91,7 +92,7 @@ handset)
     python3 bench/handset.py --problems "$2" --trials "$3" "${@:4}" \
         --out "$OUT/handset-${2//,/-}.json" 2> "$OUT/handset-${2//,/-}.err" | tail -n 80 ;;
 cost)
-    python3 bench/trial_cost.py --trials "$2" --out "$OUT/trial-cost.json" \
+    python3 bench/trial_cost.py --trials "$2" "${@:3}" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;
 steptime)
     problems=${2:-1,2}

@@ -13,6 +13,7 @@ import gzip
 import os
 import statistics
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from autotune import timing
 from autotune.measure import Measurer, interleaved
 from autotune.peaks import device_roofline, gpu_peaks, tpu_peaks
 from autotune.timing import (
@@ -113,6 +115,10 @@ def test_profile_reads_device_time_from_an_h200_trace(name: str, ops: tuple[str,
     Pallas program's five kernels as one command buffer, a single op event of no HLO name.
     Missing either, every profile there fell back to loop timing."""
     events = recorded(name, tmp_path)
+    # Each event carries its HLO instruction name, read once for every run_times call.
+    named = {e["op"] for e in events if "/device:" in e["process"]
+             and e["thread"].startswith("XLA Ops")}
+    assert named and all(op in ops or op.startswith("command_buffer") for op in named), named
     times = run_times(events, 3, kernel_op_matcher(ops, ()))
     assert times is not None and len(times) == 3, times
     assert sum(times) == pytest.approx(stream_kernels_ms(events), rel=0.02)
@@ -351,3 +357,51 @@ def test_peaks_from_jax_and_the_gpu_table_and_none_on_cpu() -> None:
     assert gpu_peaks("NVIDIA H100 PCIe", "bfloat16").flops_per_s == 756.5e12
     assert gpu_peaks("Tesla T4", "bfloat16") is None
     assert device_roofline(jax.devices()[0], MHA, 1.0) is None
+
+
+def test_a_trace_leaves_out_the_python_calls_of_threads_compiling_meanwhile() -> None:
+    """While the tuner times a config, others compile in its threads (mostly Python: tracing
+    and lowering). A trace that records their every call is mostly those calls, each
+    converted and parsed; the trace keeps the runs' marks and the executable's op events."""
+    compiled = jax.jit(matmuls).lower(X).compile()
+    jax.block_until_ready(compiled(X))
+    done = threading.Event()
+
+    def compiling() -> None:
+        while not done.is_set():
+            jax.jit(lambda x: jnp.sin(x) * 2).lower(X).compile()
+
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    try:
+        events = trace_runs(lambda: compiled(X), 3)
+    finally:
+        done.set()
+        thread.join()
+    python_calls = [e["name"] for e in events if e["name"].startswith("$")]
+    assert python_calls == [], python_calls[:5]
+    assert run_times(events, 3, kernel_op_matcher(op_names(compiled), ())) is not None
+
+
+def test_the_lean_trace_reads_the_same_step_times_as_a_full_one(monkeypatch) -> None:
+    """The same executable traced in turns with the profiler's defaults (the Python tracer
+    on, host level 2: the trace before) and with :func:`trace_options`: the same op events
+    per run, and busy times within the CPU's noise of each other (on a chip, the device's op
+    lines)."""
+    compiled = jax.jit(matmuls).lower(X).compile()
+    jax.block_until_ready(compiled(X))
+    counts = kernel_op_matcher(op_names(compiled), ())
+    lean = timing.trace_options
+    medians: dict[str, list[float]] = {"full": [], "lean": []}
+    ops: dict[str, set[int]] = {"full": set(), "lean": set()}
+    for _ in range(4):
+        for name, options in (("full", jax.profiler.ProfileOptions), ("lean", lean)):
+            monkeypatch.setattr(timing, "trace_options", options)
+            events = trace_runs(lambda: compiled(X), 3)
+            device = any("/device:" in e["process"] for e in events)  # a TPU or GPU
+            ops[name].add(sum(counts(e["op"]) for e in events if not device or (
+                "/device:" in e["process"] and e["thread"].startswith("XLA Ops"))))
+            medians[name].append(statistics.median(run_times(events, 3, counts)))
+    assert ops["full"] == ops["lean"] and len(ops["lean"]) == 1, ops
+    ratio = statistics.median(medians["lean"]) / statistics.median(medians["full"])
+    assert 0.5 < ratio < 2, medians

@@ -890,3 +890,47 @@ def test_the_gate_and_the_canary_compare_on_the_device_as_in_float64() -> None:
     assert not same_bits(want, (want[0], want[1].at[1, 1, 1].add(1e-6)))
     zeros = jax.numpy.zeros(3)
     assert not same_bits(zeros, -zeros)  # equal as numbers, not bit for bit
+
+
+def test_configs_claimed_ahead_follow_the_sampler_and_the_hosts_share() -> None:
+    """A learning sampler claims AHEAD (more cost it quality); random and grid claim what
+    the process's share of the host compiles at once: a thread per two cores, 2 GiB each."""
+    from autotune.measure import AHEAD, claims_ahead
+
+    gib = 2**30
+    assert claims_ahead(True, cores=64, memory=512 * gib, workers=1) == AHEAD
+    assert claims_ahead(False, cores=13, memory=40 * gib, workers=1) == 5  # a TPU v5e VM
+    assert claims_ahead(False, cores=64, memory=8 * gib, workers=1) == 3  # memory bounds
+    assert claims_ahead(False, cores=64, memory=512 * gib, workers=4) == 7  # --devices 4
+    assert claims_ahead(False, cores=2, memory=8 * gib, workers=1) == AHEAD
+    assert claims_ahead(False, cores=16, memory=None, workers=1) == 7
+
+
+def test_the_devices_workers_share_the_hosts_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autotune.devices import HOST_WORKERS
+    from autotune.measure import claims_ahead
+
+    monkeypatch.setenv(HOST_WORKERS, "4")
+    assert claims_ahead(False, cores=64, memory=2**40) == 7
+    monkeypatch.setenv(HOST_WORKERS, "four")
+    assert claims_ahead(False, cores=64, memory=2**40) == 31
+
+
+@pytest.mark.parametrize(("sampler", "ahead"), [("random", 7), ("grid", 7), ("tpe", 2)])
+def test_a_tune_compiles_as_many_ahead_as_its_sampler_and_host_allow(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sampler: str, ahead: int) -> None:
+    from autotune.tune import TuneJob, TuneOptions
+    from storage import upgrade
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("autotune.measure.host_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.delenv("AUTOTUNE_HOST_WORKERS", raising=False)
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    upgrade(db)
+    with Store(db) as store:
+        job = TuneJob(TINY, store, db, TuneOptions(trials=1, sampler=sampler),
+                      kernel_name="flash")
+        try:
+            assert (job.ahead, job.measurer.pool_size) == (ahead, ahead + 1)
+        finally:
+            job.close()

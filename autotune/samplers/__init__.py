@@ -39,6 +39,9 @@ from autotune.searchspace import Space
 
 SamplerName = Literal["tpe", "random", "grid", "plain-tpe"]
 SAMPLERS: tuple[str, ...] = ("tpe", "random", "grid", "plain-tpe")
+# The samplers whose next config depends on the measured ones (random and grid pick theirs
+# whatever was measured), so that claiming more ahead can cost them search quality.
+LEARNING_SAMPLERS: tuple[str, ...] = ("tpe", "plain-tpe")
 
 
 def create_sampler(name: str, space: Space, seed: int | None) -> BaseSampler:
