@@ -169,7 +169,6 @@ def main() -> None:
                       q_len=args.seq, kv_len=args.seq, head_dim=args.head_dim,
                       dtype="bfloat16", causal=True, mode=args.mode)
     ahead = args.ahead or measure.claims_ahead(sampler_learns=False)  # the sampler is random
-    before_pool = {"threads": measure.AHEAD + 1, "ahead": measure.AHEAD}
     with full_traces():
         if args.before == "issue56":
             with host_comparisons():
@@ -177,7 +176,8 @@ def main() -> None:
                                      threads=2, ahead=1, method=args.timing)
         else:
             before = run_variant(problem, args.kernel, args.trials, args.seed,
-                                 method=args.timing, **before_pool)
+                                 threads=measure.AHEAD + 1, ahead=measure.AHEAD,
+                                 method=args.timing)
     now = run_variant(problem, args.kernel, args.trials, args.seed, method=args.timing,
                       threads=ahead + 1, ahead=ahead)
     write_report({
