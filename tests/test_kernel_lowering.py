@@ -87,14 +87,29 @@ def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
     assert covered == needed
 
 
-def test_default_config_compiles_with_mosaic_for_v5e():
-    """A real deviceless compile (libtpu's Mosaic compiler) of forward and backward. Its
-    kernels are the instructions ``profile`` timing counts on a TPU, one per declared name
-    (on a GPU, Triton's are all ``pallas_call.N``: see tests/data/h200_traces)."""
+@pytest.mark.parametrize("depth", [1, MAX_PROBED_DEPTH])
+def test_every_kernel_lowers_for_tpu_under_x64(depth):
+    """jax_enable_x64 makes a Python int index int64: the in-kernel DMAs' semaphore indices
+    must stay int32 beside the grid's, or Mosaic rejects the kernel."""
+    problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
+    config = FLASH.default_config(problem, "v5e").replace(
+        **dict.fromkeys(DEPTH_FIELDS, depth))
+    with jax.enable_x64(True):
+        assert sorted(_tpu_kernels(problem, config)) == [
+            "flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_config_compiles_with_mosaic_for_v5e(head_dim):
+    """A real deviceless compile (libtpu's Mosaic compiler) of forward and backward, at a
+    length where the default's blocks are full size (its backward tiles as large as the
+    forward's). Its kernels are the instructions ``profile`` timing counts on a TPU, one per
+    declared name (on a GPU, Triton's are all ``pallas_call.N``: see tests/data/h200_traces)."""
     from autotune.timing import kernel_op_matcher, op_names
     from kernel.aot import input_specs, topology_device
 
-    problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
+    problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd", "q_len": 4096,
+                         "kv_len": 4096, "head_dim": head_dim})
     specs = input_specs(problem, topology_device("v5e"))
     config = FLASH.default_config(problem, "v5e")
     compiled = jax.jit(_attention(problem, config)).trace(*specs).lower().compile()

@@ -12,7 +12,6 @@ correctness oracle, not a speed proxy).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 from dataclasses import dataclass
@@ -201,6 +200,11 @@ def _div(index, divisor: int):
     return lax.div(index, jnp.asarray(divisor, index.dtype))
 
 
+def _rem(index, divisor: int):
+    """``index % divisor`` for a non-negative traced index and a static divisor (as ``_div``)."""
+    return lax.rem(index, jnp.asarray(divisor, index.dtype))
+
+
 # The block arithmetic of kernel.backends.flash.blocks on traced grid indices.
 _TRACED_OPS = SimpleNamespace(minimum=jnp.minimum, maximum=jnp.maximum, div=_div)
 
@@ -213,69 +217,98 @@ def _when_seen(seen, compute, reach: Reach) -> None:
         compute()
 
 
-# A TPU to trace the in-kernel pipelines for when none is attached (see _pipeline_target).
-_NO_TPU_MESH = jax.sharding.AbstractMesh((), (), (), abstract_device=jax.sharding.AbstractDevice(
-    device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+def ring_scratch(blocks: list[tuple[tuple[int, ...], jnp.dtype]], depth: int) -> list:
+    """The scratch of ``stream_ahead``: a ring of ``depth`` VMEM buffers per streamed operand
+    (``blocks``: (block shape, dtype) each), their DMA semaphores, and the ring slot at which
+    the next grid step's blocks start (SMEM)."""
+    return [*(pltpu.VMEM((depth, *shape), dtype) for shape, dtype in blocks),
+            pltpu.SemaphoreType.DMA((len(blocks), depth)), pltpu.SMEM((1,), jnp.int32)]
 
 
-def _pipeline_target():
-    """The context in which to trace an in-kernel pipeline. ``emit_pipeline`` asks the TPU
-    generation (of the default device, or of an abstract mesh's device) to pick its buffers'
-    tiling; with no TPU attached (interpret mode on a CPU, a deviceless compile) that fails
-    (``Unsupported TPU device kind: cpu``), so it then traces under a device-less mesh naming
-    a v5e: the tiling is the same for every generation from v4 on (all our targets)."""
-    try:
-        pltpu.get_tpu_info()
-    except ValueError:
-        return jax.sharding.use_abstract_mesh(_NO_TPU_MESH)
-    return contextlib.nullcontext()
+def window(ref, axis: int, start, size: int):
+    """``ref``'s ``size`` entries from ``start`` along ``axis``, the rest whole (a DMA source)."""
+    return ref.at[(slice(None),) * axis + (pl.ds(pl.multiple_of(start, size), size),)]
 
 
-def stream(body, grid: tuple, operands: list, blocks: list[tuple], index_maps: list,
-           depth: int) -> None:
-    """Runs ``body(*tiles)`` once per step of ``grid`` (static or traced sizes; the body reads
-    its step with ``pl.program_id``), each operand (a ref left in HBM by ``memory_space=
-    pl.ANY``) streamed to VMEM in ``blocks`` picked by ``index_maps``, through ``depth``
-    buffers (``pl.Buffered(depth)``: up to ``depth - 1`` blocks in flight ahead of the
-    compute). A ``pallas_call`` BlockSpec lowers only depths 1 and 2; this pipeline, built
-    inside the kernel, takes deeper ones."""
-    *outer, steps = grid
-    # emit_pipeline's prologue starts ``depth - 1`` copies along the grid, wrapping past its
-    # end: a grid of 2 .. depth - 2 steps starts copies of wrapped blocks that no step waits
-    # for. They are still in flight, their DMA semaphores signalled, when the kernel ends; on a
-    # TPU v5e (jax 0.10.2) that gave wrong results in that kernel and in every kernel after it
-    # in the process (pipeline_depth 4, causal: pallas-facts §10). So such a grid's last axis
-    # runs at least ``depth - 1`` steps; the extra ones map to its last real block (the same
-    # block: no copy) and skip the body.
-    if depth > 3 and not (isinstance(steps, int) and steps >= depth - 1):
-        grid = (*outer, max(steps, depth - 1) if isinstance(steps, int)
-                else jnp.maximum(steps, depth - 1))
-        index_maps = [_clamped(index_map, steps) for index_map in index_maps]
-        body = _below(body, steps, axis=len(outer))
-    specs = [pl.BlockSpec(block, index_map, pipeline_mode=pl.Buffered(depth))
-             for block, index_map in zip(blocks, index_maps, strict=True)]
-    # emit_pipeline compares its step counters with Python ints, which jax_enable_x64 makes
-    # int64 against int32 grid indices (Mosaic rejects the mixed comparison): trace it in 32
-    # bits, as the kernel's own index arithmetic is.
-    with _pipeline_target(), jax.enable_x64(False):
-        pltpu.emit_pipeline(body, grid=grid, in_specs=specs)(*operands)
+def _in_32_bits(function):
+    """``function`` traced with ``jax_enable_x64`` off: under it a Python int index (a DMA
+    semaphore's, a loop bound) would be int64, which Mosaic rejects beside int32 grid indices
+    ("'tpu.memref_slice' op operand #1 must be variadic of 32-bit signless integer")."""
+    @functools.wraps(function)
+    def traced(*args, **kwargs):
+        with jax.enable_x64(False):
+            return function(*args, **kwargs)
+    return traced
 
 
-def _clamped(index_map, steps):
-    """``index_map`` with its last grid index clamped to the last of ``steps`` real steps."""
-    def clamped(*indices):
-        return index_map(*indices[:-1], jnp.minimum(indices[-1], steps - 1))
-    return clamped
+@_in_32_bits
+def stream_ahead(body, windows, count, ring: list, depth: int) -> None:
+    """Runs ``body(t, *tiles)`` for t in 0 .. ``count(o) - 1`` at grid step o of the last grid
+    axis, its tiles the HBM windows ``windows(o, t)`` copied to VMEM through ``ring``
+    (``ring_scratch``): up to ``depth - 1`` blocks in flight ahead of the compute (a
+    ``pl.Buffered(depth)`` pipeline, which a ``pallas_call`` BlockSpec lowers only at depths 1
+    and 2), and across grid steps: the last steps of o start o + 1's first blocks, so only the
+    first grid step of each (batch, head) waits on a fetch that nothing overlaps. Every copy
+    started is of a block a step waits on (none past the last grid step's run), so none is in
+    flight when the kernel ends (one was, under ``emit_pipeline`` at depth 4, and corrupted
+    that kernel's results and every later kernel's on a TPU v5e: pallas-facts §10).
 
+    ``emit_pipeline`` cannot do that in jax 0.10.2: its prologue starts the first fetch of
+    every run, and the loop waits on it at once (no hook runs between the two, nor lets a
+    fetch already made stand in; ``Buffered(prefetched_count=)`` is jax 0.12's only). So the
+    DMAs are made here, as upstream's paged attention prefetches the next grid step's block;
+    the ring's state crosses grid steps, so the last grid axis must be ``arbitrary`` (in order
+    on one core)."""
+    *buffers, sems, next_slot = ring
+    o, last = pl.program_id(2), pl.num_programs(2) - 1
+    ahead = depth - 1
+    n = count(o)
+    n_next = jnp.where(o < last, count(jnp.minimum(o + 1, last)), 0)
 
-def _below(body, steps, axis: int):
-    """``body`` run only at steps whose grid index on ``axis`` is below ``steps``."""
-    def guarded(*tiles):
-        pl.when(pl.program_id(axis) < steps)(lambda: body(*tiles))
-    return guarded
+    @pl.when(o == 0)
+    def _():
+        next_slot[0] = 0
+
+    base = next_slot[0]
+
+    def copies(outer, t, slot) -> list:
+        return [pltpu.make_async_copy(source, buffer.at[slot], sems.at[i, slot])
+                for i, (source, buffer) in enumerate(zip(windows(outer, t), buffers,
+                                                         strict=True))]
+
+    def start(p):
+        """Starts ring position p (from this step's block 0): this step's block p, else the
+        next step's block p - n, if any."""
+        own = p < n
+
+        @pl.when(p < n + n_next)
+        def _():
+            for copy in copies(jnp.where(own, o, o + 1), jnp.where(own, p, p - n),
+                               _rem(base + p, depth)):
+                copy.start()
+
+    # The previous grid step started positions 0 .. min(ahead, n) - 1 of this one.
+    started = jnp.where(o == 0, 0, jnp.minimum(ahead, n))
+    for p in range(ahead):
+        pl.when(p >= started)(functools.partial(start, p))
+
+    def step(t, carry):
+        start(t + ahead)
+        slot = _rem(base + t, depth)
+        for copy in copies(o, t, slot):
+            copy.wait()
+        body(t, *(buffer.at[slot] for buffer in buffers))
+        return carry
+
+    lax.fori_loop(0, n, step, 0)
+    next_slot[0] = _rem(base + n, depth)
 
 
 _IN_HBM = pl.BlockSpec(memory_space=pl.ANY)  # an operand the kernel streams itself
+# The grid semantics of a kernel that streams through ``stream_ahead``: batch and heads may
+# split across a chip's cores (megacore); the last axis runs in order on one, its ring's state
+# carried from step to step. A TPU v5e has one TensorCore: nothing is given up there.
+STREAMS_AHEAD = ("parallel", "parallel", "arbitrary")
 
 
 def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
@@ -290,34 +323,56 @@ def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
         *args, tpu=functools.partial(call, False), cpu=functools.partial(call, True))
 
 
-def _stream_kv(body, k_hbm, v_hbm, kv_ids_hbm, reach: Reach, *, group: int, block_q: int,
-               block_kv: int, depth: int) -> None:
+def _kv_run(reach: Reach, q_block, block_q: int, block_kv: int, kv_len: int):
+    """``(first, count)``: the run of K/V blocks query block ``q_block`` sees
+    (``Reach.kv_blocks``)."""
+    return reach.kv_blocks(q_block * block_q, block_q, block_kv, kv_len // block_kv,
+                           _TRACED_OPS)
+
+
+def _kv_sources(k_hbm, v_hbm, kv_ids_hbm, group: int) -> list:
+    """The K, V (and kv segment ids) the grid's (batch, q_head) reads, left in HBM."""
+    batch, kv_head = pl.program_id(0), _div(pl.program_id(1), group)
+    sources = [k_hbm.at[batch, kv_head], v_hbm.at[batch, kv_head]]
+    return sources + ([kv_ids_hbm.at[batch]] if kv_ids_hbm is not None else [])
+
+
+def _kv_ring(k, v, block_kv: int, segmented: bool, depth: int) -> list:
+    """The scratch of ``_stream_kv``: the ring of K, V (and kv segment ids) blocks."""
+    blocks = [((block_kv, k.shape[3]), k.dtype), ((block_kv, v.shape[3]), v.dtype),
+              ((SUBLANES, block_kv), jnp.int32)]
+    return ring_scratch(blocks[:2 + segmented], depth)
+
+
+def _stream_kv(body, k_hbm, v_hbm, kv_ids_hbm, ring: list, reach: Reach, *, group: int,
+               block_q: int, block_kv: int, depth: int) -> None:
     """Streams the run of K/V blocks the grid's query block sees (``Reach.kv_blocks``: blocks
-    above the causal diagonal or outside the window are never fetched: the pipeline's grid
-    starts and ends with the run), with their kv segment ids when given, through
-    ``body(k_ref, v_ref, kv_ids_ref or None, kv_block)``; the grid of the calling kernel is
-    (batch, q_head, q_block)."""
-    head_dim, batch = k_hbm.shape[3], pl.program_id(0)
-    first, count = reach.kv_blocks(pl.program_id(2) * block_q, block_q, block_kv,
-                                   k_hbm.shape[2] // block_kv, _TRACED_OPS)
-    kv_head = _div(pl.program_id(1), group)
-    operands = [k_hbm.at[batch, kv_head], v_hbm.at[batch, kv_head]]
-    blocks = [(block_kv, head_dim)] * 2
-    if kv_ids_hbm is not None:
-        operands.append(kv_ids_hbm.at[batch])
-        blocks.append((SUBLANES, block_kv))
+    above the causal diagonal or outside the window are never fetched), with their kv segment
+    ids when given, through ``body(k_ref, v_ref, kv_ids_ref or None, kv_block)``; the grid of
+    the calling kernel is (batch, q_head, q_block), its scratch ends with ``ring``
+    (``_kv_ring``). By ``stream_ahead``: the last steps of one query block's run fetch the
+    next query block's first K/V blocks."""
+    sources = _kv_sources(k_hbm, v_hbm, kv_ids_hbm, group)
+    run_of = functools.partial(_kv_run, reach, block_q=block_q, block_kv=block_kv,
+                               kv_len=k_hbm.shape[2])
+    first = run_of(pl.program_id(2))[0]
 
-    def step(k_ref, v_ref, kv_ids_ref=None):
-        body(k_ref, v_ref, kv_ids_ref, pl.program_id(0) + first)
+    def windows(q_block, t):  # K, V (and kv ids) of step t of q_block's run
+        start = (run_of(q_block)[0] + t) * block_kv
+        return [window(source, axis, start, block_kv)
+                for source, axis in zip(sources, (0, 0, 1), strict=False)]
 
-    index_maps = [lambda j: (j + first, 0)] * 2 + [lambda j: (0, j + first)]
-    stream(step, (count,), operands, blocks, index_maps[:len(operands)], depth)
+    def step(t, k_ref, v_ref, kv_ids_ref=None):
+        body(k_ref, v_ref, kv_ids_ref, first + t)
+
+    stream_ahead(step, windows, lambda q_block: run_of(q_block)[1], ring, depth)
 
 
 def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool, group: int,
                     block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
     (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
-    *outs, m_ref, l_ref, acc_ref = refs
+    ring_size = 4 + segmented  # _kv_ring's: K, V (kv ids), their semaphores, the next slot
+    (*outs, m_ref, l_ref, acc_ref), ring = refs[:-ring_size], refs[-ring_size:]
     o_ref, lse_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     q0 = pl.program_id(2) * block_q
@@ -353,8 +408,8 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
         # Bounds the live f32 logits to (block_q, block_kv_compute) per iteration.
         lax.fori_loop(0, block_kv // block_kv_compute, sub_block, 0)
 
-    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, logits.reach, group=group, block_q=block_q,
-               block_kv=block_kv, depth=depth)
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, ring, logits.reach, group=group,
+               block_q=block_q, block_kv=block_kv, depth=depth)
     # A row whose every computed logit was masked (m still MASK_VALUE) saw no key: zeros. Any
     # other row's masked terms were scaled away by alpha = exp(MASK_VALUE - m) = 0.
     inv_l = jnp.where(m_ref[...] > MASK_VALUE, 1.0 / l_ref[...], 0.0)
@@ -418,8 +473,10 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
-                        pltpu.VMEM((bq, head_dim), jnp.float32)],  # output accumulator
-        semantics=("parallel", "parallel", "parallel"),
+                        pltpu.VMEM((bq, head_dim), jnp.float32),  # output accumulator
+                        *_kv_ring(k, v, config.block_kv, segments is not None,
+                                  config.pipeline_depth)],
+        semantics=STREAMS_AHEAD,
         name="flash_fwd",
     )(q, k, v, *_segment_layouts(segments))
     if not save_stats:
@@ -429,19 +486,34 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
 
 def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
                 segmented: bool, group: int, block_q: int, depth: int):
-    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc) = _segment_refs(refs, segmented)
-    block_kv, head_dim = k_ref.shape
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, *ring) = _segment_refs(
+        refs, segmented)
+    block_kv = k_ref.shape[0]
     k0 = pl.program_id(2) * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-    # Only the run of query blocks that see this kv block is streamed (none above the causal
-    # diagonal or outside the window is fetched).
+    # Only the run of query blocks that see a kv block is streamed (none above the causal
+    # diagonal or outside the window is fetched), for each query head of its group in turn.
     seen_by = logits.reach.transposed()
-    first, count = seen_by.kv_blocks(k0, block_kv, block_q, q_hbm.shape[2] // block_q,
-                                     _TRACED_OPS)
 
-    def step(q_ref, do_ref, lse_ref, delta_ref, q_ids_ref=None):
-        q0 = (pl.program_id(1) + first) * block_q  # of the Q/dO pipeline
+    def run_of(kv_block):
+        return seen_by.kv_blocks(kv_block * block_kv, block_kv, block_q,
+                                 q_hbm.shape[2] // block_q, _TRACED_OPS)
+
+    first, count = run_of(pl.program_id(2))
+    batch, head0 = pl.program_id(0), pl.program_id(1) * group
+
+    def windows(kv_block, t):  # Q, dO, lse, delta (and q ids) of step t of kv_block's run
+        first, count = run_of(kv_block)
+        head, start = head0 + _div(t, count), (first + _rem(t, count)) * block_q
+        views = [(q_hbm.at[batch, head], 0), (do_hbm.at[batch, head], 0),
+                 (lse_hbm.at[batch, head], 1), (delta_hbm.at[batch, head], 1)]
+        if segmented:
+            views.append((q_ids_hbm.at[batch], 0))
+        return [window(view, axis, start, block_q) for view, axis in views]
+
+    def step(t, q_ref, do_ref, lse_ref, delta_ref, q_ids_ref=None):
+        q0 = (first + _rem(t, count)) * block_q
 
         def run():
             # P and dS as the forward and the dQ kernel compute them (queries x keys), then
@@ -461,13 +533,7 @@ def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: 
         # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
 
-    head0 = pl.program_id(1) * group
-    streamed = [q_hbm, do_hbm, lse_hbm, delta_hbm] + ([q_ids_hbm] if segmented else [])
-    blocks = [(None, block_q, head_dim)] * 2 + [(None, 1, block_q)] * 2 + [(block_q, LANES)]
-    index_maps = ([lambda g, i: (head0 + g, i + first, 0)] * 2
-                  + [lambda g, i: (head0 + g, 0, i + first)] * 2 + [lambda g, i: (i + first, 0)])
-    stream(step, (group, count), [ref.at[pl.program_id(0)] for ref in streamed],
-           blocks[:len(streamed)], index_maps[:len(streamed)], depth)
+    stream_ahead(step, windows, lambda kv_block: group * run_of(kv_block)[1], ring, depth)
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
@@ -482,6 +548,9 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
                                group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
                                depth=config.pipeline_depth_dkv)
     kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
+    bq, segmented = config.block_q_dkv, segments is not None
+    streamed = [((bq, head_dim), q.dtype), ((bq, head_dim), d_out.dtype),
+                ((1, bq), jnp.float32), ((1, bq), jnp.float32), ((bq, LANES), jnp.int32)]
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
@@ -491,15 +560,16 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
         out_shape=[varying_struct(k.shape, k.dtype, q, k, v, d_out),
                    varying_struct(v.shape, v.dtype, q, k, v, d_out)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
-                        pltpu.VMEM((bkv, head_dim), jnp.float32)],
-        semantics=("parallel", "parallel", "parallel"),
+                        pltpu.VMEM((bkv, head_dim), jnp.float32),
+                        *ring_scratch(streamed[:4 + segmented], config.pipeline_depth_dkv)],
+        semantics=STREAMS_AHEAD,
         name="flash_bwd_dkv",
     )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
 
 
 def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
                segmented: bool, group: int, block_kv: int, depth: int):
-    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc) = _segment_refs(refs, segmented)
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, *ring) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
     q0 = pl.program_id(2) * block_q
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
@@ -515,8 +585,8 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: L
         _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
                    logits.reach)
 
-    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, logits.reach, group=group, block_q=block_q,
-               block_kv=block_kv, depth=depth)
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, ring, logits.reach, group=group,
+               block_q=block_q, block_kv=block_kv, depth=depth)
     dq_ref[...] = (dq_acc[...] * logits.sm_scale).astype(dq_ref.dtype)
 
 
@@ -535,7 +605,9 @@ def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logi
                   *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
         out_shape=varying_struct(q.shape, q.dtype, q, k, v, d_out),
-        scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32)],
-        semantics=("parallel", "parallel", "parallel"),
+        scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32),
+                        *_kv_ring(k, v, config.block_kv_dq, segments is not None,
+                                  config.pipeline_depth_dq)],
+        semantics=STREAMS_AHEAD,
         name="flash_bwd_dq",
     )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))

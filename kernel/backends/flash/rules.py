@@ -26,9 +26,9 @@ from kernel.rules import (
 )
 from kernel.targets import Target
 
-# The pipeline depths (``pl.Buffered`` buffer counts of the operands a kernel streams through
-# ``pltpu.emit_pipeline``) every supported JAX lowers for TPU (probed with jax 0.10.2 and
-# 0.12); ``kernel.backends.flash.depths`` probes the installed one, up to MAX_PROBED_DEPTH.
+# The pipeline depths (VMEM buffers per operand a kernel streams through ``stream_ahead``'s
+# ring) every supported JAX lowers for TPU (probed with jax 0.10.2 and 0.12);
+# ``kernel.backends.flash.depths`` probes the installed one, up to MAX_PROBED_DEPTH.
 MAX_PROBED_DEPTH = 4
 DEFAULT_DEPTHS: tuple[int, ...] = tuple(range(1, MAX_PROBED_DEPTH + 1))
 
@@ -241,8 +241,9 @@ def default_config(
     depths: Iterable[int] = DEFAULT_DEPTHS,
 ) -> FlashConfig:
     """A safe heuristic config: 512-row query tiles and 512-key kv tiles (1024 on v6e, which
-    has twice the scoped VMEM), double buffered, shrunk until the VMEM estimate fits.
-    Raises ``ConfigError`` for a problem no config can run."""
+    has twice the scoped VMEM), the backward's tiles the same at most 512, double buffered,
+    shrunk until the VMEM estimate fits. Raises ``ConfigError`` for a problem no config can
+    run."""
     broken = problem_violations(problem)
     if broken:
         raise ConfigError(f"no flash config can run {problem.label()}: "
@@ -254,13 +255,14 @@ def default_config(
     while True:
         bkv = largest_at_most(kv_values, kv_cap)
         bq = largest_at_most(q_values, q_cap)
+        # Backward tiles as large as the forward's: on a v5e every block 512 took the causal
+        # fwd_bwd step 1.24-1.31x faster than dK/dV 256x512 and dQ 512x256 (grid problems at
+        # 2k-8k tokens, bench/results/tpu-v5e-2026-12-06d).
+        bkv_bwd = largest_at_most(kv_values, min(kv_cap, 512))
         config = FlashConfig(
             block_q=bq, block_kv=bkv,
             block_kv_compute=largest_at_most([v for v in kv_values if bkv % v == 0], 512),
-            block_q_dkv=largest_at_most(q_values, min(q_cap, 256)),
-            block_kv_dkv=largest_at_most(kv_values, min(kv_cap, 512)),
-            block_q_dq=largest_at_most(q_values, min(q_cap, 512)),
-            block_kv_dq=largest_at_most(kv_values, min(kv_cap, 256)),
+            block_q_dkv=bq, block_kv_dkv=bkv_bwd, block_q_dq=bq, block_kv_dq=bkv_bwd,
             **dict.fromkeys(DEPTH_FIELDS, 2 if 2 in depths else max(depths)),
         )
         fits = not vmem_violations(problem, config, target)
