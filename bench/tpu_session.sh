@@ -114,5 +114,16 @@ print([json.loads(l) for l in open(sys.argv[1]) if "best_config" in l][-1]["stud
 model)
     name=model-$2-$3
     python3 bench/model_step.py --model "$2" --seq "$3" --trials "$4" "${@:5}" \
-        --out "$OUT/$name.json" 2> "$OUT/$name.err" | tail -n 60 ;;
+        --out "$OUT/$name.json" 2> "$OUT/$name.err" > /dev/null
+    echo "model_step exit $?"; tail -n 5 "$OUT/$name.err"
+    # The figures in the output too: a call's files can stay behind (at most 8 come back).
+    python3 -c 'import json, sys
+report = json.load(open(sys.argv[1]))
+for problem, tune in report["tune"].items():
+    print(problem, json.dumps(tune)[:400])
+for name, row in report["variants"].items():
+    time = row.get("device_time") or {}
+    print(name, row.get("error") or {key: row.get(key) for key in ("median_ms", "over_tuned")}
+          | {key: time.get(key) for key in ("kernels_ms", "outside_kernels_ms")})' \
+        "$OUT/$name.json" ;;
 esac
