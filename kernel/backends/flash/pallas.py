@@ -122,10 +122,17 @@ class Logits:
     reach: Reach
     softcap: float | None = None
 
+    def scaled(self, x: jax.Array) -> jax.Array:
+        """``x * sm_scale`` in x's dtype, for the operand a kernel holds for its whole grid
+        step (q in the forward and dQ, k in dK/dV): scaled once per grid step instead of every
+        logit (the VPU's work per logit, not the MXU's, bounds these kernels). Rounded to bf16
+        for bf16 inputs, as splash's caller-scaled q is."""
+        return (x.astype(jnp.float32) * self.sm_scale).astype(x.dtype)
+
     def of(self, q: jax.Array, k: jax.Array) -> jax.Array:
-        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; the scale
-        is applied in f32, not to bf16 q."""
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * self.sm_scale
+        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; one of
+        them already :meth:`scaled`."""
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
         if self.softcap is None:
             return s
         return self.softcap * jnp.tanh(s / self.softcap)
@@ -372,19 +379,20 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
                     block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
     (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
     ring_size = 4 + segmented  # _kv_ring's: K, V (kv ids), their semaphores, the next slot
-    (*outs, m_ref, l_ref, acc_ref), ring = refs[:-ring_size], refs[-ring_size:]
+    (*outs, m_ref, l_ref, acc_ref, q_scaled), ring = refs[:-ring_size], refs[-ring_size:]
     o_ref, lse_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     q0 = pl.program_id(2) * block_q
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    q_scaled[...] = logits.scaled(q_ref[...])
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def compute(start):
             k = k_ref[pl.ds(start, block_kv_compute), :]
             v = v_ref[pl.ds(start, block_kv_compute), :]
-            s = logits.of(q_ref[...], k)
+            s = logits.of(q_scaled[...], k)
             mask = logits.visible(s.shape, q0, kv_block * block_kv + start,
                                   _same_segment(q_ids_ref, kv_ids_ref, start, block_kv_compute))
             if mask is not None:
@@ -474,6 +482,7 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
                         pltpu.VMEM((bq, head_dim), jnp.float32),  # output accumulator
+                        pltpu.VMEM((bq, head_dim), q.dtype),  # q * sm_scale
                         *_kv_ring(k, v, config.block_kv, segments is not None,
                                   config.pipeline_depth)],
         semantics=STREAMS_AHEAD,
@@ -486,12 +495,13 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
 
 def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
                 segmented: bool, group: int, block_q: int, depth: int):
-    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, *ring) = _segment_refs(
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, k_scaled, *ring) = _segment_refs(
         refs, segmented)
     block_kv = k_ref.shape[0]
     k0 = pl.program_id(2) * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    k_scaled[...] = logits.scaled(k_ref[...])
     # Only the run of query blocks that see a kv block is streamed (none above the causal
     # diagonal or outside the window is fetched), for each query head of its group in turn.
     seen_by = logits.reach.transposed()
@@ -523,7 +533,7 @@ def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: 
             # but round differently from the forward's, so P no longer matches the saved m and
             # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
             q, do = q_ref[...], do_ref[...]
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, _column(lse_ref),
+            p, ds = _probs_and_ds(q, k_scaled[...], v_ref[...], do, _column(lse_ref),
                                   _column(delta_ref), logits, q0, k0,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
@@ -561,6 +571,7 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
                    varying_struct(v.shape, v.dtype, q, k, v, d_out)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32),
+                        pltpu.VMEM((bkv, head_dim), k.dtype),  # k * sm_scale
                         *ring_scratch(streamed[:4 + segmented], config.pipeline_depth_dkv)],
         semantics=STREAMS_AHEAD,
         name="flash_bwd_dkv",
@@ -569,15 +580,16 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
 
 def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
                segmented: bool, group: int, block_kv: int, depth: int):
-    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, *ring) = _segment_refs(refs, segmented)
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, q_scaled, *ring) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
     q0 = pl.program_id(2) * block_q
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+    q_scaled[...] = logits.scaled(q_ref[...])
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def run():
             k = k_ref[...]
-            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(lse_ref),
+            _, ds = _probs_and_ds(q_scaled[...], k, v_ref[...], do_ref[...], _column(lse_ref),
                                   _column(delta_ref), logits, q0, kv_block * block_kv,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dq_acc[...] += _ds_dot(ds, k)
@@ -606,6 +618,7 @@ def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logi
         out_specs=q_spec,
         out_shape=varying_struct(q.shape, q.dtype, q, k, v, d_out),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32),
+                        pltpu.VMEM((bq, head_dim), q.dtype),  # q * sm_scale
                         *_kv_ring(k, v, config.block_kv_dq, segments is not None,
                                   config.pipeline_depth_dq)],
         semantics=STREAMS_AHEAD,

@@ -157,6 +157,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + 2 * depth * tile_bytes(bkv, d, isz)  # streamed k and v buffers
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
+        + tile_bytes(bq, d, isz)  # q * sm_scale scratch
         # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES), and the
         # temporaries of a window, soft cap or segment ids
         + _spill_bytes(bq, bkc, spill_tiles,
@@ -181,6 +182,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
+            + tile_bytes(kk, d, isz)  # k * sm_scale scratch
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
             + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
@@ -191,6 +193,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * config.pipeline_depth_dq * tile_bytes(kq, d, isz)  # streamed k, v
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq accumulator
+            + tile_bytes(qq, d, isz)  # q * sm_scale scratch
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
             + _segment_bytes(problem, qq, kq, config.pipeline_depth_dq, streamed="kv")
         )
