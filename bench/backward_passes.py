@@ -24,6 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 import jax  # noqa: E402
+from jax import lax  # noqa: E402
 
 import kernel.backends.flash.pallas as flash_pallas  # noqa: E402
 from autotune.measure import Measurer, interleaved  # noqa: E402
@@ -37,11 +38,11 @@ TUNED = dict(block_q=1024, block_kv=256, block_kv_compute=256, pipeline_depth=4,
              block_kv_dq=512, pipeline_depth_dq=2)
 
 
-def two_pass_dot(x: jax.Array, y: jax.Array) -> jax.Array:
+def two_pass_dot(x: jax.Array, y: jax.Array, dims: Any = (((1,), (0,)), ((), ()))) -> jax.Array:
     """``x @ y`` for an f32 ``x`` and a bf16 ``y`` as two bf16 MXU passes: ``x``'s bf16
     rounding and its remainder (16 mantissa bits of ``x`` instead of 8)."""
     def dot(a: jax.Array) -> jax.Array:
-        return jax.numpy.dot(a, y, preferred_element_type=jax.numpy.float32)
+        return lax.dot_general(a, y, dims, preferred_element_type=jax.numpy.float32)
 
     high = x.astype(y.dtype)
     return dot(high) + dot((x - high.astype(jax.numpy.float32)).astype(y.dtype))

@@ -218,19 +218,3 @@ def test_backward_statistics_travel_as_rows_not_lane_padded_columns():
     assert not columns, f"statistics as (q_len, {columns}) columns"
     assert f"f32[{b},{h},1,{q}]" in text
 
-
-
-def test_no_kernel_scales_its_logits_tile():
-    """The scale multiplies the operand a kernel holds for its grid step (q or k: head_dim
-    columns), once per grid step, never a (queries, keys) logits tile."""
-    for name, text in _traced_kernels(SHAPED).items():
-        scaled = set(re.findall(r"f32\[\d+,(\d+)\] = mul \w+ 0\.1\d*:f32\[\]", text))
-        assert scaled <= {str(PROBLEM.head_dim)}, (name, scaled)
-
-
-def test_dkv_kernel_multiplies_no_transposed_tile():
-    """dK/dV works on keys x queries tiles: no product contracts its left operand's first axis
-    (Pᵀ dO, dSᵀ Q), for which Mosaic would transpose P and dS."""
-    text = _traced_kernels(SHAPED)["dkv"]
-    assert "dot_general" in text
-    assert "dimension_numbers=(([0], [0])" not in text

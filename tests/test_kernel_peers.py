@@ -234,10 +234,6 @@ KNOWN_LIMITS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
         _OURS_DS_BF16.format("dq 1.41x"), ("dq",)),
     ("jax-fused-bwd-b2-s384-h2-d128-causal", "flash"): (
         _OURS_DS_BF16.format("dq 1.27x and dk 1.03x"), ("dq", "dk")),
-    ("tk-small-q256-kv8", "flash"): (
-        "in f32 with 8 keys its dv 1.43x the tolerance: dK/dV's keys x queries logits (K Qᵀ, "
-        "no transposed tiles, issue 61) round unlike the forward's Q Kᵀ on a CPU, so their P "
-        "misses the saved lse by some ulps", ("dv",)),
     ("large-logits-full", "flash"): (
         "at q x 1e4 its dv is 1.4e-4 off float64 against XLA's 4.9e-5: " + _OURS_LSE, ("dv",)),
     ("large-logits-full", "pallas_gpu"): (

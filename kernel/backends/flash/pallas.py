@@ -34,6 +34,7 @@ from kernel.sharded import summed_as, varying_struct
 # count as masked), and no inf - inf NaN arises.
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
 
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
@@ -82,27 +83,24 @@ flash_attention.defvjp(_flash_fwd, _flash_bwd)
 Segments = tuple[jax.Array, jax.Array]  # (q ids [batch, q_len], kv ids [batch, kv_len])
 
 
-def _segment_layouts(segments: Segments | None, keys_major: bool = False) -> list[jax.Array]:
-    """The (q, kv) segment ids as the kernels read them, as splash lays them out: the ids of a
-    logits tile's rows lane-replicated [batch, len, 128] (a block is whole vregs, like the
-    running max and sum), those of its columns sublane-replicated [batch, 8, len] (a block row
-    broadcasts down the rows). Rows are queries, or keys for ``keys_major`` tiles (dK/dV).
-    None: no inputs."""
+def _segment_layouts(segments: Segments | None) -> list[jax.Array]:
+    """The segment ids as the kernels read them, as splash lays them out: q ids lane-replicated
+    [batch, q_len, 128] (a block is whole vregs, like the running max and sum), kv ids
+    sublane-replicated [batch, 8, kv_len] (a block row broadcasts down the query rows). None:
+    no inputs."""
     if segments is None:
         return []
     q_ids, kv_ids = (ids.astype(jnp.int32) for ids in segments)
-    rows, cols = (kv_ids, q_ids) if keys_major else (q_ids, kv_ids)
-    rows = jnp.broadcast_to(rows[:, :, None], (*rows.shape, LANES))
-    cols = jnp.broadcast_to(cols[:, None, :], (cols.shape[0], SUBLANES, cols.shape[1]))
-    return [cols, rows] if keys_major else [rows, cols]
+    return [jnp.broadcast_to(q_ids[:, :, None], (*q_ids.shape, LANES)),
+            jnp.broadcast_to(kv_ids[:, None, :], (kv_ids.shape[0], SUBLANES, kv_ids.shape[1]))]
 
 
-def _same_segment(row_ids_ref, col_ids_ref, start, cols: int) -> jax.Array | None:
-    """(rows, cols) True where a logits tile's row (query, or key) is in its column's segment;
-    columns ``start ..`` of the column ids block. None without segment ids."""
-    if row_ids_ref is None:
+def _same_segment(q_ids_ref, kv_ids_ref, start, cols: int) -> jax.Array | None:
+    """(rows, cols) True where the query's segment is the key's; keys ``start ..`` of the kv
+    ids block. None without segment ids."""
+    if q_ids_ref is None:
         return None
-    return _lanes(row_ids_ref[...], cols) == col_ids_ref[0:1, pl.ds(start, cols)]
+    return _lanes(q_ids_ref[...], cols) == kv_ids_ref[0:1, pl.ds(start, cols)]
 
 
 def _segment_refs(refs: tuple, segmented: bool) -> tuple:
@@ -124,17 +122,10 @@ class Logits:
     reach: Reach
     softcap: float | None = None
 
-    def scaled(self, x: jax.Array) -> jax.Array:
-        """``x * sm_scale`` in x's dtype, for the operand a kernel holds for its whole grid
-        step (q in the forward and dQ, k in dK/dV): scaled once per grid step instead of every
-        logit (the VPU's work per logit, not the MXU's, bounds these kernels). Rounded to bf16
-        for bf16 inputs, as splash's caller-scaled q is."""
-        return (x.astype(jnp.float32) * self.sm_scale).astype(x.dtype)
-
     def of(self, q: jax.Array, k: jax.Array) -> jax.Array:
-        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; one of
-        them already :meth:`scaled`."""
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+        """The (soft-capped) f32 logits of a q block against a k block, on the MXU; the scale
+        is applied in f32, not to bf16 q."""
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * self.sm_scale
         if self.softcap is None:
             return s
         return self.softcap * jnp.tanh(s / self.softcap)
@@ -146,18 +137,17 @@ class Logits:
             return ds
         return ds * (1.0 - jnp.square(s / self.softcap))
 
-    def visible(self, shape: tuple[int, int], q0, k0, same_segment: jax.Array | None = None,
-                keys_major: bool = False) -> jax.Array | None:
-        """True where a query sees a key in a tile of queries x keys (or keys x queries,
-        ``keys_major``) starting at positions ``q0`` and ``k0``: in reach, and in its segment
-        when ``same_segment`` is given; None when every query sees every key (no mask)."""
-        queries = lax.broadcasted_iota(jnp.int32, shape, int(keys_major)) + q0
-        keys = lax.broadcasted_iota(jnp.int32, shape, 1 - int(keys_major)) + k0
+    def visible(self, shape: tuple[int, int], row0, col0,
+                same_segment: jax.Array | None = None) -> jax.Array | None:
+        """True where a query (row) sees a key (column): in reach, and in its segment when
+        ``same_segment`` is given; None when every query sees every key (no mask)."""
+        rows = lax.broadcasted_iota(jnp.int32, shape, 0) + row0
+        cols = lax.broadcasted_iota(jnp.int32, shape, 1) + col0
         sides = []
         if self.reach.masks_right:
-            sides.append(keys <= queries + self.reach.right)
+            sides.append(cols <= rows + self.reach.right)
         if self.reach.masks_left:
-            sides.append(keys >= queries - self.reach.left)
+            sides.append(cols >= rows - self.reach.left)
         if same_segment is not None:
             sides.append(same_segment)
         return functools.reduce(operator.and_, sides) if sides else None
@@ -172,13 +162,13 @@ def _lanes(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
-def _ds_dot(ds: jax.Array, y: jax.Array) -> jax.Array:
-    """``ds @ y`` for the f32 logit gradients dS: dS rounded to ``y``'s dtype, one MXU pass,
-    as splash does. Two bf16 passes (dS's rounding and its remainder) made fwd_bwd 1.11x
-    slower on a TPU v5e (s4096 causal, default and tuned configs) for no smaller largest error
-    over out, dq, dk and dv (5.2e-3 either way; splash 7.8e-3):
-    bench/results/tpu-v5e-2026-12-06/backward.json."""
-    return jnp.dot(ds.astype(y.dtype), y, preferred_element_type=jnp.float32)
+def _ds_dot(ds: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
+    """``dot_general(ds, y, dims)`` (default ``ds @ y``) for the f32 logit gradients dS: dS
+    rounded to ``y``'s dtype, one MXU pass, as splash does. Two bf16 passes (dS's rounding and
+    its remainder) made fwd_bwd 1.11x slower on a TPU v5e (s4096 causal, default and tuned
+    configs) for no smaller largest error over out, dq, dk and dv (5.2e-3 either way; splash
+    7.8e-3): bench/results/tpu-v5e-2026-12-06/backward.json."""
+    return lax.dot_general(ds.astype(y.dtype), y, dims, preferred_element_type=jnp.float32)
 
 
 def _column(row_ref) -> jax.Array:
@@ -187,18 +177,18 @@ def _column(row_ref) -> jax.Array:
     return jnp.expand_dims(row_ref[0], -1)
 
 
-def _probs_and_ds(a, b, grad_a, grad_b, lse, delta, logits: Logits, mask):
-    """The probabilities P and logit gradients dS (f32) of a block pair, as tiles of
-    queries x keys (``a``, ``grad_a`` = scaled q, dO; ``b``, ``grad_b`` = K, V; ``lse`` and
-    ``delta`` (block_q, 1) columns) or keys x queries (scaled K, V; Q, dO; (1, block_q) rows):
-    logits ``a @ b.T``, P = exp(S - lse) zeroed outside ``mask`` (when not None), dS = P
-    (dP - delta) with dP = ``grad_a @ grad_b.T``, through the soft cap's derivative when
-    capped."""
-    s = logits.of(a, b)
+def _probs_and_ds(q, k, v, do, lse, delta, logits: Logits, q0, k0, same_segment=None):
+    """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
+    whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
+    computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
+    exp(S - lse), dS = P (dO V^T - delta) (through the soft cap's derivative when capped);
+    ``lse`` and ``delta`` are (block_q, 1) columns."""
+    s = logits.of(q, k)
     p = jnp.exp(s - lse)
+    mask = logits.visible(p.shape, q0, k0, same_segment)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    dp = lax.dot_general(grad_a, grad_b, _NT, preferred_element_type=jnp.float32)
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     return p, logits.capped_grad(s, p * (dp - delta))
 
 
@@ -382,20 +372,19 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
                     block_kv: int, block_kv_compute: int, depth: int, save_stats: bool):
     (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
     ring_size = 4 + segmented  # _kv_ring's: K, V (kv ids), their semaphores, the next slot
-    (*outs, m_ref, l_ref, acc_ref, q_scaled), ring = refs[:-ring_size], refs[-ring_size:]
+    (*outs, m_ref, l_ref, acc_ref), ring = refs[:-ring_size], refs[-ring_size:]
     o_ref, lse_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     q0 = pl.program_id(2) * block_q
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    q_scaled[...] = logits.scaled(q_ref[...])
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def compute(start):
             k = k_ref[pl.ds(start, block_kv_compute), :]
             v = v_ref[pl.ds(start, block_kv_compute), :]
-            s = logits.of(q_scaled[...], k)
+            s = logits.of(q_ref[...], k)
             mask = logits.visible(s.shape, q0, kv_block * block_kv + start,
                                   _same_segment(q_ids_ref, kv_ids_ref, start, block_kv_compute))
             if mask is not None:
@@ -485,7 +474,6 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running sum
                         pltpu.VMEM((bq, head_dim), jnp.float32),  # output accumulator
-                        pltpu.VMEM((bq, head_dim), q.dtype),  # q * sm_scale
                         *_kv_ring(k, v, config.block_kv, segments is not None,
                                   config.pipeline_depth)],
         semantics=STREAMS_AHEAD,
@@ -498,13 +486,12 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
 
 def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
                 segmented: bool, group: int, block_q: int, depth: int):
-    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, k_scaled, *ring) = _segment_refs(
-        refs, segmented)  # kv ids lane-replicated, q ids sublane-replicated (keys_major)
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, *ring) = _segment_refs(
+        refs, segmented)
     block_kv = k_ref.shape[0]
     k0 = pl.program_id(2) * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-    k_scaled[...] = logits.scaled(k_ref[...])
     # Only the run of query blocks that see a kv block is streamed (none above the causal
     # diagonal or outside the window is fetched), for each query head of its group in turn.
     seen_by = logits.reach.transposed()
@@ -522,24 +509,26 @@ def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: 
         views = [(q_hbm.at[batch, head], 0), (do_hbm.at[batch, head], 0),
                  (lse_hbm.at[batch, head], 1), (delta_hbm.at[batch, head], 1)]
         if segmented:
-            views.append((q_ids_hbm.at[batch], 1))
+            views.append((q_ids_hbm.at[batch], 0))
         return [window(view, axis, start, block_q) for view, axis in views]
 
     def step(t, q_ref, do_ref, lse_ref, delta_ref, q_ids_ref=None):
         q0 = (first + _rem(t, count)) * block_q
 
         def run():
-            # Tiles of keys x queries, as splash's: Pᵀ and dSᵀ from Sᵀ = K Qᵀ, so dV += Pᵀ dO
-            # and dK += dSᵀ Q are plain products. Queries x keys tiles would need them as
-            # transposed-lhs products, for which Mosaic transposes P and dS on the XLU.
-            # lse and delta broadcast down the keys as (1, block_q) rows, as stored.
+            # P and dS as the forward and the dQ kernel compute them (queries x keys), then
+            # dV += P^T dO and dK += dS^T Q as transposed-lhs products (TN: contract the query
+            # axis, 0, of both), as upstream's kernel does: Mosaic transposes the lhs on the
+            # XLU before the MXU pass. Transposed logits (k @ q.T) would avoid that transpose
+            # but round differently from the forward's, so P no longer matches the saved m and
+            # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
             q, do = q_ref[...], do_ref[...]
-            mask = logits.visible((block_kv, block_q), q0, k0, _same_segment(
-                kv_ids_ref, q_ids_ref, 0, block_q), keys_major=True)
-            p, ds = _probs_and_ds(k_scaled[...], q, v_ref[...], do, lse_ref[...],
-                                  delta_ref[...], logits, mask)
-            dv_acc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-            dk_acc[...] += _ds_dot(ds, q)
+            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, _column(lse_ref),
+                                  _column(delta_ref), logits, q0, k0,
+                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
+            dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
+                                           preferred_element_type=jnp.float32)
+            dk_acc[...] += _ds_dot(ds, q, _TN)
 
         # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
@@ -558,10 +547,10 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
     kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segments is not None,
                                group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
                                depth=config.pipeline_depth_dkv)
-    kv_ids_spec = pl.BlockSpec((None, bkv, LANES), lambda b, h, j: (b, j, 0))
+    kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
     bq, segmented = config.block_q_dkv, segments is not None
     streamed = [((bq, head_dim), q.dtype), ((bq, head_dim), d_out.dtype),
-                ((1, bq), jnp.float32), ((1, bq), jnp.float32), ((SUBLANES, bq), jnp.int32)]
+                ((1, bq), jnp.float32), ((1, bq), jnp.float32), ((bq, LANES), jnp.int32)]
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
@@ -572,28 +561,25 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
                    varying_struct(v.shape, v.dtype, q, k, v, d_out)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32),
-                        pltpu.VMEM((bkv, head_dim), k.dtype),  # k * sm_scale
                         *ring_scratch(streamed[:4 + segmented], config.pipeline_depth_dkv)],
         semantics=STREAMS_AHEAD,
         name="flash_bwd_dkv",
-    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments, keys_major=True))
+    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
 
 
 def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
                segmented: bool, group: int, block_kv: int, depth: int):
-    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, q_scaled, *ring) = _segment_refs(refs, segmented)
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, *ring) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
     q0 = pl.program_id(2) * block_q
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-    q_scaled[...] = logits.scaled(q_ref[...])
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def run():
             k = k_ref[...]
-            mask = logits.visible((block_q, block_kv), q0, kv_block * block_kv,
+            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(lse_ref),
+                                  _column(delta_ref), logits, q0, kv_block * block_kv,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
-            _, ds = _probs_and_ds(q_scaled[...], k, do_ref[...], v_ref[...], _column(lse_ref),
-                                  _column(delta_ref), logits, mask)
             dq_acc[...] += _ds_dot(ds, k)
 
         _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
@@ -620,7 +606,6 @@ def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logi
         out_specs=q_spec,
         out_shape=varying_struct(q.shape, q.dtype, q, k, v, d_out),
         scratch_shapes=[pltpu.VMEM((bq, head_dim), jnp.float32),
-                        pltpu.VMEM((bq, head_dim), q.dtype),  # q * sm_scale
                         *_kv_ring(k, v, config.block_kv_dq, segments is not None,
                                   config.pipeline_depth_dq)],
         semantics=STREAMS_AHEAD,

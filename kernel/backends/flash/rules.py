@@ -117,14 +117,17 @@ def _feature_tiles(problem: Problem) -> float:
             + SOFTCAP_SPILL_TILES * (problem.softcap is not None))
 
 
-def _segment_bytes(problem: Problem, rows: int, cols: int, depth: int) -> int:
-    """VMEM of the segment-id blocks a kernel holds for a (rows, cols) logits tile (queries x
-    keys, keys x queries in dK/dV): the rows' ids lane-replicated (rows, 128) int32 in a
-    double-buffered window of the kernel's grid, the columns' sublane-replicated (8, cols)
-    int32 streamed through ``depth`` buffers."""
+def _segment_bytes(problem: Problem, rows: int, cols: int, depth: int, *, streamed: str) -> int:
+    """VMEM of the segment-id blocks a kernel holds for ``rows`` queries and ``cols`` keys: q
+    ids lane-replicated (rows, 128) int32, kv ids sublane-replicated (8, cols) int32; the side
+    that follows the kernel's grid is a double-buffered window, the streamed side ``depth``
+    buffers (``streamed``: "kv" or "q")."""
     if not problem.segmented:
         return 0
-    return 2 * tile_bytes(rows, LANES, 4) + depth * tile_bytes(SUBLANES, cols, 4)
+    q_ids, kv_ids = tile_bytes(rows, LANES, 4), tile_bytes(SUBLANES, cols, 4)
+    if streamed == "kv":
+        return 2 * q_ids + depth * kv_ids
+    return depth * q_ids + 2 * kv_ids
 
 
 def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 0) -> int:
@@ -154,12 +157,11 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + 2 * depth * tile_bytes(bkv, d, isz)  # streamed k and v buffers
         + 2 * tile_bytes(bq, d, isz)  # output window
         + 2 * row_stat + tile_bytes(bq, d, 4)  # m, l, acc scratch
-        + tile_bytes(bq, d, isz)  # q * sm_scale scratch
         # one compute sub-block's logits and its f32 P @ V product (see SPILL_TILES), and the
         # temporaries of a window, soft cap or segment ids
         + _spill_bytes(bq, bkc, spill_tiles,
                        extra=tile_bytes(bq, d, 4) + int(features * tile_bytes(bq, bkc, 4)))
-        + _segment_bytes(problem, bq, bkv, depth)
+        + _segment_bytes(problem, bq, bkv, depth, streamed="kv")
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * row_stat  # softmax statistics (m, l) output window, saved for the backward
@@ -179,9 +181,8 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
-            + tile_bytes(kk, d, isz)  # k * sm_scale scratch
-            + _spill_bytes(qk, kk, bwd_tiles)  # logits and their gradients
-            + _segment_bytes(problem, kk, qk, depth_dkv)
+            + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
+            + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
@@ -190,9 +191,8 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * config.pipeline_depth_dq * tile_bytes(kq, d, isz)  # streamed k, v
             + 2 * tile_bytes(qq, d, isz)  # dq output window
             + tile_bytes(qq, d, 4)  # dq accumulator
-            + tile_bytes(qq, d, isz)  # q * sm_scale scratch
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
-            + _segment_bytes(problem, qq, kq, config.pipeline_depth_dq)
+            + _segment_bytes(problem, qq, kq, config.pipeline_depth_dq, streamed="kv")
         )
     return estimate
 
