@@ -231,3 +231,32 @@ def test_cli_in_fwd_mode_labels_forward_fields_without_libtpu_s_start_up_noise()
     assert sorted(rows) == sorted(labels) and not any("dkv" in row for row in rows)
     assert any(line.startswith("estimate admits") and line.endswith("(recall 100.0%)")
                for line in done.stdout.splitlines()), done.stdout
+
+
+# The backward kernels keep lse and delta as (1, block_q) f32 rows, (8, block_q) in VMEM. An
+# estimate counting them as lane-padded (block_q, 128) columns, one per ring buffer, rejected
+# these (16.25 MiB estimated each), which compile on v5e's 16 MiB: dQ's two row windows,
+# dK/dV's ring of rows at depth 3.
+@pytest.mark.parametrize("config", [
+    FlashConfig(block_q=512, block_kv=512, block_kv_compute=512, block_q_dq=1024,
+                block_kv_dq=1024),
+    FlashConfig(block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=2048,
+                block_kv_dkv=256, pipeline_depth_dkv=3),
+], ids=["dq-1024x1024", "dkv-2048x256-depth3"])
+def test_estimate_counts_the_backward_statistics_as_rows(config):
+    problem = Problem(1, 1, 1, 2048, 2048, 256, "bfloat16", True, "fwd_bwd")
+    assert not vmem_violations(problem, config, get_target("v5e")), vmem_estimate(problem, config)
+    assert compile_for_target(FLASH, problem, config, "v5e") > 0
+
+
+def test_estimate_counts_the_statistics_columns_dkv_broadcasts():
+    """... but dK/dV broadcasts them along the keys as (block_q, 1) f32 columns, lane padded,
+    which stay in VMEM: with 4096 queries a step, 4 MiB. Counting the rows alone admitted this
+    config (14.0 MiB), and the compiler needed 17.90."""
+    problem = Problem(1, 1, 1, 4096, 4096, 256, "bfloat16", True, "fwd_bwd")
+    config = FlashConfig(block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=4096,
+                         block_kv_dkv=128)
+    with pytest.raises(Exception) as raised:
+        compile_for_target(FLASH, problem, config, "v5e")
+    assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM, str(raised.value)
+    assert vmem_violations(problem, config, get_target("v5e"))
