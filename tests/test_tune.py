@@ -919,12 +919,13 @@ def test_the_devices_workers_share_the_hosts_compiles(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(("sampler", "ahead"), [("random", 7), ("grid", 7), ("tpe", 2)])
 def test_a_tune_compiles_as_many_ahead_as_its_sampler_and_host_allow(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sampler: str, ahead: int) -> None:
+    from autotune.devices import HOST_WORKERS
     from autotune.tune import TuneJob, TuneOptions
     from storage import upgrade
 
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     monkeypatch.setattr("autotune.measure.host_memory_bytes", lambda: 64 * 2**30)
-    monkeypatch.delenv("AUTOTUNE_HOST_WORKERS", raising=False)
+    monkeypatch.delenv(HOST_WORKERS, raising=False)
     db = f"sqlite:///{tmp_path / 'tune.db'}"
     upgrade(db)
     with Store(db) as store:

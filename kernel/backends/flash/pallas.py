@@ -542,20 +542,19 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
-    bkv = config.block_kv_dkv
+    bq, bkv, segmented = config.block_q_dkv, config.block_kv_dkv, segments is not None
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
-    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segments is not None,
-                               group=q.shape[1] // kv_heads, block_q=config.block_q_dkv,
+    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segmented,
+                               group=q.shape[1] // kv_heads, block_q=bq,
                                depth=config.pipeline_depth_dkv)
     kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
-    bq, segmented = config.block_q_dkv, segments is not None
     streamed = [((bq, head_dim), q.dtype), ((bq, head_dim), d_out.dtype),
                 ((1, bq), jnp.float32), ((1, bq), jnp.float32), ((bq, LANES), jnp.int32)]
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
         in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
-                  *_segment_specs(_IN_HBM, kv_ids_spec, segments is not None)],
+                  *_segment_specs(_IN_HBM, kv_ids_spec, segmented)],
         out_specs=[kv_spec, kv_spec],
         out_shape=[varying_struct(k.shape, k.dtype, q, k, v, d_out),
                    varying_struct(v.shape, v.dtype, q, k, v, d_out)],
