@@ -119,6 +119,34 @@ def test_default_config_compiles_with_mosaic_for_v5e(head_dim):
     assert sorted(counted) == sorted(FLASH.profile_names)
 
 
+@pytest.mark.parametrize("q_len, kv_len, dtype, segmented", [
+    (200, 200, "float32", False),  # the kernel test files' case that failed on a TPU v5e
+    (200, 384, "bfloat16", True),  # one whole-axis query block; kv ids in lanes, three blocks
+])
+def test_lengths_off_the_lane_tile_compile_with_mosaic_for_v5e(q_len, kv_len, dtype, segmented):
+    """A sequence not a multiple of 128 gets one block as long as the axis (``block_tiling``);
+    causal, the kernels' hand-made DMAs of its statistics rows and segment ids start at a
+    traced offset, and compile (a real deviceless compile: Mosaic rejected them as lane offsets
+    it cannot prove aligned, which interpret mode does not check)."""
+    from kernel.aot import input_specs, topology_device
+
+    problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd", "q_len": q_len,
+                         "kv_len": kv_len, "dtype": dtype})
+    specs = input_specs(problem, topology_device("v5e"))
+    ids = [jax.ShapeDtypeStruct((problem.batch, length), jnp.int32, sharding=specs[0].sharding)
+           for length in (q_len, kv_len)]
+
+    config = FLASH.default_config(problem, "v5e")
+
+    def loss(q, k, v, q_ids, kv_ids):
+        out = kernel.flash_attention(q, k, v, causal=True, config=config,
+                                     segment_ids=(q_ids, kv_ids) if segmented else None)
+        return out.astype(jnp.float32).sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs, *ids).lower().compile()
+    assert "tpu_custom_call" in compiled.as_text()
+
+
 @pytest.mark.parametrize("changes, rule", [
     ({"block_q": 384}, "[block_divides] block_q=384 does not divide q_len=512"),
     ({"block_kv": 1024}, "[block_max] block_kv=1024 is larger than kv_len=512"),

@@ -263,13 +263,13 @@ def test_autotune_tpu_kernel_splash_runs_splash_with_its_resolved_config(monkeyp
     ``AUTOTUNE_TPU_KERNEL=splash`` runs splash with its resolved config, forward and
     differentiated (its fwd_bwd config both ways)."""
     import jax
-    import numpy as np
 
     import kernel
     import kernel.attention
     from kernel.contract import reference_attention
     from kernel.resolve import ResolverSettings, get_resolver, reset_resolver
     from kernel.targets import get_target
+    from kernel.tolerance import relative_error
 
     monkeypatch.setenv("AUTOTUNE_TPU_KERNEL", "splash")
     reset_resolver(ResolverSettings.from_env())
@@ -284,7 +284,9 @@ def test_autotune_tpu_kernel_splash_runs_splash_with_its_resolved_config(monkeyp
         ("fwd_bwd", jax.grad(lambda *a: kernel.flash_attention(*a, causal=True).sum(), (0, 1, 2)),
          jax.grad(lambda *a: reference_attention(*a, causal=True).sum(), (0, 1, 2)))]:
         for got, want in zip(jax.tree.leaves(fn(q, k, v)), jax.tree.leaves(want_fn(q, k, v))):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=bound, rtol=bound)
+            # Relative to the largest value, as the bound is: on a TPU v5e dK's error of 1.7e-2
+            # (0.35% of its largest value, 4.7) failed the bound taken element-wise as atol.
+            assert relative_error(got, want) <= bound, mode
         problem = Problem(1, 2, 1, 256, 256, 128, "float32", True, mode)
         assert ("splash", "TPU v5 lite", problem) in kernel.resolution_sources()
         resolution = get_resolver().resolve(problem, "TPU v5 lite", "splash", get_target("v5e"))

@@ -226,7 +226,12 @@ def ring_scratch(blocks: list[tuple[tuple[int, ...], jnp.dtype]], depth: int) ->
 
 
 def window(ref, axis: int, start, size: int):
-    """``ref``'s ``size`` entries from ``start`` along ``axis``, the rest whole (a DMA source)."""
+    """``ref``'s ``size`` entries from ``start`` along ``axis``, the rest whole (a DMA source).
+    A window as long as the axis is the whole ref: its start can only be 0, but Mosaic cannot
+    prove that of a traced start, and rejects a lane offset it cannot prove a multiple of 128
+    (a sequence of 200 tokens, its one block 200 long, failed to compile on a TPU v5e)."""
+    if size == ref.shape[axis]:
+        return ref
     return ref.at[(slice(None),) * axis + (pl.ds(pl.multiple_of(start, size), size),)]
 
 
