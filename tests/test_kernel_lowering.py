@@ -119,31 +119,34 @@ def test_default_config_compiles_with_mosaic_for_v5e(head_dim):
     assert sorted(counted) == sorted(FLASH.profile_names)
 
 
-@pytest.mark.parametrize("q_len, kv_len, dtype, segmented", [
-    (200, 200, "float32", False),  # the kernel test files' case that failed on a TPU v5e
-    (200, 384, "bfloat16", True),  # one whole-axis query block; kv ids in lanes, three blocks
-])
-def test_lengths_off_the_lane_tile_compile_with_mosaic_for_v5e(q_len, kv_len, dtype, segmented):
-    """A sequence not a multiple of 128 gets one block as long as the axis (``block_tiling``);
-    causal, the kernels' hand-made DMAs of its statistics rows and segment ids start at a
-    traced offset, and compile (a real deviceless compile: Mosaic rejected them as lane offsets
-    it cannot prove aligned, which interpret mode does not check)."""
+@pytest.mark.parametrize("q_len, kv_len", [(200, 200), (136, 520), (384, 200)])
+@pytest.mark.parametrize("dtype, causal, features", [
+    ("float32", True, {}),  # the kernel test files' case that failed on a TPU v5e
+    ("bfloat16", False, {"window": (64, 64)}),
+    ("bfloat16", True, {"segmented": True, "logits_soft_cap": 30.0}),
+], ids=["f32-causal", "bf16-window", "bf16-causal-segments-softcap"])
+def test_lengths_off_the_lane_tile_compile_with_mosaic_for_v5e(q_len, kv_len, dtype, causal,
+                                                               features):
+    """A sequence not a multiple of 128 gets one block as long as the axis (``block_tiling``),
+    which the kernels' hand-made DMAs of its K/V, statistics rows and segment ids take at a
+    traced offset: they compile (a real deviceless compile: Mosaic rejected such lane offsets,
+    which it cannot prove multiples of 128, on a TPU v5e; interpret mode does not check them)."""
     from kernel.aot import input_specs, topology_device
 
+    segmented = features.pop("segmented", False)
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd", "q_len": q_len,
-                         "kv_len": kv_len, "dtype": dtype})
-    specs = input_specs(problem, topology_device("v5e"))
-    ids = [jax.ShapeDtypeStruct((problem.batch, length), jnp.int32, sharding=specs[0].sharding)
-           for length in (q_len, kv_len)]
-
+                         "kv_len": kv_len, "dtype": dtype, "causal": causal,
+                         "segmented": segmented, "window": features.get("window"),
+                         "softcap": features.get("logits_soft_cap")})
     config = FLASH.default_config(problem, "v5e")
 
-    def loss(q, k, v, q_ids, kv_ids):
-        out = kernel.flash_attention(q, k, v, causal=True, config=config,
-                                     segment_ids=(q_ids, kv_ids) if segmented else None)
+    def loss(q, k, v, *ids):
+        out = kernel.flash_attention(q, k, v, causal=causal, config=config,
+                                     segment_ids=ids or None, **features)
         return out.astype(jnp.float32).sum()
 
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs, *ids).lower().compile()
+    specs = input_specs(problem, topology_device("v5e"))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower().compile()
     assert "tpu_custom_call" in compiled.as_text()
 
 
