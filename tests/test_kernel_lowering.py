@@ -121,33 +121,24 @@ def test_default_config_compiles_with_mosaic_for_v5e(head_dim):
 
 @pytest.mark.parametrize("q_len, kv_len", [(200, 200), (136, 520), (384, 200)])
 @pytest.mark.parametrize("dtype, causal, features", [
-    ("float32", True, {}),  # the kernel test files' case that failed on a TPU v5e
-    ("bfloat16", False, {"window": (64, 64)}),
-    ("bfloat16", True, {"segmented": True, "logits_soft_cap": 30.0}),
-], ids=["f32-causal", "bf16-window", "bf16-causal-segments-softcap"])
+    ("float32", True, "plain"),  # the kernel test files' case that failed on a TPU v5e
+    ("bfloat16", False, "window"),
+    ("bfloat16", True, "segments"),
+])
 def test_lengths_off_the_lane_tile_compile_with_mosaic_for_v5e(q_len, kv_len, dtype, causal,
                                                                features):
     """A sequence not a multiple of 128 gets one block as long as the axis (``block_tiling``),
     which the kernels' hand-made DMAs of its K/V, statistics rows and segment ids take at a
     traced offset: they compile (a real deviceless compile: Mosaic rejected such lane offsets,
-    which it cannot prove multiples of 128, on a TPU v5e; interpret mode does not check them)."""
-    from kernel.aot import input_specs, topology_device
+    which it cannot prove multiples of 128, on a TPU v5e; interpret mode does not check them).
+    ``bench/unaligned_compile.py`` runs the whole sweep."""
+    from bench.unaligned_compile import FEATURES, compiles
 
-    segmented = features.pop("segmented", False)
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd", "q_len": q_len,
                          "kv_len": kv_len, "dtype": dtype, "causal": causal,
-                         "segmented": segmented, "window": features.get("window"),
-                         "softcap": features.get("logits_soft_cap")})
-    config = FLASH.default_config(problem, "v5e")
-
-    def loss(q, k, v, *ids):
-        out = kernel.flash_attention(q, k, v, causal=causal, config=config,
-                                     segment_ids=ids or None, **features)
-        return out.astype(jnp.float32).sum()
-
-    specs = input_specs(problem, topology_device("v5e"))
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower().compile()
-    assert "tpu_custom_call" in compiled.as_text()
+                         "segmented": features == "segments",
+                         "window": FEATURES[features].get("window")})
+    assert compiles(problem, FEATURES[features]) is None
 
 
 @pytest.mark.parametrize("changes, rule", [
