@@ -59,6 +59,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -209,6 +210,17 @@ def _budgets(text: str) -> list[int]:
     return sorted({_positive(b.strip()) for b in text.split(",")})
 
 
+def _interpreter(text: str) -> str | None:
+    """An argparse type: a Python interpreter on PATH or at a path; empty: none."""
+    if not text:
+        return None
+    if shutil.which(text) is None:
+        raise argparse.ArgumentTypeError(
+            f"no interpreter {text!r}: give a Python with kernel_tuner installed, or leave "
+            "--kernel-tuner-python and $KERNEL_TUNER_PYTHON unset to leave Kernel Tuner out")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("landscapes", nargs="?",
@@ -216,9 +228,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=_positive, default=20)
     parser.add_argument("--budgets", type=_budgets, default="50,100,200",
                         help="comma-separated numbers of measured configs to score at")
-    parser.add_argument("--kernel-tuner-python", default=os.environ.get("KERNEL_TUNER_PYTHON"),
+    parser.add_argument("--kernel-tuner-python", type=_interpreter,
+                        default=os.environ.get("KERNEL_TUNER_PYTHON", ""),
                         help="interpreter with kernel_tuner installed (default: "
-                             "$KERNEL_TUNER_PYTHON; none: Kernel Tuner is left out)")
+                             "$KERNEL_TUNER_PYTHON; unset or empty: Kernel Tuner is left out)")
     parser.add_argument("--overhead-landscape",
                         help="landscape whose overhead per trial is measured (default: the "
                              "one with the most records, gemm-RTX_3090 in bench/landscapes)")

@@ -47,6 +47,7 @@ def test_cold_runs_as_far_as_the_warm_start_it_is_compared_with(tmp_path: Path) 
     (("--budgets", "5,x"), "argument --budgets: 'x' is not an integer"),
     (("--budgets", "0,5"), "argument --budgets: 0 is not at least 1"),
     (("--overhead-landscape", "nope"), "--overhead-landscape 'nope' is none of one, two"),
+    (("--kernel-tuner-python", "none"), "no interpreter 'none': give a Python with kernel_tuner"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tmp_path: Path, args: tuple[str, ...],
                                                expected: str) -> None:
