@@ -15,6 +15,7 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
+import httpx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -75,7 +76,8 @@ def stored_choices(url: str) -> LookupTable:
         store.close()
 
 
-def test_a_choice_slower_over_the_step_is_replaced_and_stored(tuned_db, tmp_path, capsys):
+def test_a_choice_slower_over_the_step_is_replaced_and_stored(tuned_db, tmp_path, capsys,
+                                                              start_server):
     url = pinned_db(tuned_db, tmp_path, "xla")
     table = autotune.tune_model(step, *ARGS, db=url, trials=1, kernels="flash,xla",
                                 options=OPTIONS, confirm_step=True)
@@ -89,6 +91,10 @@ def test_a_choice_slower_over_the_step_is_replaced_and_stored(tuned_db, tmp_path
     assert record["variants"]["tuned"] == record["variants"]["xla"]  # one program
     assert record["variants"]["flash"]["median_ms"] < record["variants"]["xla"]["median_ms"]
     assert "flash at its own tuned configs replaces the tuned table" in capsys.readouterr().err
+    served = httpx.get(f"{start_server(url).url}/v1/choices",
+                       params={"device_kind": exported.device_kind}).json()["items"]
+    assert [(c["kernel"], c["provenance"]["step_confirmation"]) for c in served] == [
+        ("flash", record)]
     # an exported table carries the record into another database
     copy = tmp_path / "copy.db"
     upgrade(f"sqlite:///{copy}")
