@@ -386,11 +386,13 @@ class _ChoiceFields(BaseModel):
         description="Every candidate's confirmed median (null: it failed, see candidates).")
     candidates: dict[str, KernelTimingOut]
     problem: ProblemOut = Field(description="The problem the choice was measured on.")
-    provenance: dict[str, str | bool | None] = Field(
-        description="Platform, chosen kernel's version, method, timing, jax/jaxlib/libtpu "
-                    "versions and within_noise: whether the kept kernel (the one chosen before, "
-                    "else the platform's default) stayed although another measured faster "
-                    "within the noise (absent: not recorded).")
+    provenance: dict[str, str | bool | dict[str, Any] | None] = Field(
+        description="Platform, chosen kernel's version, method (model_step: the model's "
+                    "whole step chose it), timing, jax/jaxlib/libtpu versions, within_noise: "
+                    "whether the kept kernel (the one chosen before, else the platform's "
+                    "default) stayed although another measured faster within the noise "
+                    "(absent: not recorded), and step_confirmation: the model step's timing "
+                    "of each table (docs/step-choice.md; absent: none ran).")
 
 
 class ChoiceResponse(_ChoiceFields):

@@ -540,13 +540,7 @@ class Measurer:
         every op of its executable (the whole step), and of its named kernels (the
         breakdown; empty when it names none or the trace shows none of them); None when the
         trace holds no op of the executable."""
-        events = trace_runs(lambda: program.compiled(*self.inputs), runs)
-        step = run_times(events, runs, kernel_op_matcher(op_names(program.compiled), ()))
-        if step is None:
-            return None
-        kernels = run_times(events, runs, kernel_op_matcher((), program.kernel_names)) \
-            if program.kernel_names else None
-        return Timing(tuple(step), tuple(kernels or ()))
+        return profiled_runs(program.compiled, self.inputs, runs, program.kernel_names)
 
     def _sample(self, call: Callable[[], Any], runs: int | None, per_call: int = 1) -> Timing:
         samples: list[float] = []
@@ -609,6 +603,22 @@ class Measurer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._compiles.clear()
         self._kept.clear()
+
+
+def profiled_runs(compiled: Any, args: Sequence[Any], runs: int,
+                  kernel_names: Sequence[str] = ()) -> Timing | None:
+    """``runs`` runs of ``compiled(*args)`` under one profiler trace
+    (:func:`autotune.timing.trace_runs`): per run, the busy time of every op of the
+    executable (the whole step), and of the ``pallas_call``s named ``kernel_names`` (the
+    breakdown; empty when none is named or the trace shows none of them); None when the
+    trace holds no op of the executable."""
+    events = trace_runs(lambda: compiled(*args), runs)
+    step = run_times(events, runs, kernel_op_matcher(op_names(compiled), ()))
+    if step is None:
+        return None
+    kernels = run_times(events, runs, kernel_op_matcher((), kernel_names)) \
+        if kernel_names else None
+    return Timing(tuple(step), tuple(kernels or ()))
 
 
 def interleaved(timers: Mapping[K, Callable[[], Timing]], rounds: int) -> dict[K, Timing]:

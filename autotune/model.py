@@ -16,12 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import typer
 
 from autotune.choice import choose_kernel, finished_choice, local_kernels
 from autotune.commands.db import open_store, resolve_url
 from autotune.commands.tune import _report, ensure_schema, say_finished
 from autotune.progress import TuneProgress
+from autotune.step_choice import confirm_step_choice, publish_step_choice
 from autotune.traced import captured_problems
 from autotune.tune import NothingToPublish, TuneOptions
 from kernel import ConfigError, LookupTable, Problem, get_kernel
@@ -31,7 +33,7 @@ from storage import Store
 def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = None,
                trials: int = 30, kernels: Sequence[str] | str | None = None,
                timing: str = "auto", json_output: bool = False,
-               options: TuneOptions | None = None) -> LookupTable:
+               options: TuneOptions | None = None, confirm_step: bool = False) -> LookupTable:
     """Tunes the attention problems of ``fn(*abstract_args)`` on the local device and returns
     their lookup table (for ``kernel.tables(...)`` or ``table.to_dict()`` as a file).
 
@@ -44,6 +46,17 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     rules for this device). ``options`` overrides the other tuning settings (its ``trials``
     and ``timing`` give way to the arguments). A problem no candidate could run is left out
     of the table, said so on stderr.
+
+    ``confirm_step``: after tuning, time the whole step ``fn(*abstract_args)`` under the
+    tuned table and under each candidate's own tuned table (that kernel at its tuned config
+    for every problem), ``options.confirm_rounds`` interleaved rounds, and return another
+    table only where it is faster beyond the noise (:mod:`autotune.step_choice`,
+    docs/step-choice.md): the kernels' isolated times miss how the compiler schedules the
+    rest of the step around them. The outcome is stored on each choice (the lookup service
+    and ``autotune export`` answer the returned table) and a changed choice is said in one
+    line on stderr. Arguments given as ``jax.ShapeDtypeStruct`` are synthesized for it
+    (floats random normal, other types zeros, on the struct's sharding); it costs a compile
+    and ``3 * confirm_rounds`` runs of the step per distinct table.
     """
     options = dataclasses.replace(options or TuneOptions(), trials=trials, timing=timing)
     candidates = _candidates(kernels)
@@ -63,9 +76,35 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
                 typer.echo(f"error: {error}", err=True)
                 continue
             _report(summary.to_dict(), json_output)
-        return _table_of(store, device_kind, problems)
+        table = _table_of(store, device_kind, problems)
+        if confirm_step and table.choices:
+            step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
+                                       options.confirm_rounds, options.timing)
+            publish_step_choice(store, device_kind, table, step)
+            if step.changed:
+                typer.echo(step.line(), err=True)
+            table = _table_of(store, device_kind, problems)
+        return table
     finally:
         store.close()
+
+
+def concrete_args(args: Sequence[Any]) -> tuple[Any, ...]:
+    """``args`` with each ``jax.ShapeDtypeStruct`` leaf made an array to run the step on:
+    floats random normal, other types zeros, on the struct's sharding where it has one."""
+    leaves, tree = jax.tree.flatten(tuple(args))
+    keys = iter(jax.random.split(jax.random.key(0), max(len(leaves), 1)))
+    return jax.tree.unflatten(tree, [_array_for(leaf, next(keys)) for leaf in leaves])
+
+
+def _array_for(leaf: Any, key: Any) -> Any:
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+        array = jax.random.normal(key, leaf.shape, jnp.float32).astype(leaf.dtype)
+    else:
+        array = jnp.zeros(leaf.shape, leaf.dtype)
+    return jax.device_put(array, leaf.sharding) if leaf.sharding is not None else array
 
 
 def _open(db: str | None) -> tuple[str, Store]:

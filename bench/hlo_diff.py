@@ -120,6 +120,7 @@ def compiled_hlo(args: argparse.Namespace, kernel_name: str, target: str) -> str
     ``kernel_name`` at its default config for ``target``, compiled for ``target`` deviceless."""
     from jax.sharding import SingleDeviceSharding
 
+    from autotune.step_choice import pinned_table
     from kernel.aot import topology_device
 
     step = model_step.make_step(args)
@@ -127,8 +128,8 @@ def compiled_hlo(args: argparse.Namespace, kernel_name: str, target: str) -> str
     x = jax.ShapeDtypeStruct((args.batch, args.seq, args.d_model), jnp.bfloat16)
     with kernel.capture() as captured:
         jax.eval_shape(step, params, x)
-    table = model_step.pinned_table(list(captured), kernel_name,
-                                    lambda chosen, problem: chosen.default_config(problem, target))
+    table = pinned_table(list(captured), kernel_name,
+                         lambda chosen, problem: chosen.default_config(problem, target))
     placed = SingleDeviceSharding(topology_device(target))
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
                          (params, x))

@@ -7,7 +7,8 @@ step): ``llama``, a decoder of ``--layers`` pre-norm blocks (RMSNorm, grouped-qu
 attention, a SwiGLU MLP of 4x the width, residuals); ``gemma2``, the same blocks alternating a
 local layer (a ``--window``-key causal window) and a global one, every logit soft-capped at 50.
 
-The variants: ``tuned`` (the published choice), ``KERNEL tuned`` for each candidate with
+The variants: ``tuned`` (the table ``tune_model(..., confirm_step=True)`` returned: the
+published choice, confirmed over this step, docs/step-choice.md), ``KERNEL tuned`` for each candidate with
 configs to tune that tuned (e.g. ``flash tuned``, ``splash tuned``: that kernel at its own
 tuned config for every problem, so an in-model loss can be pinned on one kernel), ``splash
 MaxText default`` and ``xla``; ``--variants`` runs some. Each is the same step traced under
@@ -20,7 +21,10 @@ device memory running out, or any error), or whose compiled step needs more than
 
 The report: ``tune``, per attention problem, what the tune measured in isolation (the
 attention's forward and backward alone): the chosen kernel, each candidate's tuned config and
-confirmed median, each kernel's default config's median, MaxText's default's. ``variants``,
+confirmed median, each kernel's default config's median, MaxText's default's.
+``step_confirmation``: which table ``tune_model`` returned and why (each table's median step
+and IQR over the confirmation's rounds, ``chosen``: ``tuned`` kept or the kernel whose own
+table replaced it, and each problem's kernel). ``variants``,
 per variant: its median step, its ratio to the tuned step, which kernel and config each
 attention problem ran, the device memory its compiled step needs (``memory_gib``), and
 ``device_time`` from a ``jax.profiler`` trace of a few steps: per step, the busy time of
@@ -146,54 +150,30 @@ def make_step(args: argparse.Namespace) -> Any:
     return step
 
 
-def pinned_table(problems: list[Any], kernel_name: str, default_for: Any) -> Any:
-    """A table choosing ``kernel_name`` at ``default_for(kernel, problem)`` for each problem:
-    a hand-set choice, as a user pins one (no timing stands behind it)."""
-    from kernel.table import KernelChoice, KernelTiming
-
-    chosen = kernel.get_kernel(kernel_name).discover()
-    choices = tuple(KernelChoice(p, kernel_name, default_for(chosen, p),
-                                 {kernel_name: KernelTiming()}) for p in problems)
-    return kernel.LookupTable(kernel_name, chosen.version, jax.devices()[0].device_kind, (),
-                              choices=choices)
-
-
-def variants(args: argparse.Namespace, step: Any, abstract: tuple[Any, ...],
+def variants(args: argparse.Namespace, step: Any, params: Any, x: Any,
              db: str) -> tuple[dict[str, Any], list[Any], Any]:
     """The tables each variant traces under (name -> table, or the line saying why it has
-    none), the problems tuned, and the tuned table."""
+    none), the problems tuned, and the table ``tune_model`` returned (confirmed over the
+    step)."""
     import autotune
+    from autotune.step_choice import own_tuned_tables, pinned_table
+    from autotune.tune import TuneOptions
     from bench.tpu_check import target_here
 
     with kernel.capture() as captured:
-        jax.eval_shape(step, *abstract)
+        jax.eval_shape(step, params, x)
     problems = list(captured)
-    tuned = autotune.tune_model(step, *abstract, db=db, trials=args.trials,
-                                kernels=args.kernels)
-    tables = {"tuned": tuned, **own_tuned_tables(tuned, problems),
+    tuned = autotune.tune_model(step, params, x, db=db, trials=args.trials,
+                                kernels=args.kernels, confirm_step=True,
+                                options=TuneOptions(confirm_rounds=args.rounds))
+    own = {f"{name} tuned": table for name, table in own_tuned_tables(tuned, problems).items()
+           if any(kernel.get_kernel(name).space_params(p) for p in problems)}
+    tables = {"tuned": tuned, **own,
               MAXTEXT: pinned_table(problems, "splash",
                                     lambda k, p: k.default_config(p, target_here(k))),
               "xla": pinned_table(problems, "xla", lambda k, p: k.default_config(p))}
     wanted = args.variants.split(",") if args.variants else list(tables)
     return {name: tables[name] for name in wanted if name in tables}, problems, tuned
-
-
-def own_tuned_tables(tuned: Any, problems: list[Any]) -> dict[str, Any]:
-    """Per candidate kernel of the tune with configs to tune that tuned any problem,
-    ``"KERNEL tuned"``: a table choosing it at its own tuned config for every problem (the line
-    saying which problems it has none for, where its tune failed on some)."""
-    tables = {}
-    for name in dict.fromkeys(name for choice in tuned.choices for name in choice.candidates):
-        configs = {entry.problem: entry.config for table in tuned.kernel_tables()
-                   if table.kernel == name for entry in table.entries}
-        if not configs or not any(kernel.get_kernel(name).space_params(p) for p in problems):
-            continue
-        missing = [p.label() for p in problems if p not in configs]
-        tables[f"{name} tuned"] = (
-            f"{name} tuned: {name} has no tuned config for {', '.join(missing)} (its tune "
-            "failed there)" if missing else
-            pinned_table(problems, name, lambda _, p, configs=configs: configs[p]))
-    return tables
 
 
 def tune_figures(tuned: Any, problems: list[Any]) -> dict[str, dict[str, Any]]:
@@ -218,6 +198,16 @@ def tune_figures(tuned: Any, problems: list[Any]) -> dict[str, dict[str, Any]]:
             "maxtext_default_ms": entries["splash"].default_time_ms
             if "splash" in entries else None}
     return figures
+
+
+def step_confirmation(tuned: Any) -> dict[str, Any] | None:
+    """Which table ``tune_model`` returned and why: the step confirmation its choices record
+    (each variant's median step and spread; ``chosen``: ``tuned``, the isolated choice kept,
+    or the kernel whose own tuned table replaced it), and the kernel each problem runs."""
+    record = next((c.provenance["step_confirmation"] for c in tuned.choices
+                   if "step_confirmation" in c.provenance), None)
+    return None if record is None else record | {
+        "kernels": {c.problem.label(): c.kernel for c in tuned.choices}}
 
 
 def lowered_under(table: Any, step: Any, params: Any, x: Any,
@@ -388,9 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = init_params(args, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.d_model),
                           jnp.float32).astype(jnp.bfloat16)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
     with tempfile.TemporaryDirectory() as folder:
-        tables, problems, tuned = variants(args, step, abstract,
+        tables, problems, tuned = variants(args, step, params, x,
                                            args.db or f"sqlite:///{folder}/model.db")
     executables, rows = compile_each(tables, step, params, x, problems, args.memory_gib)
     executables = warmed(executables, params, x, rows)
@@ -403,6 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"model": vars(args) | {"out": None},
               "problems": [p.label() for p in problems],
               "tune": tune_figures(tuned, problems),
+              "step_confirmation": step_confirmation(tuned),
               "variants": rows,
               "timing": f"host wall time of {args.steps} back-to-back steps, median of "
                         f"{args.rounds} interleaved rounds"}

@@ -9,6 +9,7 @@ noise (null: not recorded).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,6 +36,11 @@ CHOICE_PROVENANCE = ("platform", "kernel_version", "method", "timing", "jax_vers
 # takes about 820 bytes of a reply, so 32 of them keep two choices near 52 KiB.
 MAX_CHOICE_CANDIDATES = 32
 CHOICE_FLAGS = ("within_noise",)  # provenance kept as nullable boolean columns
+CHOICE_RECORDS = ("step_confirmation",)  # provenance kept as nullable JSON objects
+# Methods a choice is made by: a result's, or the whole model step's timing of the tables
+# (autotune.step_choice), where that changed the isolated choice.
+CHOICE_METHODS: tuple[str, ...] = (*METHODS, "model_step")
+MAX_RECORD_CHARS = 4096  # a step confirmation's JSON: a few variants' times (about 100 each)
 
 
 def check_choice(device_kind: str, choice: KernelChoice) -> None:
@@ -58,14 +64,30 @@ def check_choice(device_kind: str, choice: KernelChoice) -> None:
             check_text("failure", timing.failure)
     for name in CHOICE_PROVENANCE:
         check_text(name, choice.provenance.get(name), optional=True)
-    for name, allowed in (("method", METHODS), ("timing", TIMINGS)):
+    for name, allowed in (("method", CHOICE_METHODS), ("timing", TIMINGS)):
         if choice.provenance.get(name) not in (None, *allowed):
             raise ResultError(f"{name} must be one of {', '.join(allowed)}, got "
                               f"{choice.provenance[name]!r}")
+    for name in CHOICE_RECORDS:
+        check_record(name, choice.provenance.get(name))
     for name in CHOICE_FLAGS:
         if not isinstance(choice.provenance.get(name, False), bool):
             raise ResultError(f"{name} must be true, false or absent, got "
                               f"{choice.provenance[name]!r}")
+
+
+def check_record(name: str, value: Any) -> None:
+    """Raises ``ResultError`` unless ``value`` is absent or a JSON object of at most
+    ``MAX_RECORD_CHARS`` characters."""
+    if value is None:
+        return
+    try:
+        size = len(json.dumps(value, allow_nan=False)) if isinstance(value, dict) else None
+    except (TypeError, ValueError):
+        size = None
+    if size is None or size > MAX_RECORD_CHARS:
+        raise ResultError(f"{name} must be a JSON object of at most {MAX_RECORD_CHARS} "
+                          f"characters, got {str(value)[:80]!r}")
 
 
 def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:
@@ -77,7 +99,8 @@ def choice_columns(device_kind: str, choice: KernelChoice) -> dict[str, Any]:
             "kernel_version": provenance.get("kernel_version") or get_kernel(choice.kernel).version,
             "config": choice.config.to_dict(),
             "candidates": {name: t.to_dict() for name, t in choice.candidates.items()},
-            **{name: provenance.get(name) for name in (*CHOICE_PROVENANCE[2:], *CHOICE_FLAGS)}}
+            **{name: provenance.get(name)
+               for name in (*CHOICE_PROVENANCE[2:], *CHOICE_FLAGS, *CHOICE_RECORDS)}}
 
 
 @dataclass(frozen=True)
@@ -103,8 +126,8 @@ def stored_choice(get: Callable[[str], Any], utc: Callable[[datetime], datetime]
     """A stored choice from a row's column getter (``utc`` makes its timestamps aware)."""
     candidates = {name: KernelTiming.from_dict(raw, name)
                   for name, raw in get("candidates").items()}
-    provenance = {name: get(name) for name in (*CHOICE_PROVENANCE, *CHOICE_FLAGS)
-                  if get(name) is not None}
+    provenance = {name: get(name) for name in (*CHOICE_PROVENANCE, *CHOICE_FLAGS,
+                                               *CHOICE_RECORDS) if get(name) is not None}
     choice = KernelChoice(
         problem=problem_from_columns(get), kernel=get("kernel"),
         config=get_kernel(get("kernel")).config_from_dict(get("config")),

@@ -121,3 +121,6 @@ class KernelChoiceRow(_ProblemColumns, _ProvenanceColumns, Base):
     timing: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["timing"]))  # confirmation
     # The default kernel was kept although another measured faster within the noise.
     within_noise: Mapped[bool | None]
+    # The model step's confirmation of the choice (autotune.step_choice.StepChoice.record):
+    # each table's step time and spread, the rounds, the timing; null: none ran.
+    step_confirmation: Mapped[dict[str, Any] | None] = mapped_column(JSON)

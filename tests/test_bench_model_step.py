@@ -107,3 +107,15 @@ def test_an_unknown_variant_is_refused_in_one_line(capsys):
         model_step.parse_args(["--variants", "tuned,splash tunned"])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "unknown variant 'splash tunned'" in error and "splash tuned" in error, error
+
+
+def test_report_says_which_table_the_step_confirmation_returned(run):
+    report, _, _ = run
+    confirmation = report["step_confirmation"]
+    assert set(confirmation["variants"]) == {"tuned", "flash", "xla"}
+    assert confirmation["chosen"] in confirmation["variants"]
+    assert all(v["median_ms"] > 0 for v in confirmation["variants"].values())
+    assert confirmation["rounds"] == 2 and confirmation["timing"] == "wallclock"
+    ran = report["variants"]["tuned"]["ran"]  # the tuned variant is the confirmed table
+    assert set(confirmation["kernels"]) == set(report["problems"])
+    assert all(f"{name} {label}" in ran for label, name in confirmation["kernels"].items())
