@@ -36,6 +36,10 @@
 #                                              > .ablation/NAME.py
 #                                            against splash over the step: $OUT/flash-ablation.json
 #                                            (issue 61; flags: bench/flash_ablation.py's)
+#   bash bench/tpu_session.sh live KERNEL SEEDS TRIALS SECONDS [DB]  # our searcher against
+#                                            plain TPE and random, each run for real per seed
+#                                            until SECONDS (resume: DB, the .db a call returned):
+#                                            $OUT/live-KERNEL.json and .db (issue 63, item 3)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +115,15 @@ print([json.loads(l) for l in open(sys.argv[1]) if "best_config" in l][-1]["stud
     python3 -m autotune landscape "$study" --partial --db "$db" \
         -o "$OUT/landscape-$kernel.json.gz"
     cp "/tmp/landscape-$kernel.db" "$OUT/" ;;
+live)  # KERNEL SEEDS TRIALS SECONDS [DB]: ours, plain TPE and random run for real, one study
+        # each per seed (bench/live_search.py), resumed from DB (one kept from an earlier call)
+    kernel=$2 db=/tmp/live-$2.db
+    [ -n "${6:-}" ] && cp "$6" "$db"
+    python3 bench/live_search.py run --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
+        --trials "$4" --time-limit "$5" -- "${PROBLEM[@]}" 2>&1 | tail -n 20
+    python3 bench/live_search.py score --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
+        --budgets "10,$4" --out "$OUT/live-$kernel.json" 2>&1 | tail -n 40
+    cp "$db" "$OUT/" ;;
 model)
     name=model-$2-$3
     python3 bench/model_step.py --model "$2" --seq "$3" --trials "$4" "${@:5}" \
