@@ -70,7 +70,10 @@ def test_profile_reads_device_time_per_run_from_a_real_trace() -> None:
     first = profile_runs(timed_call, 6, kernel_op_matcher(op_names(compiled), ()))
     second = profile_runs(lambda: compiled(X), 6, kernel_op_matcher(op_names(compiled), ()))
     assert first is not None and second is not None and len(first) == len(second) == 6
-    assert all(0 < busy <= wall for busy, wall in zip(first, walls, strict=True)), (first, walls)
+    # Each run's ops fall inside the wall time of the calls: in all (per run, a CPU op whose
+    # timestamp the profiler's clock puts a little before its run's annotation counts for the
+    # run before; a loaded 2-core CI machine showed one run 0.12 ms over its 2.06 ms wall).
+    assert all(busy > 0 for busy in first) and sum(first) <= sum(walls), (first, walls)
     ratio = statistics.median(second) / statistics.median(first)
     assert 1 / 3 < ratio < 3, (first, second)  # the same executable reads about the same
     # Events of kernels the executable does not run are none: not a zero time.
