@@ -105,7 +105,9 @@ def test_sixteen_threads_tracing_new_problems_take_about_as_long_as_one(slow_ser
     assert one < 2 * DELAY_S  # one round trip
     sixteen, requests = _seconds(16, slow_service)
     assert requests == 16
-    assert sixteen < 3 * one, f"16 threads took {sixteen:.2f} s, one {one:.2f} s"
+    # Round trips in series would take 16 * DELAY_S (6.4 s); the traces themselves share the
+    # CPU (2 cores in CI: 2.15 s for all 16 once, under load), so the bound is half of that.
+    assert sixteen < 8 * DELAY_S, f"16 threads took {sixteen:.2f} s, one {one:.2f} s"
 
 
 def test_a_service_older_than_the_configs_field_is_asked_as_before(older_slow_service):
