@@ -13,6 +13,7 @@ mode: the pipeline is exercised for real, but the times are no device figure (me
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -545,10 +546,8 @@ class Measurer:
     def _sample(self, call: Callable[[], Any], runs: int | None, per_call: int = 1) -> Timing:
         samples: list[float] = []
         begin = time.perf_counter()
-        while len(samples) < (runs or self.max_runs):
-            start = time.perf_counter()
-            call()
-            samples.append((time.perf_counter() - start) * 1e3 / per_call)
+        for sample in itertools.islice(wall_times(call, per_call), runs or self.max_runs):
+            samples.append(sample)
             if runs is None and len(samples) >= self.min_runs and (
                     time.perf_counter() - begin >= self.min_time_s):
                 break
@@ -603,6 +602,16 @@ class Measurer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._compiles.clear()
         self._kept.clear()
+
+
+def wall_times(call: Callable[[], Any], per_call: int = 1) -> Iterator[float]:
+    """The wall milliseconds of each call of ``call`` (which must block until its work is
+    done), divided by ``per_call`` (the runs one call makes), call after call until the
+    consumer stops (``itertools.islice`` for a fixed number of runs)."""
+    while True:
+        start = time.perf_counter()
+        call()
+        yield (time.perf_counter() - start) * 1e3 / per_call
 
 
 def profiled_runs(compiled: Any, args: Sequence[Any], runs: int,

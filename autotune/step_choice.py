@@ -16,14 +16,14 @@ rounds and 1%). :func:`publish_step_choice` stores the outcome on every choice o
 from __future__ import annotations
 
 import dataclasses
-import time
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 import kernel
-from autotune.measure import Timing, interleaved, profiled_runs
+from autotune.measure import Timing, interleaved, profiled_runs, wall_times
 from autotune.timing import PROFILE, TimingError, timing_plan
 from autotune.tune import choose_winner
 from kernel import LookupTable, Problem, get_kernel
@@ -191,12 +191,8 @@ def _step_timer(executable: Any, args: Sequence[Any], method: str,
         return timing
 
     def wall() -> Timing:
-        samples = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            jax.block_until_ready(executable(*args))
-            samples.append((time.perf_counter() - start) * 1e3)
-        return Timing(tuple(samples))
+        step = wall_times(lambda: jax.block_until_ready(executable(*args)))
+        return Timing(tuple(itertools.islice(step, runs)))
 
     return profiled if method == PROFILE else wall
 

@@ -19,6 +19,13 @@ studies, so a device call's time limit cuts it anywhere and the next call goes o
 uses the seeds every sampler finished, and prints per budget each searcher's median, mean and
 10th percentile, and the pooled difference of ours against each other searcher with its 95%
 bootstrap lower bound (above zero: ours ahead beyond the seeds' noise).
+
+Every study starts with the same warm-start configs (``autotune tune``'s default and seeds), so
+when one of them is the best any run finds, every searcher scores the same and the scores
+cannot separate them. So ``score`` also gives, per budget and searcher, what its own proposals
+added: per seed the warm-start configs' best time, its own proposals' best time within the
+budget, their ratio (above 1: the search beat the warm start) and in how many seeds it did;
+then one verdict line per budget after the JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 from autotune.landscape import Landscape, study_document
-from autotune.trials import is_measurement
+from autotune.trials import SEED_ATTR, is_measurement
 from bench.search import SAMPLERS, _budgets, _pooled, _positive, _scores, _stats
 
 MIN_RUN_S = 60  # a run given less would spend it starting up
@@ -68,7 +75,11 @@ def run(args: argparse.Namespace) -> None:
             command = [sys.executable, "-m", "autotune", "tune", *args.problem,
                        "--kernel", args.kernel, "--sampler", sampler, "--seed", str(seed),
                        "--trials", str(args.trials), "--study", name, "--db", args.db,
-                       "--force", "--timeout", str(int(left - MIN_RUN_S / 2))]
+                       "--force", "--timeout", str(int(left - MIN_RUN_S / 2)),
+                       # Every run must reach its full trial count to be scored at that budget:
+                       # a patience stop would end some runs early. A patience as large as the
+                       # trial count never fires (at most trials - 1 configs follow the best).
+                       "--patience", str(args.trials)]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             print(f"{name}: exit {done.returncode}, {measured(args.db, name)} measured"
                   + (f" ({done.stderr.strip().splitlines()[-1]})" if done.returncode else ""))
@@ -90,15 +101,60 @@ def _faster(record: dict, other: dict | None) -> bool:
     return record["time_ms"] is not None and record["time_ms"] < other["time_ms"]
 
 
+def seeded(study: optuna.Study, document: dict) -> list[bool]:
+    """Per record of ``document`` (``study``'s landscape document), whether it measured a
+    warm-start config (the default or a seed) rather than one the searcher proposed."""
+    warm = {tuple(t.params.get(p) for p in document["params"])
+            for t in study.get_trials(deepcopy=False) if t.user_attrs.get(SEED_ATTR)}
+    return [tuple(r["config"][p] for p in document["params"]) in warm
+            for r in document["records"]]
+
+
+def bests(document: dict, warm: list[bool], budget: int) -> tuple[float | None, float | None]:
+    """The best time of the warm-start configs and of the searcher's own proposals among the
+    first ``budget`` measured configs (None: none measured, or none ran)."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for record, is_warm in zip(document["records"][:budget], warm, strict=False):
+        if record["time_ms"] is not None:
+            times[is_warm].append(record["time_ms"])
+    return min(times[True], default=None), min(times[False], default=None)
+
+
+def beyond_seeds(pairs: list[tuple[float | None, float | None]]) -> dict:
+    """Per seed of one searcher's runs, the warm start's best, its own proposals' best and
+    their ratio (above 1: the search beat the warm start), and in how many seeds it did."""
+    return {"seeds_best_ms": [warm for warm, _ in pairs],
+            "own_best_ms": [own for _, own in pairs],
+            "ratio": [warm / own if warm is not None and own is not None else None
+                      for warm, own in pairs],
+            "own_beat_seeds": sum(own is not None and (warm is None or own < warm)
+                                  for warm, own in pairs)}
+
+
+def verdict(budget: int, beyond: dict[str, dict], seeds: int) -> str:
+    """One line: whether any searcher's own proposals beat the warm start within ``budget``."""
+    if not any(b["own_beat_seeds"] for b in beyond.values()):
+        return (f"{budget} trials: the seeds held the best in {seeds} of {seeds} seeds for "
+                f"every searcher: the searcher choice is moot at {budget} trials here")
+    parts = []
+    for label, b in beyond.items():
+        ratios = [r for r in b["ratio"] if r is not None]
+        parts.append(f"{label} {b['own_beat_seeds']} of {seeds}"
+                     + (f" (seeds/own at most {max(ratios):.4f})" if ratios else ""))
+    return f"{budget} trials: own proposals beat the seeds' best in " + ", ".join(parts)
+
+
 def score(args: argparse.Namespace) -> dict:
-    """The runs' curves and their scores against the best config any run measured."""
-    documents = {}
+    """The runs' curves and their scores against the best config any run measured, and what
+    each searcher's own proposals added to the warm start."""
+    documents, warm = {}, {}
     for sampler in SAMPLERS.values():
         for seed in range(args.seeds):
             name = study_name(args.kernel, sampler, seed)
             if measured(args.db, name) >= max(args.budgets):
-                documents[sampler, seed] = study_document(
-                    optuna.load_study(study_name=name, storage=args.db), partial=True)
+                study = optuna.load_study(study_name=name, storage=args.db)
+                documents[sampler, seed] = study_document(study, partial=True)
+                warm[sampler, seed] = seeded(study, documents[sampler, seed])
     seeds = [s for s in range(args.seeds) if all((p, s) in documents for p in SAMPLERS.values())]
     if not seeds:
         raise SystemExit(f"no seed has a study of every sampler with {max(args.budgets)} "
@@ -119,7 +175,12 @@ def score(args: argparse.Namespace) -> dict:
             "scores": {label: _stats(_scores(land, curves[label, "live", None], budget))
                        for label in SAMPLERS},
             "ours_minus": {label: _pooled({"live": land}, curves, "ours", label, budget,
-                                          slice(None)) for label in SAMPLERS if label != "ours"}}
+                                          slice(None)) for label in SAMPLERS if label != "ours"},
+            "beyond_seeds": {label: beyond_seeds(
+                [bests(documents[sampler, s], warm[sampler, s], budget) for s in seeds])
+                for label, sampler in SAMPLERS.items()}}
+        report["budgets"][budget]["verdict"] = verdict(
+            budget, report["budgets"][budget]["beyond_seeds"], len(seeds))
     return report
 
 
@@ -143,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     report = score(args)
     text = json.dumps(report, indent=1)
     print(text)
+    for budget in report["budgets"].values():
+        print(budget["verdict"])
     if args.out:
         args.out.write_text(text + "\n")
     return report

@@ -10,6 +10,7 @@ roofline formulas against values worked out by hand, and no roofline figure on a
 from __future__ import annotations
 
 import gzip
+import itertools
 import os
 import statistics
 import sys
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 
 from autotune import timing
-from autotune.measure import Measurer, interleaved
+from autotune.measure import Measurer, interleaved, wall_times
 from autotune.peaks import device_roofline, gpu_peaks, tpu_peaks
 from autotune.timing import (
     TimingError,
@@ -292,6 +293,28 @@ def test_loop_runs_its_body_n_times() -> None:
         return min(_wall(lambda: compiled(np.int32(n), X)) for _ in range(3))
 
     assert seconds(16) / seconds(2) > 4
+
+
+def test_wall_timing_takes_the_runs_asked_or_runs_until_enough() -> None:
+    """One wall-time loop (``wall_times``) serves ``wallclock`` and ``loop`` timing and the step
+    confirmation: a fixed number of runs is that many calls, each sample a call's time over
+    the runs it makes; without one, at least ``min_runs`` until ``min_time_s`` has passed, at
+    most ``max_runs``."""
+    calls: list[None] = []
+    samples = list(itertools.islice(
+        wall_times(lambda: (calls.append(None), time.sleep(0.004)), per_call=2), 3))
+    assert len(calls) == 3 and all(2 <= s < 50 for s in samples), samples
+    measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="wallclock",
+                        min_runs=2, max_runs=4, min_time_s=0.0)
+    try:
+        program, failure = measurer.checked(measurer.config({}))
+        assert failure is None
+        assert len(measurer.time(program, runs=3).samples_ms) == 3
+        assert len(measurer.time(program).samples_ms) == 2  # min_time_s passed at once
+        measurer.min_time_s = 600
+        assert len(measurer.time(program).samples_ms) == 4  # max_runs long before that
+    finally:
+        measurer.close()
 
 
 def _wall(call) -> float:  # noqa: ANN001
