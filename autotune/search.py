@@ -97,7 +97,7 @@ class _View:
         )
 
     def best(self) -> FrozenTrial | None:
-        return best_measurement(self.measured)
+        return _best_measurement(self.measured)
 
     def since_best(self) -> int:
         return measured_since_best(self.measured)
@@ -112,7 +112,7 @@ class _View:
         return out
 
 
-def best_measurement(measured: Iterable[FrozenTrial]) -> FrozenTrial | None:
+def _best_measurement(measured: Iterable[FrozenTrial]) -> FrozenTrial | None:
     """The fastest ok one of ``measured`` (the earlier of equal times), or None."""
     ok = [t for t in measured if trial_status(t) == OK]
     return min(ok, key=lambda t: (t.value, t.number)) if ok else None
@@ -121,7 +121,7 @@ def best_measurement(measured: Iterable[FrozenTrial]) -> FrozenTrial | None:
 def measured_since_best(measured: list[FrozenTrial]) -> int:
     """How many of ``measured`` came after the fastest (all of them without an ok one): what
     ``patience`` is compared with."""
-    best = best_measurement(measured)
+    best = _best_measurement(measured)
     return len(measured) if best is None else sum(t.number > best.number for t in measured)
 
 

@@ -136,7 +136,7 @@ class TuneSummary:
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str  # budget | patience | timeout | exhausted, or NOTHING_TO_SEARCH
-    patience: int = DEFAULT_PATIENCE  # the tune's: a "patience" stop came after that many
+    patience: int  # the tune's: a "patience" stop came after that many (0: off)
     device_index: int = 0
     timing: str = "wallclock"  # the method every trial and the confirmation were timed with
     timing_note: str | None = None  # why auto fell back from step_profile, if it did
