@@ -6,7 +6,7 @@ be tested and benchmarked without an accelerator: its space is the declared ``pa
 failure status (with the recorded ``compile_s`` / ``benchmark_s`` as attrs).
 
 :func:`study_document` turns a tuning study that measured its whole legal space (``autotune
-tune --sampler grid --patience 0`` run until the space is exhausted) into a landscape, so our own kernels on
+tune --sampler grid`` run until the space is exhausted) into a landscape, so our own kernels on
 a real TPU or GPU can be replayed like the published ones (``autotune landscape``).
 """
 
@@ -211,9 +211,9 @@ def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, A
         raise LandscapeError(
             f"study {study.study_name!r} measured {len(measured)} configs but did not measure its "
             "whole legal space, so the configs it never measured would replay as illegal; run "
-            "the same `autotune tune` command with `--sampler grid`, `--patience 0` and a "
-            "--trials larger than the space until it stops with 'exhausted' (it resumes the "
-            "study), or pass --partial to write the measured part only")
+            "the same `autotune tune` command with `--sampler grid` and a --trials larger than "
+            "the space until it stops with 'exhausted' (it resumes the study), or pass "
+            "--partial to write the measured part only")
     records: dict[Key, dict[str, Any]] = {}
     for t in measured:
         key = key_of(t)

@@ -41,9 +41,7 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     dtypes and shardings). A sharded step (attention inside ``jax.shard_map``, or arguments
     sharded over a mesh's explicit axes) is tuned for the problem each device computes
     (docs/sharded-training.md). ``db``: the database URL (default ``$AUTOTUNE_DB_URL`` or
-    ``sqlite:///autotune.db``). ``trials``: measured configs per kernel and problem, at
-    most: a search stops after ``options.patience`` (default 10; 0: off) measured configs
-    without a faster one.
+    ``sqlite:///autotune.db``). ``trials``: measured configs per kernel and problem.
     ``kernels``: the candidates (names, or ``"a,b"``; default: every registered kernel with
     rules for this device). ``options`` overrides the other tuning settings (its ``trials``
     and ``timing`` give way to the arguments). A problem no candidate could run is left out

@@ -181,8 +181,7 @@ def search(
     from :func:`storage.studies.get_storage`, or None (in memory). ``trials``: the study-wide number of
     measured configs to reach (a resumed study counts what it already has; cooperating workers
     share it). ``timeout``: wall seconds of this call. ``patience``: stop when that many
-    measured configs in a row brought no improvement (None: off; a tune's default is
-    ``autotune.tune.DEFAULT_PATIENCE``). ``seeds``: configs measured first
+    measured configs in a row brought no improvement (None: off). ``seeds``: configs measured first
     (illegal or already-known ones are skipped). ``on_trial(result, best)`` runs after each
     measurement of this call. Illegal and repeated configs never reach ``measure`` and never
     count. An exception in ``measure`` is recorded as a ``runtime_error``. ``prepare(config)``,

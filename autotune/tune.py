@@ -41,17 +41,13 @@ MAX_WARM_SEEDS = 3
 MAX_SEED = 2**32 - 1  # the largest seed numpy's RandomState, which TPE draws from, takes
 CONFIRMED_ATTR = "confirmed"  # a study's measured count and stop reason at its last publish
 NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
-# A tune stops after this many measured configs without a faster one (0: off). On a TPU v5e
-# every gain beyond 0.5% but one came from the warm-start seeds, measured first (docs/tuning.md,
-# "Why a tune stops after 10 configs without a faster one").
-DEFAULT_PATIENCE = 10
 
 
 @dataclass(frozen=True)
 class TuneOptions:
     trials: int = 30
     timeout: float | None = None
-    patience: int = DEFAULT_PATIENCE  # 0: off, the search measures all its trials
+    patience: int | None = None  # off: why, docs/tuning.md "Stopping early (--patience)"
     sampler: SamplerName = "tpe"
     seed: int | None = 0
     study: str | None = None  # default: derived from the key, so a rerun resumes
@@ -70,9 +66,8 @@ class TuneOptions:
         rules = (
             ("trials", _whole(self.trials, 1),
              "an integer of at least 1 (measured configs per problem)"),
-            ("patience", _whole(self.patience, 0),
-             "an integer of at least 0 (n: stop after n measured configs without a faster "
-             "one; 0: off)"),
+            ("patience", self.patience is None or _whole(self.patience, 1),
+             "None or an integer of at least 1 (measured configs without improvement)"),
             ("timeout", self.timeout is None or _seconds(self.timeout),
              "None or seconds of at least 0 (wall time per problem)"),
             ("sampler", self.sampler in SAMPLERS, f"one of {', '.join(SAMPLERS)}"),
@@ -136,7 +131,7 @@ class TuneSummary:
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
     stop_reason: str  # budget | patience | timeout | exhausted, or NOTHING_TO_SEARCH
-    patience: int  # the tune's: a "patience" stop came after that many (0: off)
+    patience: int | None  # the tune's: a "patience" stop came after that many (None: off)
     device_index: int = 0
     timing: str = "wallclock"  # the method every trial and the confirmation were timed with
     timing_note: str | None = None  # why auto fell back from step_profile, if it did
@@ -204,7 +199,8 @@ def finished_entry(store: Store, device_kind: str, problem: Problem, kernel_name
     measurements = [t for t in study.get_trials(deepcopy=False) if is_measurement(t)]
     measured = len(measurements)
     searched = (measured >= options.trials or confirmed.get("stop_reason") == "exhausted"
-                or 0 < options.patience <= measured_since_best(measurements))
+                or options.patience is not None
+                and options.patience <= measured_since_best(measurements))
     return entry if searched and confirmed.get("measured") == measured else None
 
 
@@ -377,7 +373,7 @@ class TuneJob:
                           "kernel_version": self.kernel.version,
                           "device_kind": self.device.device_kind, "timing": self.measurer.timing},
                       sampler=options.sampler, trials=options.trials, timeout=options.timeout,
-                      patience=options.patience or None,
+                      patience=options.patience,
                       seeds=warm_seeds(self.store, self.problem, self.device.device_kind,
                                        self.space, self.base, self.kernel, self.target),
                       seed=options.seed, on_trial=self._on_trial,

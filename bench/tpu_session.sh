@@ -106,7 +106,7 @@ landscape)
     kernel=$2 trials=$3 seconds=$4 db=sqlite:////tmp/landscape-$2.db
     [ -n "${5:-}" ] && cp "$5" "/tmp/landscape-$kernel.db"
     python3 -m autotune tune "${PROBLEM[@]}" --kernel "$kernel" --trials "$trials" \
-        --sampler random --patience 0 --timeout "$seconds" --db "$db" --json \
+        --sampler random --timeout "$seconds" --db "$db" --json \
         > "$OUT/landscape-$kernel.jsonl" 2> "$OUT/landscape-$kernel.err"
     echo "tune exit $?"; tail -n 3 "$OUT/landscape-$kernel.err"
     study=$(python3 -c 'import json, sys
@@ -119,9 +119,8 @@ live)  # KERNEL SEEDS TRIALS SECONDS [DB]: ours, plain TPE and random run for re
         # each per seed (bench/live_search.py), resumed from DB (one kept from an earlier call)
     kernel=$2 db=/tmp/live-$2.db
     [ -n "${6:-}" ] && cp "$6" "$db"
-    # --patience 0: each run measures all TRIALS (a tune stops after 10 without a faster one)
     python3 bench/live_search.py run --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
-        --trials "$4" --time-limit "$5" -- "${PROBLEM[@]}" --patience 0 2>&1 | tail -n 20
+        --trials "$4" --time-limit "$5" -- "${PROBLEM[@]}" 2>&1 | tail -n 20
     python3 bench/live_search.py score --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
         --budgets "10,$4" --out "$OUT/live-$kernel.json" 2>&1 | tail -n 40
     cp "$db" "$OUT/" ;;

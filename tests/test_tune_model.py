@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -172,18 +171,14 @@ def test_tune_model_refuses_a_trial_count_below_one(model, sqlite_db_url, trials
                             trials=trials, kernels="xla")
 
 
-@pytest.mark.parametrize("options, refusal", [
-    (dict(patience=-2), "patience must be an integer of at least 0 (n: "),
-    (dict(patience=1.5), "patience must be an integer of at least 0 (n: "),
-    (dict(patience=None), "patience must be an integer of at least 0 (n: "),
-    (dict(timeout=-1.0), "timeout must be None or"),
-    (dict(timeout=float("nan")), "timeout must be None or"),
-    (dict(timeout="60"), "timeout must be None or")])
-def test_tune_options_refuse_what_the_cli_refuses(options, refusal):
-    """``tune_model(options=TuneOptions(patience=-2))`` or a negative timeout was accepted (the
-    search stopped at once), where ``--patience`` and ``--timeout`` refuse them. Patience 0 is
-    off (issue 63 item 3), its one spelling: None, off until then, is refused."""
-    with pytest.raises(kernel.ConfigError, match=f"^{re.escape(refusal)}"):
+@pytest.mark.parametrize("options, field", [
+    (dict(patience=0), "patience"), (dict(patience=-2), "patience"),
+    (dict(patience=1.5), "patience"), (dict(timeout=-1.0), "timeout"),
+    (dict(timeout=float("nan")), "timeout"), (dict(timeout="60"), "timeout")])
+def test_tune_options_refuse_what_the_cli_refuses(options, field):
+    """``tune_model(options=TuneOptions(patience=0))`` or a negative timeout was accepted (the
+    search stopped at once), where ``--patience`` and ``--timeout`` refuse them."""
+    with pytest.raises(kernel.ConfigError, match=f"^{field} must be None or"):
         TuneOptions(**options)
 
 

@@ -23,8 +23,8 @@ def landscape(
     db: DbOption = None,
 ) -> None:
     """Write a study's measured configs as a landscape file (format in
-    bench/landscapes/README.md). Record one with `autotune tune ... --sampler grid --patience 0
-    --trials N`, N above the legal space, so that the search ends on 'exhausted'."""
+    bench/landscapes/README.md). Record one with `autotune tune ... --sampler grid --trials N`,
+    N above the legal space, so that the search ends on 'exhausted'."""
     if not output.name.endswith(".json.gz"):
         raise typer.BadParameter(f"{output}: name the file *.json.gz (gzip JSON), as "
                                  "`autotune replay` and bench/search.py expect",

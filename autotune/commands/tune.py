@@ -28,9 +28,10 @@ def tune(
     trials: Annotated[int, typer.Option(min=1, help="Measured configs per problem.")] = 30,
     timeout: Annotated[float | None, typer.Option(min=0, help="Wall seconds per problem.")]
     = None,
-    patience: Annotated[int, typer.Option(
-        help="Stop a problem's search after this many measured configs without a faster one "
-             "(on by default; 0: off, measure all --trials).")] = 10,
+    patience: Annotated[int | None, typer.Option(
+        min=1, help="Stop a problem's search after this many measured configs without a "
+                    "faster one (default: off, all --trials measured; docs/tuning.md).")]
+    = None,
     kernel: Annotated[str | None, typer.Option(
         "--kernel", callback=known_kernel,
         help="Tune this one registered kernel only (no kernel choice).")] = None,
@@ -336,8 +337,8 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
 def _stop_note(summary: dict[str, Any]) -> str:
     """Why a search measured fewer than --trials configs, said after their count ('' when it
     reached them)."""
-    notes = {"patience": f"the last {summary['patience']} brought no faster config; "
-                         "--patience 0 measures all --trials",
+    notes = {"patience": f"--patience {summary['patience']}: the last {summary['patience']} "
+                         "brought no faster config",
              "timeout": "--timeout reached", "exhausted": "every legal config"}
     note = notes.get(summary["stop_reason"])
     return f" (stopped: {note})" if note else ""
