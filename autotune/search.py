@@ -97,13 +97,10 @@ class _View:
         )
 
     def best(self) -> FrozenTrial | None:
-        ok = [t for t in self.measured if trial_status(t) == OK]
-        return min(ok, key=lambda t: (t.value, t.number)) if ok else None
+        return _best_measurement(self.measured)
 
     def since_best(self) -> int:
-        best = self.best()
-        return len(self.measured) if best is None else sum(
-            t.number > best.number for t in self.measured)
+        return measured_since_best(self.measured)
 
     def curve(self) -> list[float | None]:
         out: list[float | None] = []
@@ -113,6 +110,19 @@ class _View:
                 best = t.value
             out.append(best)
         return out
+
+
+def _best_measurement(measured: Iterable[FrozenTrial]) -> FrozenTrial | None:
+    """The fastest ok one of ``measured`` (the earlier of equal times), or None."""
+    ok = [t for t in measured if trial_status(t) == OK]
+    return min(ok, key=lambda t: (t.value, t.number)) if ok else None
+
+
+def measured_since_best(measured: list[FrozenTrial]) -> int:
+    """How many of ``measured`` came after the fastest (all of them without an ok one): what
+    ``patience`` is compared with."""
+    best = _best_measurement(measured)
+    return len(measured) if best is None else sum(t.number > best.number for t in measured)
 
 
 def _measure(measure: Measure, config: Config) -> Measurement:
@@ -171,7 +181,7 @@ def search(
     from :func:`storage.studies.get_storage`, or None (in memory). ``trials``: the study-wide number of
     measured configs to reach (a resumed study counts what it already has; cooperating workers
     share it). ``timeout``: wall seconds of this call. ``patience``: stop when that many
-    measured configs in a row brought no improvement. ``seeds``: configs measured first
+    measured configs in a row brought no improvement (None: off). ``seeds``: configs measured first
     (illegal or already-known ones are skipped). ``on_trial(result, best)`` runs after each
     measurement of this call. Illegal and repeated configs never reach ``measure`` and never
     count. An exception in ``measure`` is recorded as a ``runtime_error``. ``prepare(config)``,

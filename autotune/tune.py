@@ -23,7 +23,7 @@ from autotune.failures import ChipStateCorrupted
 from autotune.measure import Config, Measurer, Timing, claims_ahead
 from autotune.peaks import device_roofline
 from autotune.samplers import LEARNING_SAMPLERS, SAMPLERS, SamplerName
-from autotune.search import SearchResult, search
+from autotune.search import SearchResult, measured_since_best, search
 from autotune.searchspace import Space
 from autotune.trials import NOT_MEASURED, OK, TrialResult, is_measurement, trial_status
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
@@ -47,7 +47,7 @@ NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kern
 class TuneOptions:
     trials: int = 30
     timeout: float | None = None
-    patience: int | None = None
+    patience: int | None = None  # off: why, docs/tuning.md "Stopping early (--patience)"
     sampler: SamplerName = "tpe"
     seed: int | None = 0
     study: str | None = None  # default: derived from the key, so a rerun resumes
@@ -130,7 +130,8 @@ class TuneSummary:
     failures: dict[str, int]
     winner_is_default: bool
     publish: str  # what storage did: inserted, replaced, kept
-    stop_reason: str
+    stop_reason: str  # budget | patience | timeout | exhausted, or NOTHING_TO_SEARCH
+    patience: int | None  # the tune's: a "patience" stop came after that many (None: off)
     device_index: int = 0
     timing: str = "wallclock"  # the method every trial and the confirmation were timed with
     timing_note: str | None = None  # why auto fell back from step_profile, if it did
@@ -147,7 +148,8 @@ class TuneSummary:
                 "best_time_ms": self.best_time_ms, "default_time_ms": self.default_time_ms,
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
                 "winner_is_default": self.winner_is_default, "publish": self.publish,
-                "stop_reason": self.stop_reason, "device_index": self.device_index}
+                "stop_reason": self.stop_reason, "patience": self.patience,
+                "device_index": self.device_index}
 
 
 def result_roofline(roofline: Roofline | None) -> dict[str, Any]:
@@ -173,8 +175,9 @@ def finished_entry(store: Store, device_kind: str, problem: Problem, kernel_name
     """The stored entry of ``kernel_name`` for exactly ``problem`` on ``device_kind`` when a
     rerun with ``options`` would measure nothing and only confirm it again: published under
     the installed versions and the asked timing, from the study the rerun resumes, with no
-    config measured since and nothing left to measure (its budget reached or its space
-    exhausted), or of a kernel without fields. None with ``options.force``."""
+    config measured since and nothing left to measure (its budget reached, its space
+    exhausted, or ``options.patience`` measured configs since its fastest), or of a kernel
+    without fields. None with ``options.force``."""
     kernel = get_kernel(kernel_name)
     found = None if options.force else store.lookup(kernel.name, device_kind, problem)
     if found is None or found[1] != "exact":
@@ -193,8 +196,11 @@ def finished_entry(store: Store, device_kind: str, problem: Problem, kernel_name
     except KeyError:  # no such study here (an imported entry's)
         return None
     confirmed = study.user_attrs.get(CONFIRMED_ATTR) or {}
-    measured = sum(is_measurement(t) for t in study.get_trials(deepcopy=False))
-    searched = measured >= options.trials or confirmed.get("stop_reason") == "exhausted"
+    measurements = [t for t in study.get_trials(deepcopy=False) if is_measurement(t)]
+    measured = len(measurements)
+    searched = (measured >= options.trials or confirmed.get("stop_reason") == "exhausted"
+                or options.patience is not None
+                and options.patience <= measured_since_best(measurements))
     return entry if searched and confirmed.get("measured") == measured else None
 
 
@@ -435,7 +441,7 @@ class TuneJob:
             best_config=winner, best_time_ms=winner_ms, default_time_ms=default_ms,
             speedup=speedup, measured=result.measured,
             failures=failures, winner_is_default=winner == base,
-            publish=outcome.status, stop_reason=result.stop_reason,
+            publish=outcome.status, stop_reason=result.stop_reason, patience=options.patience,
             device_index=options.device_index, timing=self.measurer.timing,
             timing_note=self.measurer.timing_note, roofline=roofline,
             confirmation=confirmation, platform=device.platform)

@@ -52,7 +52,8 @@ def _summary(**fields: object) -> dict[str, object]:
             "best_config": get_kernel("flash").default_config(PROBLEM).to_dict(),
             "best_time_ms": 1.0, "achieved_tflops": None, "roofline_fraction": None,
             "roofline_bound": None, "winner_is_default": True, "speedup": 1.0, "measured": 2,
-            "failures": {}, "publish": "inserted", "study": "my [/x] study", **fields}
+            "failures": {}, "publish": "inserted", "study": "my [/x] study",
+            "stop_reason": "budget", "patience": 10, **fields}
 
 
 def test_a_study_name_with_markup_is_printed_as_text(capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,6 +68,20 @@ def test_an_untunable_kernel_names_no_empty_study(capsys: pytest.CaptureFixture[
     _report(_summary(kernel="xla", best_config={}, study=""), json_output=False)
     out = " ".join(capsys.readouterr().out.split())
     assert "published: inserted" in out and "study" not in out
+
+
+@pytest.mark.parametrize(("stop", "said"), [
+    (dict(stop_reason="patience", patience=7),
+     "11 measured (stopped: --patience 7: the last 7 brought no faster config), failures "
+     "none"),
+    (dict(stop_reason="timeout"), "11 measured (stopped: --timeout reached), failures none"),
+    (dict(stop_reason="budget"), "11 measured, failures none")])
+def test_the_result_line_says_why_a_search_measured_fewer_than_its_trials(
+        capsys: pytest.CaptureFixture[str], stop: dict[str, object], said: str) -> None:
+    """Issue 63 item 3: a tune stopped by its patience or timeout at 11 of 30 configs said only
+    ``11 measured``: the line now says why."""
+    _report(_summary(measured=11, **stop), json_output=False)
+    assert said in " ".join(capsys.readouterr().out.split())
 
 
 def test_replay_prints_markup_in_a_landscape_name_as_text(tmp_path: Path) -> None:

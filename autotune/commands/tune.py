@@ -29,7 +29,9 @@ def tune(
     timeout: Annotated[float | None, typer.Option(min=0, help="Wall seconds per problem.")]
     = None,
     patience: Annotated[int | None, typer.Option(
-        min=1, help="Stop after this many measured configs without improvement.")] = None,
+        min=1, help="Stop a problem's search after this many measured configs without a "
+                    "faster one (default: off, all --trials measured; docs/tuning.md).")]
+    = None,
     kernel: Annotated[str | None, typer.Option(
         "--kernel", callback=known_kernel,
         help="Tune this one registered kernel only (no kernel choice).")] = None,
@@ -326,9 +328,20 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
         f"device {summary['device_index']} ({_method_label(summary['method'], summary)}, "
         f"timed by {summary['timing']}): "
         f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
-        f"{summary['measured']} measured, failures {escape(str(summary['failures'] or 'none'))}"
+        f"{summary['measured']} measured{_stop_note(summary)}, "
+        f"failures {escape(str(summary['failures'] or 'none'))}"
         f"; published: {summary['publish']}"
         + (f" (study {escape(repr(summary['study']))})" if summary["study"] else ""))
+
+
+def _stop_note(summary: dict[str, Any]) -> str:
+    """Why a search measured fewer than --trials configs, said after their count ('' when it
+    reached them)."""
+    notes = {"patience": f"--patience {summary['patience']}: the last {summary['patience']} "
+                         "brought no faster config",
+             "timeout": "--timeout reached", "exhausted": "every legal config"}
+    note = notes.get(summary["stop_reason"])
+    return f" (stopped: {note})" if note else ""
 
 
 def _method_label(method: str, summary: dict[str, Any]) -> str:
