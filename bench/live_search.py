@@ -75,11 +75,7 @@ def run(args: argparse.Namespace) -> None:
             command = [sys.executable, "-m", "autotune", "tune", *args.problem,
                        "--kernel", args.kernel, "--sampler", sampler, "--seed", str(seed),
                        "--trials", str(args.trials), "--study", name, "--db", args.db,
-                       "--force", "--timeout", str(int(left - MIN_RUN_S / 2)),
-                       # Every run must reach its full trial count to be scored at that budget:
-                       # a patience stop would end some runs early. A patience as large as the
-                       # trial count never fires (at most trials - 1 configs follow the best).
-                       "--patience", str(args.trials)]
+                       "--force", "--timeout", str(int(left - MIN_RUN_S / 2))]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             print(f"{name}: exit {done.returncode}, {measured(args.db, name)} measured"
                   + (f" ({done.stderr.strip().splitlines()[-1]})" if done.returncode else ""))
