@@ -23,11 +23,14 @@ from autotune.choice import choose_kernel, finished_choice, local_kernels
 from autotune.commands.db import open_store, resolve_url
 from autotune.commands.tune import _report, ensure_schema, say_finished
 from autotune.progress import TuneProgress
-from autotune.step_choice import confirm_step_choice, publish_step_choice
+from autotune.step_choice import confirm_step_choice, confirmed_before, publish_step_choice
 from autotune.traced import captured_problems
 from autotune.tune import NothingToPublish, TuneOptions
 from kernel import ConfigError, LookupTable, Problem, get_kernel
 from storage import Store
+
+CONFIRMED_BEFORE = ("step confirmation: kept from an earlier call for this step, nothing tuned "
+                    "since (TuneOptions(force=True) tunes and confirms it again)")
 
 
 def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = None,
@@ -56,7 +59,9 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     and ``autotune export`` answer the returned table) and a changed choice is said in one
     line on stderr. Arguments given as ``jax.ShapeDtypeStruct`` are synthesized for it
     (floats random normal, other types zeros, on the struct's sharding); it costs a compile
-    and ``3 * confirm_rounds`` runs of the step per distinct table.
+    and ``3 * confirm_rounds`` runs of the step per distinct table. A call that tunes nothing
+    again, on a step whose choices all carry a confirmation of these problems, keeps it (a
+    rerun only reads; one line on stderr).
     """
     options = dataclasses.replace(options or TuneOptions(), trials=trials, timing=timing)
     candidates = _candidates(kernels)
@@ -64,10 +69,12 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     device_kind = jax.devices()[0].device_kind
     try:
         problems = captured_problems(fn, *abstract_args)
+        tuned_now = False
         for problem in problems:
             if finished_choice(store, device_kind, problem, candidates, options):
                 say_finished(problem, json_output)
                 continue
+            tuned_now = True
             try:
                 summary = choose_kernel(problem, store, db_url, candidates, options,
                                         observer_for=_progress_for(problem, trials,
@@ -77,14 +84,17 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
                 continue
             _report(summary.to_dict(), json_output)
         table = _table_of(store, device_kind, problems)
-        if confirm_step and table.choices:
-            step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
-                                       options.confirm_rounds, options.timing)
-            publish_step_choice(store, device_kind, table, step)
-            if step.changed:
-                typer.echo(step.line(), err=True)
-            table = _table_of(store, device_kind, problems)
-        return table
+        if not (confirm_step and table.choices):
+            return table
+        if not tuned_now and confirmed_before(table):  # a rerun only reads, as the tune does
+            typer.echo(CONFIRMED_BEFORE, err=True)
+            return table
+        step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
+                                   options.confirm_rounds, options.timing)
+        publish_step_choice(store, device_kind, table, step)
+        if step.changed:
+            typer.echo(step.line(), err=True)
+        return _table_of(store, device_kind, problems)
     finally:
         store.close()
 

@@ -16,6 +16,7 @@ rounds and 1%). :func:`publish_step_choice` stores the outcome on every choice o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,7 +58,7 @@ class StepChoice:
     def record(self) -> dict[str, Any]:
         """What a stored choice keeps of it (``step_confirmation`` in its provenance)."""
         return {"chosen": self.chosen, "timing": self.timing, "rounds": self.rounds,
-                "noise": NOISE,
+                "noise": NOISE, "step": step_digest(self.table),
                 "variants": {name: {"median_ms": t.median_ms, "iqr_ms": t.iqr_ms}
                              for name, t in self.times.items()},
                 "left_out": dict(self.failures)}
@@ -73,6 +74,22 @@ class StepChoice:
         return (f"step confirmation: {self.chosen} at its own tuned configs replaces the tuned "
                 f"table ({won.median_ms:.4g} against {tuned.median_ms:.4g} ms per step, "
                 f"{self.timing}, {self.rounds} rounds)")
+
+
+def step_digest(table: LookupTable) -> str:
+    """Which step a confirmation timed, as far as the store can tell: a short digest of the
+    attention problems of ``table`` (one per choice), kept in the record."""
+    labels = sorted(choice.problem.label() for choice in table.choices)
+    return hashlib.sha256("\n".join(labels).encode()).hexdigest()[:16]
+
+
+def confirmed_before(table: LookupTable) -> bool:
+    """Whether every choice of ``table`` (as stored) carries the record of a confirmation of
+    a step with exactly these problems: an earlier ``tune_model(..., confirm_step=True)`` of
+    this step, nothing tuned again since (a re-tune drops a choice's record)."""
+    digest = step_digest(table)
+    return all((choice.provenance.get("step_confirmation") or {}).get("step") == digest
+               for choice in table.choices)
 
 
 def pinned_table(problems: Sequence[Problem], kernel_name: str,

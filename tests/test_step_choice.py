@@ -23,6 +23,7 @@ import pytest
 import autotune
 import kernel
 import kernel.table
+from autotune.step_choice import confirmed_before
 from autotune.tune import TuneOptions
 from kernel import LookupTable, get_kernel
 from storage import ResultError, Store, upgrade
@@ -116,6 +117,28 @@ def test_a_choice_that_holds_over_the_step_is_kept(tuned_db, tmp_path, capsys):
     assert provenance["method"] == "interpret"  # the isolated choice's, kept
     assert provenance["step_confirmation"]["chosen"] == "tuned"
     assert "replaces" not in capsys.readouterr().err
+
+
+def test_a_rerun_that_tunes_nothing_keeps_the_step_confirmation(tuned_db, tmp_path, capsys):
+    """A second ``tune_model(..., confirm_step=True)`` of a confirmed step read the tune back
+    but timed the step again, so on a loaded machine it could flip a choice the first call
+    kept (CI: bench/model_step's rerun under a memory limit). Now it keeps the stored
+    confirmation, as the tune keeps a finished problem; a step with other problems, or
+    ``force``, confirms again."""
+    url = pinned_db(tuned_db, tmp_path, "flash")
+    autotune.tune_model(step, *ARGS, db=url, trials=1, kernels="flash,xla", options=OPTIONS,
+                        confirm_step=True)
+    first = stored_choices(url).choices[0].provenance["step_confirmation"]
+    capsys.readouterr()
+    table = autotune.tune_model(step, *ARGS, db=url, trials=1, kernels="flash,xla",
+                                options=OPTIONS, confirm_step=True)
+    assert stored_choices(url).choices[0].provenance["step_confirmation"] == first
+    assert [c.kernel for c in table.choices] == ["flash"]
+    assert "step confirmation: kept from an earlier call" in capsys.readouterr().err
+    choice = table.choices[0]
+    other_step = dataclasses.replace(table, choices=(choice, dataclasses.replace(
+        choice, problem=dataclasses.replace(choice.problem, q_len=1024, kv_len=1024))))
+    assert confirmed_before(table) and not confirmed_before(other_step)
 
 
 def test_abstract_arguments_are_synthesized_on_their_sharding():
