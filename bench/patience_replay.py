@@ -1,7 +1,7 @@
 """What stopping a search early (``autotune tune --patience P``) costs, replayed on measured
-landscapes: our searcher runs ``--budget`` configs per seed, and each run is scored where a
-patience of P would have stopped it (after P measured configs without a faster one) against
-where it ends. Prints, per patience, the configs measured (mean), the score lost (optimum /
+landscapes: our searcher runs ``--budget`` configs per seed with each patience P (the tune's
+own stop, ``autotune.search.search(patience=P)``: after P measured configs without a faster
+one) and without one, and each stopped run is scored against the run that went on. Prints, per patience, the configs measured (mean), the score lost (optimum /
 best found; mean), the runs losing over 1% and the worst run. CPU only, no device.
 
     python bench/patience_replay.py [--landscapes bench/landscapes,bench/landscapes/heldout]
@@ -21,33 +21,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from bench.search import Curve, _budgets, _landscape, _positive, _run
+from autotune.search import search
+from bench.search import SAMPLERS, _budgets, _landscape, _positive
+
+Run = tuple[str, int, int | None]  # landscape path, seed, patience (None: off)
 
 
-def stopped_at(curve: Curve, patience: int) -> int:
-    """How many configs a search with ``patience`` measures of ``curve`` (best so far after
-    each measured config): it stops at the ``patience``-th after its last new best."""
-    best, last = None, 0
-    for index, value in enumerate(curve):
-        if value is not None and (best is None or value < best):
-            best, last = value, index
-        if index - last >= patience:
-            return index + 1
-    return len(curve)
+def replay(job: tuple[str, int, int, int | None]) -> tuple[Run, float, int]:
+    """One run of our searcher: its score (optimum / best found) and configs measured."""
+    path, seed, budget, patience = job
+    land = _landscape(path)
+    result = search(land.space, land.measure, sampler=SAMPLERS["ours"], trials=budget,
+                    seed=seed, patience=patience)
+    return (path, seed, patience), land.score(result.curve[-1]), len(result.curve)
 
 
-def loss_table(runs: list[tuple[str, Curve]], patiences: list[int]) -> dict[int, dict]:
+def loss_table(runs: dict[Run, tuple[float, int]], patiences: list[int]) -> dict[int, dict]:
     table = {}
     for patience in patiences:
         measured, lost = [], []
-        for path, curve in runs:
-            land, stop = _landscape(path), stopped_at(curve, patience)
-            measured.append(stop)
-            lost.append(land.score(curve[-1]) - land.score(curve[stop - 1]))
+        for (path, seed, run_patience), (score, count) in runs.items():
+            if run_patience == patience:
+                measured.append(count)
+                lost.append(runs[path, seed, None][0] - score)
         table[patience] = {"measured_mean": statistics.mean(measured),
                            "score_lost_mean": statistics.mean(lost),
                            "runs_losing_over_1pct": sum(x > 0.01 for x in lost),
-                           "worst_lost": max(lost), "runs": len(runs)}
+                           "worst_lost": max(lost), "runs": len(lost)}
     return table
 
 
@@ -62,10 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     paths = [str(p) for folder in args.landscapes.split(",")
              for p in sorted(Path(folder).glob("*.json.gz"))]
-    jobs = [("ours", path, seed, args.budget, None) for path in paths
-            for seed in range(args.seeds)]
+    jobs = [(path, seed, args.budget, patience) for path in paths for seed in range(args.seeds)
+            for patience in (None, *args.patience)]
     with ProcessPoolExecutor(2) as pool:
-        runs = [(job[1], curve) for job, (curve,) in pool.map(_run, jobs)]
+        runs = {run: (score, count) for run, score, count in pool.map(replay, jobs)}
     report = {"landscapes": len(paths), "seeds": args.seeds, "budget": args.budget,
               "patience": loss_table(runs, args.patience)}
     text = json.dumps(report, indent=1)

@@ -1,4 +1,5 @@
-"""bench/patience_replay.py: where a patience stops a replayed search, and what it costs."""
+"""bench/patience_replay.py: what a patience costs a replayed search (the stop itself is the
+search's own, tested in test_tune_patience.py)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from bench.patience_replay import stopped_at
-
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.parametrize(("curve", "patience", "measured"), [
-    ([5.0, 4.0, 4.0, 4.0, 4.0, 4.0], 2, 4),  # the 2nd config after the last new best (index 1)
-    ([5.0, 4.0, 4.0, 3.0, 3.0, 3.0], 2, 6),  # a new best at index 3 restarts the count
-    ([None, None, 5.0, 5.0], 3, 4),  # no best yet counts from the start, never past the end
-    ([5.0, 4.0, 3.0], 1, 3)])
-def test_a_patience_stops_after_that_many_configs_without_a_new_best(
-        curve: list, patience: int, measured: int) -> None:
-    assert stopped_at(curve, patience) == measured
 
 
 def test_a_replay_reports_the_configs_a_patience_saves_and_the_score_it_loses(
