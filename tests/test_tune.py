@@ -15,6 +15,7 @@ import dataclasses
 import importlib.metadata
 import json
 import math
+import shutil
 import subprocess
 import sys
 import threading
@@ -177,43 +178,66 @@ def _trial_states(db: str, study: str) -> list[tuple[str, Any]]:
             for t in optuna.load_study(study_name=study, storage=db).trials]
 
 
-def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:
+TINY_TUNE_FLAGS = ("tune", "--kernel", "flash", *problem_flags(TINY), "--json")
+
+
+@pytest.fixture(scope="module")
+def tiny_tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One finished ``autotune tune --trials 2 --json`` of TINY: its SQLite file and stdout.
+    Each test that reruns it works on its own copy (:func:`_copy_of_tiny_tuned`)."""
+    path = tmp_path_factory.mktemp("tiny_tuned") / "tune.db"
+    first = run_cli(*TINY_TUNE_FLAGS, "--trials", "2", "--db", f"sqlite:///{path}",
+                    timeout=300)
+    assert first.returncode == 0, first.stderr
+    return path, first.stdout
+
+
+def _copy_of_tiny_tuned(tiny_tuned: tuple[Path, str], tmp_path: Path) -> str:
+    """The database URL of this test's own copy of the finished TINY tune."""
+    copy = tmp_path / "tune.db"
+    shutil.copyfile(tiny_tuned[0], copy)
+    return f"sqlite:///{copy}"
+
+
+def _study_of(tiny_tuned: tuple[Path, str]) -> str:
+    """The study the finished TINY tune searched in (its summary line names it)."""
+    _, [summary] = parse_json_lines(tiny_tuned[1])
+    return summary["study"]
+
+
+def test_a_study_name_of_another_problem_is_refused(tmp_path: Path,
+                                                    tiny_tuned: tuple[Path, str]) -> None:
     """``--study`` reused for another problem: exit 2 naming the fix, nothing measured or
     published for it, the first problem's study untouched."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    first = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1",
-                    "--study", "shared", "--db", db, timeout=300)
-    assert first.returncode == 0, first.stderr
-    before = _trial_states(db, "shared")  # the default measured, the seeds after it queued
-    assert [state for state, _ in before].count("COMPLETE") == 1
+    db, shared = _copy_of_tiny_tuned(tiny_tuned, tmp_path), _study_of(tiny_tuned)
+    before = _trial_states(db, shared)  # the default and one more measured
+    assert [state for state, _ in before].count("COMPLETE") == 2
     other = dataclasses.replace(TINY, q_heads=2, kv_heads=2)
-    done = run_cli("tune", "--kernel", "flash", *problem_flags(other), "--trials", "2",
-                   "--study", "shared", "--db", db, timeout=300)
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(other), "--trials", "3",
+                   "--study", shared, "--db", db, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "study 'shared' holds a search of another problem" in done.stderr
-    study = optuna.load_study(study_name="shared", storage=db)
-    assert _trial_states(db, "shared") == before
+    assert f"study '{shared}' holds a search of another problem" in done.stderr
+    study = optuna.load_study(study_name=shared, storage=db)
+    assert _trial_states(db, shared) == before
     assert study.user_attrs["problem"] == TINY.to_dict()
     with Store(db) as store:
         found = store.lookup("flash", "cpu", other)
         assert found is None or found[1] != "exact"
 
 
-def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(tmp_path: Path) -> None:
+def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(
+        tmp_path: Path, tiny_tuned: tuple[Path, str]) -> None:
     """After a release bumps the kernel's version (a config may mean something else), a rerun
     searches in a new study, seeded with the old winner, instead of resuming the old version's
     study, whose budget is met, and publishing its trials under the new version."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = [*problem_flags(TINY), "--trials", "2", "--db", db, "--json"]
-    first = run_cli("tune", "--kernel", "flash", *flags, timeout=300)
-    assert first.returncode == 0, first.stderr
+    db = _copy_of_tiny_tuned(tiny_tuned, tmp_path)
     bumped = subprocess.run(  # the same install, its flash kernel at version 2
         [sys.executable, "-c", "import sys; from kernel import get_kernel; "
          "type(get_kernel('flash')).version = '2'; from autotune.cli import app; "
-         "sys.argv = ['autotune', *sys.argv[1:]]; app()", "tune", "--kernel", "flash", *flags],
-        capture_output=True, text=True, timeout=300)
+         "sys.argv = ['autotune', *sys.argv[1:]]; app()", *TINY_TUNE_FLAGS, "--trials",
+         "2", "--db", db], capture_output=True, text=True, timeout=300)
     assert bumped.returncode == 0, bumped.stderr
-    (_, [old]), (trials, [new]) = parse_json_lines(first.stdout), parse_json_lines(bumped.stdout)
+    (_, [old]), (trials, [new]) = parse_json_lines(tiny_tuned[1]), parse_json_lines(bumped.stdout)
     assert len(trials) == 2 and new["study"] != old["study"]
     assert any(trial["config"].items() <= old["best_config"].items() for trial in trials)
     assert optuna.load_study(study_name=new["study"], storage=db).user_attrs[
@@ -237,21 +261,21 @@ def test_a_tune_prints_no_optuna_log_and_a_forward_result_no_backward_fields(
     assert " depth" in best and "dkv" not in best and " dq" not in best, best
 
 
-def test_a_study_name_of_another_timing_method_is_refused(tmp_path: Path) -> None:
+def test_a_study_name_of_another_timing_method_is_refused(
+        tmp_path: Path, tiny_tuned: tuple[Path, str]) -> None:
     """Times taken by another timing method are not comparable: ``--study`` reused with
-    another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--study", "mine", "--db", db]
-    first = run_cli(*flags, "--trials", "1", "--timing", "wallclock", timeout=300)
-    assert first.returncode == 0, first.stderr
-    before = _trial_states(db, "mine")
-    done = run_cli(*flags, "--trials", "2", "--timing", "loop", timeout=300)
+    another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials
+    (the finished tune's, timed by wallclock, this CPU's default)."""
+    db, mine = _copy_of_tiny_tuned(tiny_tuned, tmp_path), _study_of(tiny_tuned)
+    before = _trial_states(db, mine)
+    done = run_cli(*TINY_TUNE_FLAGS, "--study", mine, "--db", db, "--trials", "3", "--timing",
+                   "loop", timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "study 'mine' holds a search of another timing" in done.stderr
-    assert _trial_states(db, "mine") == before
-    study = optuna.load_study(study_name="mine", storage=db)
+    assert f"study '{mine}' holds a search of another timing" in done.stderr
+    assert _trial_states(db, mine) == before
+    study = optuna.load_study(study_name=mine, storage=db)
     assert [t.user_attrs.get("timing") for t in study.trials
-            if t.state == optuna.trial.TrialState.COMPLETE] == ["wallclock"]
+            if t.state == optuna.trial.TrialState.COMPLETE] == ["wallclock", "wallclock"]
 
 
 @pytest.mark.parametrize("name", ["x" * 300, "a\tb"])
@@ -303,17 +327,15 @@ def test_demo_on_a_database_holding_a_faster_result_checks_the_served_config(
 
 
 def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
-        tmp_path: Path) -> None:
+        tmp_path: Path, tiny_tuned: tuple[Path, str]) -> None:
     """The stored entry names its study, whose confirmation marks the stored winner (the
     report's and the pages' plots show it): a rerun of that study whose winner loses to the
     entry ("kept") leaves that confirmation as it was."""
     import dataclasses as dc
 
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
-    first = run_cli(*flags, "--trials", "2", timeout=300)
-    assert first.returncode == 0, first.stderr
-    _, [summary] = parse_json_lines(first.stdout)
+    db = _copy_of_tiny_tuned(tiny_tuned, tmp_path)
+    flags = [*TINY_TUNE_FLAGS, "--db", db]
+    _, [summary] = parse_json_lines(tiny_tuned[1])
     with Store(db) as store:  # the entry as if its run had timed it far faster
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
         store.publish(dc.replace(entry.result, median_ms=1e-6), force=True)
@@ -785,16 +807,15 @@ def test_nothing_to_publish_says_what_was_confirmed(tmp_path: Path,
     assert error.value.failures == {Status.RUNTIME_ERROR: 1}
 
 
-def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(tmp_path: Path) -> None:
+def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(
+        tmp_path: Path, tiny_tuned: tuple[Path, str]) -> None:
     """Issue 55 item 2: the same ``autotune tune`` on the same database measured nothing new
     but confirmed the winner again and could replace it; a finished problem (its budget
     reached, nothing measured since its confirmation) is kept as it is; ``--force`` confirms
     it again, and more trials resume the search."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
-    first = run_cli(*flags, "--trials", "2", timeout=300)
-    assert first.returncode == 0, first.stderr
-    _, [summary] = parse_json_lines(first.stdout)
+    db = _copy_of_tiny_tuned(tiny_tuned, tmp_path)
+    flags = [*TINY_TUNE_FLAGS, "--db", db]
+    _, [summary] = parse_json_lines(tiny_tuned[1])
     with Store(db) as store:
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
     again = run_cli(*flags, "--trials", "2", timeout=300)
