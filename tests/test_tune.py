@@ -15,7 +15,6 @@ import dataclasses
 import importlib.metadata
 import json
 import math
-import shutil
 import subprocess
 import sys
 import threading
@@ -35,7 +34,7 @@ from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import Measurement
 from autotune.tune import choose_winner, kernel_space
-from conftest import problem_flags, run_cli
+from conftest import problem_flags, run_cli, sqlite_copy
 from kernel import FlashConfig, Problem, device_target, get_kernel
 from kernel.aot import compile_for_target
 from storage import Store
@@ -184,19 +183,12 @@ TINY_TUNE_FLAGS = ("tune", "--kernel", "flash", *problem_flags(TINY), "--json")
 @pytest.fixture(scope="module")
 def tiny_tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """One finished ``autotune tune --trials 2 --json`` of TINY: its SQLite file and stdout.
-    Each test that reruns it works on its own copy (:func:`_copy_of_tiny_tuned`)."""
+    Each test that reruns it works on its own copy (``sqlite_copy``)."""
     path = tmp_path_factory.mktemp("tiny_tuned") / "tune.db"
     first = run_cli(*TINY_TUNE_FLAGS, "--trials", "2", "--db", f"sqlite:///{path}",
                     timeout=300)
     assert first.returncode == 0, first.stderr
     return path, first.stdout
-
-
-def _copy_of_tiny_tuned(tiny_tuned: tuple[Path, str], tmp_path: Path) -> str:
-    """The database URL of this test's own copy of the finished TINY tune."""
-    copy = tmp_path / "tune.db"
-    shutil.copyfile(tiny_tuned[0], copy)
-    return f"sqlite:///{copy}"
 
 
 def _study_of(tiny_tuned: tuple[Path, str]) -> str:
@@ -209,7 +201,7 @@ def test_a_study_name_of_another_problem_is_refused(tmp_path: Path,
                                                     tiny_tuned: tuple[Path, str]) -> None:
     """``--study`` reused for another problem: exit 2 naming the fix, nothing measured or
     published for it, the first problem's study untouched."""
-    db, shared = _copy_of_tiny_tuned(tiny_tuned, tmp_path), _study_of(tiny_tuned)
+    db, shared = sqlite_copy(tiny_tuned[0], tmp_path), _study_of(tiny_tuned)
     before = _trial_states(db, shared)  # the default and one more measured
     assert [state for state, _ in before].count("COMPLETE") == 2
     other = dataclasses.replace(TINY, q_heads=2, kv_heads=2)
@@ -230,7 +222,7 @@ def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(
     """After a release bumps the kernel's version (a config may mean something else), a rerun
     searches in a new study, seeded with the old winner, instead of resuming the old version's
     study, whose budget is met, and publishing its trials under the new version."""
-    db = _copy_of_tiny_tuned(tiny_tuned, tmp_path)
+    db = sqlite_copy(tiny_tuned[0], tmp_path)
     bumped = subprocess.run(  # the same install, its flash kernel at version 2
         [sys.executable, "-c", "import sys; from kernel import get_kernel; "
          "type(get_kernel('flash')).version = '2'; from autotune.cli import app; "
@@ -266,7 +258,7 @@ def test_a_study_name_of_another_timing_method_is_refused(
     """Times taken by another timing method are not comparable: ``--study`` reused with
     another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials
     (the finished tune's, timed by wallclock, this CPU's default)."""
-    db, mine = _copy_of_tiny_tuned(tiny_tuned, tmp_path), _study_of(tiny_tuned)
+    db, mine = sqlite_copy(tiny_tuned[0], tmp_path), _study_of(tiny_tuned)
     before = _trial_states(db, mine)
     done = run_cli(*TINY_TUNE_FLAGS, "--study", mine, "--db", db, "--trials", "3", "--timing",
                    "loop", timeout=300)
@@ -333,7 +325,7 @@ def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
     entry ("kept") leaves that confirmation as it was."""
     import dataclasses as dc
 
-    db = _copy_of_tiny_tuned(tiny_tuned, tmp_path)
+    db = sqlite_copy(tiny_tuned[0], tmp_path)
     flags = [*TINY_TUNE_FLAGS, "--db", db]
     _, [summary] = parse_json_lines(tiny_tuned[1])
     with Store(db) as store:  # the entry as if its run had timed it far faster
@@ -813,7 +805,7 @@ def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(
     but confirmed the winner again and could replace it; a finished problem (its budget
     reached, nothing measured since its confirmation) is kept as it is; ``--force`` confirms
     it again, and more trials resume the search."""
-    db = _copy_of_tiny_tuned(tiny_tuned, tmp_path)
+    db = sqlite_copy(tiny_tuned[0], tmp_path)
     flags = [*TINY_TUNE_FLAGS, "--db", db]
     _, [summary] = parse_json_lines(tiny_tuned[1])
     with Store(db) as store:
