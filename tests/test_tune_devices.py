@@ -33,7 +33,7 @@ from storage import Store, upgrade
 from storage.studies import is_measurement
 
 PROBLEMS = [Problem(1, 1, 1, 256, 256, 128, "float32", causal, "fwd") for causal in (False, True)]
-TRIALS = 4
+TRIALS = 3
 
 
 def shapes_file(tmp_path: Path) -> Path:
