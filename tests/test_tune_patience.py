@@ -14,7 +14,7 @@ import optuna
 import pytest
 
 from autotune.tune import TuneOptions, kernel_space, tune
-from conftest import problem_flags, run_cli, sqlite_copy
+from conftest import problem_flags, run_cli
 from kernel import Problem, device_target, get_kernel
 from storage import Store, upgrade
 
@@ -25,13 +25,11 @@ PATIENCE = 10  # what docs/tuning.md suggests on a chip whose defaults were tune
 WIDE = {"COLUMNS": "400"}  # Rich wraps error boxes at the terminal width (80 in a pipe)
 
 
-@pytest.fixture(scope="module")
-def early_best(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A SQLite file whose study ``STUDY`` holds the default measured (by a real one-trial
-    tune) and after it a config timed 1e-6 ms, then ``PATIENCE - 1`` timed 1e6 ms: the next
-    config measured is the PATIENCE-th without a faster one. Each test tunes its own copy."""
-    path = tmp_path_factory.mktemp("early_best") / "tune.db"
-    db = f"sqlite:///{path}"
+def _study_with_an_early_best(tmp_path: Path) -> str:
+    """A database whose study ``STUDY`` holds the default measured (by a real one-trial tune)
+    and after it a config timed 1e-6 ms, then ``PATIENCE - 1`` timed 1e6 ms: the next
+    config measured is the PATIENCE-th without a faster one. Its URL."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
     upgrade(db)
     with Store(db) as store:
         tune(TINY, store, db, TuneOptions(trials=1, study=STUDY),
@@ -44,7 +42,7 @@ def early_best(tmp_path_factory: pytest.TempPathFactory) -> Path:
         study.add_trial(optuna.trial.create_trial(
             params=dict(config), distributions=space.distributions,
             value=1e-6 if number == 0 else 1e6, user_attrs={"status": "ok"}))
-    return path
+    return db
 
 
 def _json_lines(stdout: str) -> list[dict]:
@@ -52,12 +50,12 @@ def _json_lines(stdout: str) -> list[dict]:
 
 
 def test_a_tune_with_patience_stops_after_ten_configs_without_a_faster_one_and_stays_finished(
-        tmp_path: Path, early_best: Path) -> None:
+        tmp_path: Path) -> None:
     """``autotune tune --trials 30 --patience 10`` stops once 10 measured configs brought none
     faster than the best, with ``stop_reason`` ``patience``, and the same command again keeps
     it, measuring nothing (before, it confirmed the winner again: the study had not reached
     --trials)."""
-    db = sqlite_copy(early_best, tmp_path)
+    db = _study_with_an_early_best(tmp_path)
     command = ["tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "30",
                "--patience", str(PATIENCE), "--study", STUDY, "--db", db, "--json"]
     done = run_cli(*command, timeout=300)
@@ -73,10 +71,10 @@ def test_a_tune_with_patience_stops_after_ten_configs_without_a_faster_one_and_s
          "kept": "already tuned under the installed versions; kept (--force tunes it again)"}]
 
 
-def test_a_default_tune_measures_all_its_trials(tmp_path: Path, early_best: Path) -> None:
+def test_a_default_tune_measures_all_its_trials(tmp_path: Path) -> None:
     """Patience is off by default: the study above, where ``--patience 10`` stops at once, is
     searched to its budget."""
-    db = sqlite_copy(early_best, tmp_path)
+    db = _study_with_an_early_best(tmp_path)
     trials = 4 + PATIENCE
     done = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", str(trials),
                    "--study", STUDY, "--db", db, "--json", timeout=300)
