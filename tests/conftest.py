@@ -15,12 +15,13 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
     crash of the interpreter prints its Python stack to the captured stderr (faulthandler)."""
     return subprocess.run([*AUTOTUNE, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
+
+
+def sqlite_copy(source: Path, folder: Path) -> str:
+    """The URL of a copy of the SQLite file ``source`` in ``folder``, taken with SQLite's
+    backup (a connection still open on ``source`` may hold recent writes in its write-ahead
+    log): a test's own copy of a database a module fixture prepared once."""
+    copy = folder / source.name
+    with closing(sqlite3.connect(source)) as original, closing(sqlite3.connect(copy)) as into:
+        original.backup(into)
+    return f"sqlite:///{copy}"
 
 
 def float32_bound(cpu: float) -> float:

@@ -51,14 +51,14 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]
     db = f"sqlite:///{tmp_path_factory.mktemp('kernels') / 'kernels.db'}"
     summaries = {}
     for name, problem in PROBLEMS.items():
-        done = run_cli("tune", "--kernel", name, *problem_flags(problem), "--trials", "3",
+        done = run_cli("tune", "--kernel", name, *problem_flags(problem), "--trials", "2",
                        "--db", db, "--json", timeout=300)
         assert done.returncode == 0, done.stderr
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
         trials = [line for line in lines if not line.get("summary")]
         [summary] = [line for line in lines if line.get("summary")]
         kernel = get_kernel(name)
-        assert len(trials) == 3 and all(t["status"] == "ok" for t in trials), trials
+        assert len(trials) == 2 and all(t["status"] == "ok" for t in trials), trials
         assert (summary["kernel"], summary["method"]) == (name, "interpret")
         assert summary["study"] == study_name(problem, "cpu", kernel, "wallclock")
         best = kernel.config_from_dict(summary["best_config"])

@@ -171,7 +171,7 @@ def test_the_resident_set_stays_flat_over_100_blocks_of_fresh_tables():
     block in ten tracing: from the tenth block on, the process grows by less than 5 tables
     (kept alive, they grew it by 330 MiB; JAX's caches of the traces take about 5 MiB)."""
     for i in range(100):
-        with kernel.tables(table(*((Problem(**{**P.to_dict(), "kv_len": 256 + n}), SMALL)
+        with kernel.tables(table(*((dataclasses.replace(P, kv_len=256 + n), SMALL)
                                    for n in range(5000)))):
             if i % 10 == 0:
                 trace(P)

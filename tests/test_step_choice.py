@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sqlite3
-from contextlib import closing
 from pathlib import Path
 
 import httpx
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import sqlite_copy
 
 import autotune
 import kernel
@@ -50,10 +49,8 @@ def tuned_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pinned_db(tuned_db: Path, tmp_path: Path, kernel_name: str) -> str:
     """A copy of ``tuned_db`` whose choice is ``kernel_name`` at its tuned config."""
-    path = tmp_path / "autotune.db"
-    with closing(sqlite3.connect(tuned_db)) as source, closing(sqlite3.connect(path)) as copy:
-        source.backup(copy)  # with what the tune's open connections hold in its WAL
-    store = Store(f"sqlite:///{path}")
+    url = sqlite_copy(tuned_db, tmp_path)
+    store = Store(url)
     try:
         device_kind = jax.devices()[0].device_kind
         table = store.export_table(device_kind)
@@ -66,7 +63,7 @@ def pinned_db(tuned_db: Path, tmp_path: Path, kernel_name: str) -> str:
                     "kernel_version": get_kernel(kernel_name).version}))
     finally:
         store.close()
-    return f"sqlite:///{path}"
+    return url
 
 
 def stored_choices(url: str) -> LookupTable:

@@ -34,7 +34,7 @@ from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import Measurement
 from autotune.tune import choose_winner, kernel_space
-from conftest import problem_flags, run_cli
+from conftest import problem_flags, run_cli, sqlite_copy
 from kernel import FlashConfig, Problem, device_target, get_kernel
 from kernel.aot import compile_for_target
 from storage import Store
@@ -66,18 +66,37 @@ def lookup_params(problem: Problem, device_kind: str = "cpu") -> dict[str, Any]:
 # --- end to end ---
 
 
-def test_tune_json_publishes_the_winners_the_service_returns(tmp_path: Path,
-                                                             start_server: Any) -> None:
+TINY_TUNE_FLAGS = ("tune", "--kernel", "flash", *problem_flags(TINY), "--json")
+
+
+@pytest.fixture(scope="module")
+def tuned_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One finished ``autotune tune --shapes [TINY, TINY_GQA] --trials 2 --json``: its SQLite
+    file and stdout. Each test works on its own copy of the file (``sqlite_copy``); those that
+    rerun TINY's tune find it finished."""
+    shapes = tmp_path_factory.mktemp("tuned_pair") / "shapes.yaml"
+    shapes.write_text(yaml.safe_dump([TINY.to_dict(), TINY_GQA.to_dict()]))
+    path = shapes.parent / "tune.db"
+    done = run_cli("tune", "--kernel", "flash", "--shapes", str(shapes), "--trials", "2",
+                   "--db", f"sqlite:///{path}", "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    return path, done.stdout
+
+
+def _tiny_summary(tuned_pair: tuple[Path, str]) -> dict[str, Any]:
+    """TINY's summary line of the finished tune (its study, its best config)."""
+    [summary] = [s for s in parse_json_lines(tuned_pair[1])[1]
+                 if s["problem"] == TINY.to_dict()]
+    return summary
+
+
+def test_tune_json_publishes_the_winners_the_service_returns(
+        tmp_path: Path, tuned_pair: tuple[Path, str], start_server: Any) -> None:
     """``--shapes`` with two problems: per-trial JSON lines, one summary per problem, and each
     winner published with its provenance. (The problem flags are the path the reliability
     tests drive.)"""
-    shapes = tmp_path / "shapes.yaml"
-    shapes.write_text(yaml.safe_dump([TINY.to_dict(), TINY_GQA.to_dict()]))
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    done = run_cli("tune", "--kernel", "flash", "--shapes", str(shapes), "--trials", "2",
-                   "--db", db, "--json", timeout=300)
-    assert done.returncode == 0, done.stderr
-    trials, summaries = parse_json_lines(done.stdout)
+    db = sqlite_copy(tuned_pair[0], tmp_path)
+    trials, summaries = parse_json_lines(tuned_pair[1])
     assert [t["problem"] for t in trials] == [TINY.to_dict()] * 2 + [TINY_GQA.to_dict()] * 2
     assert [s["problem"] for s in summaries] == [TINY.to_dict(), TINY_GQA.to_dict()]
     assert len({s["study"] for s in summaries}) == 2
@@ -177,51 +196,47 @@ def _trial_states(db: str, study: str) -> list[tuple[str, Any]]:
             for t in optuna.load_study(study_name=study, storage=db).trials]
 
 
-def test_a_study_name_of_another_problem_is_refused(tmp_path: Path) -> None:
+def test_a_study_name_of_another_problem_is_refused(tmp_path: Path,
+                                                    tuned_pair: tuple[Path, str]) -> None:
     """``--study`` reused for another problem: exit 2 naming the fix, nothing measured or
     published for it, the first problem's study untouched."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    first = run_cli("tune", "--kernel", "flash", *problem_flags(TINY), "--trials", "1",
-                    "--study", "shared", "--db", db, timeout=300)
-    assert first.returncode == 0, first.stderr
-    before = _trial_states(db, "shared")  # the default measured, the seeds after it queued
-    assert [state for state, _ in before].count("COMPLETE") == 1
+    db, shared = sqlite_copy(tuned_pair[0], tmp_path), _tiny_summary(tuned_pair)["study"]
+    before = _trial_states(db, shared)  # the default and one more measured
+    assert [state for state, _ in before].count("COMPLETE") == 2
     other = dataclasses.replace(TINY, q_heads=2, kv_heads=2)
-    done = run_cli("tune", "--kernel", "flash", *problem_flags(other), "--trials", "2",
-                   "--study", "shared", "--db", db, timeout=300)
+    done = run_cli("tune", "--kernel", "flash", *problem_flags(other), "--trials", "3",
+                   "--study", shared, "--db", db, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "study 'shared' holds a search of another problem" in done.stderr
-    study = optuna.load_study(study_name="shared", storage=db)
-    assert _trial_states(db, "shared") == before
+    assert f"study '{shared}' holds a search of another problem" in done.stderr
+    study = optuna.load_study(study_name=shared, storage=db)
+    assert _trial_states(db, shared) == before
     assert study.user_attrs["problem"] == TINY.to_dict()
     with Store(db) as store:
         found = store.lookup("flash", "cpu", other)
         assert found is None or found[1] != "exact"
 
 
-def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(tmp_path: Path) -> None:
+def test_a_new_kernel_version_searches_again_in_a_study_of_its_own(
+        tmp_path: Path, tuned_pair: tuple[Path, str]) -> None:
     """After a release bumps the kernel's version (a config may mean something else), a rerun
     searches in a new study, seeded with the old winner, instead of resuming the old version's
     study, whose budget is met, and publishing its trials under the new version."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = [*problem_flags(TINY), "--trials", "2", "--db", db, "--json"]
-    first = run_cli("tune", "--kernel", "flash", *flags, timeout=300)
-    assert first.returncode == 0, first.stderr
+    db = sqlite_copy(tuned_pair[0], tmp_path)
     bumped = subprocess.run(  # the same install, its flash kernel at version 2
         [sys.executable, "-c", "import sys; from kernel import get_kernel; "
          "type(get_kernel('flash')).version = '2'; from autotune.cli import app; "
-         "sys.argv = ['autotune', *sys.argv[1:]]; app()", "tune", "--kernel", "flash", *flags],
-        capture_output=True, text=True, timeout=300)
+         "sys.argv = ['autotune', *sys.argv[1:]]; app()", *TINY_TUNE_FLAGS, "--trials",
+         "2", "--db", db], capture_output=True, text=True, timeout=300)
     assert bumped.returncode == 0, bumped.stderr
-    (_, [old]), (trials, [new]) = parse_json_lines(first.stdout), parse_json_lines(bumped.stdout)
+    old, (trials, [new]) = _tiny_summary(tuned_pair), parse_json_lines(bumped.stdout)
     assert len(trials) == 2 and new["study"] != old["study"]
     assert any(trial["config"].items() <= old["best_config"].items() for trial in trials)
     assert optuna.load_study(study_name=new["study"], storage=db).user_attrs[
         "kernel_version"] == "2"
     with Store(db) as store:
         entries, _ = store.list(limit=None)
-    assert {(e.result.kernel_version, e.result.study) for e in entries} == {
-        (FLASH.version, old["study"]), ("2", new["study"])}
+    assert {(e.result.kernel_version, e.result.study) for e in entries
+            if e.result.problem == TINY} == {(FLASH.version, old["study"]), ("2", new["study"])}
 
 
 def test_a_tune_prints_no_optuna_log_and_a_forward_result_no_backward_fields(
@@ -237,21 +252,21 @@ def test_a_tune_prints_no_optuna_log_and_a_forward_result_no_backward_fields(
     assert " depth" in best and "dkv" not in best and " dq" not in best, best
 
 
-def test_a_study_name_of_another_timing_method_is_refused(tmp_path: Path) -> None:
+def test_a_study_name_of_another_timing_method_is_refused(
+        tmp_path: Path, tuned_pair: tuple[Path, str]) -> None:
     """Times taken by another timing method are not comparable: ``--study`` reused with
-    another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--study", "mine", "--db", db]
-    first = run_cli(*flags, "--trials", "1", "--timing", "wallclock", timeout=300)
-    assert first.returncode == 0, first.stderr
-    before = _trial_states(db, "mine")
-    done = run_cli(*flags, "--trials", "2", "--timing", "loop", timeout=300)
+    another ``--timing`` exits 2 naming it, and the study keeps only its own method's trials
+    (the finished tune's, timed by wallclock, this CPU's default)."""
+    db, mine = sqlite_copy(tuned_pair[0], tmp_path), _tiny_summary(tuned_pair)["study"]
+    before = _trial_states(db, mine)
+    done = run_cli(*TINY_TUNE_FLAGS, "--study", mine, "--db", db, "--trials", "3", "--timing",
+                   "loop", timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "study 'mine' holds a search of another timing" in done.stderr
-    assert _trial_states(db, "mine") == before
-    study = optuna.load_study(study_name="mine", storage=db)
+    assert f"study '{mine}' holds a search of another timing" in done.stderr
+    assert _trial_states(db, mine) == before
+    study = optuna.load_study(study_name=mine, storage=db)
     assert [t.user_attrs.get("timing") for t in study.trials
-            if t.state == optuna.trial.TrialState.COMPLETE] == ["wallclock"]
+            if t.state == optuna.trial.TrialState.COMPLETE] == ["wallclock", "wallclock"]
 
 
 @pytest.mark.parametrize("name", ["x" * 300, "a\tb"])
@@ -303,17 +318,15 @@ def test_demo_on_a_database_holding_a_faster_result_checks_the_served_config(
 
 
 def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
-        tmp_path: Path) -> None:
+        tmp_path: Path, tuned_pair: tuple[Path, str]) -> None:
     """The stored entry names its study, whose confirmation marks the stored winner (the
     report's and the pages' plots show it): a rerun of that study whose winner loses to the
     entry ("kept") leaves that confirmation as it was."""
     import dataclasses as dc
 
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
-    first = run_cli(*flags, "--trials", "2", timeout=300)
-    assert first.returncode == 0, first.stderr
-    _, [summary] = parse_json_lines(first.stdout)
+    db = sqlite_copy(tuned_pair[0], tmp_path)
+    flags = [*TINY_TUNE_FLAGS, "--db", db]
+    summary = _tiny_summary(tuned_pair)
     with Store(db) as store:  # the entry as if its run had timed it far faster
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
         store.publish(dc.replace(entry.result, median_ms=1e-6), force=True)
@@ -785,16 +798,15 @@ def test_nothing_to_publish_says_what_was_confirmed(tmp_path: Path,
     assert error.value.failures == {Status.RUNTIME_ERROR: 1}
 
 
-def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(tmp_path: Path) -> None:
+def test_a_rerun_of_a_finished_tune_measures_and_publishes_nothing(
+        tmp_path: Path, tuned_pair: tuple[Path, str]) -> None:
     """Issue 55 item 2: the same ``autotune tune`` on the same database measured nothing new
     but confirmed the winner again and could replace it; a finished problem (its budget
     reached, nothing measured since its confirmation) is kept as it is; ``--force`` confirms
     it again, and more trials resume the search."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    flags = ["tune", "--kernel", "flash", *problem_flags(TINY), "--db", db, "--json"]
-    first = run_cli(*flags, "--trials", "2", timeout=300)
-    assert first.returncode == 0, first.stderr
-    _, [summary] = parse_json_lines(first.stdout)
+    db = sqlite_copy(tuned_pair[0], tmp_path)
+    flags = [*TINY_TUNE_FLAGS, "--db", db]
+    summary = _tiny_summary(tuned_pair)
     with Store(db) as store:
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
     again = run_cli(*flags, "--trials", "2", timeout=300)

@@ -33,7 +33,7 @@ from storage import Store, upgrade
 from storage.studies import is_measurement
 
 PROBLEMS = [Problem(1, 1, 1, 256, 256, 128, "float32", causal, "fwd") for causal in (False, True)]
-TRIALS = 4
+TRIALS = 3
 
 
 def shapes_file(tmp_path: Path) -> Path:
@@ -265,19 +265,30 @@ def test_a_timing_that_cannot_time_here_is_a_usage_error_on_workers(tmp_path: Pa
     assert "died" not in done.stderr
 
 
-def test_a_search_that_ends_before_its_budget_is_published_once(tmp_path: Path) -> None:
-    """Four legal configs and ten trials: the space is exhausted first. A worker done
-    searching rejoined the other's study, and the two took turns for ever."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
+@pytest.fixture(scope="module")
+def exhausted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Two workers on a problem of four legal configs with ten trials (the space is exhausted
+    first), as a user sees it (no --json): the database URL and the output."""
+    db = f"sqlite:///{tmp_path_factory.mktemp('exhausted') / 'tune.db'}"
     done = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "64",
                    "--q-heads", "1", "--dtype", "float32", "--trials", "10", "--devices", "2",
-                   "--db", db, "--json", timeout=300)
+                   "--db", db, env={"COLUMNS": "200"}, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    [summary] = [json.loads(line) for line in done.stdout.splitlines()
-                 if line.startswith("{") and json.loads(line).get("summary")]
-    assert summary["measured"] == 4
+    return db, done.stdout + done.stderr
+
+
+def test_a_search_that_ends_before_its_budget_is_published_once(
+        exhausted: tuple[str, str]) -> None:
+    """Four legal configs and ten trials: the space is exhausted first. A worker done
+    searching rejoined the other's study, and the two took turns for ever."""
+    db, output = exhausted
+    said = " ".join(output.split())  # as wrapped by the console
+    assert said.count("; published: ") == 1, said
+    assert "; 4 measured (stopped: every legal config), failures none;" in said, said
     [trials] = studies(db).values()
     assert len([t for t in trials if is_measurement(t)]) == 4
+    with Store(db) as store:
+        assert store.list({}, limit=None)[1] == 1
 
 
 def test_a_kernel_choice_runs_on_two_workers(tmp_path: Path) -> None:
@@ -301,16 +312,10 @@ def test_a_kernel_choice_runs_on_two_workers(tmp_path: Path) -> None:
     assert stored.choice.kernel == summary["chosen_kernel"] and tuned == {"flash", "xla"}
 
 
-def test_the_workers_rows_end_done_with_their_counts(tmp_path: Path) -> None:
+def test_the_workers_rows_end_done_with_their_counts(exhausted: tuple[str, str]) -> None:
     """Issue 46 item 11: once every problem is published, each device's row reads ``done``
     with the configs it measured (was ``0/4 ... idle``)."""
-    db = f"sqlite:///{tmp_path / 'tune.db'}"
-    done = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "64",
-                   "--q-heads", "1", "--dtype", "float32", "--trials", "10", "--devices", "2",
-                   "--db", db, env={"COLUMNS": "200"}, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in (done.stdout + done.stderr).splitlines()
-            if line.startswith("device ")]
+    rows = [line for line in exhausted[1].splitlines() if line.startswith("device ")]
     counts = [int(re.search(r"done: (\d+) measured", row).group(1)) for row in rows]
     assert len(rows) == 2 and sum(counts) == 4, rows  # the space's 4 legal configs
     assert not any("idle" in row for row in rows), rows
