@@ -1,8 +1,9 @@
 """What stopping a search early (``autotune tune --patience P``) costs, replayed on measured
 landscapes: our searcher runs ``--budget`` configs per seed with each patience P (the tune's
 own stop, ``autotune.search.search(patience=P)``: after P measured configs without a faster
-one) and without one, and each stopped run is scored against the run that went on. Prints, per patience, the configs measured (mean), the score lost (optimum /
-best found; mean), the runs losing over 1% and the worst run. CPU only, no device.
+one) and without one, and each stopped run is scored against the run that went on. Prints,
+per patience, the configs measured (mean), the score lost (optimum / best found; mean), the
+runs losing over 1% and the worst run. CPU only, no device.
 
     python bench/patience_replay.py [--landscapes bench/landscapes,bench/landscapes/heldout]
         [--seeds 10] [--budget 30] [--patience 10,15,20] [--out FILE.json]

@@ -322,14 +322,12 @@ def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
     """The stored entry names its study, whose confirmation marks the stored winner (the
     report's and the pages' plots show it): a rerun of that study whose winner loses to the
     entry ("kept") leaves that confirmation as it was."""
-    import dataclasses as dc
-
     db = sqlite_copy(tuned_pair[0], tmp_path)
     flags = [*TINY_TUNE_FLAGS, "--db", db]
     summary = _tiny_summary(tuned_pair)
     with Store(db) as store:  # the entry as if its run had timed it far faster
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
-        store.publish(dc.replace(entry.result, median_ms=1e-6), force=True)
+        store.publish(dataclasses.replace(entry.result, median_ms=1e-6), force=True)
     study = optuna.load_study(study_name=summary["study"], storage=db)
     confirmed = study.user_attrs["confirmation"]
     rerun = run_cli(*flags, "--trials", "3", timeout=300)
