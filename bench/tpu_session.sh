@@ -36,6 +36,11 @@
 #                                              > .ablation/NAME.py
 #                                            against splash over the step: $OUT/flash-ablation.json
 #                                            (issue 61; flags: bench/flash_ablation.py's)
+#   bash bench/tpu_session.sh peers PROBLEMS [flags]  # our published choice against tokamax's
+#                                            autotune and tune-jax, grid problems PROBLEMS
+#                                            (flags: bench/peers.py's; wheels: bash
+#                                            bench/chip_wheels.sh peers): $OUT/peers-*.json
+#                                            (issue 72)
 #   bash bench/tpu_session.sh live KERNEL SEEDS TRIALS SECONDS [DB]  # our searcher against
 #                                            plain TPE and random, each run for real per seed
 #                                            until SECONDS (resume: DB, the .db a call returned):
@@ -48,8 +53,10 @@ SITE=/tmp/site
 if [ ! -d "$SITE" ]; then
     PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
         --no-compile --no-cache-dir --target "$SITE" .whl-tpu/*.whl || exit 1
+    from_index=(matplotlib scikit-learn)  # the peers' needs too, where their wheels came along
+    ls .whl-tpu/tokamax-*.whl >/dev/null 2>&1 && from_index+=(flax optax jaxtyping)
     PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
-        --index-url file:///opt/pypi/simple --target /tmp/site-index matplotlib scikit-learn \
+        --index-url file:///opt/pypi/simple --target /tmp/site-index "${from_index[@]}" \
         || exit 1
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$SITE:/tmp/site-index PYTHONUNBUFFERED=1
@@ -95,6 +102,9 @@ flash_ablation)
 handset)
     python3 bench/handset.py --problems "$2" --trials "$3" "${@:4}" \
         --out "$OUT/handset-${2//,/-}.json" 2> "$OUT/handset-${2//,/-}.err" | tail -n 80 ;;
+peers)
+    python3 bench/peers.py --problems "$2" "${@:3}" \
+        --out "$OUT/peers-${2//,/-}.json" 2> "$OUT/peers-${2//,/-}.err" | tail -n 60 ;;
 cost)
     python3 bench/trial_cost.py --trials "$2" "${@:3}" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;

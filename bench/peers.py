@@ -1,0 +1,316 @@
+"""Issue 72: our published choice against the tuners users reach for, on the same chip, the
+same problems and the same clock. Per problem of ``bench/handset.py``'s grid:
+
+- **ours**: the kernel choice ``autotune tune`` publishes (``--kernels``, ``--trials`` per
+  kernel; every config timed over the whole step and checked against the reference);
+- **tokamax**: ``tokamax.autotune`` over the ops that ``tokamax.dot_product_attention(...,
+  implementation="mosaic")`` lowers to under the problem's mode (its own space: blocks,
+  layouts and scheduler of the forward, the VJP's dK/dV blocks; its own timing of each op
+  alone), then the call built under its result;
+- **tune-jax**: ``tune_jax.tune`` over upstream splash's block sizes as MaxText exposes them
+  (``sa_block_q`` ... ``sa_use_fused_bwd_kernel``), a grid a MaxText user would write
+  (:data:`TUNE_JAX_GRID`), ``--tune-jax-samples`` of its combinations (its random sample);
+
+then every winner, MaxText's default blocks and every other hand-set config timed over the
+whole step in interleaved rounds (``bench.tpu_check.interleaved``), each output checked
+against the float32 reference first (a winner over the bound is reported as failed, not
+timed as a win). Each tuner's wall time (compiles included) is reported beside its result.
+A peer that is not installed (``pip install 'flash-autotune[peers]'``) is reported as
+missing; the rest still runs::
+
+    python bench/peers.py --problems 1 --kernels flash,splash --out peers-1.json
+    python bench/peers.py --interpret   # a CPU check with tiny shapes, no device figures
+
+The peers' layout is [batch, seq, heads, head_dim]; ours is [batch, heads, seq, head_dim]:
+tokamax's call is timed as ours is, from our layout, and the transposes around it cancel its
+own (XLA removes a transpose of a transpose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from bench import handset  # noqa: E402
+
+PEERS = ("tokamax", "tune_jax")
+# MaxText's splash settings, as a user writes a tune-jax grid for them. Compute blocks stay at
+# or under the smallest key block, so every combination is legal; tune-jax samples them.
+TUNE_JAX_GRID = {
+    "sa_block_q": [256, 512, 1024, 2048],
+    "sa_block_kv": [512, 1024, 2048],
+    "sa_block_kv_compute": [128, 256, 512],
+    "sa_block_q_dkv": [256, 512, 1024, 2048],
+    "sa_block_kv_dkv": [512, 1024, 2048],
+    "sa_block_kv_dkv_compute": [128, 256, 512],
+    "sa_block_q_dq": [256, 512, 1024, 2048],
+    "sa_block_kv_dq": [512, 1024, 2048],
+    "sa_use_fused_bwd_kernel": [False, True],
+}
+FORWARD_SETTINGS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute")
+INTERPRET_GRID = {"sa_block_q": [128, 256], "sa_block_kv": [128, 256],
+                  "sa_block_kv_compute": [128], "sa_use_fused_bwd_kernel": [False, True]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", default=None,
+                        help="comma-separated indices into bench/handset.py's grid (default: "
+                             "all)")
+    parser.add_argument("--trials", type=int, default=30,
+                        help="our configs measured per kernel (the tune's default)")
+    parser.add_argument("--kernels", default=None,
+                        help="our tune's candidates, a,b (default: every kernel that runs here)")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"the peer tuners to run, of {', '.join(PEERS)}")
+    parser.add_argument("--tune-jax-samples", type=int, default=64,
+                        help="combinations of the grid tune-jax compiles and times")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--interpret", action="store_true",
+                        help="a CPU check: tiny shapes, the kernels in interpret mode")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    unknown = set(args.peers.split(",")) - set(PEERS)
+    if unknown:
+        parser.error(f"--peers: unknown {', '.join(sorted(unknown))}; of {', '.join(PEERS)}")
+    return args
+
+
+def missing(peer: str) -> str | None:
+    """Why ``peer`` cannot run here (not installed), else None."""
+    if importlib.util.find_spec(peer) is None:
+        return f"{peer} is not installed (pip install 'flash-autotune[peers]')"
+    return None
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """A peer's winner as a contender's config: what ``interleaved`` labels a row with."""
+
+    text: str
+
+    def label(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class TokamaxCall:
+    """tokamax's attention under its autotuning result, as a contender (``build`` and
+    ``profile_names``, what ``interleaved`` asks of a kernel)."""
+
+    result: Any
+    profile_names: tuple[str, ...] = ()
+
+    def build(self, problem: Any, _config: PeerConfig) -> Any:
+        from kernel.contract import measured_fn
+
+        measured = measured_fn(problem, tokamax_attend(problem))
+
+        def traced(*args: Any) -> Any:  # the result chooses the configs while it traces
+            with self.result:
+                return measured(*args)
+
+        return traced
+
+
+def tokamax_attend(problem: Any) -> Any:
+    """tokamax's Mosaic attention of ``problem`` as a function in our layout."""
+    import jax.numpy as jnp
+    import tokamax
+
+    from kernel.contract import default_scale
+
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        out = tokamax.dot_product_attention(
+            q, k, v, scale=default_scale(problem), is_causal=problem.causal,
+            local_window_size=problem.window, logits_soft_cap=problem.softcap,
+            implementation="mosaic")
+        return jnp.swapaxes(out, 1, 2)
+
+    return attend
+
+
+def give_locations_predicates() -> None:
+    """tokamax 0.0.12 reads the MLIR locations of a lowered program with ``is_a_name()``,
+    ``is_a_file()`` and the like, which jaxlib 0.10.2's typed locations (``NameLoc``, ...) do
+    not have: without them its autotune fails on the chip's JAX ("'NameLoc' object has no
+    attribute 'is_a_name'"), and tokamax's releases after 0.0.12 need Python 3.12, which the
+    chip VM lacks. This gives every location those four predicates, by type; nothing else of
+    tokamax changes."""
+    from jax._src.lib.mlir import ir
+
+    kinds = {"name": ir.NameLoc, "callsite": ir.CallSiteLoc, "fused": ir.FusedLoc,
+             "file": ir.FileLineColLoc}
+    for kind, loc_type in kinds.items():
+        if not hasattr(ir.Location, f"is_a_{kind}"):
+            setattr(ir.Location, f"is_a_{kind}",
+                    lambda loc, loc_type=loc_type: isinstance(loc, loc_type))
+
+
+def run_tokamax(problem: Any, inputs: list[Any]) -> tuple[dict, dict]:
+    """tokamax's autotune of ``problem``: its contender and its row of the report."""
+    import tokamax
+    from absl import flags
+
+    from kernel.contract import measured_fn
+
+    if not flags.FLAGS.is_parsed():  # tokamax's options are absl flags; ours are not
+        flags.FLAGS.mark_as_parsed()
+    give_locations_predicates()
+    start = time.perf_counter()
+    result = tokamax.autotune(measured_fn(problem, tokamax_attend(problem)), *inputs,
+                              progress_bar=False)
+    wall = time.perf_counter() - start
+    ops = [{"op": type(bound.op).__name__, "configs": len(data),
+            "failed": sum(isinstance(x, Exception) for x in data.values()),
+            "fastest": str(data.fastest_config)} for bound, data in result.data]
+    label = "; ".join(f"{op['op']}: {op['fastest']}" for op in ops)
+    return ({"tokamax autotune": (TokamaxCall(result), PeerConfig(label))},
+            {"wall_s": wall, "ops": ops})
+
+
+def splash_config(base: Any, settings: dict[str, Any]) -> Any:
+    """Our splash config of MaxText's ``sa_*`` settings (the fused backward has no dQ
+    blocks)."""
+    fields = {name.removeprefix("sa_"): value for name, value in settings.items()}
+    if fields.get("use_fused_bwd_kernel"):
+        fields.update(block_q_dq=None, block_kv_dq=None)
+    return base.replace(**fields)
+
+
+def tune_jax_grid(problem: Any, interpret: bool) -> dict[str, list[Any]]:
+    """The grid tune-jax searches for ``problem``: the forward's settings alone in fwd mode."""
+    grid = INTERPRET_GRID if interpret else TUNE_JAX_GRID
+    if problem.mode == "fwd":
+        return {name: grid[name] for name in FORWARD_SETTINGS if name in grid}
+    return grid
+
+
+def run_tune_jax(problem: Any, inputs: list[Any], args: argparse.Namespace) -> tuple[dict, dict]:
+    """tune-jax over splash's MaxText settings: its winner as a contender, and its row."""
+    import random
+
+    import jax
+    import tune_jax
+
+    from bench.tpu_check import target_here
+    from kernel import get_kernel
+
+    splash = get_kernel("splash").discover()
+    base = splash.default_config(problem, target_here(splash))
+    grid = tune_jax_grid(problem, args.interpret)
+
+    def step(q: Any, k: Any, v: Any, **settings: Any) -> Any:
+        return splash.build(problem, splash_config(base, settings))(q, k, v)
+
+    random.seed(0)  # tune-jax samples the grid with Python's random
+    tuned = tune_jax.tune(jax.jit(step, static_argnames=tuple(grid)), hyperparams=grid,
+                          sample_num=args.tune_jax_samples)
+    start = time.perf_counter()
+    jax.block_until_ready(tuned(*inputs))
+    wall = time.perf_counter() - start
+    best = splash_config(base, tuned.optimal_hyperparams)
+    timed = [r for r in tuned.timing_results.values() if math.isfinite(r.t_mean)]
+    return ({"tune-jax (splash)": (splash, best)},
+            {"wall_s": wall, "configs": len(tuned.timing_results),
+             "failed": len(tuned.timing_results) - len(timed),
+             "settings": dict(tuned.optimal_hyperparams), "config": best.label()})
+
+
+def run_ours(problem: Any, args: argparse.Namespace, folder: str) -> tuple[dict, list, dict]:
+    """Our default tune (the kernel choice): contenders, failure rows, and its row."""
+    start = time.perf_counter()
+    chosen, failed, choice = handset.tuned(problem, args, folder)
+    ours = {"wall_s": time.perf_counter() - start, "chosen_kernel": choice.get("chosen_kernel"),
+            "kernels": choice.get("kernels")}
+    print(f"{problem.label()}: ours {ours}", file=sys.stderr, flush=True)
+    return chosen, failed, ours
+
+
+def run_peers(problem: Any, args: argparse.Namespace) -> tuple[dict, list, dict]:
+    """Each peer asked for: contenders, rows of those that could not run, and their rows."""
+    import jax
+
+    from kernel.aot import example_inputs
+
+    inputs = [jax.device_put(x, jax.devices()[0]) for x in example_inputs(problem)]
+    runners = {"tokamax": lambda: run_tokamax(problem, inputs),
+               "tune_jax": lambda: run_tune_jax(problem, inputs, args)}
+    contenders, failed, tuners = {}, [], {}
+    for peer in args.peers.split(","):
+        why = missing(peer)
+        try:
+            found, tuners[peer] = ({}, {"error": why}) if why else runners[peer]()
+        except Exception as error:  # noqa: BLE001 - reported; the other tuners still run
+            found, tuners[peer] = {}, {"error": str(error).splitlines()[0][:300]}
+        print(f"{problem.label()}: {peer} {tuners[peer]}", file=sys.stderr, flush=True)
+        if not found:
+            failed.append({"name": peer, "config": None, "error": tuners[peer]["error"]})
+        contenders.update(found)
+    return contenders, failed, tuners
+
+
+def passed(row: dict[str, Any], bound: float) -> bool:
+    return row.get("median_ms") is not None and row["max_error"] <= bound
+
+
+def peer_ratios(rows: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """Ours over each peer's winner (a peer's time over ours: above 1 we are faster), and over
+    the best peer; a row over the error bound counts as failed, not as a time."""
+    ok = {row["name"]: row["median_ms"] for row in rows if passed(row, bound)}
+    ours = next((v for k, v in ok.items() if k.startswith("tuned: ")), None)
+    peers = {k: v for k, v in ok.items() if k in ("tokamax autotune", "tune-jax (splash)")}
+    best = min(peers, key=peers.get, default=None)
+    return {"over_peer": {k: v / ours for k, v in peers.items()} if ours else {},
+            "best_peer": best, "over_best_peer": ours and best and peers[best] / ours,
+            "over_maxtext": ours and ok.get(handset.MAXTEXT) and ok[handset.MAXTEXT] / ours,
+            "failed_check": [row["name"] for row in rows
+                             if row.get("median_ms") is not None and not passed(row, bound)]}
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import jax
+
+    from bench.chip import write_report
+    from bench.tpu_check import interleaved
+    from kernel.tolerance import max_relative_error
+
+    out = []
+    with tempfile.TemporaryDirectory() as folder:
+        for problem in handset.problems(args):
+            chosen, failed, ours = run_ours(problem, args, folder)
+            peers, peers_failed, tuners = run_peers(problem, args)
+            contenders, refused = handset.handset(problem, args.interpret)
+            timed = interleaved(problem, {**chosen, **peers, **contenders},
+                                failed + peers_failed + refused, args)
+            bound = max_relative_error(problem.dtype, jax.devices()[0].platform)
+            timed.update(tuners={"ours": ours, **tuners}, error_bound=bound,
+                         ratios=peer_ratios(timed["contenders"], bound))
+            out.append(timed)
+            print(problem.label(), timed["ratios"], flush=True)
+    report = {"trials": args.trials, "kernels": args.kernels, "rounds": args.rounds,
+              "tune_jax_samples": args.tune_jax_samples, "interpret": args.interpret,
+              "tune_jax_grid": TUNE_JAX_GRID, "problems": out,
+              "over_best_peer_geomean": geomean([p["ratios"]["over_best_peer"] for p in out
+                                                 if p["ratios"]["over_best_peer"]])}
+    write_report(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
