@@ -27,12 +27,16 @@ ENUMERATE_MAX = 200_000  # combinations up to which ``legal_configs`` lists the 
 class Space:
     """Named parameters, each with an ordered list of values, plus ``is_legal(config)``.
 
-    A config is a ``dict`` name -> value; configs compare by :meth:`key`.
+    A config is a ``dict`` name -> value; configs compare by :meth:`key`, the key of their
+    canonical form (``canonical``: the values a config takes where some parameters leave others
+    unused; identity by default), so the search measures each config once whatever an unused
+    parameter was drawn as, and such a parameter does not shrink its branch of the space.
     """
 
     def __init__(
         self, params: Mapping[str, Sequence[Any]], is_legal: Callable[[Config], bool] | None = None,
         *, legal: Iterable[Key] | None = None,
+        canonical: Callable[[Config], Config] | None = None,
     ) -> None:
         """``legal``: the keys of every legal config, where they are known as a list (a measured
         landscape's records): then ``is_legal`` is membership, and drawing or listing legal
@@ -53,6 +57,7 @@ class Space:
         self._distributions = {name: CategoricalDistribution(values)
                                for name, values in self._values.items()}
         self._is_legal = is_legal or (lambda config: True)
+        self._canonical = canonical or (lambda config: config)
         self._legal: list[Config] | None = None
         if legal is not None:
             self._legal = [dict(zip(self._values, key, strict=True)) for key in sorted(
@@ -79,7 +84,8 @@ class Space:
         return dict(self._distributions)
 
     def key(self, config: Mapping[str, Any]) -> Key:
-        return tuple(config[name] for name in self.names)
+        canonical = self.config(config)
+        return tuple(canonical[name] for name in self.names)
 
     def contains(self, config: Mapping[str, Any]) -> bool:
         """Every parameter present with one of its declared values."""
@@ -87,11 +93,11 @@ class Space:
                    for name, values in self._values.items())
 
     def is_legal(self, config: Mapping[str, Any]) -> bool:
-        return self.contains(config) and bool(self._is_legal(dict(config)))
+        return self.contains(config) and bool(self._is_legal(self.config(config)))
 
     def config(self, params: Mapping[str, Any]) -> Config:
-        """The config of an Optuna trial's params, in declaration order."""
-        return {name: params[name] for name in self._values}
+        """The canonical config of an Optuna trial's params, in declaration order."""
+        return self._canonical({name: params[name] for name in self._values})
 
     def configs(self) -> Iterator[Config]:
         """Every combination in lexicographic order of the declared values (legal or not)."""
@@ -107,7 +113,8 @@ class Space:
         if self._legal is None and self.size > ENUMERATE_MAX:
             return None
         if self._legal is None:
-            self._legal = [c for c in self.configs() if self.is_legal(c)]
+            self._legal = list({self.key(c): self.config(c) for c in self.configs()
+                                if self.is_legal(c)}.values())
         return self._legal
 
     def neighbours(self, config: Mapping[str, Any]) -> Iterator[Config]:
@@ -128,19 +135,21 @@ class Space:
             else:
                 others = [v for v in values if v != current]
             for value in others:
-                neighbour = {**config, name: value}
-                if self.is_legal(neighbour):
+                neighbour = self.config({**config, name: value})
+                if self.key(neighbour) != self.key(config) and self.is_legal(neighbour):
                     yield neighbour
 
     def random_legal(self, rng: random.Random, taken: set[Key]) -> Config | None:
-        """A uniformly random legal config whose key is not in ``taken`` (None when none is
-        left). Rejection sampling first; small legal fractions fall back to enumeration."""
+        """A random legal config whose key is not in ``taken`` (None when none is left), each
+        parameter drawn uniformly (a value it leaves unused made canonical after). Rejection
+        sampling first; small legal fractions fall back to enumeration (uniform over configs)."""
         for _ in range(_RANDOM_TRIES):
-            config = {name: rng.choice(values) for name, values in self._values.items()}
+            drawn = {name: rng.choice(values) for name, values in self._values.items()}
+            config = self.config(drawn)
             if self.key(config) not in taken and self.is_legal(config):
                 return config
         legal = self.legal_configs()
         if legal is None:  # too many to list once: one pass over the combinations
-            legal = [c for c in self.configs() if self.is_legal(c)]
+            legal = [self.config(c) for c in self.configs() if self.is_legal(c)]
         left = [c for c in legal if self.key(c) not in taken]
         return rng.choice(left) if left else None

@@ -217,7 +217,8 @@ def kernel_space(kernel: TunableKernel, problem: Problem,
             return False
         return kernel.is_legal(problem, config, target)
 
-    return Space(kernel.space_params(problem), is_legal), base
+    space = Space(kernel.space_params(problem), is_legal, canonical=kernel.canonical_params)
+    return space, base
 
 
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 import tempfile
@@ -74,6 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"the peer tuners to run, of {', '.join(PEERS)}")
     parser.add_argument("--tune-jax-samples", type=int, default=64,
                         help="combinations of the grid tune-jax compiles and times")
+    parser.add_argument("--tokamax-part", type=part, default=(1, 1), metavar="K/N",
+                        help="measure part K of N of tokamax's configs (every N-th), merged "
+                             "into --results; the comparison waits for all N (default 1/1)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="where each tuner's result is kept per problem and read back by "
+                             "a rerun: our study (SQLite), tune-jax's and tokamax's JSON "
+                             "(default: a temporary folder)")
+    parser.add_argument("--no-ours", dest="ours", action="store_false",
+                        help="leave our tune out (e.g. a call that measures a tokamax part)")
+    parser.add_argument("--no-compare", action="store_true",
+                        help="tune only: time no winner (their results stay in --results)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--interpret", action="store_true",
                         help="a CPU check: tiny shapes, the kernels in interpret mode")
@@ -83,6 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--peers: unknown {', '.join(sorted(unknown))}; of {', '.join(PEERS)}")
     return args
+
+
+def part(text: str) -> tuple[int, int]:
+    """``K/N`` as (K, N), 1 <= K <= N."""
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not K/N with 1 <= K <= N, e.g. 2/4")
+    return int(k), int(n)
 
 
 def missing(peer: str) -> str | None:
@@ -157,8 +177,30 @@ def give_locations_predicates() -> None:
                     lambda loc, loc_type=loc_type: isinstance(loc, loc_type))
 
 
-def run_tokamax(problem: Any, inputs: list[Any]) -> tuple[dict, dict]:
-    """tokamax's autotune of ``problem``: its contender and its row of the report."""
+def tokamax_part(ops: Any, part: tuple[int, int]) -> Any:
+    """tokamax's autotuning data of part ``k`` of ``n`` of each op's own configs (every
+    ``n``-th, in a fixed order), measured as ``tokamax.autotune`` measures them."""
+    import tokamax
+
+    k, n = part
+    data = []
+    for bound in ops:
+        configs = sorted(bound.autotuning_configs, key=repr)[k - 1::n]
+        data.append((bound, bound.autotune(set(configs))))
+    return tokamax.AutotuningResult(jax_device_kind(), tuple(data))
+
+
+def jax_device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
+                saved: Path) -> tuple[dict, dict]:
+    """tokamax's autotune of ``problem`` over its own configs, in ``--tokamax-part``s (each
+    part's data merged into ``saved``, tokamax's own JSON): its contender once every part is
+    measured, and its row of the report."""
     import tokamax
     from absl import flags
 
@@ -167,16 +209,27 @@ def run_tokamax(problem: Any, inputs: list[Any]) -> tuple[dict, dict]:
     if not flags.FLAGS.is_parsed():  # tokamax's options are absl flags; ours are not
         flags.FLAGS.mark_as_parsed()
     give_locations_predicates()
-    start = time.perf_counter()
-    result = tokamax.autotune(measured_fn(problem, tokamax_attend(problem)), *inputs,
-                              progress_bar=False)
-    wall = time.perf_counter() - start
+    row = json.loads(saved.read_text()) if saved.exists() else {"wall_s": 0.0, "parts": []}
+    k, n = args.tokamax_part
+    if [k, n] not in row["parts"]:
+        start = time.perf_counter()
+        ops = tokamax.autotuning.get_bound_args(
+            measured_fn(problem, tokamax_attend(problem)), *inputs)
+        result = tokamax_part(ops, (k, n))
+        if "result" in row:
+            result = tokamax.AutotuningResult.loads(row["result"]) | result
+        row.update(wall_s=row["wall_s"] + time.perf_counter() - start,
+                   parts=row["parts"] + [[k, n]], result=result.dumps())
+        saved.write_text(json.dumps(row))
+    result = tokamax.AutotuningResult.loads(row["result"])
     ops = [{"op": type(bound.op).__name__, "configs": len(data),
             "failed": sum(isinstance(x, Exception) for x in data.values()),
             "fastest": str(data.fastest_config)} for bound, data in result.data]
+    summary = {"wall_s": row["wall_s"], "parts": row["parts"], "ops": ops}
+    if len(row["parts"]) < n:
+        return {}, {**summary, "error": f"tokamax: {len(row['parts'])} of {n} parts measured"}
     label = "; ".join(f"{op['op']}: {op['fastest']}" for op in ops)
-    return ({"tokamax autotune": (TokamaxCall(result), PeerConfig(label))},
-            {"wall_s": wall, "ops": ops})
+    return {"tokamax autotune": (TokamaxCall(result), PeerConfig(label))}, summary
 
 
 def splash_config(base: Any, settings: dict[str, Any]) -> Any:
@@ -196,18 +249,29 @@ def tune_jax_grid(problem: Any, interpret: bool) -> dict[str, list[Any]]:
     return grid
 
 
-def run_tune_jax(problem: Any, inputs: list[Any], args: argparse.Namespace) -> tuple[dict, dict]:
-    """tune-jax over splash's MaxText settings: its winner as a contender, and its row."""
-    import random
-
-    import jax
-    import tune_jax
-
+def run_tune_jax(problem: Any, inputs: list[Any], args: argparse.Namespace,
+                 saved: Path) -> tuple[dict, dict]:
+    """tune-jax over splash's MaxText settings (its row kept in ``saved``, read back by a
+    rerun): its winner as a contender, and its row."""
     from bench.tpu_check import target_here
     from kernel import get_kernel
 
     splash = get_kernel("splash").discover()
     base = splash.default_config(problem, target_here(splash))
+    if not saved.exists():
+        saved.write_text(json.dumps(tune_jax_row(problem, inputs, args, splash, base)))
+    row = json.loads(saved.read_text())
+    return {"tune-jax (splash)": (splash, splash_config(base, row["settings"]))}, row
+
+
+def tune_jax_row(problem: Any, inputs: list[Any], args: argparse.Namespace, splash: Any,
+                 base: Any) -> dict[str, Any]:
+    """tune-jax's run: its wall time, configs timed and failed, and its winning settings."""
+    import random
+
+    import jax
+    import tune_jax
+
     grid = tune_jax_grid(problem, args.interpret)
 
     def step(q: Any, k: Any, v: Any, **settings: Any) -> Any:
@@ -219,18 +283,18 @@ def run_tune_jax(problem: Any, inputs: list[Any], args: argparse.Namespace) -> t
     start = time.perf_counter()
     jax.block_until_ready(tuned(*inputs))
     wall = time.perf_counter() - start
-    best = splash_config(base, tuned.optimal_hyperparams)
     timed = [r for r in tuned.timing_results.values() if math.isfinite(r.t_mean)]
-    return ({"tune-jax (splash)": (splash, best)},
-            {"wall_s": wall, "configs": len(tuned.timing_results),
-             "failed": len(tuned.timing_results) - len(timed),
-             "settings": dict(tuned.optimal_hyperparams), "config": best.label()})
+    return {"wall_s": wall, "configs": len(tuned.timing_results),
+            "failed": len(tuned.timing_results) - len(timed),
+            "settings": dict(tuned.optimal_hyperparams),
+            "config": splash_config(base, tuned.optimal_hyperparams).label()}
 
 
-def run_ours(problem: Any, args: argparse.Namespace, folder: str) -> tuple[dict, list, dict]:
-    """Our default tune (the kernel choice): contenders, failure rows, and its row."""
+def run_ours(problem: Any, args: argparse.Namespace) -> tuple[dict, list, dict]:
+    """Our default tune (the kernel choice; its study kept in ``--results``, where a rerun
+    resumes it): contenders, failure rows, and its row."""
     start = time.perf_counter()
-    chosen, failed, choice = handset.tuned(problem, args, folder)
+    chosen, failed, choice = handset.tuned(problem, args, str(args.results))
     ours = {"wall_s": time.perf_counter() - start, "chosen_kernel": choice.get("chosen_kernel"),
             "kernels": choice.get("kernels")}
     print(f"{problem.label()}: ours {ours}", file=sys.stderr, flush=True)
@@ -244,13 +308,14 @@ def run_peers(problem: Any, args: argparse.Namespace) -> tuple[dict, list, dict]
     from kernel.aot import example_inputs
 
     inputs = [jax.device_put(x, jax.devices()[0]) for x in example_inputs(problem)]
-    runners = {"tokamax": lambda: run_tokamax(problem, inputs),
-               "tune_jax": lambda: run_tune_jax(problem, inputs, args)}
+    runners = {"tokamax": lambda saved: run_tokamax(problem, inputs, args, saved),
+               "tune_jax": lambda saved: run_tune_jax(problem, inputs, args, saved)}
     contenders, failed, tuners = {}, [], {}
     for peer in args.peers.split(","):
         why = missing(peer)
         try:
-            found, tuners[peer] = ({}, {"error": why}) if why else runners[peer]()
+            saved = args.results / f"{slug(problem)}-{peer}.json"
+            found, tuners[peer] = ({}, {"error": why}) if why else runners[peer](saved)
         except Exception as error:  # noqa: BLE001 - reported; the other tuners still run
             found, tuners[peer] = {}, {"error": str(error).splitlines()[0][:300]}
         print(f"{problem.label()}: {peer} {tuners[peer]}", file=sys.stderr, flush=True)
@@ -258,6 +323,11 @@ def run_peers(problem: Any, args: argparse.Namespace) -> tuple[dict, list, dict]
             failed.append({"name": peer, "config": None, "error": tuners[peer]["error"]})
         contenders.update(found)
     return contenders, failed, tuners
+
+
+def slug(problem: Any) -> str:
+    """``problem``'s label as a file name."""
+    return problem.label().replace(" ", "_").replace("/", "-")
 
 
 def passed(row: dict[str, Any], bound: float) -> bool:
@@ -282,32 +352,44 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def compare(problem: Any, tuned: dict[str, tuple[Any, Any]], failed: list[dict[str, Any]],
+            args: argparse.Namespace) -> dict[str, Any]:
+    """Every tuner's winner and every hand-set config timed over the step in interleaved
+    rounds, each checked against the reference first; and the ratios."""
     import jax
 
-    from bench.chip import write_report
     from bench.tpu_check import interleaved
     from kernel.tolerance import max_relative_error
 
+    contenders, refused = handset.handset(problem, args.interpret)
+    timed = interleaved(problem, {**tuned, **contenders}, failed + refused, args)
+    bound = max_relative_error(problem.dtype, jax.devices()[0].platform)
+    ratios = peer_ratios(timed["contenders"], bound)
+    print(problem.label(), ratios, flush=True)
+    return {"timing": timed["timing"], "contenders": timed["contenders"], "error_bound": bound,
+            "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from bench.chip import write_report
+
     out = []
     with tempfile.TemporaryDirectory() as folder:
+        args.results = args.results or Path(folder)
+        args.results.mkdir(parents=True, exist_ok=True)
         for problem in handset.problems(args):
-            chosen, failed, ours = run_ours(problem, args, folder)
+            chosen, failed, ours = run_ours(problem, args) if args.ours else ({}, [], {})
             peers, peers_failed, tuners = run_peers(problem, args)
-            contenders, refused = handset.handset(problem, args.interpret)
-            timed = interleaved(problem, {**chosen, **peers, **contenders},
-                                failed + peers_failed + refused, args)
-            bound = max_relative_error(problem.dtype, jax.devices()[0].platform)
-            timed.update(tuners={"ours": ours, **tuners}, error_bound=bound,
-                         ratios=peer_ratios(timed["contenders"], bound))
-            out.append(timed)
-            print(problem.label(), timed["ratios"], flush=True)
+            row = {"problem": problem.label(), "tuners": {"ours": ours, **tuners}}
+            if not args.no_compare:
+                row.update(compare(problem, {**chosen, **peers}, failed + peers_failed, args))
+            out.append(row)
     report = {"trials": args.trials, "kernels": args.kernels, "rounds": args.rounds,
               "tune_jax_samples": args.tune_jax_samples, "interpret": args.interpret,
               "tune_jax_grid": TUNE_JAX_GRID, "problems": out,
               "over_best_peer_geomean": geomean([p["ratios"]["over_best_peer"] for p in out
-                                                 if p["ratios"]["over_best_peer"]])}
+                                                 if p.get("ratios", {}).get("over_best_peer")])}
     write_report(report, args.out)
     return report
 

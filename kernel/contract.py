@@ -209,6 +209,14 @@ class TunableKernel(ABC):
         """The values of each field the search varies for ``problem`` (and its mode); fields
         left out keep the default config's values."""
 
+    def canonical_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with each field the rest of them leave unused set to the value the
+        config takes then (e.g. a flag that drops a kernel, and that kernel's blocks). The search
+        draws such a field like any other and measures a config once, whatever it drew: a field
+        that is legal only at one value under a flag would otherwise make that flag's branch a
+        sliver of the legal space. Default: every field is always used."""
+        return params
+
     @abstractmethod
     def violations(self, problem: Problem, config: Any,
                    target: Target | str = "cpu") -> list[Violation]:

@@ -143,6 +143,33 @@ def test_a_sparse_space_lists_its_legal_configs_once_for_all_random_picks():
     assert len(tests) <= 4 * _RANDOM_TRIES + space.size
 
 
+def test_a_canonical_form_keeps_a_flag_s_branch_from_shrinking_to_its_legal_sliver():
+    """A flag that leaves a parameter unused: legal only at None under the flag as a rule, the
+    flag's branch is a third of the draws; made canonical, half of them, each config once."""
+    params = {"flag": [False, True], "a": [None, 1, 2], "b": [1, 2]}
+
+    def legal(c):
+        return (c["a"] is None) == c["flag"]
+
+    def canonical(c):
+        return {**c, "a": None} if c["flag"] else c
+
+    for space, low, high in ((Space(params, legal), 0.25, 0.42),
+                             (Space(params, legal, canonical=canonical), 0.5, 0.7)):
+        rng = random.Random(0)
+        share = sum(space.random_legal(rng, set())["flag"] for _ in range(600)) / 600
+        assert low < share < high
+    space = Space(params, legal, canonical=canonical)
+    assert space.key({"flag": True, "a": 2, "b": 1}) == space.key({"flag": True, "a": None, "b": 1})
+    assert len(space.legal_configs()) == 6  # 4 unflagged, 2 flagged: each canonical config once
+    # one step: the flag set (its unused value made canonical); a draw of the unused value
+    # alone is no step
+    assert {space.key(n) for n in space.neighbours({"flag": False, "a": 1, "b": 1})} == {
+        (False, 2, 1), (False, 1, 2), (True, None, 1)}
+    assert {space.key(n) for n in space.neighbours({"flag": True, "a": None, "b": 1})} == {
+        (True, None, 2)}
+
+
 def test_patience_stops_after_that_many_measurements_without_improvement():
     space = Space({"x": list(range(50))})
     result = search(space, lambda c: Measurement(10.0 + c["x"] % 3), trials=50, patience=5,
