@@ -69,20 +69,9 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     device_kind = jax.devices()[0].device_kind
     try:
         problems = captured_problems(fn, *abstract_args)
-        tuned_now = False
-        for problem in problems:
-            if finished_choice(store, device_kind, problem, candidates, options):
-                say_finished(problem, json_output)
-                continue
-            tuned_now = True
-            try:
-                summary = choose_kernel(problem, store, db_url, candidates, options,
-                                        observer_for=_progress_for(problem, trials,
-                                                                   json_output))
-            except (NothingToPublish, ConfigError) as error:  # e.g. too large for the device
-                typer.echo(f"error: {error}", err=True)
-                continue
-            _report(summary.to_dict(), json_output)
+        with jax.set_mesh(None):  # each problem is measured on one device, not the step's mesh
+            tuned_now = _tune_each(problems, store, db_url, device_kind, candidates, options,
+                                   json_output)
         table = _table_of(store, device_kind, problems)
         if not (confirm_step and table.choices):
             return table
@@ -97,6 +86,27 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
         return _table_of(store, device_kind, problems)
     finally:
         store.close()
+
+
+def _tune_each(problems: Sequence[Problem], store: Store, db_url: str, device_kind: str,
+               candidates: Sequence[str], options: TuneOptions, json_output: bool) -> bool:
+    """Chooses the kernel of each problem not finished before (a line on stderr for one no
+    candidate runs); whether any was tuned now."""
+    tuned_now = False
+    for problem in problems:
+        if finished_choice(store, device_kind, problem, candidates, options):
+            say_finished(problem, json_output)
+            continue
+        tuned_now = True
+        try:
+            summary = choose_kernel(problem, store, db_url, candidates, options,
+                                    observer_for=_progress_for(problem, options.trials,
+                                                               json_output))
+        except (NothingToPublish, ConfigError) as error:  # e.g. too large for the device
+            typer.echo(f"error: {error}", err=True)
+            continue
+        _report(summary.to_dict(), json_output)
+    return tuned_now
 
 
 def concrete_args(args: Sequence[Any]) -> tuple[Any, ...]:

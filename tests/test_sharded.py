@@ -319,3 +319,33 @@ def test_every_mask_under_every_sharding_style_matches_the_unsharded_call() -> N
     """)
     assert len(out) == 20
     assert all(error < 1e-4 for error in out.values()), out
+
+
+def test_tune_model_under_set_mesh_tunes_the_per_device_problem_on_one_device(
+        tmp_path: Path) -> None:
+    """The explicit-sharding style: the step traced and tuned under jax.set_mesh, its
+    arguments sharded by bare PartitionSpecs. The per-device problem is measured on one
+    device outside the context mesh, and the step then runs under the mesh from the table.
+    Before: ValueError "Received incompatible devices for jitted computation" from the
+    gate reference's compile in check_fits."""
+    out = _run(4, f"""
+        import autotune
+        mesh = jax.make_mesh((2, 2), ("data", "model"))
+        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kernel.flash_attention(q, k, v))))
+        with jax.set_mesh(mesh):
+            args = [jax.ShapeDtypeStruct((4, h, 128, 64), jnp.float32,
+                                         sharding=P("data", "model")) for h in (4, 2, 2)]
+            table = autotune.tune_model(step, *args, db="sqlite:///{tmp_path / 'autotune.db'}",
+                                        trials=1, kernels="flash")
+            with kernel.tables(table):
+                q, k, v = (jax.device_put(x, P("data", "model")) for x in arrays(4, 4, 2, 128, 64))
+                grad = step(q, k, v)
+                sources = {{p.label(): source for (_, _, p), source
+                           in kernel.resolution_sources().items()}}
+        print(json.dumps({{"choices": [c.problem.label() for c in table.choices],
+                          "grad": grad.sharding.spec[0], "sources": sources}}))
+    """)
+    local = "b2 h2/1 q128 kv128 d64 float32 full fwd_bwd"
+    assert out["choices"] == [local]
+    assert out["grad"] == "data"
+    assert out["sources"][local].startswith("scoped table")
