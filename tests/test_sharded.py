@@ -488,3 +488,44 @@ def test_a_strict_build_fails_the_trace_listing_what_the_pinned_table_misses(
     assert "AUTOTUNE_STRICT" in out["missed"] and "\\n" not in out["missed"]
     assert out["captured"] == ["b2 h2/2 q256 kv256 d64 float32 full fwd"]
     assert out["requests"] == 0
+
+
+def test_a_maxtext_style_step_is_tuned_and_runs_its_per_device_problem(tmp_path: Path) -> None:
+    """MaxText's style on a 2 x 4 mesh of Auto axes under jax.set_mesh: the attention op in
+    its own shard_map(check_vma=False), a training step around it. tune_model tunes the
+    per-device problem b2 h2/1 (measured outside the mesh), and the step then runs it from
+    the table, the same gradient as without the table."""
+    out = _run(8, f"""
+        import autotune
+        from jax.sharding import AxisType
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        spec = P("data", "model")
+
+        def attention_op(q, k, v):
+            return jax.shard_map(lambda q, k, v: kernel.flash_attention(q, k, v, causal=True),
+                                 mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                                 check_vma=False)(q, k, v)
+
+        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention_op(q, k, v) ** 2),
+                                argnums=(0, 1, 2)))
+        with jax.set_mesh(mesh):
+            args = [jax.ShapeDtypeStruct((4, h, 128, 64), jnp.float32,
+                                         sharding=NamedSharding(mesh, spec)) for h in (8, 4, 4)]
+            table = autotune.tune_model(step, *args, db="sqlite:///{tmp_path / 'autotune.db'}",
+                                        trials=1, kernels="flash")
+            placed = [jax.device_put(x, NamedSharding(mesh, spec))
+                      for x in arrays(4, 8, 4, 128, 64)]
+            untuned = step(*placed)
+            with kernel.tables(table):
+                tuned = step(*placed)
+                sources = {{f"{{name}} {{p.label()}}": source.split(";")[0] for (name, _, p), source
+                           in kernel.resolution_sources().items() if "scoped" in source}}
+        print(json.dumps({{"choices": [(c.kernel, c.problem.label()) for c in table.choices],
+                          "sources": sources,
+                          "grads": max(map(largest_error, tuned, untuned))}}))
+    """)
+    local = "b2 h2/1 q128 kv128 d64 float32 causal fwd_bwd"
+    assert out["choices"] == [["flash", local]]
+    assert list(out["sources"]) == [f"flash {local}"]
+    assert out["sources"][f"flash {local}"].startswith("scoped table")
+    assert out["grads"] < 1e-4
