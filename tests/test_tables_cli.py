@@ -455,6 +455,27 @@ def test_export_maxtext_of_two_shapes_confirms_the_config_against_maxtext_s_defa
     assert chosen is rows[0] or "MaxText's default stays" in done.stderr
 
 
+def test_export_maxtext_names_the_per_layer_configs_its_one_flag_set_cannot_express(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 71 item 5: a model whose local and global layers were tuned as different
+    problems, with different winners: MaxText has one set of sa_* flags for every layer, so
+    the export says which shape's own best config the flags could not express, and why.
+    Before: one sa_* set, with no word of the per-layer configs."""
+    local, full = (Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
+                           causal=True, window=window) for window in ((127, 0), None))
+    _splash_study(sqlite_db_url, local, {128: 0.001, 256: 1.0}, device="cpu")
+    _splash_study(sqlite_db_url, full, {128: 2.0, 256: 0.002}, device="cpu")
+    shapes = tmp_path / "model.yaml"
+    shapes.write_text(json.dumps([local.to_dict(), full.to_dict()]))
+    done = run_cli("export", "--format", "maxtext", "--shapes", str(shapes), "--db",
+                   sqlite_db_url, env={"COLUMNS": "250"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("not expressed")]
+    assert "one set of sa_* flags for every attention layer" in line
+    # The winners differ, so the one flag set misses at least one shape's own best config.
+    assert "shape 1 q256 kv256/128" in line or "shape 2 q256 kv256/256" in line
+
+
 def test_export_maxtext_of_two_shapes_measures_on_their_device_kind(
         sqlite_db_url: str, tmp_path: Path) -> None:
     """Issue 62 item 9: the shared config is confirmed by measuring it, so entries tuned on
