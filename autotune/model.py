@@ -213,13 +213,16 @@ def _restricted(choice: KernelChoice, site: Site, table: LookupTable) -> KernelC
     timings = choice.candidates
     kernel = next((name for name in choice.ranked() if name in allowed
                    and timings.get(name, KernelTiming()).median_ms is not None), None)
-    config = choice.config if kernel == choice.kernel else next(
-        (e.config for t in table.kernel_tables() if t.kernel == kernel
-         for e in t.entries if e.problem == choice.problem), None)
-    if config is None:
-        return None
+    if kernel == choice.kernel:
+        config, provenance = choice.config, choice.provenance
+    else:  # another kernel: its tuned entry, of its table's version
+        found = next(((e.config, t.kernel_version) for t in table.kernel_tables()
+                      if t.kernel == kernel for e in t.entries if e.problem == choice.problem),
+                     None)
+        if found is None:
+            return None
+        config, provenance = found[0], {**choice.provenance, "kernel_version": found[1]}
     candidates = {**{name: t for name, t in timings.items() if name in allowed},
                   **{name: KernelTiming(failure=Status.ILLEGAL) for name in site.refused}}
     return dataclasses.replace(choice, kernel=kernel, config=config, candidates=candidates,
-                               provenance={**choice.provenance, RESTRICTED: site.runnable,
-                                           "kernel_version": get_kernel(kernel).version})
+                               provenance={**provenance, RESTRICTED: site.runnable})
