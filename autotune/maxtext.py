@@ -1,6 +1,8 @@
 """MaxText's splash attention settings (the ``sa_*`` flags of its ``train.py``) from tuned
 splash configs: the stored entry of one shape, or the config best for several shapes that
-one set of settings must serve (a model's local and global attention layers).
+one set of settings must serve (a model's local and global attention layers: MaxText has no
+per-layer flags, so each shape's own best config, where it differs, is named as not
+expressed).
 
 MaxText takes one ``BlockSizes`` per model, field for field (``block_q`` is ``sa_block_q``,
 ...; a null dQ block of a fused backward is left out). For several shapes the candidates are
@@ -47,6 +49,7 @@ class SharedConfig:
     device_kind: str
     timing: str  # the method the confirmation timed with (the stored entries')
     rounds: int
+    own: dict[Problem, Any]  # each shape's stored winner: its best config tuned alone
 
     @property
     def problems(self) -> list[Problem]:
@@ -104,7 +107,8 @@ def shared_config(store: Store, device_kind: str, problems: Sequence[Problem],
                             for key, times in confirmed.items()}, DEFAULT)
     config = chosen if chosen != DEFAULT else _default_flags(kernel, set(defaults.values()))
     return SharedConfig(config, confirmed, chosen, device_kind, methods[0],
-                        options.confirm_rounds)
+                        options.confirm_rounds, {e.result.problem: e.result.config
+                                                 for e in entries})
 
 
 def _check_measurable(kernel: TunableKernel, device_kind: str, entries: list[Entry]) -> None:
@@ -172,6 +176,13 @@ def confirmation_lines(shared: SharedConfig) -> list[str]:
         lines.append(f"  {times}{shared.total(key):8.3f}  {name}{mark}")
     if shared.chosen == DEFAULT and min(shared.confirmed, key=shared.total) != DEFAULT:
         lines.append("MaxText's default stays: no candidate beat it beyond the measured noise")
+    alone = [f"shape {n} {config.label(problem.mode)}"
+             for n, (problem, config) in enumerate(shared.own.items(), 1)
+             if config != shared.config]
+    if alone:
+        lines.append("not expressed: MaxText takes one set of sa_* flags for every attention "
+                     "layer, so a shape's own best config cannot be given to its layers alone "
+                     f"(tuned alone: {'; '.join(alone)}); the flags serve all shapes together")
     return lines
 
 

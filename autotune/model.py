@@ -12,7 +12,8 @@ a second call only reads; ``TuneOptions(force=True)`` confirms it again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -24,11 +25,14 @@ from autotune.commands.db import open_store, resolve_url
 from autotune.commands.tune import _report, ensure_schema, say_finished
 from autotune.progress import TuneProgress
 from autotune.step_choice import confirm_step_choice, confirmed_before, publish_step_choice
-from autotune.traced import captured_problems
+from autotune.failures import Status
+from autotune.traced import captured_calls
 from autotune.tune import NothingToPublish, TuneOptions
-from kernel import ConfigError, LookupTable, Problem, get_kernel
+from kernel import Capture, ConfigError, LookupTable, Problem, get_kernel
+from kernel.table import KernelChoice, KernelTiming
 from storage import Store
 
+RESTRICTED = "restricted_to"  # a returned choice's provenance: the candidates it was cut to
 CONFIRMED_BEFORE = ("step confirmation: kept from an earlier call for this step, nothing tuned "
                     "since (TuneOptions(force=True) tunes and confirms it again)")
 
@@ -68,22 +72,10 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     db_url, store = _open(db)
     device_kind = jax.devices()[0].device_kind
     try:
-        problems = captured_problems(fn, *abstract_args)
-        tuned_now = False
-        for problem in problems:
-            if finished_choice(store, device_kind, problem, candidates, options):
-                say_finished(problem, json_output)
-                continue
-            tuned_now = True
-            try:
-                summary = choose_kernel(problem, store, db_url, candidates, options,
-                                        observer_for=_progress_for(problem, trials,
-                                                                   json_output))
-            except (NothingToPublish, ConfigError) as error:  # e.g. too large for the device
-                typer.echo(f"error: {error}", err=True)
-                continue
-            _report(summary.to_dict(), json_output)
-        table = _table_of(store, device_kind, problems)
+        sites = _call_sites(captured_calls(fn, *abstract_args), candidates)
+        with jax.set_mesh(None):  # each problem is measured on one device, not the step's mesh
+            tuned_now = _tune_each(sites, store, db_url, device_kind, options, json_output)
+        table = _table_of(store, device_kind, sites)
         if not (confirm_step and table.choices):
             return table
         if not tuned_now and confirmed_before(table):  # a rerun only reads, as the tune does
@@ -91,12 +83,64 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
             return table
         step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
                                    options.confirm_rounds, options.timing)
-        publish_step_choice(store, device_kind, table, step)
+        publish_step_choice(store, device_kind, dataclasses.replace(table, choices=tuple(
+            c for c in table.choices if RESTRICTED not in c.provenance)), step)
         if step.changed:
             typer.echo(step.line(), err=True)
-        return _table_of(store, device_kind, problems)
+        return _table_of(store, device_kind, sites)
     finally:
         store.close()
+
+
+@dataclass(frozen=True)
+class Site:
+    """The candidates that can run a problem where the step calls it, and those that cannot
+    there (inside ``jax.shard_map`` with ``check_vma``, say), each with why."""
+
+    runnable: tuple[str, ...]
+    refused: Mapping[str, str]
+
+
+def _call_sites(calls: Capture, candidates: Sequence[str]) -> dict[Problem, Site]:
+    """The site of each captured problem some candidate can run there; the candidates refused
+    there are said on stderr, and a problem none can run there is left out (said so)."""
+    sites = {}
+    for problem in calls.problems:
+        refused = {name: why for name, why in calls.refused(problem).items()
+                   if name in candidates}
+        runnable = tuple(name for name in candidates if name not in refused)
+        for name, why in refused.items():
+            typer.echo(f"{problem.label()}: {name} is not tuned: it cannot run where the "
+                       f"step calls it ({why})", err=True)
+        if runnable:
+            sites[problem] = Site(runnable, refused)
+        else:
+            typer.echo(f"error: no candidate kernel ({', '.join(candidates)}) can run "
+                       f"{problem.label()} where the step calls it; left out of the table",
+                       err=True)
+    return sites
+
+
+def _tune_each(sites: Mapping[Problem, Site], store: Store, db_url: str, device_kind: str,
+               options: TuneOptions, json_output: bool) -> bool:
+    """Chooses the kernel of each problem among the candidates that run at its site, unless
+    finished before (a line on stderr for one no candidate runs); whether any was tuned now."""
+    tuned_now = False
+    for problem, site in sites.items():
+        candidates = site.runnable
+        if finished_choice(store, device_kind, problem, candidates, options):
+            say_finished(problem, json_output)
+            continue
+        tuned_now = True
+        try:
+            summary = choose_kernel(problem, store, db_url, candidates, options,
+                                    observer_for=_progress_for(problem, options.trials,
+                                                               json_output))
+        except (NothingToPublish, ConfigError) as error:  # e.g. too large for the device
+            typer.echo(f"error: {error}", err=True)
+            continue
+        _report(summary.to_dict(), json_output)
+    return tuned_now
 
 
 def concrete_args(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -141,16 +185,44 @@ def _progress_for(problem: Problem, trials: int,
     return lambda name: TuneProgress(problem, trials, json_output=json_output, kernel=name)
 
 
-def _table_of(store: Store, device_kind: str, problems: Sequence[Problem]) -> LookupTable:
-    """The device's table cut to ``problems``: their kernel choices, and each kernel's
-    entries for them."""
-    wanted = set(problems)
+def _table_of(store: Store, device_kind: str, sites: Mapping[Problem, Site]) -> LookupTable:
+    """The device's table cut to the problems of ``sites``: each kernel's entries for them,
+    and their kernel choices among the candidates that run at their site
+    (:func:`_restricted`)."""
+    wanted = set(sites)
 
     def cut(table: LookupTable) -> LookupTable:
         return dataclasses.replace(table, entries=tuple(
             e for e in table.entries if e.problem in wanted))
 
-    table = store.export_table(device_kind)
-    return dataclasses.replace(
-        cut(table), choices=tuple(c for c in table.choices if c.problem in wanted),
-        others=tuple(cut(other) for other in table.others))
+    exported = store.export_table(device_kind)
+    table = dataclasses.replace(cut(exported), others=tuple(cut(t) for t in exported.others))
+    choices = (_restricted(c, sites[c.problem], table) for c in exported.choices
+               if c.problem in wanted)
+    return dataclasses.replace(table, choices=tuple(c for c in choices if c is not None))
+
+
+def _restricted(choice: KernelChoice, site: Site, table: LookupTable) -> KernelChoice | None:
+    """``choice`` among the candidates of ``site`` only (``kernels=``, less those refused at
+    the call site): itself when made among them, else the fastest of them it measured at its
+    tuned config in ``table``, the refused recorded as ``illegal`` and the cut in its
+    provenance (``restricted_to``); None when it measured none of them."""
+    allowed = set(site.runnable)
+    if set(choice.candidates) <= allowed and not site.refused:
+        return choice
+    timings = choice.candidates
+    kernel = next((name for name in choice.ranked() if name in allowed
+                   and timings.get(name, KernelTiming()).median_ms is not None), None)
+    if kernel == choice.kernel:
+        config, provenance = choice.config, choice.provenance
+    else:  # another kernel: its tuned entry, of its table's version
+        found = next(((e.config, t.kernel_version) for t in table.kernel_tables()
+                      if t.kernel == kernel for e in t.entries if e.problem == choice.problem),
+                     None)
+        if found is None:
+            return None
+        config, provenance = found[0], {**choice.provenance, "kernel_version": found[1]}
+    candidates = {**{name: t for name, t in timings.items() if name in allowed},
+                  **{name: KernelTiming(failure=Status.ILLEGAL) for name in site.refused}}
+    return dataclasses.replace(choice, kernel=kernel, config=config, candidates=candidates,
+                               provenance={**provenance, RESTRICTED: site.runnable})

@@ -3,7 +3,9 @@
 What ``autotune.tune_model`` and ``autotune tune --from module:function --args ...`` tune:
 the function is traced with ``jax.eval_shape`` inside ``kernel.capture()``, so every
 ``kernel.flash_attention`` call it makes is found in the mode it runs (``fwd_bwd`` when
-differentiated).
+differentiated). Where a call's shardings are left to XLA (plain ``jax.jit`` on a host of
+several devices) the function is lowered too (not compiled): a program over several devices
+raises there, naming the fix, rather than yield the global problem (docs/sharded-training.md).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import jax
 
-from kernel import Problem, capture
+from kernel import Capture, Problem, capture
 
 _SPEC = re.compile(r"^\s*([A-Za-z0-9_]+)\[([0-9,\s]*)\]\s*$")
 
@@ -29,15 +31,23 @@ class TraceError(ValueError):
 def captured_problems(fn: Callable[..., Any], *abstract_args: Any) -> list[Problem]:
     """The problems ``fn(*abstract_args)`` resolves, each once, in trace order. The arguments
     may be arrays, ``jax.ShapeDtypeStruct`` objects or pytrees of them."""
+    return captured_calls(fn, *abstract_args).problems
+
+
+def captured_calls(fn: Callable[..., Any], *abstract_args: Any) -> Capture:
+    """The capture of ``fn(*abstract_args)``: its problems (:func:`captured_problems`) and the
+    kernels that cannot run each where it is called (``Capture.refused``)."""
     with capture() as problems:
         try:
             jax.eval_shape(fn, *abstract_args)
+            if problems.unplaced:  # plain jit on several devices: lowering checks its shardings
+                jax.jit(fn).lower(*abstract_args)
         except Exception as error:  # noqa: BLE001 - the user's code: named in one line
             raise TraceError(f"tracing {_name(fn)} failed: {type(error).__name__}: "
                              f"{error}") from error
     if not problems.problems:
         raise TraceError(f"{_name(fn)} makes no kernel.flash_attention call: nothing to tune")
-    return problems.problems
+    return problems
 
 
 def load_function(spec: str, what: str = "--from") -> Callable[..., Any]:

@@ -16,7 +16,14 @@ from kernel.attention import dot_product_attention, flash_attention
 from kernel.backends.flash.config import FlashConfig
 from kernel.capture import Capture, capture
 from kernel.contract import TunableKernel, reference_attention
-from kernel.errors import AutotuneError, ConfigError, ProblemError, TableError
+from kernel.errors import (
+    AutotuneError,
+    ConfigError,
+    ProblemError,
+    ShardingError,
+    StrictMiss,
+    TableError,
+)
 from kernel.misses import Borrowed, Miss, borrowed, untuned
 from kernel.platforms import skip_absent_tpu
 from kernel.problem import Problem
@@ -30,7 +37,8 @@ from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
     "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Borrowed", "Capture", "ConfigError",
-    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "TableEntry", "TableError",
+    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "ShardingError",
+    "StrictMiss", "TableEntry", "TableError",
     "Target", "TunableKernel", "Violation", "borrowed", "capture", "device_target",
     "dot_product_attention", "flash_attention", "get_kernel", "get_target", "kernel_names",
     "reference_attention", "resolution_sources", "tables", "untuned", "use_table",

@@ -12,12 +12,12 @@ import dataclasses
 import functools
 from typing import Any
 
-from kernel.capture import Call, observe
+from kernel.capture import Call, note_unplaced, observe
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem, finite_float, shown_number, softcap_problem
 from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
-from kernel.sharded import explicit_specs
+from kernel.sharded import check_per_device, explicit_specs, unplaced
 from kernel.targets import GPU_PLATFORMS, Target, device_target
 
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
@@ -115,6 +115,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         return _per_device(sharded, functools.partial(
             flash_attention, causal=causal, sm_scale=sm_scale, window=window,
             logits_soft_cap=logits_soft_cap, config=config, layout="BHSD"), q, k, v, ids)
+    if not check_per_device(q):  # plain jit on several devices: known only when lowered
+        q = unplaced(q)
+        note_unplaced()
     problem = dataclasses.replace(problem, window=window, softcap=logits_soft_cap,
                                   segmented=bool(ids))
     platform, device_kind = _default_device()
@@ -144,7 +147,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                                     device_kind, backend.name, target, pick.by).config
 
         observe(call, moded, backend.name, *_source(resolver, moded, device_kind, backend,
-                                                    target, pick.by))
+                                                    target, pick.by),
+                refusals=lambda: resolver.refusals(moded, target))
         return backend.attention(moded, config_for, float(sm_scale))
 
     return by_mode(attend)(q, k, v, *ids)

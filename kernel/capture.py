@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from kernel.misses import note as note_miss
 from kernel.problem import Problem
@@ -43,10 +43,21 @@ class Capture:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._modes: dict[Call, dict[str, Problem]] = {}
+        self._refused: dict[Problem, dict[str, str]] = {}
+        # A call whose per-device problem is known only when its program is lowered (plain
+        # jit on several devices: kernel.sharded.unplaced): lower the function to check it.
+        self.unplaced = False
 
-    def _note(self, call: Call, problem: Problem) -> None:
+    def _note(self, call: Call, problem: Problem, refused: Mapping[str, str]) -> None:
         with self._lock:
             self._modes.setdefault(call, {})[problem.mode] = problem
+            self._refused.setdefault(problem, {}).update(refused)
+
+    def refused(self, problem: Problem) -> dict[str, str]:
+        """The registered kernels that cannot run ``problem`` where a call traced it (inside
+        ``jax.shard_map`` with ``check_vma``, say), each with why."""
+        with self._lock:
+            return dict(self._refused.get(problem, {}))
 
     @property
     def problems(self) -> list[Problem]:
@@ -89,15 +100,25 @@ def capture() -> Iterator[Capture]:
         _CAPTURES.reset(token)
 
 
+def note_unplaced() -> None:
+    """Tells the captures around the caller that a call's per-device problem is checked only
+    when its program is lowered (:attr:`Capture.unplaced`)."""
+    for captured in _CAPTURES.get():
+        captured.unplaced = True
+
+
 def observe(call: Call, problem: Problem, kernel: str, source: str, detail: str,
-            tunable: bool, origin: Problem | None = None) -> None:
+            tunable: bool, origin: Problem | None = None,
+            refusals: Callable[[], Mapping[str, str]] = dict) -> None:
     """What the wrapper tells of each mode a call resolves: ``problem`` (in that mode) runs
     ``kernel`` with a config from ``source`` (``detail``: why); ``tunable``: the kernel has
     fields to tune for it; ``origin``: the tuned problem the config was borrowed from (the
-    nearest entry). Feeds the captures around the caller, else the misses
-    (:mod:`kernel.misses`: an abstract trace for a capture runs nothing)."""
+    nearest entry); ``refusals()``: the kernels that cannot run it there, asked only by a
+    capture. Feeds the captures around the caller, else the misses (:mod:`kernel.misses`: an
+    abstract trace for a capture runs nothing)."""
     captures = _CAPTURES.get()
+    refused = refusals() if captures else {}
     for captured in captures:
-        captured._note(call, problem)
+        captured._note(call, problem, refused)
     if not captures:
         note_miss(call, problem, kernel, source, detail, tunable, origin)

@@ -34,3 +34,13 @@ class ConfigError(AutotuneError):
 
 class TableError(AutotuneError):
     """A lookup table is malformed; the message names the file, entry and field."""
+
+
+class ShardingError(AutotuneError):
+    """Attention is called where the problem each device computes cannot be known; the
+    message names where and the fix."""
+
+
+class StrictMiss(AutotuneError):
+    """A strict build (``AUTOTUNE_STRICT``) traced attention its pinned tables do not answer;
+    the message lists the problems and the fix."""

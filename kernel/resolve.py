@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kernel.contract import TunableKernel
-from kernel.errors import ConfigError, TableError
+from kernel.errors import ConfigError, StrictMiss, TableError
 from kernel.problem import MODES, Problem
 from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
 from kernel.rules import x64_enabled
@@ -44,6 +44,8 @@ from kernel.targets import GPU_PLATFORMS, Target
 log = logging.getLogger(__name__)
 
 SOURCES = ("table", "service", "default")
+# Strict builds: off, every config from a pinned table's exact entry, or its nearest too.
+STRICT_MODES = ("", "exact", "nearest")
 # The longest settings taken from the environment; longer is a typo (and a deadline past
 # threading.TIMEOUT_MAX would fail the trace).
 MAX_TIMEOUT_MS = 60_000  # a trace waits at most a minute for the service
@@ -128,14 +130,17 @@ def _env_number(name: str, default: float, most: float) -> float:
 class ResolverSettings:
     """Read from the environment: ``AUTOTUNE_TABLE`` (paths joined by ``os.pathsep``),
     ``AUTOTUNE_URL``, ``AUTOTUNE_TIMEOUT_MS`` (default 250: the deadline of a whole service
-    request), ``AUTOTUNE_BREAKER_S`` (default 30) and ``AUTOTUNE_TPU_KERNEL`` (the registered
-    backend ``flash_attention`` runs on a TPU; default: the first registered TPU backend)."""
+    request), ``AUTOTUNE_BREAKER_S`` (default 30), ``AUTOTUNE_TPU_KERNEL`` (the registered
+    backend ``flash_attention`` runs on a TPU; default: the first registered TPU backend) and
+    ``AUTOTUNE_STRICT`` (``1``: every config from a pinned table's exact entry, ``nearest``:
+    or its nearest; the service is not asked and a miss fails the trace; default off)."""
 
     table_paths: tuple[str, ...] = ()
     url: str | None = None
     timeout_s: float = 0.25
     breaker_s: float = 30.0
     tpu_kernel: str | None = None
+    strict: str = ""  # one of STRICT_MODES
 
     @classmethod
     def from_env(cls) -> ResolverSettings:
@@ -152,7 +157,19 @@ class ResolverSettings:
             timeout_s=_env_number("AUTOTUNE_TIMEOUT_MS", 250, MAX_TIMEOUT_MS) / 1000,
             breaker_s=_env_number("AUTOTUNE_BREAKER_S", 30, MAX_BREAKER_S),
             tpu_kernel=tpu_kernel,
+            strict=_strict_mode(os.environ.get("AUTOTUNE_STRICT", "")),
         )
+
+
+def _strict_mode(raw: str) -> str:
+    """``AUTOTUNE_STRICT`` as one of ``STRICT_MODES``; a bad value logs one error and turns
+    strict mode on (exact): a build that asked for it must not quietly run without."""
+    value = {"1": "exact", "true": "exact", "0": "", "false": ""}.get(raw.lower(), raw.lower())
+    if value in STRICT_MODES:
+        return value
+    log.error("flash-autotune: AUTOTUNE_STRICT=%r is not one of 1, nearest or 0; using 1 "
+              "(every config from a pinned table's exact entry)", raw)
+    return "exact"
 
 
 def installed_versions() -> dict[str, str | None]:
@@ -199,6 +216,7 @@ class Resolver:
         self._indexes: dict[tuple[str, ...], ProblemIndex] = {}
         self._kernels: dict[str, TunableKernel] = {}
         self._installed = installed_versions()
+        self._strict_misses: list[str] = []
         for path in self.settings.table_paths:
             try:
                 self.use_table(path)
@@ -210,11 +228,17 @@ class Resolver:
         """HTTP requests sent to the lookup service, for tests and diagnostics."""
         return self.service.requests
 
-    def use_table(self, path: str | Path) -> None:
+    def use_table(self, path: str | Path, strict: bool | str = False) -> None:
         """Pins a lookup table (of any registered backend); it wins over the service for its
         kernel and device kind. Pinning a path again replaces its table (the file changed).
-        Raises ``TableError`` naming the file if it is malformed."""
+        Raises ``TableError`` naming the file if it is malformed. ``strict`` (True or
+        ``"nearest"``) turns strict mode on, as ``AUTOTUNE_STRICT``."""
+        if strict not in (False, True, "nearest"):
+            raise ValueError(f"strict must be True, False or 'nearest', got {strict!r}")
         self.pin(LookupTable.load(path), os.path.realpath(path))
+        if strict:
+            self.settings = dataclasses.replace(
+                self.settings, strict="nearest" if strict == "nearest" else "exact")
 
     def pin(self, table: LookupTable, name: str) -> None:
         """Pins a loaded table under ``name`` (pinned again, the name's table is replaced):
@@ -292,9 +316,7 @@ class Resolver:
                 by = f"chosen ({why})"
             else:
                 by = f"next best ({why}: " + "; ".join(refused) + ")"
-                log.warning("flash-autotune: running %s for %s on %s instead of the chosen %s "
-                            "(%s)", name, problem.label(), device_kind, choice.kernel,
-                            "; ".join(refused))
+                warn_next_best(name, problem, device_kind, choice.kernel, "; ".join(refused))
             if name == choice.kernel and self._current(choice):
                 moded = dataclasses.replace(problem, mode=choice.problem.mode)
                 match = "exact" if choice.problem == moded else "nearest"
@@ -323,6 +345,11 @@ class Resolver:
         (a version bump changes what a config means); unrecorded counts as current."""
         recorded = choice.provenance.get("kernel_version")
         return recorded is None or recorded == self.kernel(choice.kernel).version
+
+    def refusals(self, problem: Problem, target: Target) -> dict[str, str]:
+        """The registered backends that cannot run ``problem`` where it is traced (on
+        ``target``, inside ``jax.shard_map`` with ``check_vma``, under x64), each with why."""
+        return {name: why for name in KERNELS if (why := self._cannot_run(name, problem, target))}
 
     def _cannot_run(self, name: str, problem: Problem, target: Target) -> str:
         """Why backend ``name`` cannot run ``problem`` on ``target`` ('' when it can): not in
@@ -354,7 +381,7 @@ class Resolver:
                 return found[0], "table", f"{found[1]} choice in pinned table", 0.0
             reasons.append(f"no pinned kernel choice for {moded.label()} on {device_kind!r}")
         retry_at = 0.0
-        for mode in modes:
+        for mode in modes if not self.settings.strict else ():  # a build never asks a server
             answer = self.service.choice(device_kind, dataclasses.replace(problem, mode=mode),
                                          platform_kernel)
             if answer.value is not None:
@@ -380,10 +407,31 @@ class Resolver:
         """The config of ``kernel_name`` for ``problem`` on a device of ``device_kind``, whose
         rules are ``target``'s (the module docstring gives the order). ``kernel_by``: how
         :meth:`pick` chose the kernel, for :meth:`sources`."""
-        return self._once(self._cache, (kernel_name, device_kind, problem), lambda: (
+        resolution = self._once(self._cache, (kernel_name, device_kind, problem), lambda: (
             dataclasses.replace(self._resolve_uncached(problem, device_kind,
                                                        self.kernel(kernel_name), target),
                                 kernel_by=kernel_by)))
+        if self.settings.strict and not self._strictly_answered(resolution):
+            self._fail_strict(f"{kernel_name} {problem.label()} on {device_kind!r} "
+                              f"({resolution.describe(problem.mode, kernel_name)})")
+        return resolution
+
+    def _strictly_answered(self, resolution: Resolution) -> bool:
+        """Whether a strict build takes ``resolution``: from a pinned table, exact (or nearest
+        under ``AUTOTUNE_STRICT=nearest``), or a kernel with nothing to tune."""
+        return resolution.detail == NO_TUNABLE_FIELDS or resolution.source == "table" and (
+            resolution.match == "exact" or self.settings.strict == "nearest")
+
+    def _fail_strict(self, missed: str) -> None:
+        """Raises :class:`StrictMiss` listing every miss of this process, ``missed`` last."""
+        with self._lock:
+            self._strict_misses = [*dict.fromkeys([*self._strict_misses, missed])]
+            listed = "; ".join(self._strict_misses)
+        exactly = "exactly" if self.settings.strict == "exact" else "exactly or nearest"
+        raise StrictMiss(f"AUTOTUNE_STRICT: the pinned tables do not answer {exactly}: "
+                         f"{listed}; tune these problems into the table (kernel.capture or "
+                         "autotune.tune_model on the step, then autotune export) or unset "
+                         "AUTOTUNE_STRICT")
 
     def sources(self) -> dict[Key, str]:
         """How each key seen so far was resolved (:meth:`Resolution.describe`); a key not
@@ -405,8 +453,9 @@ class Resolver:
         reasons, retry_at = [], 0.0
         chosen = self._choice_configs.get((kernel.name, device_kind, problem))
         candidates = [("choice", lambda: (chosen, ""))] if chosen is not None else []
-        candidates += [("table", lambda: self._from_tables(problem, device_kind, kernel)),
-                       ("service", lambda: self._from_service(problem, device_kind, kernel))]
+        candidates += [("table", lambda: self._from_tables(problem, device_kind, kernel))]
+        if not self.settings.strict:  # a strict build never asks a server
+            candidates += [("service", lambda: self._from_service(problem, device_kind, kernel))]
         for source, find in candidates:
             found, why = find()
             if isinstance(found, Answer):
@@ -460,6 +509,13 @@ class Resolver:
                           origin=found.origin), ""
 
 
+def warn_next_best(kernel: str, problem: Problem, device_kind: str, chosen: str,
+                   why: str) -> None:
+    """The one warning of a kernel choice whose chosen kernel cannot run where it is traced."""
+    log.warning("flash-autotune: running %s for %s on %s instead of the chosen %s (%s)",
+                kernel, problem.label(), device_kind, chosen, why)
+
+
 def _settled(answer: Resolution | KernelPick) -> bool:
     """Whether a cached answer stands (it need not be asked again yet)."""
     return not answer.retry_at or time.monotonic() < answer.retry_at
@@ -487,10 +543,13 @@ def reset_resolver(settings: ResolverSettings | None = None) -> Resolver:
     return _default_resolver
 
 
-def use_table(path: str | Path) -> None:
+def use_table(path: str | Path, strict: bool | str = False) -> None:
     """Pins a lookup table for this process (same as ``AUTOTUNE_TABLE=path``); a function
-    traced before is traced again on its next call, resolving from it."""
-    get_resolver().use_table(path)
+    traced before is traced again on its next call, resolving from it. ``strict=True`` (or
+    ``"nearest"``): a strict build from now on, as ``AUTOTUNE_STRICT=1`` (or ``nearest``):
+    every attention call must resolve from the pinned tables, else its trace fails listing
+    the problems they miss (docs/sharded-training.md)."""
+    get_resolver().use_table(path, strict)
     retrace_all()
 
 

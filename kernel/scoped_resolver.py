@@ -24,7 +24,7 @@ from typing import Any
 
 from kernel.capture import capturing
 from kernel.problem import Problem
-from kernel.resolve import Key, KernelPick, Resolution, Resolver, get_resolver
+from kernel.resolve import Key, KernelPick, Resolution, Resolver, get_resolver, warn_next_best
 from kernel.table_scope import Block, ScopedTable, active_blocks, alive
 from kernel.targets import Target
 
@@ -88,9 +88,14 @@ class ScopedResolver:
             pick = own.pick(problem, device_kind, platform, target)
         if pick.choice is None:
             return self.outer.pick(problem, device_kind, platform, target)
+        key = (pick.kernel.name, device_kind, problem)
         with self.memory.lock:
-            self.memory.picked.add((pick.kernel.name, device_kind, problem))
-        return dataclasses.replace(pick, by=self._named(pick.by))
+            first = key not in self.memory.picked
+            self.memory.picked.add(key)
+        by = self._named(pick.by)
+        if first and pick.kernel.name != pick.choice.kernel:  # its warning was quieted above
+            warn_next_best(pick.kernel.name, problem, device_kind, pick.choice.kernel, by)
+        return dataclasses.replace(pick, by=by)
 
     def resolve(self, problem: Problem, device_kind: str, kernel_name: str, target: Target,
                 kernel_by: str = "") -> Resolution:
@@ -156,7 +161,8 @@ def _defaults(base: Resolver) -> Resolver:
 
 
 def _tableless(base: Resolver) -> Resolver:
-    return Resolver(dataclasses.replace(base.settings, table_paths=(), url=None))
+    """No table, no service, never strict: what it does not answer goes to ``base``."""
+    return Resolver(dataclasses.replace(base.settings, table_paths=(), url=None, strict=""))
 
 
 def _chain(base: Resolver, blocks: tuple[Block, ...]) -> ScopedResolver:

@@ -14,21 +14,31 @@
   partitioned"): :func:`explicit_specs` reads the inputs' shardings, and the wrapper runs
   itself per device under ``jax.shard_map`` over them, so the problem it resolves is the
   per-device one. Sharded sequence or head_dim axes are refused naming the fix.
+- Where XLA chooses the shardings after tracing (a context mesh of ``Auto`` axes, or plain
+  ``jax.jit`` over several devices with ``in_shardings`` or ``with_sharding_constraint`` on
+  such a mesh), the per-device problem is not known while tracing: :func:`check_per_device`
+  raises naming the fix (call it inside ``jax.shard_map``) at trace time where the context
+  mesh says so, else when the program is lowered over several devices (:func:`unplaced`).
 
 jax loads on the first call (``import kernel`` stays cheap).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
+from kernel.errors import ShardingError
 from kernel.rules import Violation
 
 # Axes of our [batch, heads, seq, head_dim] layout that may be sharded: each device then
 # computes whole sequences of its batch rows and heads.
 SHARDABLE = ("batch", "heads")
 AXES = ("batch", "heads", "seq", "head_dim")
+PER_DEVICE_FIX = ("call it inside jax.shard_map over the mesh (as MaxText's attention op does), "
+                  "or shard q, k and v over Explicit mesh axes (jax.make_mesh's default; "
+                  "jax.set_mesh for bare PartitionSpecs)")
 
 
 def checked_vma() -> bool:
@@ -102,3 +112,59 @@ def _padded(spec: Any) -> tuple[Any, ...]:
     unsharded)."""
     entries = tuple(spec)
     return entries + (None,) * (len(AXES) - len(entries))
+
+
+def unknown_per_device(where: str) -> ShardingError:
+    """The error of a call whose per-device problem cannot be known (``where``: the trace)."""
+    return ShardingError(f"flash_attention is traced {where}, whose shardings XLA chooses after "
+                         "tracing: the problem each device computes, which is what is tuned and "
+                         "looked up, is not known there (and a TPU cannot partition the Mosaic "
+                         f"kernel); {PER_DEVICE_FIX}")
+
+
+def check_per_device(q: Any) -> bool:
+    """Whether the per-device problem of a call is q's shape: True inside ``jax.shard_map``,
+    under a mesh's Explicit axes, or on a host of one device. Raises :class:`ShardingError`
+    where the context mesh (else q's, as a sharding constraint gives it) has ``Auto`` axes
+    over several devices; False where neither is known on a host of several devices (plain
+    ``jax.jit`` with ``in_shardings``, say): mark q :func:`unplaced`."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # no context mesh: q's own (a sharding constraint's, say)
+        mesh = jax.typeof(q).sharding.mesh
+    auto = [name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types,
+                                              strict=True)
+            if size > 1 and kind == jax.sharding.AxisType.Auto]
+    if auto:
+        raise unknown_per_device(f"over a mesh whose axes {', '.join(auto)} are Auto")
+    return not (mesh.empty and jax.device_count() > 1)
+
+
+def unplaced(q: Any) -> Any:
+    """``q`` through an identity whose lowering raises :func:`unknown_per_device` inside a
+    program over several devices outside ``jax.shard_map`` (XLA partitions it as it likes)."""
+    return _unplaced_primitive().bind(q)
+
+
+@functools.cache
+def _unplaced_primitive() -> Any:
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    primitive = Primitive("flash_attention_unplaced")
+    primitive.def_impl(lambda x: x)
+    primitive.def_abstract_eval(lambda x: x)
+    ad.primitive_jvps[primitive] = lambda primals, tangents: (primitive.bind(*primals),
+                                                              tangents[0])
+    batching.primitive_batchers[primitive] = lambda args, dims: (primitive.bind(*args), dims[0])
+
+    def lower(ctx: Any, x: Any) -> list[Any]:
+        devices = getattr(ctx.module_context.axis_context, "num_devices", 1)
+        if devices > 1:
+            raise unknown_per_device(f"in a jax.jit program over {devices} devices without "
+                                     "Explicit mesh axes on its inputs")
+        return [x]
+
+    mlir.register_lowering(primitive, lower)
+    return primitive

@@ -208,6 +208,22 @@ def test_a_bad_timeout_setting_is_reported_once_and_never_fails_a_trace(value, m
         reset_resolver(ResolverSettings())
 
 
+@pytest.mark.parametrize(("value", "mode", "error"), [
+    ("1", "exact", False), ("nearest", "nearest", False), ("0", "", False), ("", "", False),
+    ("yes please", "exact", True)])
+def test_autotune_strict_turns_a_strict_build_on_and_a_bad_value_never_off(
+        value, mode, error, monkeypatch, caplog):
+    """AUTOTUNE_STRICT (issue 71 item 6): 1 or nearest; a value it does not know logs one
+    error naming it and keeps strict mode on, so a build that asked for it never runs
+    without it."""
+    monkeypatch.setenv("AUTOTUNE_STRICT", value)
+    caplog.set_level(logging.ERROR, logger="kernel.resolve")
+    assert ResolverSettings.from_env().strict == mode
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert [value in message and "AUTOTUNE_STRICT" in message for message in errors] == (
+        [True] if error else [])
+
+
 def _table(tmp_path, config: FlashConfig, **provenance) -> str:
     path = tmp_path / "table.json"
     path.write_text(json.dumps({

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -420,6 +421,26 @@ def test_export_maxtext_prints_the_sa_flags_of_one_tuned_shape(
     assert_clean_failure(other, 1, "no tuned splash entry for", "autotune tune --kernel splash")
 
 
+# A model's local and global attention layers, tuned as two problems.
+SMALL_LOCAL, SMALL_GLOBAL = (Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256,
+                                     head_dim=128, causal=True, window=window)
+                             for window in ((127, 0), None))
+
+
+def _export_two_shapes(url: str, tmp_path: Path, local_times: dict[int, float],
+                       full_times: dict[int, float]) -> subprocess.CompletedProcess[str]:
+    """``export --format maxtext`` of ``SMALL_LOCAL`` and ``SMALL_GLOBAL`` on the CPU, their
+    splash studies' trials timed as given (block_kv_compute -> ms); it must succeed."""
+    _splash_study(url, SMALL_LOCAL, local_times, device="cpu")
+    _splash_study(url, SMALL_GLOBAL, full_times, device="cpu")
+    shapes = tmp_path / "model.yaml"
+    shapes.write_text(json.dumps([SMALL_LOCAL.to_dict(), SMALL_GLOBAL.to_dict()]))
+    done = run_cli("export", "--format", "maxtext", "--shapes", str(shapes), "--db", url,
+                   env={"COLUMNS": "250"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_export_maxtext_of_two_shapes_confirms_the_config_against_maxtext_s_default(
         sqlite_db_url: str, tmp_path: Path) -> None:
     """Issue 62 item 9: a model with local and global layers runs one set of sa_* flags, which
@@ -430,29 +451,37 @@ def test_export_maxtext_of_two_shapes_confirms_the_config_against_maxtext_s_defa
     from autotune.maxtext import sa_flags
     from kernel import get_kernel
 
-    local, full = (Problem(batch=1, q_heads=1, kv_heads=1, q_len=256, kv_len=256, head_dim=128,
-                           causal=True, window=window) for window in ((127, 0), None))
     # The searches' single trials claim block_kv_compute=128 is far the fastest in both.
-    _splash_study(sqlite_db_url, local, {128: 0.001, 256: 1.0}, device="cpu")
-    _splash_study(sqlite_db_url, full, {128: 0.002, 256: 2.0}, device="cpu")
-    shapes = tmp_path / "model.yaml"
-    shapes.write_text(json.dumps([local.to_dict(), full.to_dict()]))
-    done = run_cli("export", "--format", "maxtext", "--shapes", str(shapes), "--db",
-                   sqlite_db_url, env={"COLUMNS": "250"}, timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = _export_two_shapes(sqlite_db_url, tmp_path, {128: 0.001, 256: 1.0},
+                              {128: 0.002, 256: 2.0})
     assert "confirmed on cpu against MaxText's default: the median ms of 5 interleaved " \
            "rounds a shape, timed by wallclock" in done.stderr
-    assert f"shape 1: {local.label()}" in done.stderr and f"shape 2: {full.label()}" in done.stderr
+    assert f"shape 1: {SMALL_LOCAL.label()}" in done.stderr
+    assert f"shape 2: {SMALL_GLOBAL.label()}" in done.stderr
     rows = [line.split() for line in done.stderr.splitlines() if line.startswith("      ")]
     assert len(rows) == 2  # the default, and the one candidate that is not the default
     assert all(float(row[2]) == pytest.approx(float(row[0]) + float(row[1]), abs=2e-3)
                and float(row[2]) > 0.1 for row in rows)  # the confirmed times, not the trials'
     [chosen] = [row for row in rows if row[-1] == "chosen"]
-    default = get_kernel("splash").default_config(local)
+    default = get_kernel("splash").default_config(SMALL_LOCAL)
     flags = default if chosen[3:5] == ["MaxText's", "default"] else \
         default.replace(block_kv_compute=128)
     assert done.stdout.strip() == sa_flags(flags)
     assert chosen is rows[0] or "MaxText's default stays" in done.stderr
+
+
+def test_export_maxtext_names_the_per_layer_configs_its_one_flag_set_cannot_express(
+        sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 71 item 5: a model whose local and global layers were tuned as different
+    problems, with different winners: MaxText has one set of sa_* flags for every layer, so
+    the export says which shape's own best config the flags could not express, and why.
+    Before: one sa_* set, with no word of the per-layer configs."""
+    done = _export_two_shapes(sqlite_db_url, tmp_path, {128: 0.001, 256: 1.0},
+                              {128: 2.0, 256: 0.002})
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("not expressed")]
+    assert "one set of sa_* flags for every attention layer" in line
+    # The winners differ, so the one flag set misses at least one shape's own best config.
+    assert "shape 1 q256 kv256/128" in line or "shape 2 q256 kv256/256" in line
 
 
 def test_export_maxtext_of_two_shapes_measures_on_their_device_kind(

@@ -305,7 +305,11 @@ def stream_ahead(body, windows, count, ring: list, depth: int) -> None:
         body(t, *(buffer.at[slot] for buffer in buffers))
         return carry
 
-    lax.fori_loop(0, n, step, 0)
+    # A traced trip count even where it is static (attention without a mask or window): a
+    # static one makes fori_loop a scan, whose interpret-mode discharge in JAX 0.10.2 drops
+    # the varying mesh axes of its carry inside shard_map ("Scan carry input and output got
+    # mismatched varying manual axes"); Mosaic lowers both to the same scf.for.
+    lax.fori_loop(0, jnp.asarray(n, jnp.int32), step, 0)
     next_slot[0] = _rem(base + n, depth)
 
 
