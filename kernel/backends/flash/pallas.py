@@ -12,6 +12,7 @@ correctness oracle, not a speed proxy).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import operator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from kernel.sharded import summed_as, varying_struct
 # logit is at least as large (a fixed value like -1e30 loses to smaller visible logits, which then
 # count as masked), and no inf - inf NaN arises.
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+# Whether the kernel being traced runs in interpret mode (set by _pallas_call around its trace).
+_INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("interpreting", default=False)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
 
@@ -305,11 +308,12 @@ def stream_ahead(body, windows, count, ring: list, depth: int) -> None:
         body(t, *(buffer.at[slot] for buffer in buffers))
         return carry
 
-    # A traced trip count even where it is static (attention without a mask or window): a
-    # static one makes fori_loop a scan, whose interpret-mode discharge in JAX 0.10.2 drops
-    # the varying mesh axes of its carry inside shard_map ("Scan carry input and output got
-    # mismatched varying manual axes"); Mosaic lowers both to the same scf.for.
-    lax.fori_loop(0, jnp.asarray(n, jnp.int32), step, 0)
+    # Interpreted, a traced trip count even where it is static (attention without a mask or
+    # window): a static one makes fori_loop a scan, whose interpret-mode discharge in JAX 0.10.2
+    # drops the varying mesh axes of its carry inside shard_map ("Scan carry input and output
+    # got mismatched varying manual axes"). Compiled, the static count stays: Mosaic lowers a
+    # traced one to a different, larger kernel (3 loops become 6 in the unmasked fwd_bwd).
+    lax.fori_loop(0, jnp.asarray(n, jnp.int32) if _INTERPRETING.get() else n, step, 0)
     next_slot[0] = _rem(base + n, depth)
 
 
@@ -325,8 +329,12 @@ def _pallas_call(kernel, *, semantics: tuple[str, ...], **kwargs):
     (the fast HLO interpreter; ``pltpu.force_tpu_interpret_mode`` still overrides it)."""
 
     def call(interpret: bool, *args):
-        return pl.pallas_call(kernel, interpret=interpret, compiler_params=pltpu.CompilerParams(
-            dimension_semantics=semantics), **kwargs)(*args)
+        token = _INTERPRETING.set(interpret)  # read while pallas_call traces the kernel
+        try:
+            return pl.pallas_call(kernel, interpret=interpret, compiler_params=pltpu.CompilerParams(
+                dimension_semantics=semantics), **kwargs)(*args)
+        finally:
+            _INTERPRETING.reset(token)
 
     return lambda *args: lax.platform_dependent(
         *args, tpu=functools.partial(call, False), cpu=functools.partial(call, True))
