@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -68,6 +69,9 @@ def url_problem(url: str | None) -> str:
         parts.port  # noqa: B018 - raises on a port out of range
     except ValueError as error:
         return f"lookup service URL is unusable: AUTOTUNE_URL={url!r}: {error}"
+    if re.search(r"[\x00-\x20\x7f]", url or ""):  # http.client refuses it mid-trace
+        return (f"lookup service URL is unusable: AUTOTUNE_URL={url!r} holds a space or a "
+                "control character; percent-encode it or remove it")
     if parts.scheme not in ("http", "https") or not parts.hostname:  # "host:8000"
         return (f"lookup service URL is unusable: AUTOTUNE_URL={url!r} is not an http:// or "
                 "https:// URL with a host; set it to e.g. http://tuner:8000")

@@ -153,8 +153,11 @@ def test_a_block_beyond_any_float_falls_back_on_a_tpu_target(service):
 
 
 @pytest.mark.parametrize("url", ["http://[::1:8000", "http://127.0.0.1:99999",
-                                 "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http:///v1"])
+                                 "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http:///v1",
+                                 "http://exa mple.com", "http://127.0.0.1:8000/v\t1"])
 def test_an_unusable_service_url_falls_back(url):
+    """Issue 75 item 11b: a space in the host raised ``http.client.InvalidURL`` out of the
+    trace."""
     resolution = Resolver(ResolverSettings(url=url)).resolve(PROBLEM, "cpu", "flash", CPU)
     assert resolution.source == "default"
     assert "lookup service URL is unusable" in resolution.detail
