@@ -99,23 +99,31 @@ def shown_url(url: str | URL) -> str:
 
 @contextmanager
 def refusing_writes(url: str | URL) -> Iterator[None]:
-    """Turns the database's refusal to write (SQLite ``SQLITE_READONLY``/``SQLITE_FULL``,
-    PostgreSQL ``read_only_sql_transaction``/``disk_full``) into a ``WriteRefusedError``
-    that says so and what to do."""
+    """Turns the database's refusal to write (see :func:`write_refusal`) into a
+    ``WriteRefusedError`` that says so and what to do."""
     try:
         yield
     except SQLAlchemyError as error:
-        orig = getattr(error, "orig", None)
-        code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
-        reason = str(orig).strip().splitlines()[0] if orig else ""
-        shown = shown_url(url)
-        if code.startswith("SQLITE_READONLY") or code == "25006":
-            raise ReadOnlyDatabaseError(
-                f"the database {shown} is read-only ({reason}): lookups and exports work, but "
-                "nothing can be stored; make it writable or use a writable database") from None
-        if code == "SQLITE_FULL" or code == "53100":
-            raise database_full(url, reason) from None
-        raise
+        refusal = write_refusal(url, error)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def write_refusal(url: str | URL, error: BaseException | None) -> WriteRefusedError | None:
+    """The ``WriteRefusedError`` of a database's refusal to write (SQLite
+    ``SQLITE_READONLY``/``SQLITE_FULL``, PostgreSQL ``read_only_sql_transaction``/
+    ``disk_full``) as ``error``; None for any other error."""
+    orig = getattr(error, "orig", None)
+    code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
+    reason = str(orig).strip().splitlines()[0] if orig else ""
+    if code.startswith("SQLITE_READONLY") or code == "25006":
+        return ReadOnlyDatabaseError(
+            f"the database {shown_url(url)} is read-only ({reason}): lookups and exports work, "
+            "but nothing can be stored; make it writable or use a writable database")
+    if code == "SQLITE_FULL" or code == "53100":
+        return database_full(url, reason)
+    return None
 
 
 def database_full(url: str | URL, reason: str) -> DatabaseFullError:
