@@ -113,6 +113,11 @@ def tune(
             check_text("study", study)
         except ResultError as error:
             raise typer.BadParameter(str(error), param_hint="--study") from None
+    if selection != 1:  # before the database is opened (or created)
+        try:
+            chosen = select_devices(selection, local := LocalDevices.probe())
+        except DeviceSelectionError as error:
+            raise typer.BadParameter(str(error), param_hint="--devices") from None
     db_url = resolve_url(db)
     ensure_schema(db_url)
     store = open_store(db_url)
@@ -127,11 +132,6 @@ def tune(
     from kernel import ConfigError
 
     if selection != 1:
-        try:
-            chosen = select_devices(selection, local := LocalDevices.probe())
-        except DeviceSelectionError as error:
-            store.close()
-            raise typer.BadParameter(str(error), param_hint="--devices") from None
         candidates = candidates or local_kernels(local.platform, local.device_kind)
         with store:
             problems = _unfinished(problems, store, local.device_kind, kernel, candidates,
