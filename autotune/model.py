@@ -27,7 +27,7 @@ from autotune.step_choice import confirm_step_choice, confirmed_before, publish_
 from autotune.traced import captured_problems
 from autotune.tune import NothingToPublish, TuneOptions
 from kernel import ConfigError, LookupTable, Problem, get_kernel
-from storage import Store
+from storage import Store, shown_url
 
 CONFIRMED_BEFORE = ("step confirmation: kept from an earlier call for this step, nothing tuned "
                     "since (TuneOptions(force=True) tunes and confirms it again)")
@@ -125,7 +125,7 @@ def _open(db: str | None) -> tuple[str, Store]:
         ensure_schema(db_url)
         return db_url, open_store(db_url)
     except typer.Exit:
-        raise RuntimeError(f"cannot tune into database {db or '$AUTOTUNE_DB_URL'}: the "
+        raise RuntimeError(f"cannot tune into database {shown_url(db or '$AUTOTUNE_DB_URL')}: the "
                            "reason is on stderr above") from None
 
 

@@ -88,13 +88,18 @@ def _read_only(path: Path, immutable: bool, **kwargs: object) -> sqlite3.Connect
     return sqlite3.connect(uri, uri=True, **kwargs)
 
 
+_QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
 def shown_url(url: str | URL) -> str:
-    """``url`` with its password masked (``***``), for messages; one that does not parse
-    (a port that is not a number) is masked by its ``scheme://user:password@`` pattern."""
+    """``url`` with its password masked (``***``), for messages, whether it is given as
+    ``user:password@`` or in the query (``?password=``, libpq's ``sslpassword=``); one that
+    does not parse (a port that is not a number) is masked by these patterns."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        shown = make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):
-        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
+    return _QUERY_PASSWORD.sub(r"\1***", shown)
 
 
 @contextmanager

@@ -749,10 +749,18 @@ def test_shapes_that_are_not_text_and_a_database_password_are_named_safely(
     message = " ".join(done.stderr.replace("│", " ").split())  # unwrap rich's error panel
     assert done.returncode == 2 and "is not UTF-8 text (byte 0)" in message, message
     assert "Traceback" not in done.stderr
-    done = run_cli("tune", *problem_flags(TINY), "--kernel", "xla",
-                   "--db", "postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune")
-    assert done.returncode == 1 and "tuner:***@127.0.0.1:1" in done.stderr, done.stderr
-    assert "hunter2" not in done.stderr
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"schema_version": 1, "kernel": "flash", "kernel_version": "1",
+                                 "device_kind": "cpu", "entries": []}))
+    for db, shown in (("postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune",
+                       "tuner:***@127.0.0.1:1"),  # issue 75 item 11h: and in the query
+                      ("postgresql+psycopg://tuner@127.0.0.1:1/autotune?password=hunter2",
+                       "autotune?password=***")):
+        for args in (["tune", *problem_flags(TINY), "--kernel", "xla"], ["db", "upgrade"],
+                     ["import", str(table)]):
+            done = run_cli(*args, "--db", db)
+            assert done.returncode in (1, 2) and shown in done.stderr, (args, done.stderr)
+            assert "hunter2" not in done.stderr
 
 
 def test_a_problem_larger_than_the_device_is_refused_with_its_size(tmp_path: Path) -> None:

@@ -30,9 +30,9 @@ def landscape(
                                  "`autotune replay` and bench/search.py expect",
                                  param_hint="--output")
     import optuna
-    from sqlalchemy.engine import make_url
 
     from autotune.landscape import LandscapeError, save_landscape, study_document
+    from storage import shown_url
     from storage.studies import get_storage
 
     with open_store(db) as store, database_errors(store.url):
@@ -40,7 +40,7 @@ def landscape(
         names = [] if storage is None else optuna.get_all_study_names(storage)
         if study not in names:
             holds = ", ".join(map(repr, sorted(names))) or "no study"
-            typer.echo(f"error: no study {study!r} in {make_url(store.url).render_as_string()}"
+            typer.echo(f"error: no study {study!r} in {shown_url(store.url)}"
                        f"; it holds {holds}", err=True)
             raise typer.Exit(1)
         try:
