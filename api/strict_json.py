@@ -108,10 +108,12 @@ class StrictJsonRoute(APIRoute):
         async def strict_handler(request: Request) -> Response:
             # FastAPI validates a body of another type as raw bytes ("Input should be a valid
             # dictionary"): curl's --data-binary sends application/x-www-form-urlencoded.
+            # Without a Content-Type, the same (FastAPI reads no JSON then either).
             media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if takes_body and media and not _is_json(media):
+            if takes_body and not _is_json(media):
+                sent = f"as {media}" if media else "without a Content-Type"
                 raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
-                                    f"the body is sent as {media}, not JSON; send it with "
+                                    f"the body is sent {sent}, not as JSON; send it with "
                                     "the header Content-Type: application/json")
             settings = request.app.state.settings
             if writes:

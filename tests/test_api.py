@@ -639,6 +639,10 @@ def test_a_body_sent_as_another_media_type_is_a_415_naming_the_header(server: Se
                               headers={**server.auth, "Content-Type": media_type})
         assert response.status_code == 415, response.text
         assert "Content-Type: application/json" in response.json()["detail"]
+    # Issue 75 item 11p: without the header, "Input should be a valid dictionary".
+    response = httpx.post(f"{server.url}/v1/tables", content=table, headers=server.auth)
+    assert response.status_code == 415, response.text
+    assert response.json()["detail"].startswith("the body is sent without a Content-Type")
     for media_type in ("application/json; charset=utf-8", "application/merge-patch+json"):
         response = httpx.post(f"{server.url}/v1/tables", content=table,
                               headers={**server.auth, "Content-Type": media_type})
