@@ -82,6 +82,16 @@ ShapesOption = Annotated[Path | None, typer.Option(
     help="YAML/JSON list of problems (instead of the problem flags).")]
 
 
+def output_file(value: str) -> Path:
+    """An ``-o`` value: a file's path, or ``-`` for stdout. An empty one is refused as naming
+    no file (Typer's own check took it for the current directory)."""
+    if not value:
+        raise typer.BadParameter("'' names no file; give a file's path (- for stdout)")
+    if Path(value).is_dir():
+        raise typer.BadParameter(f"{value} is a directory; give a file's path (- for stdout)")
+    return Path(value)
+
+
 def known_kernel(name: str | None) -> str | None:
     if name is None:
         return None

@@ -10,12 +10,13 @@ import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
 from autotune.files import is_stdout
+from autotune.problem_options import output_file
 
 
 def landscape(
     study: Annotated[str, typer.Argument(
         help="The study's name, as `autotune tune` prints it ('study' in its --json summary).")],
-    output: Annotated[Path, typer.Option("-o", "--output", dir_okay=False,
+    output: Annotated[Path, typer.Option("-o", "--output", parser=output_file, metavar="<file>",
                                          help="Where to write the landscape (*.json.gz).")],
     partial: Annotated[bool, typer.Option(
         help="Write a study that did not measure its whole legal space (its unmeasured configs "
