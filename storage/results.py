@@ -178,6 +178,22 @@ def _measurement_in(value: Any, positive: bool, most: float) -> bool:
     return (value > 0 if positive else value >= 0) and value <= most
 
 
+# No attention call on any device takes under 100 ns: a faster time is no measurement, and
+# stored it would keep every real tune of its key out (a PUT of 5e-324 ms did).
+MIN_TIME_MS = 1e-4
+
+
+def implausible_time(result: TunedResult) -> str:
+    """Why a time of ``result`` is no measurement ('' when none is), naming the floor."""
+    for name in ("median_ms", "default_median_ms"):
+        value = getattr(result, name)
+        if value is not None and value < MIN_TIME_MS:
+            table = f" (a table entry's {TABLE_NAMES[name]})"
+            return (f"{name}{table} of {value!r} ms is below {MIN_TIME_MS} ms (100 ns), faster "
+                    "than any attention call runs: it is no measurement; send the time measured")
+    return ""
+
+
 NOISE_FLOOR = 0.01  # a lead under 1% of the slower median is noise, however tight the spreads
 
 
@@ -262,8 +278,12 @@ class TunedResult:
                          self.problem)
 
     def check_legal(self) -> None:
-        """Raises ResultError naming every rule of its kernel the config breaks for its problem
+        """Raises ResultError for a time no measurement gives (``implausible_time``), or
+        naming every rule of its kernel the config breaks for its problem
         (``TunableKernel.stored_violations``, as ``kernel.table.nearest_entry`` checks)."""
+        implausible = implausible_time(self)
+        if implausible:
+            raise ResultError(implausible)
         broken = get_kernel(self.kernel).stored_violations(self.problem, self.config)
         if broken:
             raise ResultError(f"config is illegal for {self.problem.label()}: "
@@ -275,7 +295,7 @@ class TunedResult:
         one."""
         if self.median_ms is None:
             return False
-        if other.median_ms is None:
+        if other.median_ms is None or implausible_time(other):  # stored before the floor
             return True
         if beyond_noise:
             return faster_beyond_noise(self.median_ms, self.iqr_ms, other.median_ms,

@@ -347,6 +347,16 @@ def test_non_finite_numbers_and_lone_surrogates_are_422s_naming_the_field(
         "total"] == 0
 
 
+def test_a_time_no_measurement_gives_is_a_422_naming_the_floor(server: Server) -> None:
+    """Issue 75 item 11j: a PUT of 5e-324 ms was stored, and every tune of its key kept it."""
+    kind = device()
+    response = httpx.put(f"{server.url}/v1/configs", json=body(kind, 5e-324),
+                         headers=server.auth)
+    assert response.status_code == 422 and "below 0.0001 ms" in response.text, response.text
+    assert httpx.get(f"{server.url}/v1/configs/lookup",
+                     params=lookup_params(kind)).status_code == 404
+
+
 def test_integers_beyond_what_a_database_column_holds_are_422s(server: Server) -> None:
     """2**31 fits SQLite's INTEGER but not PostgreSQL's: every stored integer is bounded by
     both (a 503 on PostgreSQL and a 500 on SQLite before)."""

@@ -47,6 +47,21 @@ def result(median_ms: float | None = 1.0, *, prob: Problem | None = None,
                        config=config or FlashConfig(block_q=256, block_kv=512), **values)
 
 
+def test_a_time_no_measurement_gives_is_refused_and_one_stored_is_replaced(
+        store: Store) -> None:
+    """Issue 75 item 11j: a published median of 5e-324 ms was stored, and kept out every
+    real tune of its key ("published: kept"). Under 100 ns is refused; one stored before
+    the floor loses to any measured result."""
+    for bogus in (result(5e-324, speedup=None), result(1.0, default_median_ms=1e-9)):
+        with pytest.raises(ResultError, match=r"below 0.0001 ms \(100 ns\).*no measurement"):
+            store.publish(bogus)
+    assert store.publish(result(1.0)).status == "inserted"
+    with store.engine.begin() as connection:  # as stored before the floor
+        connection.execute(text("UPDATE autotune_configs SET median_ms = 5e-324"))
+    assert store.publish(result(2.0), beyond_noise=True).status == "replaced"
+    assert store.get(result(2.0).key).result.median_ms == 2.0
+
+
 def test_publish_keeps_the_faster_result_and_archives_the_loser(store: Store) -> None:
     first = result(1.0)
     assert store.publish(first).status == "inserted"
