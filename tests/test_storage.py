@@ -335,8 +335,8 @@ def test_imports_of_the_same_keys_in_opposite_orders_both_land(store: Store) -> 
 
 
 def test_a_speedup_too_large_for_a_float_is_left_out(store: Store) -> None:
-    """Derived as default / median (1 / 1e-310 is inf): stored as unknown, not refused."""
-    outcome = store.publish(result(1e-310, default_median_ms=1.0, speedup=None))
+    """Derived as default / median (1e306 / 1e-3 is inf): stored as unknown, not refused."""
+    outcome = store.publish(result(1e-3, default_median_ms=1e306, speedup=None))
     assert outcome.status == "inserted" and outcome.entry.result.speedup is None
 
 
