@@ -60,8 +60,9 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     line on stderr. Arguments given as ``jax.ShapeDtypeStruct`` are synthesized for it
     (floats random normal, other types zeros, on the struct's sharding); it costs a compile
     and ``3 * confirm_rounds`` runs of the step per distinct table. A call that tunes nothing
-    again, on a step whose choices all carry a confirmation of these problems, keeps it (a
-    rerun only reads; one line on stderr).
+    again, on a step whose choices all carry a confirmation of this step (its jaxpr under
+    the stored table, ``autotune.step_choice.step_digest``), keeps it (a rerun only reads;
+    one line on stderr).
     """
     options = dataclasses.replace(options or TuneOptions(), trials=trials, timing=timing)
     candidates = _candidates(kernels)
@@ -86,7 +87,7 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
         table = _table_of(store, device_kind, problems)
         if not (confirm_step and table.choices):
             return table
-        if not tuned_now and confirmed_before(table):  # a rerun only reads, as the tune does
+        if not tuned_now and confirmed_before(fn, abstract_args, table):  # a rerun only reads, as the tune does
             typer.echo(CONFIRMED_BEFORE, err=True)
             return table
         step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
