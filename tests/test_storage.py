@@ -62,6 +62,19 @@ def test_a_time_no_measurement_gives_is_refused_and_one_stored_is_replaced(
     assert store.get(result(2.0).key).result.median_ms == 2.0
 
 
+def test_a_tune_within_the_noise_keeps_the_better_measured_result(store: Store) -> None:
+    """Issue 75 item 11o: two tunes of one problem at once; the one of 1 trial and a 5.2 ms
+    IQR published first, and the one of 4 trials (within that noise) went to the history."""
+    noisy = result(10.0, trials=1, iqr_ms=5.2)
+    measured = result(9.5, config=FlashConfig(block_q=128), trials=4, iqr_ms=0.1)
+    assert store.publish(noisy, beyond_noise=True).status == "inserted"
+    assert store.publish(measured, beyond_noise=True).status == "replaced"
+    assert store.publish(noisy, beyond_noise=True).status == "kept"  # either order: this one
+    assert store.get(noisy.key).result == measured
+    slower = result(12.0, config=FlashConfig(block_q=512), trials=9, iqr_ms=0.05)
+    assert store.publish(slower, beyond_noise=True).status == "kept"  # slower beyond noise
+
+
 def test_publish_keeps_the_faster_result_and_archives_the_loser(store: Store) -> None:
     first = result(1.0)
     assert store.publish(first).status == "inserted"
