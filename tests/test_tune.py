@@ -38,6 +38,7 @@ from conftest import problem_flags, run_cli, sqlite_copy
 from kernel import FlashConfig, Problem, device_target, get_kernel
 from kernel.aot import compile_for_target
 from storage import Store
+from storage.results import MIN_TIME_MS
 
 FLASH = get_kernel("flash").discover()
 
@@ -862,14 +863,14 @@ def test_a_forced_confirmation_replaces_an_entry_timed_alike_only_beyond_the_noi
     with Store(sqlite_db_url) as store:
         tune(TINY, store, sqlite_db_url, forced, kernel_name="xla")
         (entry, _), = [store.lookup("xla", "cpu", TINY)]
-        fast = dataclasses.replace(entry.result, median_ms=1e-6, iqr_ms=0.0)
+        fast = dataclasses.replace(entry.result, median_ms=MIN_TIME_MS, iqr_ms=0.0)
         store.publish(fast, force=True)  # as if its confirmation had timed it far faster
         assert tune(TINY, store, sqlite_db_url, forced, kernel_name="xla").publish == "kept"
         assert store.lookup("xla", "cpu", TINY)[0].result == fast
         store.publish(dataclasses.replace(fast, jax_version="0.4.1"), force=True)
         assert tune(TINY, store, sqlite_db_url, forced, kernel_name="xla").publish == \
             "replaced"
-        assert store.lookup("xla", "cpu", TINY)[0].result.median_ms > 1e-6
+        assert store.lookup("xla", "cpu", TINY)[0].result.median_ms > MIN_TIME_MS
 
 
 def test_the_default_is_compiled_once_for_the_canary_and_its_trial(
