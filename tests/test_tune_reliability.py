@@ -129,7 +129,8 @@ def test_a_kill_mid_study_then_a_rerun_resumes_and_fills_the_budget(tmp_path: Pa
         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     assert not [t for t in running if "process" in t.user_attrs], running
     names = next(iter(before.values())).params.keys()
-    held = [t for t in running if t.params.keys() >= names]  # part of its params: no slot
+    held = [t for t in running  # part of its params, or no worker attr: no slot
+            if t.params.keys() >= names and "worker" in t.user_attrs]
     assert not {config_key(t) for t in held} & set(keys)
     assert len(after) + len(held) == trials
     [summary] = summaries(rerun.stdout)
