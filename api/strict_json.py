@@ -115,14 +115,17 @@ class StrictJsonRoute(APIRoute):
                 raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
                                     f"the body is sent {sent}, not as JSON; send it with "
                                     "the header Content-Type: application/json")
-            settings = request.app.state.settings
             if writes:
                 await check_writer(request)
-                limited = StrictJsonRequest(request, settings.max_body_bytes,
-                                            "AUTOTUNE_MAX_BODY_BYTES")
-            else:
-                limited = StrictJsonRequest(request, settings.max_lookup_body_bytes,
-                                            "AUTOTUNE_MAX_LOOKUP_BODY_BYTES")
-            return await handler(limited)
+            return await handler(_limited(request, writes))
 
         return strict_handler
+
+
+def _limited(request: Request, writes: bool) -> StrictJsonRequest:
+    """``request`` with the body limit of a write, or of a lookup (which needs no token)."""
+    settings = request.app.state.settings
+    if writes:
+        return StrictJsonRequest(request, settings.max_body_bytes, "AUTOTUNE_MAX_BODY_BYTES")
+    return StrictJsonRequest(request, settings.max_lookup_body_bytes,
+                             "AUTOTUNE_MAX_LOOKUP_BODY_BYTES")
