@@ -87,7 +87,8 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
         table = _table_of(store, device_kind, problems)
         if not (confirm_step and table.choices):
             return table
-        if not tuned_now and confirmed_before(fn, abstract_args, table):  # a rerun only reads, as the tune does
+        # A rerun only reads, as the tune does.
+        if not tuned_now and confirmed_before(fn, abstract_args, table):
             typer.echo(CONFIRMED_BEFORE, err=True)
             return table
         step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
