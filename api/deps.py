@@ -67,6 +67,12 @@ async def require_writer(
                             headers=challenge)
 
 
+async def check_writer(request: Request) -> None:
+    """``require_writer`` of ``request`` outside FastAPI's dependencies: a write's token is
+    checked before its body is read (FastAPI reads the body first)."""
+    await require_writer(request.app.state.settings, await _bearer(request))
+
+
 StoreDep = Annotated[Store, Depends(get_store)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 CacheDep = Annotated[LookupCache, Depends(get_cache)]

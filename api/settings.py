@@ -15,7 +15,9 @@ class ApiSettings(StorageSettings):
     ``AUTOTUNE_LOOKUP_CACHE_SIZE``, and the connection limits of ``autotune serve`` per worker:
     ``AUTOTUNE_MAX_CONNECTIONS`` (more get a 503), ``AUTOTUNE_KEEP_ALIVE_S`` (idle time
     between requests), ``AUTOTUNE_READ_TIMEOUT_S`` (time to send a whole request) and
-    ``AUTOTUNE_MAX_BODY_BYTES`` (larger request bodies get a 413)."""
+    ``AUTOTUNE_MAX_BODY_BYTES`` (larger bodies of a write get a 413) and
+    ``AUTOTUNE_MAX_LOOKUP_BODY_BYTES`` (the same for the body of a lookup, which needs no
+    token)."""
 
     api_token: SecretStr | None = None
     allow_anonymous_writes: bool = False
@@ -24,8 +26,11 @@ class ApiSettings(StorageSettings):
     max_connections: Annotated[int, Field(ge=1, le=100_000)] = 1000
     keep_alive_s: Annotated[int, Field(ge=1, le=3600)] = 5
     read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    # A JSON body's limit: a table of about 4,500 entries of 900 bytes (a lookup batch: 20 KiB).
+    # A write's JSON body: a table of about 4,500 entries of 900 bytes.
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 4 << 20
+    # A lookup's (no token): a batch of 100 keys is about 20 KiB; 4 MiB of ``{}`` took
+    # seconds of the event loop to parse.
+    max_lookup_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 << 10
 
     @field_validator("api_token")
     @classmethod

@@ -128,10 +128,12 @@ def conflict(study: optuna.Study, space: Space, number: int, key: Key, trials: i
 
 
 def orphan(trial: FrozenTrial, names: set[str], age_s: float = CLAIM_WAIT_S) -> bool:
-    """A RUNNING trial still without params ``age_s`` after it started: its worker died inside
-    ``ask``. It holds no config and no slot of the budget (:func:`fail_orphans` fails it after
-    the heartbeat's grace period)."""
-    return not trial.params.keys() >= names and (
+    """A RUNNING trial still without params, or without the ``worker`` attr its claim writes
+    right after them, ``age_s`` after it started: its worker died inside ``ask`` or before it
+    recorded the claim (a full disk: no write went through, the claim's release neither).
+    It holds no config and no slot of the budget (:func:`fail_orphans` fails it after the
+    heartbeat's grace period)."""
+    return not (trial.params.keys() >= names and "worker" in trial.user_attrs) and (
         trial.datetime_start < datetime.now() - timedelta(seconds=age_s))
 
 

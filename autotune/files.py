@@ -1,10 +1,13 @@
 """Writing the CLI's output files: a file whole or not at all, never replacing what is no file.
 
 ``-`` is stdout. A new path or a regular file is written through a temporary file renamed
-over it (an existing file keeps its mode). Anything else is written through, never replaced:
-a symbolic link (``/dev/stdout``) writes where it leads, as a shell's ``>`` does; a character
-device (``/dev/null``) or a FIFO takes the bytes (one without a reader is refused, not waited
-on); a block device, a directory or a socket is refused.
+over it (an existing file keeps its mode; one this process may not write is refused, as a
+shell's ``>`` refuses it). A symbolic link stays a link: the regular file it leads to is
+replaced so (a full disk keeps its old bytes), and anything else it leads to
+(``/dev/stdout``) is written through, as a shell's ``>`` does. Anything else is written
+through, never replaced: a character device (``/dev/null``) or a FIFO takes the bytes (one
+without a reader is refused, not waited on); a block device, a directory or a socket is
+refused.
 """
 
 from __future__ import annotations
@@ -30,10 +33,20 @@ def write_output(path: str | Path, data: bytes) -> None:
     except FileNotFoundError:
         _replace(Path(path), data, mode=None)
         return
+    if stat.S_ISLNK(status.st_mode) and not is_stdout(path):
+        path = os.path.realpath(path, strict=True)  # the link stays; what it leads to is written
+        status = os.stat(path)
     if stat.S_ISREG(status.st_mode):
+        _check_writable(path)
         _replace(Path(path), data, mode=stat.S_IMODE(status.st_mode))
     else:
         _write_through(path, data)
+
+
+def _check_writable(path: str | Path) -> None:
+    """Raises ``PermissionError`` if this process may not write the file ``path`` (as a
+    shell's ``>`` would find opening it): a 0444 file is not replaced by a write beside it."""
+    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def is_stdout(path: str | Path) -> bool:

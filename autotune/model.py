@@ -30,7 +30,7 @@ from autotune.traced import captured_calls
 from autotune.tune import NothingToPublish, TuneOptions
 from kernel import Capture, ConfigError, LookupTable, Problem, get_kernel
 from kernel.table import KernelChoice, KernelTiming
-from storage import Store
+from storage import Store, shown_url
 
 RESTRICTED = "restricted_to"  # a returned choice's provenance: the candidates it was cut to
 CONFIRMED_BEFORE = ("step confirmation: kept from an earlier call for this step, nothing tuned "
@@ -64,8 +64,9 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
     line on stderr. Arguments given as ``jax.ShapeDtypeStruct`` are synthesized for it
     (floats random normal, other types zeros, on the struct's sharding); it costs a compile
     and ``3 * confirm_rounds`` runs of the step per distinct table. A call that tunes nothing
-    again, on a step whose choices all carry a confirmation of these problems, keeps it (a
-    rerun only reads; one line on stderr).
+    again, on a step whose choices all carry a confirmation of this step (its jaxpr under
+    the stored table, ``autotune.step_choice.step_digest``), keeps it (a rerun only reads;
+    one line on stderr).
     """
     options = dataclasses.replace(options or TuneOptions(), trials=trials, timing=timing)
     candidates = _candidates(kernels)
@@ -78,7 +79,8 @@ def tune_model(fn: Callable[..., Any], *abstract_args: Any, db: str | None = Non
         table = _table_of(store, device_kind, sites)
         if not (confirm_step and table.choices):
             return table
-        if not tuned_now and confirmed_before(table):  # a rerun only reads, as the tune does
+        # A rerun only reads, as the tune does.
+        if not tuned_now and confirmed_before(fn, abstract_args, table):
             typer.echo(CONFIRMED_BEFORE, err=True)
             return table
         step = confirm_step_choice(fn, concrete_args(abstract_args), table, candidates,
@@ -169,7 +171,7 @@ def _open(db: str | None) -> tuple[str, Store]:
         ensure_schema(db_url)
         return db_url, open_store(db_url)
     except typer.Exit:
-        raise RuntimeError(f"cannot tune into database {db or '$AUTOTUNE_DB_URL'}: the "
+        raise RuntimeError(f"cannot tune into database {shown_url(db or '$AUTOTUNE_DB_URL')}: the "
                            "reason is on stderr above") from None
 
 

@@ -82,6 +82,16 @@ ShapesOption = Annotated[Path | None, typer.Option(
     help="YAML/JSON list of problems (instead of the problem flags).")]
 
 
+def output_file(value: str) -> Path:
+    """An ``-o`` value: a file's path, or ``-`` for stdout. An empty one is refused as naming
+    no file (Typer's own check took it for the current directory)."""
+    if not value:
+        raise typer.BadParameter("'' names no file; give a file's path (- for stdout)")
+    if Path(value).is_dir():
+        raise typer.BadParameter(f"{value} is a directory; give a file's path (- for stdout)")
+    return Path(value)
+
+
 def known_kernel(name: str | None) -> str | None:
     if name is None:
         return None
@@ -181,13 +191,29 @@ def _shapes_loader() -> Any:
     return ShapesLoader
 
 
+def _written_nodes(text: str) -> int:
+    """How many YAML nodes the document ``text`` writes out (an alias once), read as a stream
+    of parser events, up to a little over MAX_SHAPES_NODES: counting stops there, before the
+    nodes of a large file take gigabytes (60 MiB took 4.6 GB and 200 s)."""
+    import yaml
+
+    loader = _shapes_loader()(text)
+    nodes = 0
+    try:
+        while nodes <= MAX_SHAPES_NODES and loader.check_event():
+            nodes += isinstance(loader.get_event(), yaml.NodeEvent)
+    finally:
+        loader.dispose()
+    return nodes
+
+
 def _parse_shapes(path: Path) -> Any:
-    """The YAML (or JSON) document of ``path``, refused before it is built if it expands to
-    more than MAX_SHAPES_NODES nodes."""
+    """The YAML (or JSON) document of ``path``, refused before it is built if it writes out
+    more than MAX_SHAPES_NODES nodes, or expands (with its aliases) to more."""
     import yaml
 
     try:
-        loader = _shapes_loader()(read_regular_file(path, MAX_SHAPES_BYTES).decode("utf-8"))
+        text = read_regular_file(path, MAX_SHAPES_BYTES).decode("utf-8")
     except OSError as error:
         raise _shapes_error(f"cannot read {path}: {error.strerror}") from None
     except NotARegularFile:
@@ -198,7 +224,11 @@ def _parse_shapes(path: Path) -> Any:
                             "may have; split it in several") from None
     except UnicodeDecodeError as error:
         raise _shapes_error(f"{path} is not UTF-8 text (byte {error.start})") from None
+    loader = _shapes_loader()(text)
     try:
+        if _written_nodes(text) > MAX_SHAPES_NODES:
+            raise _shapes_error(f"{path} holds more than {MAX_SHAPES_NODES:,} YAML nodes (a "
+                                "problem has about 20): split it in several")
         node = loader.get_single_node()
         nodes = 0 if node is None else _expanded_nodes(node)
         if nodes < 0 or nodes > MAX_SHAPES_NODES:

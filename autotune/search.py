@@ -87,13 +87,14 @@ class _View:
         for t in trials:  # one orphan test per trial: its age must not change between lists
             if t.state == TrialState.RUNNING:
                 (orphans if claims.orphan(t, names) else running).append(t)
+        orphaned = {t.number for t in orphans}  # their configs are free to claim
         return cls(
             measured=[t for t in trials if is_measurement(t)],
             running=running,
             orphans=orphans,
             waiting=sum(t.state == TrialState.WAITING for t in trials),
-            keys={space.key(t.params) for t in trials
-                  if t.state != TrialState.FAIL and t.params.keys() >= names},
+            keys={space.key(t.params) for t in trials if t.state != TrialState.FAIL
+                  and t.params.keys() >= names and t.number not in orphaned},
         )
 
     def best(self) -> FrozenTrial | None:

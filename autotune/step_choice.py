@@ -49,6 +49,7 @@ class StepChoice:
     times: Mapping[str, Timing]
     timing: str
     rounds: int
+    step: str  # step_digest of the step under ``table``
     failures: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -58,7 +59,7 @@ class StepChoice:
     def record(self) -> dict[str, Any]:
         """What a stored choice keeps of it (``step_confirmation`` in its provenance)."""
         return {"chosen": self.chosen, "timing": self.timing, "rounds": self.rounds,
-                "noise": NOISE, "step": step_digest(self.table),
+                "noise": NOISE, "step": self.step,
                 "variants": {name: {"median_ms": t.median_ms, "iqr_ms": t.iqr_ms}
                              for name, t in self.times.items()},
                 "left_out": dict(self.failures)}
@@ -76,18 +77,24 @@ class StepChoice:
                 f"{self.timing}, {self.rounds} rounds)")
 
 
-def step_digest(table: LookupTable) -> str:
-    """Which step a confirmation timed, as far as the store can tell: a short digest of the
-    attention problems of ``table`` (one per choice), kept in the record."""
+def step_digest(fn: Callable[..., Any], args: Sequence[Any], table: LookupTable) -> str:
+    """Which step a confirmation timed: a short digest of the attention problems of
+    ``table`` (one per choice) and of the program ``fn(*args)`` (arrays or
+    ``jax.ShapeDtypeStruct``) traces to under it, its jaxpr (the model's ops and the kernels
+    at their configs), kept in the record. Two steps with the same attention problems differ
+    in it (the problems alone once took one step's confirmation for the other's)."""
     labels = sorted(choice.problem.label() for choice in table.choices)
-    return hashlib.sha256("\n".join(labels).encode()).hexdigest()[:16]
+    with kernel.tables(table):
+        program = str(jax.make_jaxpr(fn)(*args))
+    return hashlib.sha256("\n".join([*labels, program]).encode()).hexdigest()[:16]
 
 
-def confirmed_before(table: LookupTable) -> bool:
+def confirmed_before(fn: Callable[..., Any], args: Sequence[Any], table: LookupTable) -> bool:
     """Whether every choice of ``table`` (as stored) carries the record of a confirmation of
-    a step with exactly these problems: an earlier ``tune_model(..., confirm_step=True)`` of
-    this step, nothing tuned again since (a re-tune drops a choice's record)."""
-    digest = step_digest(table)
+    this step (``fn(*args)`` under ``table``, :func:`step_digest`): an earlier
+    ``tune_model(..., confirm_step=True)`` of it, nothing tuned again since (a re-tune drops
+    a choice's record)."""
+    digest = step_digest(fn, args, table)
     return all((choice.provenance.get("step_confirmation") or {}).get("step") == digest
                for choice in table.choices)
 
@@ -140,7 +147,8 @@ def confirm_step_choice(fn: Callable[..., Any], args: Sequence[Any], tuned: Look
     per_program = interleaved(timers, rounds)
     times = {name: per_program[id(executable)] for name, executable in executables.items()}
     chosen = choose_winner(times, TUNED)
-    return StepChoice(tables[chosen], chosen, times, method, rounds, failures)
+    return StepChoice(tables[chosen], chosen, times, method, rounds,
+                      step_digest(fn, args, tables[chosen]), failures)
 
 
 def _variants(tuned: LookupTable,

@@ -34,7 +34,7 @@ from kernel.roofline import Roofline
 from kernel.table import problem_family, shape_distance
 from storage import Entry, PublishOutcome, Store, TunedResult
 from storage.results import faster_beyond_noise
-from storage.studies import get_storage
+from storage.studies import get_storage, refusing_study_writes
 
 K = TypeVar("K", bound=Hashable)
 MAX_WARM_SEEDS = 3
@@ -462,13 +462,15 @@ def tune(problem: Problem, store: Store, db_url: str | None, options: TuneOption
          observer: TuneObserver | None = None, kernel_name: str = DEFAULT_KERNEL) -> TuneSummary:
     """Searches, confirms and publishes the best config of kernel ``kernel_name`` for
     ``problem`` on this device. Raises ``ConfigError`` (before anything is written) for an
-    unknown kernel, a device it has no target for, or a problem it cannot run."""
-    job = TuneJob(problem, store, db_url, options, observer, kernel_name)
-    try:
-        return job.publish(job.search())
-    except KeyboardInterrupt:
-        raise TuneInterrupted(
-            f"tuning {job.kernel.name} {problem.label()} stopped; its measured configs are "
-            f"kept: run the same command again to resume study {job.name!r}") from None
-    finally:
-        job.close()
+    unknown kernel, a device it has no target for, or a problem it cannot run;
+    ``WriteRefusedError`` when the database (results or study) cannot store."""
+    with refusing_study_writes(db_url):
+        job = TuneJob(problem, store, db_url, options, observer, kernel_name)
+        try:
+            return job.publish(job.search())
+        except KeyboardInterrupt:
+            raise TuneInterrupted(
+                f"tuning {job.kernel.name} {problem.label()} stopped; its measured configs are "
+                f"kept: run the same command again to resume study {job.name!r}") from None
+        finally:
+            job.close()

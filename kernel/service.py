@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -68,6 +69,9 @@ def url_problem(url: str | None) -> str:
         parts.port  # noqa: B018 - raises on a port out of range
     except ValueError as error:
         return f"lookup service URL is unusable: AUTOTUNE_URL={url!r}: {error}"
+    if re.search(r"[\x00-\x20\x7f]", url or ""):  # http.client refuses it mid-trace
+        return (f"lookup service URL is unusable: AUTOTUNE_URL={url!r} holds a space or a "
+                "control character; percent-encode it or remove it")
     if parts.scheme not in ("http", "https") or not parts.hostname:  # "host:8000"
         return (f"lookup service URL is unusable: AUTOTUNE_URL={url!r} is not an http:// or "
                 "https:// URL with a host; set it to e.g. http://tuner:8000")
@@ -274,6 +278,7 @@ class _Reply:
     connection: http.client.HTTPConnection | None
     deadline: float
     worker: threading.Thread | None = None
+    sock: socket.socket | None = None
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -294,6 +299,8 @@ class _Reply:
             headers = {"Content-Type": "application/json"} if body is not None else {}
             self.connection.request("POST" if body is not None else "GET", target, body,
                                     headers)
+            # The response reads from it after the connection lets go of it (Connection: close)
+            self.sock = self.connection.sock
             response = self.connection.getresponse()
             data = response.read(MAX_REPLY_BYTES + 1)
             if len(data) > MAX_REPLY_BYTES:
@@ -303,12 +310,18 @@ class _Reply:
             self.result["error"] = error
 
     def finish(self) -> tuple[int | None, bytes, str | None]:
-        """``(status, body, failure)``, ``failure`` None when a reply arrived. Never raises."""
+        """``(status, body, failure)``, ``failure`` None when a reply arrived; the same on every
+        call (a second one once read the body the deadline had cut short). Never raises."""
+        if "outcome" not in self.result:
+            self.result["outcome"] = self._outcome()
+        return self.result["outcome"]
+
+    def _outcome(self) -> tuple[int | None, bytes, str | None]:
         self.worker.join(max(0.0, self.deadline - time.monotonic()))
         if self.worker.is_alive():  # past the deadline: cut the socket so the worker ends too
-            if self.connection.sock is not None:
+            if self.sock is not None:
                 try:
-                    self.connection.sock.shutdown(socket.SHUT_RDWR)
+                    self.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
             self.connection.close()

@@ -377,14 +377,22 @@ def _schema_features(raw: Any, version: int) -> Any:
 
 
 def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:
-    """Each item parsed; the first bad one is a ``TableError`` naming its index."""
-    parsed = []
+    """Each item parsed; the first bad one, or one repeating an earlier one's problem (an
+    import would keep one and a pinned table run the other), is a ``TableError`` naming its
+    index."""
+    parsed: dict[Problem, Any] = {}
     for index, raw in enumerate(raw_items):
         try:
-            parsed.append(parse(raw))
+            item = parse(raw)
         except (AutotuneError, TypeError) as error:
             raise TableError(f"{what} {index}: {error}") from None
-    return tuple(parsed)
+        if item.problem in parsed:
+            earlier = list(parsed).index(item.problem)
+            raise TableError(f"{what} {index} repeats the problem of {what} {earlier} "
+                             f"({item.problem.label()}); a table holds one {what} per "
+                             "problem: keep one of them")
+        parsed[item.problem] = item
+    return tuple(parsed.values())
 
 
 # The table's non-empty text fields, the kernel's name first.

@@ -88,34 +88,47 @@ def _read_only(path: Path, immutable: bool, **kwargs: object) -> sqlite3.Connect
     return sqlite3.connect(uri, uri=True, **kwargs)
 
 
+_QUERY_PASSWORD = re.compile(r"([?&][^=&#]*password[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
 def shown_url(url: str | URL) -> str:
-    """``url`` with its password masked (``***``), for messages; one that does not parse
-    (a port that is not a number) is masked by its ``scheme://user:password@`` pattern."""
+    """``url`` with its password masked (``***``), for messages, whether it is given as
+    ``user:password@`` or in the query (``?password=``, libpq's ``sslpassword=``); one that
+    does not parse (a port that is not a number) is masked by these patterns."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        shown = make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):
-        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
+    return _QUERY_PASSWORD.sub(r"\1***", shown)
 
 
 @contextmanager
 def refusing_writes(url: str | URL) -> Iterator[None]:
-    """Turns the database's refusal to write (SQLite ``SQLITE_READONLY``/``SQLITE_FULL``,
-    PostgreSQL ``read_only_sql_transaction``/``disk_full``) into a ``WriteRefusedError``
-    that says so and what to do."""
+    """Turns the database's refusal to write (see :func:`write_refusal`) into a
+    ``WriteRefusedError`` that says so and what to do."""
     try:
         yield
     except SQLAlchemyError as error:
-        orig = getattr(error, "orig", None)
-        code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
-        reason = str(orig).strip().splitlines()[0] if orig else ""
-        shown = shown_url(url)
-        if code.startswith("SQLITE_READONLY") or code == "25006":
-            raise ReadOnlyDatabaseError(
-                f"the database {shown} is read-only ({reason}): lookups and exports work, but "
-                "nothing can be stored; make it writable or use a writable database") from None
-        if code == "SQLITE_FULL" or code == "53100":
-            raise database_full(url, reason) from None
-        raise
+        refusal = write_refusal(url, error)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def write_refusal(url: str | URL, error: BaseException | None) -> WriteRefusedError | None:
+    """The ``WriteRefusedError`` of a database's refusal to write (SQLite
+    ``SQLITE_READONLY``/``SQLITE_FULL``, PostgreSQL ``read_only_sql_transaction``/
+    ``disk_full``) as ``error``; None for any other error."""
+    orig = getattr(error, "orig", None)
+    code = getattr(orig, "sqlite_errorname", None) or getattr(orig, "sqlstate", None) or ""
+    reason = str(orig).strip().splitlines()[0] if orig else ""
+    if code.startswith("SQLITE_READONLY") or code == "25006":
+        return ReadOnlyDatabaseError(
+            f"the database {shown_url(url)} is read-only ({reason}): lookups and exports work, "
+            "but nothing can be stored; make it writable or use a writable database")
+    if code == "SQLITE_FULL" or code == "53100":
+        return database_full(url, reason)
+    return None
 
 
 def database_full(url: str | URL, reason: str) -> DatabaseFullError:

@@ -178,6 +178,22 @@ def _measurement_in(value: Any, positive: bool, most: float) -> bool:
     return (value > 0 if positive else value >= 0) and value <= most
 
 
+# No attention call on any device takes under 100 ns: a faster time is no measurement, and
+# stored it would keep every real tune of its key out (a PUT of 5e-324 ms did).
+MIN_TIME_MS = 1e-4
+
+
+def implausible_time(result: TunedResult) -> str:
+    """Why a time of ``result`` is no measurement ('' when none is), naming the floor."""
+    for name in ("median_ms", "default_median_ms"):
+        value = getattr(result, name)
+        if value is not None and value < MIN_TIME_MS:
+            table = f" (a table entry's {TABLE_NAMES[name]})"
+            return (f"{name}{table} of {value!r} ms is below {MIN_TIME_MS} ms (100 ns), faster "
+                    "than any attention call runs: it is no measurement; send the time measured")
+    return ""
+
+
 NOISE_FLOOR = 0.01  # a lead under 1% of the slower median is noise, however tight the spreads
 
 
@@ -262,8 +278,12 @@ class TunedResult:
                          self.problem)
 
     def check_legal(self) -> None:
-        """Raises ResultError naming every rule of its kernel the config breaks for its problem
+        """Raises ResultError for a time no measurement gives (``implausible_time``), or
+        naming every rule of its kernel the config breaks for its problem
         (``TunableKernel.stored_violations``, as ``kernel.table.nearest_entry`` checks)."""
+        implausible = implausible_time(self)
+        if implausible:
+            raise ResultError(implausible)
         broken = get_kernel(self.kernel).stored_violations(self.problem, self.config)
         if broken:
             raise ResultError(f"config is illegal for {self.problem.label()}: "
@@ -271,16 +291,25 @@ class TunedResult:
 
     def beats(self, other: TunedResult, beyond_noise: bool = False) -> bool:
         """Strictly faster than ``other`` (``beyond_noise``: by more than the noise of both
-        measurements, :func:`faster_beyond_noise`); a measured result beats an unmeasured
-        one."""
+        measurements, :func:`faster_beyond_noise`, or within it but better measured); a
+        measured result beats an unmeasured one."""
         if self.median_ms is None:
             return False
-        if other.median_ms is None:
+        if other.median_ms is None or implausible_time(other):  # stored before the floor
             return True
         if beyond_noise:
             return faster_beyond_noise(self.median_ms, self.iqr_ms, other.median_ms,
-                                       other.iqr_ms)
+                                       other.iqr_ms) or (
+                self.measured_better(other) and not faster_beyond_noise(
+                    other.median_ms, other.iqr_ms, self.median_ms, self.iqr_ms))
         return self.median_ms < other.median_ms
+
+    def measured_better(self, other: TunedResult) -> bool:
+        """Of a search of more configs (``trials``), with a tighter spread (``iqr_ms``): of
+        two tunes of one key at once, the one of 1 trial and a 5.2 ms IQR, published first,
+        kept the one of 4 trials out as within its noise."""
+        return (None not in (self.trials, other.trials, self.iqr_ms, other.iqr_ms)
+                and self.trials > other.trials and self.iqr_ms < other.iqr_ms)
 
     def stale_versions(self, installed: Mapping[str, str | None] | None = None) -> str:
         """Which of its recorded jax, jaxlib and libtpu versions differ from ``installed``

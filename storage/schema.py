@@ -15,7 +15,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.engine import WRITE_OPTIONS, make_engine, refusing_writes, sqlite_file
+from storage.engine import WRITE_OPTIONS, make_engine, refusing_writes, shown_url, sqlite_file
 from storage.results import SchemaError
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -46,7 +46,7 @@ def _newer_schema(engine: Engine, current: str | None) -> str | None:
              ScriptDirectory.from_config(alembic_config()).walk_revisions()}
     if current is None or current in known:
         return None
-    url = engine.url.render_as_string(hide_password=True)
+    url = shown_url(engine.url)
     return (f"database {url} was written by a newer version of flash-autotune (schema revision "
             f"{current}; this version knows revisions up to {head_revision()}); upgrade "
             "flash-autotune to use it, or point --db at a database of this version")
@@ -87,7 +87,7 @@ def schema_problem(engine: Engine) -> str | None:
     """Why the database cannot be used as is (a missing SQLite file, unreachable, no schema,
     an older or a newer revision), or None when it is reachable and at the head revision.
     Never creates a missing SQLite file."""
-    url = engine.url.render_as_string(hide_password=True)
+    url = shown_url(engine.url)
     path = sqlite_file(engine.url)
     if path is not None and not path.parent.is_dir():
         return (f"the directory of database file {path} does not exist; create it "

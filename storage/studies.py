@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import optuna
@@ -22,8 +24,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from storage.engine import close_full_disk_readers, make_engine, sqlite_connect, sqlite_file, \
-    sqlite_in_memory, sqlite_pragmas
+from storage.engine import close_full_disk_readers, make_engine, refusing_writes, sqlite_connect, \
+    sqlite_file, sqlite_in_memory, sqlite_pragmas, write_refusal
 
 OK = "ok"
 # Trial statuses that are not measurements (never count against the budget).
@@ -41,6 +43,19 @@ def trial_status(trial: FrozenTrial) -> str:
 
 def is_measurement(trial: FrozenTrial) -> bool:
     return trial.state in FINISHED and trial_status(trial) not in NOT_MEASURED
+
+
+@contextmanager
+def refusing_study_writes(url: str | None) -> Iterator[None]:
+    """``refusing_writes`` for the studies: Optuna wraps a refused commit in its own
+    ``StorageInternalError`` ("... e.g. exceeding max length")."""
+    try:
+        yield
+    except optuna.exceptions.StorageInternalError as error:
+        refusal = write_refusal(url or "sqlite://", error.__cause__)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def get_storage(url: str | None, *, create: bool = True, heartbeat_interval: int = 10,
@@ -68,7 +83,7 @@ def get_storage(url: str | None, *, create: bool = True, heartbeat_interval: int
         if not create:
             return _open(url, heartbeat_interval, grace_period, create=False) if inspect(
                 engine).has_table("studies") else None
-        with engine.connect() as connection:
+        with refusing_writes(url), engine.connect() as connection:
             if engine.dialect.name == "postgresql":  # released when the connection closes
                 connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": INIT_LOCK})
             for _ in range(INIT_ATTEMPTS - 1):

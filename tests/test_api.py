@@ -347,6 +347,16 @@ def test_non_finite_numbers_and_lone_surrogates_are_422s_naming_the_field(
         "total"] == 0
 
 
+def test_a_time_no_measurement_gives_is_a_422_naming_the_floor(server: Server) -> None:
+    """Issue 75 item 11j: a PUT of 5e-324 ms was stored, and every tune of its key kept it."""
+    kind = device()
+    response = httpx.put(f"{server.url}/v1/configs", json=body(kind, 5e-324),
+                         headers=server.auth)
+    assert response.status_code == 422 and "below 0.0001 ms" in response.text, response.text
+    assert httpx.get(f"{server.url}/v1/configs/lookup",
+                     params=lookup_params(kind)).status_code == 404
+
+
 def test_integers_beyond_what_a_database_column_holds_are_422s(server: Server) -> None:
     """2**31 fits SQLite's INTEGER but not PostgreSQL's: every stored integer is bounded by
     both (a 503 on PostgreSQL and a 500 on SQLite before)."""
@@ -543,16 +553,38 @@ def test_the_kernel_resolver_reads_the_service(server: Server) -> None:
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server: Server) -> None:
-    """4 MiB (``AUTOTUNE_MAX_BODY_BYTES``) of ``{}`` would take gigabytes once parsed."""
-    keys = b'{"keys": [' + b"{}," * ((4 << 20) // 3) + b"{}]}"
-    for content in (keys, iter([keys[:1 << 20], keys[1 << 20:]])):  # declared, then chunked
-        response = httpx.post(f"{server.url}/v1/configs/lookup:batch", content=content,
-                              headers={"Content-Type": "application/json"}, timeout=30)
+    """A write's body: ``AUTOTUNE_MAX_BODY_BYTES`` (4 MiB of ``{}`` would take gigabytes once
+    parsed)."""
+    table = b'{"entries": [' + b"{}," * ((4 << 20) // 3) + b"{}]}"
+    for content in (table, iter([table[:1 << 20], table[1 << 20:]])):  # declared, then chunked
+        response = httpx.post(f"{server.url}/v1/tables", content=content, timeout=30,
+                              headers={**server.auth, "Content-Type": "application/json"})
         assert response.status_code == 413, response.text[:200]
         assert "AUTOTUNE_MAX_BODY_BYTES" in response.json()["detail"]
+
+
+def test_a_lookup_body_has_a_limit_of_its_own_and_a_write_checks_its_token_first(
+        server: Server) -> None:
+    """Issue 75 item 11a: 4 MiB (under the write limit) of ``{}`` keys, no token, held the
+    event loop 3.5 s per request while parsed, though a batch takes at most 100 keys: a
+    lookup's body past ``AUTOTUNE_MAX_LOOKUP_BODY_BYTES`` (64 KiB) is a 413 unread; a write
+    without its token is a 401 before its body is read (not a 422 about the body)."""
+    keys = b'{"keys": [' + b"{}," * (1 << 20) + b"{}]}"
+    for path in ("/v1/configs/lookup:batch", "/v1/choices/lookup:batch"):
+        for content in (keys, iter([keys[:1 << 16], keys[1 << 16:]])):  # declared, chunked
+            response = httpx.post(f"{server.url}{path}", content=content, timeout=30,
+                                  headers={"Content-Type": "application/json"})
+            assert response.status_code == 413, response.text[:200]
+            assert "65536 bytes" in response.json()["detail"]
+            assert "AUTOTUNE_MAX_LOOKUP_BODY_BYTES" in response.json()["detail"]
     response = httpx.post(f"{server.url}/v1/configs/lookup:batch",
                           json={"keys": [lookup_params(device(), q_len=256)] * 100})
     assert response.status_code == 200  # the largest batch is well within it
+    for method, path in (("PUT", "/v1/configs"), ("POST", "/v1/tables")):
+        response = httpx.request(method, f"{server.url}{path}", content=b"[" * 100_000,
+                                 headers={"Content-Type": "application/json"})
+        assert response.status_code == 401, response.text[:200]
+        assert "Authorization: Bearer" in response.json()["detail"]
 
 
 def test_a_device_kind_with_a_slash_is_exported(server: Server) -> None:
@@ -617,6 +649,10 @@ def test_a_body_sent_as_another_media_type_is_a_415_naming_the_header(server: Se
                               headers={**server.auth, "Content-Type": media_type})
         assert response.status_code == 415, response.text
         assert "Content-Type: application/json" in response.json()["detail"]
+    # Issue 75 item 11p: without the header, "Input should be a valid dictionary".
+    response = httpx.post(f"{server.url}/v1/tables", content=table, headers=server.auth)
+    assert response.status_code == 415, response.text
+    assert response.json()["detail"].startswith("the body is sent without a Content-Type")
     for media_type in ("application/json; charset=utf-8", "application/merge-patch+json"):
         response = httpx.post(f"{server.url}/v1/tables", content=table,
                               headers={**server.auth, "Content-Type": media_type})

@@ -107,6 +107,18 @@ def test_an_alias_bomb_in_a_shapes_file_is_refused_in_one_short_line(tmp_path: P
     assert len(done.stderr) < 2000
 
 
+def test_a_shapes_file_of_too_many_nodes_is_refused_early_saying_so(tmp_path: Path) -> None:
+    """Issue 75 item 11d: a large file without aliases was built whole (60 MiB: 4.6 GB,
+    200 s), then said "its aliases repeat what they name"; its nodes are counted as they are
+    parsed, and the count stops at the bound."""
+    shapes = tmp_path / "many.yaml"
+    shapes.write_text("- [" + "1, " * 1_500_000 + "1]\n")
+    done = run_cli("tune", "--shapes", str(shapes), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "holds more than 1,000,000 YAML nodes" in done.stderr, done.stderr
+    assert "alias" not in done.stderr and len(done.stderr) < 2000, done.stderr
+
+
 def test_an_error_quoting_a_large_value_shows_its_start_only(tmp_path: Path) -> None:
     """A9: a value within the bound but large is quoted up to 200 characters."""
     shapes = tmp_path / "big.yaml"

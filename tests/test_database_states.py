@@ -167,12 +167,14 @@ def test_a_read_only_postgresql_serves_reads_and_refuses_writes(postgres_databas
         read_only.render_as_string(hide_password=False), tmp_path)
 
 
-def fill(directory: Path) -> Path:
-    """Fills the file system of ``directory`` to the last byte; returns the filler file."""
+def fill(directory: Path, leave: int = 0) -> Path:
+    """Fills the file system of ``directory`` to the last byte, or to its last ``leave``
+    bytes; returns the filler file."""
     filler = directory / "filler"
     descriptor = os.open(filler, os.O_WRONLY | os.O_CREAT)
     try:
-        while os.write(descriptor, b"\0" * 4096):
+        while (free := os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize) > leave \
+                and os.write(descriptor, b"\0" * min(4096, free - leave)):
             pass
     except OSError as error:
         assert error.errno == errno.ENOSPC, error
@@ -230,3 +232,23 @@ def test_a_disk_full_before_the_first_open_serves_reads_and_says_full_to_writes(
         assert stored.status_code == 200 and stored.json()["status"] == "replaced"
         found = httpx.get(f"{server.url}/v1/configs/lookup", params=LOOKUP)
         assert found.json()["config"]["block_q"] == 128
+
+
+@pytest.mark.parametrize("free_kib", [64, 512], ids=["creating-the-study", "mid-search"])
+def test_a_tune_on_a_disk_that_fills_up_says_full_in_one_line(small_mount: Path,
+                                                              free_kib: int) -> None:
+    """Issue 75 item 11c: with 64-512 KiB free, ``tune`` ended in a traceback (SQLAlchemy's
+    "database or disk is full" creating Optuna's tables; Optuna's "exceeding max length" once
+    its trials filled the rest); now the one line of a full database, and nothing stored is
+    lost."""
+    url = f"sqlite:///{small_mount / 'autotune.db'}"
+    seed(url)
+    filler = fill(small_mount, leave=free_kib << 10)
+    tuned = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "128",
+                    "--q-heads", "1", "--trials", "3", "--db", url, timeout=300)
+    assert_clean_failure(tuned, "is full", "free disk space and retry")
+    assert "exceeding max length" not in tuned.stdout + tuned.stderr
+    filler.unlink()
+    with Store(url) as store, store.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
+        assert [e.result.device_kind for e in store.list()[0]] == ["cpu"]

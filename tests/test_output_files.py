@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import AUTOTUNE, run_cli
-from test_database_states import seed
+from kernel.table import LookupTable
+from storage import Store
+from test_database_states import TABLE, fill, seed, small_mount  # noqa: F401 - a fixture
 
 
 @pytest.fixture
@@ -120,3 +122,48 @@ def test_report_writes_to_stdout(tabled_db: str, tmp_path: Path) -> None:
     assert report.returncode == 0, report.stderr
     assert report.stdout.startswith("<!doctype html>")
     assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("command", [["export"], ["report"], ["landscape", "a study"]])
+def test_an_empty_output_path_names_no_file(tabled_db: str, command: list[str]) -> None:
+    """Issue 75 item 11p: ``-o ''`` was refused as "is a directory"."""
+    done = run_cli(*command, "--db", tabled_db, "-o", "", env={"COLUMNS": "200"})
+    assert done.returncode == 2 and "'' names no file" in done.stderr, done.stderr
+
+
+def test_a_read_only_file_is_refused_as_the_shell_refuses_it(tabled_db: str,
+                                                             tmp_path: Path) -> None:
+    """Issue 75 item 11f: without the capability to override file permissions, a 0444 file
+    in a writable directory was replaced (written beside, renamed over it), exit 0."""
+    output = tmp_path / "table.json"
+    output.write_text("old")
+    output.chmod(0o444)
+    done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                           *AUTOTUNE, "export", "--db", tabled_db, "-o", str(output)],
+                          capture_output=True, text=True, timeout=60)
+    if "setpriv" in done.stderr:
+        pytest.skip(f"cannot drop capabilities here: {done.stderr.strip()}")
+    assert done.returncode == 1 and "Permission denied" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert output.read_text() == "old" and stat.S_IMODE(output.stat().st_mode) == 0o444
+
+
+def test_a_link_on_a_full_disk_keeps_what_it_leads_to(small_mount: Path,
+                                                      tmp_path: Path) -> None:
+    """Issue 75 item 11g: through a symbolic link, the file it leads to was truncated and
+    written in place: on a full disk, 4096 bytes of partial JSON were left of it."""
+    db = f"sqlite:///{tmp_path / 'autotune.db'}"
+    seed(db)
+    with Store(db) as store:  # a table of about 10 KiB
+        store.import_table(LookupTable.from_dict({**TABLE, "entries": [
+            {**TABLE["entries"][0], "problem": {**TABLE["entries"][0]["problem"], "batch": b}}
+            for b in range(2, 50)]}))
+    target = small_mount / "target.json"
+    old = "an old table"  # one page of the file system, freed by a truncation
+    target.write_text(old)
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    fill(small_mount)
+    done = export(db, link)
+    assert done.returncode == 1 and "No space left on device" in done.stderr, done.stderr
+    assert link.is_symlink() and target.read_text() == old

@@ -22,6 +22,7 @@ import pytest
 import kernel
 from kernel import FlashConfig, LookupTable, Problem, TableError, get_target
 from kernel.resolve import Resolver, ResolverSettings, reset_resolver
+from kernel.service import CHOICES_PATH, _Reply
 
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=64,
                   dtype="float32")
@@ -111,6 +112,26 @@ def test_any_service_failure_falls_back_within_the_deadline(name, service, caplo
     assert resolver.service_requests == 1
 
 
+def test_a_reply_trickled_past_the_deadline_stays_the_timeout(service):
+    """Issue 75 item 11n: the headers on time, the body a byte at a time. The client reads a
+    batch reply twice; the second read, once the worker had ended on the socket the deadline
+    cut, was the truncated body, logged as a JSON decode error instead of the timeout."""
+    def trickle_body(conn: socket.socket) -> None:
+        reply = _http(b'{"results": []}' + b" " * 64)
+        head = reply.index(b"\r\n\r\n") + 4
+        conn.sendall(reply[:head])
+        for byte in reply[head:]:
+            conn.sendall(bytes([byte]))
+            time.sleep(0.1)
+
+    reply = _Reply.start(f"{service(trickle_body)}{CHOICES_PATH}", b"{}", 0.5)
+    first = reply.finish()
+    assert first[2] == "lookup service did not answer within 500 ms", first
+    reply.worker.join(4)  # the cut ends it, long before the 8 s the body takes
+    assert not reply.worker.is_alive()
+    assert reply.finish() == first
+
+
 def test_the_default_config_warning_names_only_the_fields_its_mode_uses(caplog):
     """A forward-only call's warning prints the forward tiles, not backward ones it never
     runs; a differentiated call's prints both."""
@@ -153,8 +174,11 @@ def test_a_block_beyond_any_float_falls_back_on_a_tpu_target(service):
 
 
 @pytest.mark.parametrize("url", ["http://[::1:8000", "http://127.0.0.1:99999",
-                                 "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http:///v1"])
+                                 "127.0.0.1:8000", "ftp://127.0.0.1:8000", "http:///v1",
+                                 "http://exa mple.com", "http://127.0.0.1:8000/v\t1"])
 def test_an_unusable_service_url_falls_back(url):
+    """Issue 75 item 11b: a space in the host raised ``http.client.InvalidURL`` out of the
+    trace."""
     resolution = Resolver(ResolverSettings(url=url)).resolve(PROBLEM, "cpu", "flash", CPU)
     assert resolution.source == "default"
     assert "lookup service URL is unusable" in resolution.detail

@@ -47,6 +47,34 @@ def result(median_ms: float | None = 1.0, *, prob: Problem | None = None,
                        config=config or FlashConfig(block_q=256, block_kv=512), **values)
 
 
+def test_a_time_no_measurement_gives_is_refused_and_one_stored_is_replaced(
+        store: Store) -> None:
+    """Issue 75 item 11j: a published median of 5e-324 ms was stored, and kept out every
+    real tune of its key ("published: kept"). Under 100 ns is refused; one stored before
+    the floor loses to any measured result."""
+    for bogus in (result(5e-324, speedup=None), result(1.0, default_median_ms=1e-9)):
+        with pytest.raises(ResultError, match=r"below 0.0001 ms \(100 ns\).*no measurement"):
+            store.publish(bogus)
+    assert store.publish(result(1.0)).status == "inserted"
+    with store.engine.begin() as connection:  # as stored before the floor
+        connection.execute(text("UPDATE autotune_configs SET median_ms = 5e-324"))
+    assert store.publish(result(2.0), beyond_noise=True).status == "replaced"
+    assert store.get(result(2.0).key).result.median_ms == 2.0
+
+
+def test_a_tune_within_the_noise_keeps_the_better_measured_result(store: Store) -> None:
+    """Issue 75 item 11o: two tunes of one problem at once; the one of 1 trial and a 5.2 ms
+    IQR published first, and the one of 4 trials (within that noise) went to the history."""
+    noisy = result(10.0, trials=1, iqr_ms=5.2)
+    measured = result(9.5, config=FlashConfig(block_q=128), trials=4, iqr_ms=0.1)
+    assert store.publish(noisy, beyond_noise=True).status == "inserted"
+    assert store.publish(measured, beyond_noise=True).status == "replaced"
+    assert store.publish(noisy, beyond_noise=True).status == "kept"  # either order: this one
+    assert store.get(noisy.key).result == measured
+    slower = result(12.0, config=FlashConfig(block_q=512), trials=9, iqr_ms=0.05)
+    assert store.publish(slower, beyond_noise=True).status == "kept"  # slower beyond noise
+
+
 def test_publish_keeps_the_faster_result_and_archives_the_loser(store: Store) -> None:
     first = result(1.0)
     assert store.publish(first).status == "inserted"
@@ -320,8 +348,8 @@ def test_imports_of_the_same_keys_in_opposite_orders_both_land(store: Store) -> 
 
 
 def test_a_speedup_too_large_for_a_float_is_left_out(store: Store) -> None:
-    """Derived as default / median (1 / 1e-310 is inf): stored as unknown, not refused."""
-    outcome = store.publish(result(1e-310, default_median_ms=1.0, speedup=None))
+    """Derived as default / median (1e306 / 1e-3 is inf): stored as unknown, not refused."""
+    outcome = store.publish(result(1e-3, default_median_ms=1e306, speedup=None))
     assert outcome.status == "inserted" and outcome.entry.result.speedup is None
 
 

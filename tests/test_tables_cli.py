@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import problem_flags, run_cli
-from kernel import FlashConfig
+from kernel import FlashConfig, LookupTable, TableError
 from kernel.problem import Problem
 from storage import Store, TunedResult
 
@@ -147,6 +147,10 @@ def table_json(schema_version: int = 3, entries: list | None = None, **fields: o
     (table_json(2, entries=[{**GOOD_ENTRY, "problem": {**GOOD_ENTRY["problem"],
                                                        "window": [64, 0]}}]),
      "entry 0: problem field(s) window came with schema_version 3; a schema 2 table has none"),
+    # Issue 75 item 11i: the service stored one, a pinned table ran the other.
+    (table_json(entries=[GOOD_ENTRY, {**GOOD_ENTRY, "config": {"block_q": 128},
+                                      "problem": {**GOOD_ENTRY["problem"], "kv_heads": 8}}]),
+     "entry 1 repeats the problem of entry 0 (b1 h8/8 q256 kv256 d128"),
 ])
 def test_a_malformed_table_imports_nothing_and_names_it(sqlite_db_url: str, tmp_path: Path,
                                                         content: str, phrase: str) -> None:
@@ -155,6 +159,16 @@ def test_a_malformed_table_imports_nothing_and_names_it(sqlite_db_url: str, tmp_
     assert_clean_failure(run_cli("import", str(path), "--db", sqlite_db_url), 2, phrase,
                          "nothing was imported")
     assert count(sqlite_db_url) == 0
+
+
+def test_a_pinned_table_with_a_problem_twice_is_refused(tmp_path: Path) -> None:
+    """Issue 75 item 11i: as ``AUTOTUNE_TABLE``, the same table as ``import`` refuses."""
+    path = tmp_path / "table.json"
+    choice = {"problem": GOOD_ENTRY["problem"], "kernel": "xla", "config": {},
+              "candidates": {"xla": {"median_ms": 1.0}}}
+    path.write_text(table_json(choices=[choice, choice]))
+    with pytest.raises(TableError, match=r"choice 1 repeats the problem of choice 0 \(b1 h8"):
+        LookupTable.load(path)
 
 
 def test_import_names_the_kernels_it_leaves_out(sqlite_db_url: str, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from conftest import problem_flags, run_cli, sqlite_copy
 from kernel import FlashConfig, Problem, device_target, get_kernel
 from kernel.aot import compile_for_target
 from storage import Store
+from storage.results import MIN_TIME_MS
 
 FLASH = get_kernel("flash").discover()
 
@@ -749,10 +750,18 @@ def test_shapes_that_are_not_text_and_a_database_password_are_named_safely(
     message = " ".join(done.stderr.replace("│", " ").split())  # unwrap rich's error panel
     assert done.returncode == 2 and "is not UTF-8 text (byte 0)" in message, message
     assert "Traceback" not in done.stderr
-    done = run_cli("tune", *problem_flags(TINY), "--kernel", "xla",
-                   "--db", "postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune")
-    assert done.returncode == 1 and "tuner:***@127.0.0.1:1" in done.stderr, done.stderr
-    assert "hunter2" not in done.stderr
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"schema_version": 1, "kernel": "flash", "kernel_version": "1",
+                                 "device_kind": "cpu", "entries": []}))
+    for db, shown in (("postgresql+psycopg://tuner:hunter2@127.0.0.1:1/autotune",
+                       "tuner:***@127.0.0.1:1"),  # issue 75 item 11h: and in the query
+                      ("postgresql+psycopg://tuner@127.0.0.1:1/autotune?password=hunter2",
+                       "autotune?password=***")):
+        for args in (["tune", *problem_flags(TINY), "--kernel", "xla"], ["db", "upgrade"],
+                     ["import", str(table)]):
+            done = run_cli(*args, "--db", db)
+            assert done.returncode in (1, 2) and shown in done.stderr, (args, done.stderr)
+            assert "hunter2" not in done.stderr
 
 
 def test_a_problem_larger_than_the_device_is_refused_with_its_size(tmp_path: Path) -> None:
@@ -854,14 +863,14 @@ def test_a_forced_confirmation_replaces_an_entry_timed_alike_only_beyond_the_noi
     with Store(sqlite_db_url) as store:
         tune(TINY, store, sqlite_db_url, forced, kernel_name="xla")
         (entry, _), = [store.lookup("xla", "cpu", TINY)]
-        fast = dataclasses.replace(entry.result, median_ms=1e-6, iqr_ms=0.0)
+        fast = dataclasses.replace(entry.result, median_ms=MIN_TIME_MS, iqr_ms=0.0)
         store.publish(fast, force=True)  # as if its confirmation had timed it far faster
         assert tune(TINY, store, sqlite_db_url, forced, kernel_name="xla").publish == "kept"
         assert store.lookup("xla", "cpu", TINY)[0].result == fast
         store.publish(dataclasses.replace(fast, jax_version="0.4.1"), force=True)
         assert tune(TINY, store, sqlite_db_url, forced, kernel_name="xla").publish == \
             "replaced"
-        assert store.lookup("xla", "cpu", TINY)[0].result.median_ms > 1e-6
+        assert store.lookup("xla", "cpu", TINY)[0].result.median_ms > MIN_TIME_MS
 
 
 def test_the_default_is_compiled_once_for_the_canary_and_its_trial(

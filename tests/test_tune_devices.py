@@ -251,9 +251,13 @@ def test_device_selection() -> None:
             parse_devices(bad)
 
 
-def test_a_bad_selection_is_a_usage_error(tmp_path: Path) -> None:
-    done = run_cli("tune", "--devices", "0,0", "--db", f"sqlite:///{tmp_path / 'x.db'}")
+@pytest.mark.parametrize("selection", ["0,0", "99"])
+def test_a_bad_selection_is_a_usage_error_that_creates_no_database(tmp_path: Path,
+                                                                   selection: str) -> None:
+    """Issue 75 item 11k: ``--devices 99`` (more than there are) created the database."""
+    done = run_cli("tune", "--devices", selection, "--db", f"sqlite:///{tmp_path / 'x.db'}")
     assert done.returncode == 2 and "--devices" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "x.db").exists()
 
 
 def test_a_timing_that_cannot_time_here_is_a_usage_error_on_workers(tmp_path: Path) -> None:

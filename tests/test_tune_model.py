@@ -103,6 +103,12 @@ def test_tune_model_into_an_unusable_database_says_so(model, tmp_path, capsys):
         autotune.tune_model(model.step, *model.example_args(), kernels="xla",
                             db=f"sqlite:///{tmp_path / 'missing' / 'dir' / 'a.db'}")
     assert "error:" in capsys.readouterr().err
+    # Issue 75 item 11h: a password, in the URL's user part or its query, is masked.
+    for db in ("postgresql+psycopg://u:hunter2@127.0.0.1:1/db",
+               "postgresql+psycopg://u@127.0.0.1:1/db?password=hunter2"):
+        with pytest.raises(RuntimeError, match="cannot tune into database") as raised:
+            autotune.tune_model(model.step, *model.example_args(), kernels="xla", db=db)
+        assert "hunter2" not in str(raised.value) + capsys.readouterr().err
 
 
 def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,6 +13,7 @@ import json
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import optuna
 import pytest
 
+from autotune.claims import CLAIM_WAIT_S
 from storage.studies import NOT_MEASURED
 from conftest import AUTOTUNE, problem_flags, run_cli
 from kernel.problem import Problem
@@ -122,12 +124,13 @@ def test_a_kill_mid_study_then_a_rerun_resumes_and_fills_the_budget(tmp_path: Pa
     # (``orphan``) and measured in their place. Only a claim killed while it was being
     # created, before its ``process`` attr was written, cannot be told from a live one: it
     # stays RUNNING until the heartbeat's grace period, holding its config and slot if its
-    # params were written.
+    # params and ``worker`` attr were written.
     running = optuna.load_study(study_name=study, storage=db).get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     assert not [t for t in running if "process" in t.user_attrs], running
     names = next(iter(before.values())).params.keys()
-    held = [t for t in running if t.params.keys() >= names]  # part of its params: no slot
+    held = [t for t in running  # part of its params, or no worker attr: no slot
+            if t.params.keys() >= names and "worker" in t.user_attrs]
     assert not {config_key(t) for t in held} & set(keys)
     assert len(after) + len(held) == trials
     [summary] = summaries(rerun.stdout)
@@ -138,6 +141,30 @@ def test_a_kill_mid_study_then_a_rerun_resumes_and_fills_the_budget(tmp_path: Pa
     assert match == "exact"
     assert entry.result.config.to_dict() == summary["best_config"]
     assert entry.result.study == study
+
+
+def test_a_claim_whose_job_died_recording_it_is_given_back_on_a_rerun(tmp_path: Path) -> None:
+    """Issue 75 item 11e: a tune killed by a full disk right after Optuna's ``ask`` (the seed's
+    trial RUNNING with its params, but neither the claim's attrs nor its release written)
+    held the seed and a slot of the budget on a rerun: ``--trials 3`` measured 2, never the
+    seed. The job dies here at its first write of a trial's attr, as it did there."""
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    dying = ("import os, sys, optuna.trial\n"
+             "optuna.trial.Trial.set_user_attr = lambda *args: os._exit(3)\n"
+             "from autotune.__main__ import main\n"
+             "main()\n")
+    died = subprocess.run([sys.executable, "-c", dying, *tune_args(db, "died", 3)],
+                          capture_output=True, text=True, timeout=300)
+    assert died.returncode == 3, died.stderr
+    [claim] = optuna.load_study(study_name="died", storage=db).get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    assert claim.user_attrs == {"seed": True} and claim.params
+    time.sleep(CLAIM_WAIT_S)  # as old as a claim whose attrs never came
+    rerun = run_cli(*tune_args(db, "died", 3), timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    measured = measured_trials(db, "died")
+    assert len(measured) == 3
+    assert any(t.user_attrs.get("seed") and t.params == claim.params for t in measured)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

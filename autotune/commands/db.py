@@ -120,7 +120,7 @@ def ensure_schema(db_url: str, *, refuse_read_only: bool = True) -> None:
 def upgrade(db: DbOption = None) -> None:
     """Create the tables, or migrate them to this version's schema (other tables, such as
     Optuna's, are left alone)."""
-    from storage import make_engine, schema_problem
+    from storage import make_engine, schema_problem, shown_url
     from storage import upgrade as upgrade_schema
     from storage.schema import head_revision
 
@@ -133,5 +133,5 @@ def upgrade(db: DbOption = None) -> None:
     if problem:
         typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"{engine.url.render_as_string(hide_password=True)}: schema at revision "
+    typer.echo(f"{shown_url(engine.url)}: schema at revision "
                f"{head_revision()} (current)")

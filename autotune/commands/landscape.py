@@ -10,12 +10,13 @@ import typer
 
 from autotune.commands.db import DbOption, database_errors, open_store
 from autotune.files import is_stdout
+from autotune.problem_options import output_file
 
 
 def landscape(
     study: Annotated[str, typer.Argument(
         help="The study's name, as `autotune tune` prints it ('study' in its --json summary).")],
-    output: Annotated[Path, typer.Option("-o", "--output", dir_okay=False,
+    output: Annotated[Path, typer.Option("-o", "--output", parser=output_file, metavar="<file>",
                                          help="Where to write the landscape (*.json.gz).")],
     partial: Annotated[bool, typer.Option(
         help="Write a study that did not measure its whole legal space (its unmeasured configs "
@@ -30,9 +31,9 @@ def landscape(
                                  "`autotune replay` and bench/search.py expect",
                                  param_hint="--output")
     import optuna
-    from sqlalchemy.engine import make_url
 
     from autotune.landscape import LandscapeError, save_landscape, study_document
+    from storage import shown_url
     from storage.studies import get_storage
 
     with open_store(db) as store, database_errors(store.url):
@@ -40,7 +41,7 @@ def landscape(
         names = [] if storage is None else optuna.get_all_study_names(storage)
         if study not in names:
             holds = ", ".join(map(repr, sorted(names))) or "no study"
-            typer.echo(f"error: no study {study!r} in {make_url(store.url).render_as_string()}"
+            typer.echo(f"error: no study {study!r} in {shown_url(store.url)}"
                        f"; it holds {holds}", err=True)
             raise typer.Exit(1)
         try:

@@ -9,11 +9,12 @@ import typer
 
 from autotune.commands.db import DbOption, reading_store
 from autotune.files import is_stdout, write_output
+from autotune.problem_options import output_file
 from kernel.problem import DTYPES, MODES
 
 
 def report(
-    output: Annotated[Path, typer.Option("-o", "--output", dir_okay=False,
+    output: Annotated[Path, typer.Option("-o", "--output", parser=output_file, metavar="<file>",
                                          help="Where to write the HTML file (- for stdout).")]
     = Path("report.html"),
     device_kind: Annotated[str | None, typer.Option(

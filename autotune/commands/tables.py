@@ -19,7 +19,7 @@ from autotune.commands.db import (
 )
 from autotune.files import is_stdout, write_output
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel,
-                                      problem_flags_given, with_problem_options)
+                                      output_file, problem_flags_given, with_problem_options)
 from kernel import AutotuneError, LookupTable, Problem, TableError, kernel_names
 
 
@@ -28,7 +28,7 @@ def export_table(
     context: typer.Context,
     problem: Problem,
     output: Annotated[Path | None, typer.Option(
-        "-o", "--output", dir_okay=False, show_default=False,
+        "-o", "--output", parser=output_file, metavar="<file>", show_default=False,
         help="Where to write the table, - for stdout (with --format maxtext: the flags; "
              "default: print them).")] = None,
     format_: Annotated[str, typer.Option(

@@ -8,7 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from autotune.commands.db import DbOption, ensure_schema, open_store, resolve_url
+from autotune.commands.db import (DbOption, database_errors, ensure_schema, open_store,
+                                  resolve_url)
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel, known_kernels,
                                       problem_flags_given, with_problem_options)
 from kernel import Problem
@@ -112,6 +113,11 @@ def tune(
             check_text("study", study)
         except ResultError as error:
             raise typer.BadParameter(str(error), param_hint="--study") from None
+    if selection != 1:  # before the database is opened (or created)
+        try:
+            chosen = select_devices(selection, local := LocalDevices.probe())
+        except DeviceSelectionError as error:
+            raise typer.BadParameter(str(error), param_hint="--devices") from None
     db_url = resolve_url(db)
     ensure_schema(db_url)
     store = open_store(db_url)
@@ -126,11 +132,6 @@ def tune(
     from kernel import ConfigError
 
     if selection != 1:
-        try:
-            chosen = select_devices(selection, local := LocalDevices.probe())
-        except DeviceSelectionError as error:
-            store.close()
-            raise typer.BadParameter(str(error), param_hint="--devices") from None
         candidates = candidates or local_kernels(local.platform, local.device_kind)
         with store:
             problems = _unfinished(problems, store, local.device_kind, kernel, candidates,
@@ -143,7 +144,7 @@ def tune(
 
     candidates = candidates or local_kernels()
     failed = 0
-    try:
+    with store, database_errors(db_url):  # a full disk or a lost database: one line
         for item in _unfinished(problems, store, jax.devices()[0].device_kind, kernel,
                                 candidates, options, json_output):
             def progress_for(name: str, item: Problem = item) -> TuneProgress:
@@ -177,8 +178,6 @@ def tune(
                 typer.echo(f"interrupted: {stop}", err=True)
                 raise typer.Exit(130) from None
             _report(summary.to_dict(), json_output)
-    finally:
-        store.close()
     if failed:
         raise typer.Exit(1)
 
