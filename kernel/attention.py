@@ -23,6 +23,9 @@ from kernel.targets import GPU_PLATFORMS, Target, device_target
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
 # Array layouts: ours (batch, heads, seq, head_dim), and jax.nn.dot_product_attention's.
 LAYOUTS = ("BHSD", "BSHD")
+# Where queries sit among the keys when q_len != kv_len: query i at position i (top-left, as
+# jax.nn's is_causal), or at i + kv_len - q_len (bottom-right: the last q_len positions).
+ALIGNMENTS = ("top_left", "bottom_right")
 # More heads than this, over fewer positions, in what the default layout reads as the heads
 # axis looks like a [batch, seq, heads, head_dim] array: refused unless the layout is given.
 # The most query heads of published models' attention layers (Llama 3.1 405B, DeepSeek-V3).
@@ -46,7 +49,8 @@ UNSUPPORTED_FEATURES = {
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                     sm_scale: float | None = None, window: tuple[int, int] | None = None,
                     logits_soft_cap: float | None = None, segment_ids: Any = None,
-                    config: Any = None, layout: str | None = None, **unsupported: Any) -> Any:
+                    config: Any = None, layout: str | None = None, alignment: str | None = None,
+                    **unsupported: Any) -> Any:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable.
 
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
@@ -55,11 +59,17 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD are
     refused naming both readings and the fix: q or k with more than ``MOST_PLAUSIBLE_HEADS``
     (128) heads over fewer positions, or head counts only BSHD makes consistent;
-    ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
-    position, top-left aligned (query i sees keys j <= i). ``sm_scale`` defaults to
-    ``head_dim ** -0.5``.
+    ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query's
+    position. ``sm_scale`` defaults to ``head_dim ** -0.5``.
 
-    ``window=(left, right)``: query i sees keys ``i - left`` to ``i + right`` (as
+    ``alignment``: where query i sits among the keys when ``q_len != kv_len``:
+    ``"top_left"``, at position i (``jax.nn.dot_product_attention``'s ``is_causal``: query 0
+    sees key 0 only), or ``"bottom_right"``, at position ``i + kv_len - q_len`` (the queries
+    are the last ``q_len`` tokens: decode, chunked prefill, speculative decode). A causal or
+    windowed call with ``q_len != kv_len`` must name one (it is refused naming both); with
+    equal lengths, or neither mask, both mean the same and it may be left out.
+
+    ``window=(left, right)``: the query at position p sees keys ``p - left`` to ``p + right`` (as
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2), in
     float32: a cap outside ``kernel.problem.SOFTCAP_RANGE`` (1e-30 to 1e30) is refused.
@@ -92,6 +102,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         raise TypeError(_unsupported_message(unsupported))
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if alignment not in (None, *ALIGNMENTS):
+        raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {alignment!r}")
     if layout == "BSHD":
         import jax.numpy as jnp
 
@@ -99,9 +111,10 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
         out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
                               logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
-                              config=config, layout="BHSD")
+                              config=config, layout="BHSD", alignment=alignment)
         return jnp.swapaxes(out, 1, 2)
     problem = _problem(q, k, v, causal, checked=layout == "BHSD")
+    _check_alignment(problem, window, alignment)
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
     _check_positive("sm_scale", sm_scale)
@@ -114,9 +127,10 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
         return _per_device(sharded, functools.partial(
             flash_attention, causal=causal, sm_scale=sm_scale, window=window,
-            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD"), q, k, v, ids)
+            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD",
+            alignment=alignment), q, k, v, ids)
     problem = dataclasses.replace(problem, window=window, softcap=logits_soft_cap,
-                                  segmented=bool(ids))
+                                  segmented=bool(ids), bottom_right=alignment == "bottom_right")
     platform, device_kind = _default_device()
     if platform not in PLATFORMS:
         raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
@@ -188,8 +202,24 @@ def _unsupported_message(unsupported: dict[str, Any]) -> str:
                       for name in unsupported)
     plural = "s" if len(unsupported) > 1 else ""
     return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
-            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config and layout; "
+            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config, layout and "
+            "alignment; "
             "drop the argument, or use an attention implementation that supports it")
+
+
+def _check_alignment(problem: Problem, window: Any, alignment: str | None) -> None:
+    """Raises naming both readings when a causal or windowed call with ``q_len != kv_len``
+    names no ``alignment``: the mask differs, and neither is a safe guess."""
+    if alignment is not None or problem.q_len == problem.kv_len:
+        return
+    if not problem.causal and window is None:
+        return
+    masked = "causal=True" if problem.causal else f"window={window!r}"
+    raise ValueError(f"{masked} with q_len {problem.q_len} != kv_len {problem.kv_len} has two "
+                     "readings; pass alignment='bottom_right' when the queries are the last "
+                     "q_len tokens (query i at position i + kv_len - q_len: decode, chunked "
+                     "prefill, speculative decode) or alignment='top_left' for query i at "
+                     "position i (jax.nn.dot_product_attention's is_causal)")
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -276,7 +306,10 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     head_dim]``, or ``[seq, heads, head_dim]``) on :func:`flash_attention`: a drop-in for the
     calls it supports (``scale``, ``is_causal``, ``local_window_size``: an int ``w`` is ``(w,
     w)``, as there); any other argument given raises naming it. ``implementation`` must stay
-    None: the kernel is the tuned choice's."""
+    None: the kernel is the tuned choice's. Masks are top-left aligned, as jax.nn's (query i
+    at position i whatever the lengths; it has no other alignment): for decode or chunked
+    prefill against a longer cache, call :func:`flash_attention` with
+    ``alignment="bottom_right"``."""
     given = {name: value for name, value in (
         ("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
         ("key_value_seq_lengths", key_value_seq_lengths), ("implementation", implementation))
@@ -298,7 +331,7 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
         local_window_size = (local_window_size, local_window_size)
     out = flash_attention(query, key, value, causal=is_causal, sm_scale=scale,
-                          window=local_window_size, layout="BSHD")
+                          window=local_window_size, layout="BSHD", alignment="top_left")
     return out if batched else out[0]
 
 

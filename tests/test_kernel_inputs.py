@@ -30,7 +30,7 @@ def _sds(shape, dtype=F32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
+GOOD_Q, GOOD_KV, LONG_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64)), _sds((1, 2, 512, 64))
 
 
 @pytest.mark.parametrize("q, k, v, kwargs, error, message", [
@@ -106,6 +106,16 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
                                                 "kv": _sds((1, 256), jnp.int32)}}, TypeError,
      "segment_ids must be a pair (q_segment_ids, kv_segment_ids) as a tuple or list, got "
      "dict; pass segment_ids=(ids['q'], ids['kv'])"),
+    # Issue 73: decode, chunked prefill and speculative decode were silently top-left.
+    (GOOD_Q, LONG_KV, LONG_KV, {"causal": True}, ValueError,
+     "causal=True with q_len 256 != kv_len 512 has two readings; pass "
+     "alignment='bottom_right' when the queries are the last q_len tokens (query i at position "
+     "i + kv_len - q_len: decode, chunked prefill, speculative decode) or alignment='top_left' "
+     "for query i at position i (jax.nn.dot_product_attention's is_causal)"),
+    (GOOD_Q, LONG_KV, LONG_KV, {"window": (64, 64)}, ValueError,
+     "window=(64, 64) with q_len 256 != kv_len 512 has two readings"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"causal": True, "alignment": "bottom"}, ValueError,
+     "alignment must be one of top_left, bottom_right, got 'bottom'"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (np.zeros((1, 256), np.int64),
                                                 np.full((1, 256), 2**32, np.int64))},
      ValueError, "segment_ids: kv_segment_ids holds ids from 4294967296 to 4294967296, "
@@ -116,7 +126,8 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
         "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
         "soft-cap-overflow", "soft-cap-past-float32", "soft-cap-below-float32",
         "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
-        "segment-ids-float", "segment-ids-dict", "segment-ids-past-int32"])
+        "segment-ids-float", "segment-ids-dict", "causal-alignment-unnamed",
+        "window-alignment-unnamed", "alignment-unknown", "segment-ids-past-int32"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
@@ -219,12 +230,11 @@ FWD_BWD = Problem(**{**FWD.to_dict(), "mode": "fwd_bwd"})
 
 
 def _forward(**kwargs):
-    return lambda q, k, v: flash_attention(q, k, v, causal=True, **kwargs)
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, alignment="top_left", **kwargs)
 
 
 def _gradients(**kwargs):
-    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, **kwargs).sum()  # noqa: E731
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(lambda q, k, v: _forward(**kwargs)(q, k, v).sum(), argnums=(0, 1, 2))
 
 
 def _grids(config: FlashConfig, with_backward: bool) -> dict[str, tuple[int, ...]]:
