@@ -41,7 +41,7 @@ UNSUPPORTED_FEATURES = {
     "sliding_window": "pass window=(left, right)", "local_window_size": "pass window=(left, right)",
     "attn_logits_soft_cap": "pass logits_soft_cap", "dropout_rate": "dropout",
     "query_seq_lengths": "sequence lengths (pass segment_ids, padding a segment of its own)",
-    "key_value_seq_lengths": "sequence lengths (pass segment_ids, padding a segment of its own)",
+    "key_value_seq_lengths": "sequence lengths (flash_attention takes kv_lengths)",
     "implementation": "an implementation (the tuned kernel choice picks it)",
 }
 
@@ -50,7 +50,7 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                     sm_scale: float | None = None, window: tuple[int, int] | None = None,
                     logits_soft_cap: float | None = None, segment_ids: Any = None,
                     config: Any = None, layout: str | None = None, alignment: str | None = None,
-                    **unsupported: Any) -> Any:
+                    kv_lengths: Any = None, **unsupported: Any) -> Any:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable.
 
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
@@ -68,6 +68,15 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     are the last ``q_len`` tokens: decode, chunked prefill, speculative decode). A causal or
     windowed call with ``q_len != kv_len`` must name one (it is refused naming both); with
     equal lengths, or neither mask, both mean the same and it may be left out.
+
+    ``kv_lengths``: integer ``[batch]``, each row's valid keys (the first ``kv_lengths[b]``;
+    the rest is padding, never seen), from 0 to ``kv_len`` (concrete lengths outside are
+    refused, traced ones clipped). Bottom-right, row b's queries are the last ``q_len``
+    positions of its valid keys (query i at ``i + kv_lengths[b] - q_len``); with a causal mask
+    or a window, ``alignment`` must be named whatever the lengths. It runs as segment ids (the
+    padding a segment no query is in; bottom-right, each row's keys first rolled to end at
+    ``kv_len``: a copy of K and V per call), so it is keyed as a segmented problem and cannot
+    be combined with ``segment_ids``.
 
     ``window=(left, right)``: the query at position p sees keys ``p - left`` to ``p + right`` (as
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
@@ -111,10 +120,11 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
         out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
                               logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
-                              config=config, layout="BHSD", alignment=alignment)
+                              config=config, layout="BHSD", alignment=alignment,
+                              kv_lengths=kv_lengths)
         return jnp.swapaxes(out, 1, 2)
     problem = _problem(q, k, v, causal, checked=layout == "BHSD")
-    _check_alignment(problem, window, alignment)
+    _check_alignment(problem, window, alignment, kv_lengths is not None)
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
     _check_positive("sm_scale", sm_scale)
@@ -123,6 +133,10 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         if out_of_range := softcap_problem("logits_soft_cap", logits_soft_cap):
             raise ValueError(out_of_range)
     ids = _segment_ids(segment_ids, problem)
+    if kv_lengths is not None:
+        masked = causal or window is not None
+        k, v, ids = _valid_lengths(kv_lengths, problem, ids,
+                                   masked and alignment == "bottom_right", k, v)
     sharded = explicit_specs(q, k, v)
     if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
         return _per_device(sharded, functools.partial(
@@ -202,24 +216,28 @@ def _unsupported_message(unsupported: dict[str, Any]) -> str:
                       for name in unsupported)
     plural = "s" if len(unsupported) > 1 else ""
     return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
-            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config, layout and "
-            "alignment; "
+            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config, layout, "
+            "alignment and kv_lengths; "
             "drop the argument, or use an attention implementation that supports it")
 
 
-def _check_alignment(problem: Problem, window: Any, alignment: str | None) -> None:
-    """Raises naming both readings when a causal or windowed call with ``q_len != kv_len``
-    names no ``alignment``: the mask differs, and neither is a safe guess."""
-    if alignment is not None or problem.q_len == problem.kv_len:
+def _check_alignment(problem: Problem, window: Any, alignment: str | None,
+                     lengths: bool) -> None:
+    """Raises naming both readings when a causal or windowed call with ``q_len != kv_len`` (or
+    with ``kv_lengths``) names no ``alignment``: the mask differs, and neither is a safe
+    guess."""
+    if alignment is not None or (problem.q_len == problem.kv_len and not lengths):
         return
     if not problem.causal and window is None:
         return
     masked = "causal=True" if problem.causal else f"window={window!r}"
-    raise ValueError(f"{masked} with q_len {problem.q_len} != kv_len {problem.kv_len} has two "
-                     "readings; pass alignment='bottom_right' when the queries are the last "
-                     "q_len tokens (query i at position i + kv_len - q_len: decode, chunked "
-                     "prefill, speculative decode) or alignment='top_left' for query i at "
-                     "position i (jax.nn.dot_product_attention's is_causal)")
+    given, length = (("kv_lengths", "kv_lengths[b]") if lengths else
+                     (f"q_len {problem.q_len} != kv_len {problem.kv_len}", "kv_len"))
+    raise ValueError(f"{masked} with {given} has two readings; pass alignment='bottom_right' "
+                     f"when the queries are the last q_len tokens (query i at position i + "
+                     f"{length} - q_len: decode, chunked prefill, speculative decode) or "
+                     "alignment='top_left' for query i at position i "
+                     "(jax.nn.dot_product_attention's is_causal)")
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -255,6 +273,52 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
                             f"dtype {_dtype(ids)}; cast them")
         _check_int32_range(name, ids)
     return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
+
+
+def _valid_lengths(kv_lengths: Any, problem: Problem, ids: tuple[Any, ...], bottom_right: bool,
+                   k: Any, v: Any) -> tuple[Any, Any, tuple[Any, Any]]:
+    """K, V and the segment ids that hide each row's keys past ``kv_lengths``: every query
+    and valid key has id 1, padding 0. ``bottom_right``: each row's keys are rolled to end at
+    ``kv_len`` (the padding first), so that the problem's offset ``kv_len - q_len`` puts query
+    i at ``i + kv_lengths[b] - q_len`` of the row's own keys."""
+    import jax.numpy as jnp
+
+    if ids:
+        raise ValueError("kv_lengths and segment_ids cannot be combined: give the padding keys "
+                         "a kv segment id that no query has, and drop kv_lengths")
+    lengths = _checked_lengths(kv_lengths, problem)
+    positions = jnp.arange(problem.kv_len)
+    valid = positions[None, :] < lengths[:, None]
+    if bottom_right:
+        shift = (problem.kv_len - lengths)[:, None]
+        source = (positions[None, :] - shift) % problem.kv_len
+        k, v = (jnp.take_along_axis(x, source[:, None, :, None], axis=2) for x in (k, v))
+        valid = positions[None, :] >= shift
+    return k, v, (jnp.ones((problem.batch, problem.q_len), jnp.int32), valid.astype(jnp.int32))
+
+
+def _checked_lengths(kv_lengths: Any, problem: Problem) -> Any:
+    """``kv_lengths`` as int32 ``[batch]`` from 0 to ``kv_len`` (a traced one clipped); anything
+    else raises naming the argument and the fix."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if not (hasattr(kv_lengths, "shape") and hasattr(kv_lengths, "dtype")):
+        raise TypeError(f"kv_lengths must be a jax array, got {type(kv_lengths).__name__}")
+    if tuple(kv_lengths.shape) != (problem.batch,):
+        raise ValueError(f"kv_lengths must have shape [batch] = ({problem.batch},), got "
+                         f"{tuple(kv_lengths.shape)}")
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+        raise TypeError(f"kv_lengths must be integers (valid keys per row), got dtype "
+                        f"{_dtype(kv_lengths)}; cast them")
+    if not isinstance(kv_lengths, jax.core.Tracer):
+        values = np.asarray(kv_lengths)
+        low, high = values.min(), values.max()
+        if low < 0 or high > problem.kv_len:
+            raise ValueError(f"kv_lengths holds lengths from {low} to {high}, outside 0 to "
+                             f"kv_len={problem.kv_len}; a row has at most kv_len valid keys")
+    return jnp.clip(kv_lengths, 0, problem.kv_len).astype(jnp.int32)
 
 
 def _check_int32_range(name: str, ids: Any) -> None:
