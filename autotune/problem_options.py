@@ -57,7 +57,8 @@ _OPTIONS: list[inspect.Parameter] = [
         ("dtype", "bfloat16", Annotated[str, typer.Option(help="bfloat16 | float32.",
                                                           rich_help_panel=_PANEL)]),
         ("causal", False, Annotated[bool, typer.Option("--causal/--no-causal",
-                                                       help="Causal mask (top-left aligned).",
+                                                       help="Causal mask (top-left aligned "
+                                                       "unless --bottom-right).",
                                                        rich_help_panel=_PANEL)]),
         ("mode", "fwd", Annotated[str, typer.Option(help="fwd | fwd_bwd.",
                                                     rich_help_panel=_PANEL)]),
@@ -71,6 +72,10 @@ _OPTIONS: list[inspect.Parameter] = [
         ("segmented", False, Annotated[bool, typer.Option(
             "--segmented", rich_help_panel=_PANEL,
             help="Segment ids are given (packed sequences).")]),
+        ("bottom_right", False, Annotated[bool, typer.Option(
+            "--bottom-right", rich_help_panel=_PANEL,
+            help="Queries are the last q-len positions (query i at i + kv-len - q-len: decode, "
+                 "chunked prefill) for the causal mask and window (default: top-left).")]),
     ]
 ]
 _NAMES = [p.name for p in _OPTIONS]

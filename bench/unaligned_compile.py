@@ -31,7 +31,8 @@ def compiles(problem: Problem, features: dict) -> str | None:
 
     def loss(q, k, v, *ids):
         out = kernel.flash_attention(q, k, v, causal=problem.causal, config=config,
-                                     segment_ids=ids or None, **features)
+                                     segment_ids=ids or None, alignment=problem.alignment,
+                                     **features)
         return out.astype(jnp.float32).sum()
 
     try:

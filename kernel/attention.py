@@ -23,6 +23,9 @@ from kernel.targets import GPU_PLATFORMS, Target, device_target
 PLATFORMS = ("tpu", "cpu", *GPU_PLATFORMS)  # cpu: the TPU kernels run in interpret mode
 # Array layouts: ours (batch, heads, seq, head_dim), and jax.nn.dot_product_attention's.
 LAYOUTS = ("BHSD", "BSHD")
+# Where queries sit among the keys when q_len != kv_len: query i at position i (top-left, as
+# jax.nn's is_causal), or at i + kv_len - q_len (bottom-right: the last q_len positions).
+ALIGNMENTS = ("top_left", "bottom_right")
 # More heads than this, over fewer positions, in what the default layout reads as the heads
 # axis looks like a [batch, seq, heads, head_dim] array: refused unless the layout is given.
 # The most query heads of published models' attention layers (Llama 3.1 405B, DeepSeek-V3).
@@ -38,7 +41,7 @@ UNSUPPORTED_FEATURES = {
     "sliding_window": "pass window=(left, right)", "local_window_size": "pass window=(left, right)",
     "attn_logits_soft_cap": "pass logits_soft_cap", "dropout_rate": "dropout",
     "query_seq_lengths": "sequence lengths (pass segment_ids, padding a segment of its own)",
-    "key_value_seq_lengths": "sequence lengths (pass segment_ids, padding a segment of its own)",
+    "key_value_seq_lengths": "sequence lengths (flash_attention takes kv_lengths)",
     "implementation": "an implementation (the tuned kernel choice picks it)",
 }
 
@@ -46,7 +49,8 @@ UNSUPPORTED_FEATURES = {
 def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                     sm_scale: float | None = None, window: tuple[int, int] | None = None,
                     logits_soft_cap: float | None = None, segment_ids: Any = None,
-                    config: Any = None, layout: str | None = None, **unsupported: Any) -> Any:
+                    config: Any = None, layout: str | None = None, alignment: str | None = None,
+                    kv_lengths: Any = None, **unsupported: Any) -> Any:
     """Softmax(``sm_scale`` q kᵀ) v, differentiable.
 
     ``q``: ``[batch, q_heads, q_len, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, kv_len,
@@ -55,11 +59,26 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     :func:`dot_product_attention`). Without ``layout``, shapes that read better as BSHD are
     refused naming both readings and the fix: q or k with more than ``MOST_PLAUSIBLE_HEADS``
     (128) heads over fewer positions, or head counts only BSHD makes consistent;
-    ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query
-    position, top-left aligned (query i sees keys j <= i). ``sm_scale`` defaults to
-    ``head_dim ** -0.5``.
+    ``layout="BHSD"`` says they are meant. ``causal`` masks keys after the query's
+    position. ``sm_scale`` defaults to ``head_dim ** -0.5``.
 
-    ``window=(left, right)``: query i sees keys ``i - left`` to ``i + right`` (as
+    ``alignment``: where query i sits among the keys when ``q_len != kv_len``:
+    ``"top_left"``, at position i (``jax.nn.dot_product_attention``'s ``is_causal``: query 0
+    sees key 0 only), or ``"bottom_right"``, at position ``i + kv_len - q_len`` (the queries
+    are the last ``q_len`` tokens: decode, chunked prefill, speculative decode). A causal or
+    windowed call with ``q_len != kv_len`` must name one (it is refused naming both); with
+    equal lengths, or neither mask, both mean the same and it may be left out.
+
+    ``kv_lengths``: integer ``[batch]``, each row's valid keys (the first ``kv_lengths[b]``;
+    the rest is padding, never seen), from 0 to ``kv_len`` (concrete lengths outside are
+    refused, traced ones clipped). Bottom-right, row b's queries are the last ``q_len``
+    positions of its valid keys (query i at ``i + kv_lengths[b] - q_len``); with a causal mask
+    or a window, ``alignment`` must be named whatever the lengths. It runs as segment ids (the
+    padding a segment no query is in; bottom-right, each row's keys first rolled to end at
+    ``kv_len``: a copy of K and V per call), so it is keyed as a segmented problem and cannot
+    be combined with ``segment_ids``.
+
+    ``window=(left, right)``: the query at position p sees keys ``p - left`` to ``p + right`` (as
     ``jax.nn.dot_product_attention``'s ``local_window_size``; with ``causal`` the right side is
     0). ``logits_soft_cap``: the scaled logits become ``cap * tanh(logits / cap)`` (Gemma 2), in
     float32: a cap outside ``kernel.problem.SOFTCAP_RANGE`` (1e-30 to 1e30) is refused.
@@ -92,6 +111,8 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         raise TypeError(_unsupported_message(unsupported))
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if alignment not in (None, *ALIGNMENTS):
+        raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {alignment!r}")
     if layout == "BSHD":
         import jax.numpy as jnp
 
@@ -99,9 +120,11 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
         out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
                               logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
-                              config=config, layout="BHSD")
+                              config=config, layout="BHSD", alignment=alignment,
+                              kv_lengths=kv_lengths)
         return jnp.swapaxes(out, 1, 2)
     problem = _problem(q, k, v, causal, checked=layout == "BHSD")
+    _check_alignment(problem, window, alignment, kv_lengths is not None)
     if sm_scale is None:
         sm_scale = problem.head_dim ** -0.5
     _check_positive("sm_scale", sm_scale)
@@ -110,16 +133,21 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
         if out_of_range := softcap_problem("logits_soft_cap", logits_soft_cap):
             raise ValueError(out_of_range)
     ids = _segment_ids(segment_ids, problem)
+    if kv_lengths is not None:
+        masked = causal or window is not None
+        k, v, ids = _valid_lengths(kv_lengths, problem, ids,
+                                   masked and alignment == "bottom_right", k, v)
     sharded = explicit_specs(q, k, v)
     if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
         return _per_device(sharded, functools.partial(
             flash_attention, causal=causal, sm_scale=sm_scale, window=window,
-            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD"), q, k, v, ids)
+            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD",
+            alignment=alignment), q, k, v, ids)
     if not check_per_device(q):  # plain jit on several devices: known only when lowered
         q = unplaced(q)
         note_unplaced()
     problem = dataclasses.replace(problem, window=window, softcap=logits_soft_cap,
-                                  segmented=bool(ids))
+                                  segmented=bool(ids), bottom_right=alignment == "bottom_right")
     platform, device_kind = _default_device()
     if platform not in PLATFORMS:
         raise NotImplementedError(f"flash_attention runs on TPU, GPU and CPU (interpret mode), "
@@ -192,8 +220,28 @@ def _unsupported_message(unsupported: dict[str, Any]) -> str:
                       for name in unsupported)
     plural = "s" if len(unsupported) > 1 else ""
     return (f"flash_attention got unsupported keyword argument{plural} {names}: it takes only "
-            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config and layout; "
+            "q, k, v, causal, sm_scale, window, logits_soft_cap, segment_ids, config, layout, "
+            "alignment and kv_lengths; "
             "drop the argument, or use an attention implementation that supports it")
+
+
+def _check_alignment(problem: Problem, window: Any, alignment: str | None,
+                     lengths: bool) -> None:
+    """Raises naming both readings when a causal or windowed call with ``q_len != kv_len`` (or
+    with ``kv_lengths``) names no ``alignment``: the mask differs, and neither is a safe
+    guess."""
+    if alignment is not None or (problem.q_len == problem.kv_len and not lengths):
+        return
+    if not problem.causal and window is None:
+        return
+    masked = "causal=True" if problem.causal else f"window={window!r}"
+    given, length = (("kv_lengths", "kv_lengths[b]") if lengths else
+                     (f"q_len {problem.q_len} != kv_len {problem.kv_len}", "kv_len"))
+    raise ValueError(f"{masked} with {given} has two readings; pass alignment='bottom_right' "
+                     f"when the queries are the last q_len tokens (query i at position i + "
+                     f"{length} - q_len: decode, chunked prefill, speculative decode) or "
+                     "alignment='top_left' for query i at position i "
+                     "(jax.nn.dot_product_attention's is_causal)")
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -229,6 +277,52 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
                             f"dtype {_dtype(ids)}; cast them")
         _check_int32_range(name, ids)
     return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
+
+
+def _valid_lengths(kv_lengths: Any, problem: Problem, ids: tuple[Any, ...], bottom_right: bool,
+                   k: Any, v: Any) -> tuple[Any, Any, tuple[Any, Any]]:
+    """K, V and the segment ids that hide each row's keys past ``kv_lengths``: every query
+    and valid key has id 1, padding 0. ``bottom_right``: each row's keys are rolled to end at
+    ``kv_len`` (the padding first), so that the problem's offset ``kv_len - q_len`` puts query
+    i at ``i + kv_lengths[b] - q_len`` of the row's own keys."""
+    import jax.numpy as jnp
+
+    if ids:
+        raise ValueError("kv_lengths and segment_ids cannot be combined: give the padding keys "
+                         "a kv segment id that no query has, and drop kv_lengths")
+    lengths = _checked_lengths(kv_lengths, problem)
+    positions = jnp.arange(problem.kv_len)
+    valid = positions[None, :] < lengths[:, None]
+    if bottom_right:
+        shift = (problem.kv_len - lengths)[:, None]
+        source = (positions[None, :] - shift) % problem.kv_len
+        k, v = (jnp.take_along_axis(x, source[:, None, :, None], axis=2) for x in (k, v))
+        valid = positions[None, :] >= shift
+    return k, v, (jnp.ones((problem.batch, problem.q_len), jnp.int32), valid.astype(jnp.int32))
+
+
+def _checked_lengths(kv_lengths: Any, problem: Problem) -> Any:
+    """``kv_lengths`` as int32 ``[batch]`` from 0 to ``kv_len`` (a traced one clipped); anything
+    else raises naming the argument and the fix."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if not (hasattr(kv_lengths, "shape") and hasattr(kv_lengths, "dtype")):
+        raise TypeError(f"kv_lengths must be a jax array, got {type(kv_lengths).__name__}")
+    if tuple(kv_lengths.shape) != (problem.batch,):
+        raise ValueError(f"kv_lengths must have shape [batch] = ({problem.batch},), got "
+                         f"{tuple(kv_lengths.shape)}")
+    if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+        raise TypeError(f"kv_lengths must be integers (valid keys per row), got dtype "
+                        f"{_dtype(kv_lengths)}; cast them")
+    if not isinstance(kv_lengths, jax.core.Tracer):
+        values = np.asarray(kv_lengths)
+        low, high = values.min(), values.max()
+        if low < 0 or high > problem.kv_len:
+            raise ValueError(f"kv_lengths holds lengths from {low} to {high}, outside 0 to "
+                             f"kv_len={problem.kv_len}; a row has at most kv_len valid keys")
+    return jnp.clip(kv_lengths, 0, problem.kv_len).astype(jnp.int32)
 
 
 def _check_int32_range(name: str, ids: Any) -> None:
@@ -280,7 +374,10 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     head_dim]``, or ``[seq, heads, head_dim]``) on :func:`flash_attention`: a drop-in for the
     calls it supports (``scale``, ``is_causal``, ``local_window_size``: an int ``w`` is ``(w,
     w)``, as there); any other argument given raises naming it. ``implementation`` must stay
-    None: the kernel is the tuned choice's."""
+    None: the kernel is the tuned choice's. Masks are top-left aligned, as jax.nn's (query i
+    at position i whatever the lengths; it has no other alignment): for decode or chunked
+    prefill against a longer cache, call :func:`flash_attention` with
+    ``alignment="bottom_right"``."""
     given = {name: value for name, value in (
         ("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
         ("key_value_seq_lengths", key_value_seq_lengths), ("implementation", implementation))
@@ -302,7 +399,7 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
         local_window_size = (local_window_size, local_window_size)
     out = flash_attention(query, key, value, causal=is_causal, sm_scale=scale,
-                          window=local_window_size, layout="BSHD")
+                          window=local_window_size, layout="BSHD", alignment="top_left")
     return out if batched else out[0]
 
 

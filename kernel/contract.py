@@ -119,16 +119,17 @@ def repeat_kv_heads(problem: Problem, k: Any, v: Any) -> tuple[Any, Any]:
 def reference_attention(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
                         kv_segment_ids: Any = None, *, causal: bool = False,
                         sm_scale: float | None = None, window: tuple[int, int] | None = None,
-                        softcap: float | None = None) -> Any:
+                        softcap: float | None = None, query_offset: int = 0) -> Any:
     """Plain XLA attention in our layout: the reference every backend is checked against.
     ``jax.nn.dot_product_attention`` (grouped-query K/V heads broadcast by XLA); with a
-    ``softcap``, which it lacks, the same in plain jnp. Masks as :func:`attention_mask`; a
-    query that sees no key at all gets zeros."""
+    ``softcap``, a mask or a ``query_offset``, which it lacks, the same in plain jnp. Masks as
+    :func:`attention_mask`, query 0 at position ``query_offset`` (``kv_len - q_len``:
+    bottom-right aligned); a query that sees no key at all gets zeros."""
     import jax
     import jax.numpy as jnp
 
     to_btnh = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-    if softcap is None and q_segment_ids is None and window is None:
+    if softcap is None and q_segment_ids is None and window is None and not query_offset:
         out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), scale=sm_scale,
                                            is_causal=causal)
         return to_btnh(out)
@@ -140,7 +141,8 @@ def reference_attention(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     mask = attention_mask(q.shape[2], k.shape[2], causal=causal, window=window,
-                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                          first_query=query_offset)
     logits = jnp.where(mask, logits, -jnp.inf)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0))

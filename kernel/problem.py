@@ -37,7 +37,7 @@ INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_head
 # number down to a cotangent of 1e-8 (bench/softcap_range.py checks both ends on a device).
 SOFTCAP_RANGE = (1e-30, 1e30)
 # The optional features a problem may use (None or False when not in use).
-FEATURE_FIELDS = ("window", "softcap", "segmented")
+FEATURE_FIELDS = ("window", "softcap", "segmented", "bottom_right")
 # Fields that may be left out of a problem's JSON, and the field each then copies.
 DEFAULTS_FROM: dict[str, str] = {"kv_heads": "q_heads", "kv_len": "q_len"}
 
@@ -68,6 +68,11 @@ class Problem:
     softcap: float | None = None
     # Segment ids are given (packed sequences: a query sees keys of its own segment only).
     segmented: bool = False
+    # The queries are the last q_len positions of the keys' sequence (decode, chunked prefill,
+    # speculative decode): query i sits at position i + kv_len - q_len, which the causal mask
+    # and the window count from. False: top-left, query i at position i (jax.nn's is_causal).
+    # Stored True only where it changes a mask (causal or a window, q_len != kv_len).
+    bottom_right: bool = False
 
     def __post_init__(self) -> None:
         for name, limit in INT_LIMITS.items():
@@ -87,19 +92,24 @@ class Problem:
             raise ProblemError(f"causal must be a boolean, got {self.causal!r}")
         if self.mode not in MODES:
             raise ProblemError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("segmented", "bottom_right"):
+            if not isinstance(getattr(self, name), bool):
+                raise ProblemError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.window is not None:
             object.__setattr__(self, "window", self._normalised_window())
         if self.softcap is not None:
             object.__setattr__(self, "softcap", _softcap(self.softcap))
-        if not isinstance(self.segmented, bool):
-            raise ProblemError(f"segmented must be a boolean, got {self.segmented!r}")
+        masked = self.causal or self.window is not None
+        object.__setattr__(self, "bottom_right",
+                           self.bottom_right and masked and self.q_len != self.kv_len)
 
     def _normalised_window(self) -> tuple[int, int] | None:
         """The checked window, None when it covers every key a query may see (the plain
         causal or full problem: one key, tuned once), saying so the first time."""
         window = _window(self.window, self.causal)
         left, right = window
-        if left < self.q_len - 1 or (not self.causal and right < self.kv_len - 1):
+        first, last = self.query_offset, self.query_offset + self.q_len - 1  # query positions
+        if left < last or (not self.causal and first + right < self.kv_len - 1):
             return window
         global _said_covering
         if not _said_covering:
@@ -110,6 +120,17 @@ class Problem:
                         "that covers every key is no window; said once)", self.window,
                         self.q_len, self.kv_len, plain)
         return None
+
+    @property
+    def alignment(self) -> str:
+        """``"bottom_right"`` or ``"top_left"``: ``kernel.flash_attention``'s ``alignment``."""
+        return "bottom_right" if self.bottom_right else "top_left"
+
+    @property
+    def query_offset(self) -> int:
+        """The position of query 0 among the keys: ``kv_len - q_len`` when bottom-right
+        aligned, else 0 (negative when more queries than keys: the first see none)."""
+        return self.kv_len - self.q_len if self.bottom_right else 0
 
     @property
     def group_size(self) -> int:
@@ -153,7 +174,8 @@ class Problem:
 
     def label(self) -> str:
         """A short human-readable name, e.g. ``b1 h8/8 q512 kv512 d128 bfloat16 causal fwd``,
-        with ``window512,0``, ``softcap50`` and ``segmented`` before the mode when set."""
+        with ``window512,0``, ``softcap50``, ``segmented`` and ``bottom-right`` before the mode
+        when set."""
         causal = "causal" if self.causal else "full"
         features = "".join(f" {part}" for part in self.feature_labels())
         return (
@@ -162,7 +184,8 @@ class Problem:
         )
 
     def feature_labels(self) -> list[str]:
-        """``window{L},{R}``, ``softcap{X}`` and ``segmented``, for the features in use."""
+        """``window{L},{R}``, ``softcap{X}``, ``segmented`` and ``bottom-right``, for the
+        features in use."""
         out = []
         if self.window is not None:
             out.append(f"window{self.window[0]},{self.window[1]}")
@@ -170,6 +193,8 @@ class Problem:
             out.append(f"softcap{_exact_text(self.softcap)}")
         if self.segmented:
             out.append("segmented")
+        if self.bottom_right:
+            out.append("bottom-right")
         return out
 
 

@@ -34,7 +34,8 @@ def query_block(batch: int, q_heads: int, kv_len: int,
 def blockwise_reference(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
                         kv_segment_ids: Any = None, *, causal: bool = False,
                         sm_scale: float | None = None, window: tuple[int, int] | None = None,
-                        softcap: float | None = None, block: int | None = None) -> Any:
+                        softcap: float | None = None, query_offset: int = 0,
+                        block: int | None = None) -> Any:
     """:func:`kernel.contract.reference_attention`'s attention (same arguments, same masks, a
     query that sees no key gets zeros) computed in float32 at ``highest`` precision over
     blocks of ``block`` queries (default :func:`query_block`); the output in q's dtype."""
@@ -56,7 +57,8 @@ def blockwise_reference(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
         _attend_block, k.astype(wide), v.astype(wide), kv_segment_ids, causal=causal,
         scale=q.shape[-1] ** -0.5 if sm_scale is None else sm_scale, window=window,
         softcap=softcap))
-    out = jax.lax.map(lambda step: attend(*step), (jnp.arange(count) * block, blocks, ids))
+    firsts = query_offset + jnp.arange(count) * block
+    out = jax.lax.map(lambda step: attend(*step), (firsts, blocks, ids))
     out = jnp.moveaxis(out, 0, 2).reshape(batch, q_heads, count * block, -1)
     return out[:, :, :q_len]
 
@@ -92,9 +94,10 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool = False,
                    window: tuple[int, int] | None = None, q_segment_ids: Any = None,
                    kv_segment_ids: Any = None, first_query: Any = 0) -> Any:
     """Which keys each query sees, a bool array ``[batch or 1, 1, q_len, kv_len]``: key j is
-    seen by query i when ``j <= i`` (``causal``, top-left aligned), ``i - left <= j <= i +
-    right`` (``window``) and their segment ids are equal (when given). ``first_query``: the
-    position of the first of the ``q_len`` queries (a block of a longer sequence)."""
+    seen by query i at position p when ``j <= p`` (``causal``), ``p - left <= j <= p + right``
+    (``window``) and their segment ids are equal (when given). ``first_query``: the position p
+    of the first of the ``q_len`` queries (0: top-left aligned; ``kv_len - q_len``:
+    bottom-right; or a block of a longer sequence)."""
     import jax.numpy as jnp
 
     rows = first_query + jnp.arange(q_len)[:, None]
@@ -115,4 +118,4 @@ def problem_reference(problem: Problem) -> Any:
     :func:`blockwise_reference`, at the default scale (what the gate runs, before
     :func:`kernel.contract.measured_fn` differentiates it for ``fwd_bwd``)."""
     return functools.partial(blockwise_reference, causal=problem.causal, window=problem.window,
-                             softcap=problem.softcap)
+                             softcap=problem.softcap, query_offset=problem.query_offset)

@@ -147,9 +147,10 @@ def x64_violations() -> list[Violation]:
 
 
 # The attention features beyond causal masking a problem may use (kernel.problem's window,
-# softcap and segmented), as rule names, with what each is called in a message.
+# softcap, segmented and bottom_right), as rule names, with what each is called in a message.
 FEATURES = {"window": "a sliding window", "softcap": "logit soft-capping",
-            "segment_ids": "segment ids (packed sequences)"}
+            "segment_ids": "segment ids (packed sequences)",
+            "bottom_right": "bottom-right alignment (query i at position i + kv_len - q_len)"}
 # The kernels that run every feature, named as the fix when one is refused.
 ALL_FEATURE_KERNELS = "splash (TPU, interpreted elsewhere) or xla (everywhere)"
 
@@ -157,7 +158,7 @@ ALL_FEATURE_KERNELS = "splash (TPU, interpreted elsewhere) or xla (everywhere)"
 def problem_features(problem: Problem) -> list[str]:
     """The :data:`FEATURES` ``problem`` uses."""
     used = {"window": problem.window is not None, "softcap": problem.softcap is not None,
-            "segment_ids": problem.segmented}
+            "segment_ids": problem.segmented, "bottom_right": problem.bottom_right}
     return [feature for feature in FEATURES if used[feature]]
 
 

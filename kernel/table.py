@@ -3,8 +3,8 @@
 Pure Python (no jax): the service exports and imports the same format, and uses the same
 nearest-match rules, as the kernel wrapper reading a pinned table. Schema 2 added ``choices``
 (which kernel wins per problem on the table's device kind); schema 3 problems may carry a
-``window``, a ``softcap`` and ``segmented``. Schema 1 and 2 tables still load (their problems
-have none of the three).
+``window``, a ``softcap`` and ``segmented``, schema 4 ones ``bottom_right`` too. Older tables
+still load (their problems have none of what came after them).
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
 # larger file is no table.
 MAX_TABLE_BYTES = 512 * MiB
-TABLE_SCHEMA_VERSION = 3
-# 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
-FEATURES_SCHEMA_VERSION = 3  # the first whose problems may use FEATURE_FIELDS
+TABLE_SCHEMA_VERSION = 4
+# 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented;
+# 4: and bottom_right
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# The first schema whose problems may use each of FEATURE_FIELDS.
+FEATURE_SINCE = {"window": 3, "softcap": 3, "segmented": 3, "bottom_right": 4}
+assert set(FEATURE_SINCE) == set(FEATURE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -364,15 +367,17 @@ def _others(data: dict[str, Any], version: int, device_kind: str,
 
 def _schema_features(raw: Any, version: int) -> Any:
     """``raw`` (an entry or a choice), unless its problem uses a feature (window, softcap,
-    segment ids) that its table's schema ``version`` predates."""
+    segment ids, bottom-right alignment) that its table's schema ``version`` predates."""
     problem = raw.get("problem") if isinstance(raw, dict) else None
-    if version >= FEATURES_SCHEMA_VERSION or not isinstance(problem, dict):
+    if not isinstance(problem, dict):
         return raw
-    used = [name for name in FEATURE_FIELDS if problem.get(name) not in (None, False)]
+    used = [name for name, since in FEATURE_SINCE.items()
+            if version < since and problem.get(name) not in (None, False)]
     if used:
+        since = max(FEATURE_SINCE[name] for name in used)
         raise TableError(f"problem field(s) {', '.join(used)} came with schema_version "
-                         f"{FEATURES_SCHEMA_VERSION}; a schema {version} table has none (export "
-                         "the table again with this build)")
+                         f"{since}; a schema {version} table has none (export the table again "
+                         "with this build)")
     return raw
 
 
@@ -423,9 +428,10 @@ def problem_family(problem: Problem) -> tuple[Any, ...]:
     """What a nearest match must share with the problem: dtype, head_dim, causality, mode,
     the window exactly (it decides which blocks are skipped: tiles tuned for another window
     are no evidence), whether logits are soft-capped but not the cap (one elementwise tanh per
-    logit costs the same at any value), and whether segment ids are given."""
+    logit costs the same at any value), whether segment ids are given, and the alignment
+    (bottom-right skips other blocks than top-left)."""
     return (problem.dtype, problem.head_dim, problem.causal, problem.mode, problem.window,
-            problem.softcap is not None, problem.segmented)
+            problem.softcap is not None, problem.segmented, problem.bottom_right)
 
 
 class ProblemIndex:
@@ -487,7 +493,7 @@ class ProblemIndex:
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
                   kernel: str) -> TableEntry | None:
     """The closest tuned problem of the same family (``problem_family``: dtype, head_dim,
-    causality, mode, window, softcap or none, segment ids or none) whose config (one of kernel
-    ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None when none
-    does."""
+    causality, mode, window, softcap or none, segment ids or none, alignment) whose config
+    (one of kernel ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None
+    when none does."""
     return ProblemIndex(entries, lambda entry: kernel).nearest(problem)

@@ -13,9 +13,10 @@ from storage.results import KEY_FIELDS, NO_SOFTCAP, NO_WINDOW, TEXT_LIMITS
 
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
-# A window, a softcap (any value) or segment ids are never answered by a problem without them
-# (kernel.table.nearest_entry), so the family holds them; a softcap's value is outside it.
-FEATURE_COLUMNS = ("window_left", "window_right", "segmented")
+# A window, a softcap (any value), segment ids or bottom-right alignment are never answered by
+# a problem without them (kernel.table.nearest_entry), so the family holds them; a softcap's
+# value is outside it.
+FEATURE_COLUMNS = ("window_left", "window_right", "segmented", "bottom_right")
 FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "head_dim", "causal",
                   "mode", *FEATURE_COLUMNS)
 KEY_COLUMNS = (*FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len", "softcap",
@@ -51,6 +52,7 @@ class _ProblemColumns:
     window_right: Mapped[int] = mapped_column(Integer, server_default=str(NO_WINDOW))
     softcap: Mapped[float] = mapped_column(Float, server_default=str(NO_SOFTCAP))
     segmented: Mapped[bool] = mapped_column(server_default=false())
+    bottom_right: Mapped[bool] = mapped_column(server_default=false())
 
 
 class _ProvenanceColumns:

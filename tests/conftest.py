@@ -87,7 +87,8 @@ def problem_flags(problem: Problem) -> list[str]:
         flags.append(f"--window={problem.window[0]},{problem.window[1]}")
     if problem.softcap is not None:
         flags.append(f"--softcap={problem.softcap}")
-    return [*flags, *(["--segmented"] if problem.segmented else [])]
+    return [*flags, *(["--segmented"] if problem.segmented else []),
+            *(["--bottom-right"] if problem.bottom_right else [])]
 
 
 def pytest_configure(config: pytest.Config) -> None:

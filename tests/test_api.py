@@ -62,7 +62,8 @@ def test_publish_then_exact_lookup(server: Server) -> None:
                             "platform": "tpu", "batch": 1, "q_heads": 8, "kv_heads": 8,
                             "q_len": 1024, "kv_len": 1024, "head_dim": 128,
                             "dtype": "bfloat16", "causal": False, "mode": "fwd",
-                            "window": None, "softcap": None, "segmented": False}
+                            "window": None, "softcap": None, "segmented": False,
+                            "bottom_right": False}
     assert (found["time_ms"], found["speedup"]) == (1.0, 2.0)
 
 

@@ -346,6 +346,49 @@ def test_a_featured_build_passes_the_tuners_gate_which_catches_an_ignored_featur
     assert _max_error(ignored, want) > 10 * TOLERANCE[problem.dtype]
 
 
+# --- bottom-right alignment: the queries are the last q_len positions (issue 73 item 6) ---------
+
+ALIGNED = {"decode": dict(q_len=1), "chunked-prefill": dict(q_len=256),
+           "speculative": dict(q_len=4), "window": dict(q_len=256, window=(100, 0))}
+
+
+def test_the_bottom_right_reference_is_the_tail_of_full_causal_attention():
+    """The reference the backends are checked against, against jax.nn's own causal mask on
+    the whole sequence: a bottom-right query i computes row ``i + kv_len - q_len`` of it."""
+    full = _problem(q_len=512, kv_len=512)
+    q, k, v = _inputs(full)
+    want = jax.nn.dot_product_attention(*(x.swapaxes(1, 2) for x in (q, k, v)), is_causal=True)
+    for q_len in (1, 4, 256):
+        tail = q[:, :, -q_len:]
+        aligned = dataclasses.replace(full, q_len=q_len, bottom_right=True)
+        got = get_kernel("xla").reference(aligned)(tail, k, v)
+        np.testing.assert_allclose(got, want.swapaxes(1, 2)[:, :, -q_len:], atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ON_CPU)
+@pytest.mark.parametrize("case", ALIGNED)
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_bottom_right_alignment_matches_the_reference_or_is_refused_by_rule(name, case, mode):
+    """Decode (1 query), speculative decode (4), chunked prefill (256) and a sliding window
+    against a 512-key cache, each query at position i + kv_len - q_len: every backend runs it
+    within the gate's bound of the reference (and far from the top-left answer), or refuses
+    it by its ``bottom_right`` rule."""
+    kernel = get_kernel(name)
+    problem = _problem(mode, kv_len=512, bottom_right=True, **ALIGNED[case])
+    assert problem.bottom_right
+    refused = {v.rule for v in kernel.problem_violations(problem)}
+    if refused:
+        assert "bottom_right" in refused, refused
+        return
+    args = _inputs(problem)
+    want = jax.jit(_f32(kernel.reference(problem)))(*args)
+    got = _run(_f32(kernel.build(problem, kernel.default_config(problem))), args)
+    assert _max_error(got, want) <= TOLERANCE[problem.dtype]
+    top_left = dataclasses.replace(problem, bottom_right=False)
+    ignored = jax.jit(_f32(kernel.reference(top_left)))(*args)
+    assert _max_error(ignored, want) > 10 * TOLERANCE[problem.dtype]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_forward_label_names_no_field_only_the_backward_searches(name):
     """Issue 46 item 11: a ``fwd`` result's label shows only what the forward uses: changing a

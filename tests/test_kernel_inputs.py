@@ -3,6 +3,7 @@ kernel package's import boundaries."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -30,7 +31,7 @@ def _sds(shape, dtype=F32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
+GOOD_Q, GOOD_KV, LONG_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64)), _sds((1, 2, 512, 64))
 
 
 @pytest.mark.parametrize("q, k, v, kwargs, error, message", [
@@ -106,6 +107,16 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
                                                 "kv": _sds((1, 256), jnp.int32)}}, TypeError,
      "segment_ids must be a pair (q_segment_ids, kv_segment_ids) as a tuple or list, got "
      "dict; pass segment_ids=(ids['q'], ids['kv'])"),
+    # Issue 73: decode, chunked prefill and speculative decode were silently top-left.
+    (GOOD_Q, LONG_KV, LONG_KV, {"causal": True}, ValueError,
+     "causal=True with q_len 256 != kv_len 512 has two readings; pass "
+     "alignment='bottom_right' when the queries are the last q_len tokens (query i at position "
+     "i + kv_len - q_len: decode, chunked prefill, speculative decode) or alignment='top_left' "
+     "for query i at position i (jax.nn.dot_product_attention's is_causal)"),
+    (GOOD_Q, LONG_KV, LONG_KV, {"window": (64, 64)}, ValueError,
+     "window=(64, 64) with q_len 256 != kv_len 512 has two readings"),
+    (GOOD_Q, GOOD_KV, GOOD_KV, {"causal": True, "alignment": "bottom"}, ValueError,
+     "alignment must be one of top_left, bottom_right, got 'bottom'"),
     (GOOD_Q, GOOD_KV, GOOD_KV, {"segment_ids": (np.zeros((1, 256), np.int64),
                                                 np.full((1, 256), 2**32, np.int64))},
      ValueError, "segment_ids: kv_segment_ids holds ids from 4294967296 to 4294967296, "
@@ -116,7 +127,8 @@ GOOD_Q, GOOD_KV = _sds((1, 4, 256, 64)), _sds((1, 2, 256, 64))
         "window-negative", "window-not-a-pair", "soft-cap-zero", "soft-cap-nan", "soft-cap-inf",
         "soft-cap-overflow", "soft-cap-past-float32", "soft-cap-below-float32",
         "soft-cap-str", "segment-ids-not-a-pair", "segment-ids-shape", "segment-ids-rank",
-        "segment-ids-float", "segment-ids-dict", "segment-ids-past-int32"])
+        "segment-ids-float", "segment-ids-dict", "causal-alignment-unnamed",
+        "window-alignment-unnamed", "alignment-unknown", "segment-ids-past-int32"])
 def test_bad_input_gets_a_clear_error(q, k, v, kwargs, error, message):
     with pytest.raises(error) as raised:
         jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), q, k, v)
@@ -219,12 +231,11 @@ FWD_BWD = Problem(**{**FWD.to_dict(), "mode": "fwd_bwd"})
 
 
 def _forward(**kwargs):
-    return lambda q, k, v: flash_attention(q, k, v, causal=True, **kwargs)
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, alignment="top_left", **kwargs)
 
 
 def _gradients(**kwargs):
-    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, **kwargs).sum()  # noqa: E731
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(lambda q, k, v: _forward(**kwargs)(q, k, v).sum(), argnums=(0, 1, 2))
 
 
 def _grids(config: FlashConfig, with_backward: bool) -> dict[str, tuple[int, ...]]:
@@ -413,3 +424,89 @@ def test_the_capture_records_a_calls_features(fresh_resolver):
         jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
     assert [(p.mode, p.window, p.softcap, p.segmented) for p in problems] == [
         ("fwd_bwd", (127, 0), 50.0, False)]  # a differentiated call: its training problem
+
+
+# --- valid KV lengths per row (issue 73 item 6) ---------------------------------------------
+
+# (q_len, kv_len, lengths, causal, alignment): decode, a prefill chunk (a row shorter than its
+# queries: its first queries see no key), top-left over padded rows, no mask.
+LENGTHS = {"decode": (1, 256, [256, 100, 7, 1], True, "bottom_right"),
+           "chunked-prefill": (64, 256, [256, 130, 64, 10], True, "bottom_right"),
+           "top-left": (64, 256, [256, 130, 64, 10], True, "top_left"),
+           "full": (64, 256, [256, 130, 64, 10], False, None)}
+
+
+def _lengths_inputs(q_len: int, kv_len: int) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (4, 2, q_len, 64), F32)
+    k, v = (jax.random.normal(key, (4, 1, kv_len, 64), F32) for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], q.shape, F32)
+
+
+def _rowwise_reference(q, k, v, lengths, causal, alignment):
+    """Each row on its own valid keys only, its queries placed by ``alignment``."""
+    q_len = q.shape[2]
+    return jnp.concatenate([reference_attention(
+        q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], causal=causal,
+        query_offset=n - q_len if alignment == "bottom_right" else 0)
+        for b, n in enumerate(lengths)])
+
+
+@pytest.mark.parametrize("case", LENGTHS)
+def test_kv_lengths_match_each_row_on_its_valid_keys(fresh_resolver, case):
+    """Forward and all three gradients through the wrapper (flash, interpreted): each row as
+    if its cache held its valid keys only; padding keys get no gradient."""
+    fresh_resolver()
+    q_len, kv_len, lengths, causal, alignment = LENGTHS[case]
+    q, k, v, d_out = _lengths_inputs(q_len, kv_len)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v) * d_out)
+
+    ours = functools.partial(flash_attention, causal=causal, alignment=alignment,
+                             kv_lengths=jnp.asarray(lengths, jnp.int32))
+    theirs = functools.partial(_rowwise_reference, lengths=lengths, causal=causal,
+                               alignment=alignment)
+    got = jax.jit(ours)(q, k, v), *jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v)
+    want = theirs(q, k, v), *jax.grad(loss(theirs), (0, 1, 2))(q, k, v)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("ranked", [["xla"], ["splash"]], ids=["xla", "splash"])
+def test_kv_lengths_run_on_every_kernel_that_takes_segment_ids_and_bottom_right(
+        fresh_resolver, tmp_path, ranked):
+    q_len, kv_len, lengths, causal, alignment = LENGTHS["chunked-prefill"]
+    problem = Problem(4, 2, 1, q_len, kv_len, 64, "float32", causal=True, segmented=True,
+                      bottom_right=True)
+    fresh_resolver(table_paths=(_choice_table(tmp_path, problem, ranked),))
+    q, k, v, _ = _lengths_inputs(q_len, kv_len)
+    got = jax.jit(functools.partial(flash_attention, causal=True, alignment=alignment,
+                                    kv_lengths=jnp.asarray(lengths, jnp.int32)))(q, k, v)
+    [(key, _)] = plain_sources(resolution_sources()).items()
+    assert key[0] == ranked[0] and key[2] == problem
+    want = _rowwise_reference(q, k, v, lengths, True, alignment)
+    seen = np.arange(q_len)[None, :] >= q_len - np.asarray(lengths)[:, None]  # splash: average
+    np.testing.assert_allclose(np.asarray(got)[seen[:, None].repeat(2, 1)],
+                               np.asarray(want)[seen[:, None].repeat(2, 1)], atol=2e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"kv_lengths": np.array([1, 2])}, ValueError,
+     "kv_lengths must have shape [batch] = (1,), got (2,)"),
+    ({"kv_lengths": np.array([1.5])}, TypeError,
+     "kv_lengths must be integers (valid keys per row), got dtype float64; cast them"),
+    ({"kv_lengths": np.array([300])}, ValueError,
+     "kv_lengths holds lengths from 300 to 300, outside 0 to kv_len=256"),
+    ({"kv_lengths": [3]}, TypeError, "kv_lengths must be a jax array, got list"),
+    ({"kv_lengths": np.array([3]), "causal": True}, ValueError,
+     "causal=True with kv_lengths has two readings; pass alignment='bottom_right' when the "
+     "queries are the last q_len tokens (query i at position i + kv_lengths[b] - q_len"),
+    ({"kv_lengths": np.array([3]), "segment_ids": (np.ones((1, 256), np.int32),) * 2},
+     ValueError, "kv_lengths and segment_ids cannot be combined"),
+], ids=["shape", "float", "past-kv-len", "list", "alignment-unnamed", "with-segment-ids"])
+def test_bad_kv_lengths_get_a_clear_error(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        jax.eval_shape(lambda q, k, v: flash_attention(q, k, v, **kwargs), GOOD_Q, GOOD_KV,
+                       GOOD_KV)
+    assert message in str(raised.value)

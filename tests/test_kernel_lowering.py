@@ -35,7 +35,8 @@ def _specs(problem: Problem) -> list[jax.ShapeDtypeStruct]:
 def _attention(problem: Problem, config: FlashConfig):
     """The forward pass, or all three gradients in ``fwd_bwd`` mode."""
     def attend(q, k, v):
-        return kernel.flash_attention(q, k, v, causal=problem.causal, config=config)
+        return kernel.flash_attention(q, k, v, causal=problem.causal, config=config,
+                                      alignment=problem.alignment)
 
     if problem.mode == "fwd":
         return attend

@@ -83,14 +83,16 @@ def _assert_close(name, got, want, dtype):
     assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g} (max |ref| {scale:.3g})"
 
 
-def _flash_and_reference(q, k, v, d_out, causal, config, sm_scale=None):
+def _flash_and_reference(q, k, v, d_out, causal, config, sm_scale=None, alignment="top_left"):
     """(plain output, vjp output, grads) of the kernel and (output, grads) of the reference,
     one jit each so every case compiles once."""
+    offset = k.shape[2] - q.shape[2] if alignment == "bottom_right" else 0
 
     @jax.jit
     def run_flash(q, k, v, d_out):
         fn = lambda q, k, v: flash_attention(q, k, v, causal=causal,  # noqa: E731
-                                             sm_scale=sm_scale, config=config)
+                                             sm_scale=sm_scale, config=config,
+                                             alignment=alignment)
         out_vjp, vjp = jax.vjp(fn, q, k, v)  # custom_vjp forward: also emits the row statistics
         return fn(q, k, v), out_vjp, vjp(d_out)  # plain path: no statistics output
 
@@ -98,7 +100,7 @@ def _flash_and_reference(q, k, v, d_out, causal, config, sm_scale=None):
     def run_reference(q, k, v, d_out):
         # In f32 on the same (possibly bf16-rounded) inputs.
         fn = lambda q, k, v: reference_attention(q, k, v, causal=causal,  # noqa: E731
-                                                 sm_scale=sm_scale)
+                                                 sm_scale=sm_scale, query_offset=offset)
         q, k, v, d_out = (x.astype(jnp.float32) for x in (q, k, v, d_out))
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
@@ -112,10 +114,10 @@ def _run(fn, *args):
     return compiled(*args)
 
 
-def _check(shape, dtype, causal, config, sm_scale=None):
+def _check(shape, dtype, causal, config, sm_scale=None, alignment="top_left"):
     q, k, v, d_out = _inputs(shape, jnp.dtype(dtype))
-    (out, out_vjp, grads), (want, want_grads) = _flash_and_reference(q, k, v, d_out, causal,
-                                                                     config, sm_scale)
+    (out, out_vjp, grads), (want, want_grads) = _flash_and_reference(
+        q, k, v, d_out, causal, config, sm_scale, alignment)
     assert out.dtype == q.dtype and out.shape == q.shape
     _assert_close("out", out, want, dtype)
     _assert_close("out (vjp forward)", out_vjp, want, dtype)
@@ -129,13 +131,32 @@ def test_forward_and_gradients_match_reference(shape, dtype, causal, config, sm_
     _check(shape, dtype, causal, config, sm_scale)
 
 
-def test_causal_is_top_left_aligned():
+# The causal cases with q_len != kv_len again, their queries bottom-right aligned (the last
+# q_len positions; with more queries than keys the first see none and get zeros).
+BOTTOM_RIGHT = [case for case in CASES if "causal-q" in case.id]
+
+
+@pytest.mark.parametrize("shape, dtype, causal, config, sm_scale", BOTTOM_RIGHT)
+def test_bottom_right_forward_and_gradients_match_reference(shape, dtype, causal, config,
+                                                            sm_scale):
+    _check(shape, dtype, causal, config, sm_scale, alignment="bottom_right")
+
+
+def test_causal_top_left_alignment_is_jax_nn_s():
     """Query i sees keys j <= i even when q_len < kv_len: row 0 attends to key 0 only."""
     q, k, v, _ = _inputs((1, 1, 1, 128, 256, 64), jnp.float32)
-    out = flash_attention(q, k, v, causal=True)
+    out = flash_attention(q, k, v, causal=True, alignment="top_left")
     bound = float32_bound(1e-6)
     np.testing.assert_allclose(np.asarray(out[0, 0, 0]), np.asarray(v[0, 0, 0]), rtol=bound,
                                atol=bound)
+
+
+def test_causal_bottom_right_decode_sees_every_key():
+    """One query bottom-right aligned sits at the last position: it sees the whole cache, as
+    attention without a mask does (issue 73: top-left it saw key 0 only)."""
+    q, k, v, _ = _inputs((1, 2, 1, 1, 512, 64), jnp.float32)
+    out = flash_attention(q, k, v, causal=True, alignment="bottom_right")
+    np.testing.assert_allclose(out, reference_attention(q, k, v), atol=float32_bound(2e-6))
 
 
 def test_jit_matches_eager():

@@ -488,7 +488,8 @@ def test_unsupported_features_fail_with_a_clear_error(feature):
     q = jnp.ones((1, 1, 128, 64), jnp.float32)
     with pytest.raises(TypeError, match=f"unsupported keyword argument '{feature}'.*takes "
                                         "only q, k, v, causal, sm_scale, window, "
-                                        "logits_soft_cap, segment_ids, config and layout"):
+                                        "logits_soft_cap, segment_ids, config, layout, "
+                                        "alignment and kv_lengths"):
         flash_attention(q, q, q, **{feature: None})
     fields = {**Problem(1, 1, 1, 128, 128, 64, "float32").to_dict(), feature: 1}
     with pytest.raises(ProblemError, match=f"unknown problem field.*{feature}"):

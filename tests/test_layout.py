@@ -35,6 +35,17 @@ def test_bshd_arrays_give_jax_nn_results_both_ways():
     np.testing.assert_allclose(grad, want_grad, atol=1e-4)
 
 
+def test_dot_product_attention_keeps_jax_nn_s_top_left_mask_when_lengths_differ():
+    """jax.nn's is_causal and local_window_size are top-left (query i at position i) whatever
+    the lengths, and it has no other alignment: the drop-in keeps that, where
+    ``flash_attention`` refuses to guess (issue 73)."""
+    q, k, v = _bshd(seq=256)
+    for options in (dict(is_causal=True), dict(local_window_size=(64, 0))):
+        want = jax.nn.dot_product_attention(q[:, :128], k, v, **options)
+        np.testing.assert_allclose(kernel.dot_product_attention(q[:, :128], k, v, **options),
+                                   want, atol=1e-5)
+
+
 def test_jax_nn_arrays_passed_as_bhsd_are_refused_naming_the_layout():
     """The issue's case: 512 positions of 4 heads read as 512 heads over 4 positions."""
     q, k, v = _bshd(seq=512, heads=4, kv_heads=4)

@@ -1,5 +1,6 @@
 """Issue 48: a problem's window, softcap and segment ids are part of its key everywhere it
-flows: storage (migration 0007), the nearest-problem rule (tables, store, service), the API."""
+flows: storage (migration 0007), the nearest-problem rule (tables, store, service), the API.
+Issue 73: so is bottom-right alignment (migration 0010, table schema 4)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ PLAIN = Problem(batch=1, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_di
 WINDOWED = dataclasses.replace(PLAIN, window=(256, 0))
 CAPPED = dataclasses.replace(PLAIN, softcap=50.0)
 SEGMENTED = dataclasses.replace(PLAIN, segmented=True)
-FEATURED = (WINDOWED, CAPPED, SEGMENTED)
+CHUNKED = dataclasses.replace(PLAIN, q_len=256, bottom_right=True)  # a prefill chunk
+FEATURED = (WINDOWED, CAPPED, SEGMENTED, CHUNKED)
 XLA = get_kernel("xla")
 
 
@@ -62,7 +64,7 @@ def xla_choice(problem: Problem) -> KernelChoice:
 
 def bigger(problem: Problem) -> Problem:
     """The same family, another shape: only a nearest match can answer it."""
-    return dataclasses.replace(problem, q_len=2048, kv_len=2048)
+    return dataclasses.replace(problem, q_len=2 * problem.q_len, kv_len=2 * problem.kv_len)
 
 
 # --- the key: a window that covers every key is no window ---
@@ -130,7 +132,7 @@ def test_the_migration_keeps_old_rows_as_plain_problems_and_round_trips(
             assert store.get(xla_result(problem).key).result.problem == problem
             store.publish_choice(DEVICE, xla_choice(problem))
         assert store.publish(xla_result(PLAIN, 1.0)).status == "replaced"
-        assert store.list()[1] == 4 and store.list_choices()[1] == 4
+        assert store.list()[1] == store.list_choices()[1] == 1 + len(FEATURED)
     with Store(empty_db_url) as store, store.engine.begin() as connection:
         command.downgrade(alembic_config(connection), "0006")
     with Store(empty_db_url) as store, store.engine.connect() as connection:
@@ -142,19 +144,49 @@ def test_the_migration_keeps_old_rows_as_plain_problems_and_round_trips(
         assert store.get(old.key).result.median_ms == 1.0
 
 
+def test_migration_0010_keeps_old_rows_top_left_and_drops_bottom_right_ones_on_downgrade(
+        empty_db_url: str) -> None:
+    """Issue 73: rows stored at 0009 read back top-left; the bottom-right twin of a shape is
+    a key of its own; the downgrade deletes only the bottom-right rows."""
+    top_left = dataclasses.replace(CHUNKED, bottom_right=False)
+    upgrade(empty_db_url, "0009")
+    with Store(empty_db_url) as store, store.engine.begin() as connection:
+        configs = Table("autotune_configs", MetaData(), autoload_with=connection)
+        assert "bottom_right" not in configs.c
+        row = {name: value for name, value in xla_result(top_left).key.columns().items()
+               if name in configs.c}
+        now = datetime.datetime.now(datetime.UTC)
+        connection.execute(configs.insert().values(**row, config={}, median_ms=2.0,
+                                                   created_at=now, updated_at=now))
+    upgrade(empty_db_url)
+    with Store(empty_db_url) as store:
+        assert store.get(xla_result(top_left).key).result.median_ms == 2.0
+        assert store.get(xla_result(CHUNKED).key) is None
+        assert store.publish(xla_result(CHUNKED, 1.0)).status == "inserted"
+        store.publish_choice(DEVICE, xla_choice(CHUNKED))
+        assert store.get(xla_result(CHUNKED).key).result.problem == CHUNKED
+    with Store(empty_db_url) as store, store.engine.begin() as connection:
+        command.downgrade(alembic_config(connection), "0009")
+    with Store(empty_db_url) as store, store.engine.connect() as connection:
+        configs = Table("autotune_configs", MetaData(), autoload_with=connection)
+        assert connection.execute(select(configs.c.median_ms)).scalars().all() == [2.0]
+        choices = Table("autotune_kernel_choices", MetaData(), autoload_with=connection)
+        assert connection.execute(select(choices.c.id)).all() == []
+
+
 def test_a_featured_problem_is_stored_under_its_own_key(store: Store) -> None:
     """The unique key holds the features: each featured twin of a shape is a row of its own,
     and a softcap's value is part of the exact key."""
     for problem in (PLAIN, *FEATURED, dataclasses.replace(CAPPED, softcap=30.0)):
         assert store.publish(xla_result(problem)).status == "inserted"
     assert store.list({"segmented": True})[1] == 1
-    assert store.list()[1] == 5
+    assert store.list()[1] == 6
     store.publish_choice(DEVICE, xla_choice(SEGMENTED))
     exported = store.export_table(DEVICE, "xla")
     with Store("sqlite://") as copy:  # an export imports whole into another database
         copy.import_table(LookupTable.from_dict(json.loads(json.dumps(exported.to_dict()))))
         again = copy.export_table(DEVICE, "xla")  # in the order of the import's writes
-    assert set(again.entries) == set(exported.entries) and len(again.entries) == 5
+    assert set(again.entries) == set(exported.entries) and len(again.entries) == 6
     assert [c.problem for c in again.choices] == [SEGMENTED]
 
 
@@ -167,7 +199,9 @@ NEAREST_CASES = [
     (CAPPED, PLAIN, False), (PLAIN, CAPPED, False),
     (CAPPED, dataclasses.replace(PLAIN, softcap=30.0), True),  # any softcap value
     (SEGMENTED, PLAIN, False), (PLAIN, SEGMENTED, False),
-    (WINDOWED, WINDOWED, True), (SEGMENTED, SEGMENTED, True),
+    (CHUNKED, dataclasses.replace(CHUNKED, bottom_right=False), False),  # top-left: no answer
+    (dataclasses.replace(CHUNKED, bottom_right=False), CHUNKED, False),
+    (WINDOWED, WINDOWED, True), (SEGMENTED, SEGMENTED, True), (CHUNKED, CHUNKED, True),
 ]
 CASE_IDS = [f"{asked.label()}<-{stored.label()}" for asked, stored, _ in NEAREST_CASES]
 
@@ -221,6 +255,8 @@ def test_the_problem_flags_set_the_features() -> None:
         WINDOWED, softcap=50.0, segmented=True)
     plain = CliRunner().invoke(_problem_app(), problem_flags(PLAIN))
     assert Problem.from_dict(json.loads(plain.output)) == PLAIN
+    chunked = CliRunner().invoke(_problem_app(), problem_flags(CHUNKED))
+    assert Problem.from_dict(json.loads(chunked.output)) == CHUNKED
 
 
 @pytest.mark.parametrize("softcap", [1e300, 3.4e38, 1.01e30, 1e-300, 1e-40, 0.99e-30])
@@ -321,7 +357,7 @@ def test_the_service_keeps_features_apart(server: Server, asked: Problem, stored
             == bigger(stored)
         assert Problem.from_dict(choice.json()["problem"]) == bigger(stored)
     else:
-        assert "window, segment ids or none, and softcap (any value) or none" in \
+        assert "window, segment ids or none, alignment, and softcap (any value) or none" in \
             config.json()["detail"]
     client = ServiceClient(server.url, timeout_s=10, breaker_s=1)
     answer = client.config(kind, asked, XLA)
@@ -396,7 +432,7 @@ def test_a_table_carries_the_features_and_older_schemas_still_load() -> None:
                                  TableEntry(PLAIN, XLA.default_config(PLAIN))),
                         choices=(xla_choice(featured),))
     exported = json.loads(json.dumps(table.to_dict()))
-    assert exported["schema_version"] == TABLE_SCHEMA_VERSION == 3
+    assert exported["schema_version"] == TABLE_SCHEMA_VERSION == 4
     assert LookupTable.from_dict(exported) == table
     for version in (1, 2):  # written before the features: every problem is a plain one
         old = {**exported, "schema_version": version, "choices": [],
@@ -412,8 +448,14 @@ def test_a_table_carries_the_features_and_older_schemas_still_load() -> None:
             LookupTable.from_dict({**old, "entries": exported["entries"]})
     with pytest.raises(TableError, match="choice 0: problem field"):
         LookupTable.from_dict({**exported, "schema_version": 2, "entries": []})
-    with pytest.raises(TableError, match="schema_version 4 is newer than this build"):
-        LookupTable.from_dict({**exported, "schema_version": 4})
+    aligned = LookupTable(kernel="xla", kernel_version="1", device_kind=DEVICE,
+                          entries=(TableEntry(CHUNKED, XLA.default_config(CHUNKED)),))
+    schema_3 = {**aligned.to_dict(), "schema_version": 3}
+    with pytest.raises(TableError, match="entry 0: problem field.s. bottom_right came with "
+                                         "schema_version 4; a schema 3 table has none"):
+        LookupTable.from_dict(schema_3)
+    with pytest.raises(TableError, match="schema_version 5 is newer than this build"):
+        LookupTable.from_dict({**exported, "schema_version": 5})
 
 
 # --- pages ---

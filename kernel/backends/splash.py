@@ -348,17 +348,18 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def splash_mask(problem: Problem) -> Any:
-    """Splash's mask for ``problem``, one per query head: a window (``LocalMask``: keys i -
-    left..i + right, the right side 0 when causal), causal (query i sees keys up to i, as
-    ``jax.nn.dot_product_attention``'s ``is_causal``) or full. The one place masks are built;
-    segment ids are splash's separate ``SegmentIds`` argument."""
+    """Splash's mask for ``problem``, one per query head: a window (``LocalMask``: keys p -
+    left..p + right for the query at position p, the right side 0 when causal), causal (keys
+    up to p) or full; p is i top-left aligned (as ``jax.nn.dot_product_attention``'s
+    ``is_causal``), i + kv_len - q_len bottom-right (splash's ``offset``). The one place masks
+    are built; segment ids are splash's separate ``SegmentIds`` argument."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    shape = (problem.q_len, problem.kv_len)
+    shape, offset = (problem.q_len, problem.kv_len), problem.query_offset
     if problem.window is not None:
-        head = masks.LocalMask(shape, problem.window, offset=0)
+        head = masks.LocalMask(shape, problem.window, offset=offset)
     elif problem.causal:
-        head = masks.CausalMask(shape)
+        head = masks.CausalMask(shape, offset=offset)
     else:
         head = masks.FullMask(shape)
     return masks.MultiHeadMask([head] * problem.q_heads)

@@ -6,12 +6,12 @@ Pure Python at import; jax loads in ``attention``. Grouped-query K/V heads are b
 ``dot_product_attention`` itself; the layout is transposed to its ``[batch, seq, heads,
 head_dim]`` and back.
 
-Features: ``xla`` runs all three, a window as ``local_window_size``, segment ids as a boolean
-``mask`` (``kernel.contract.attention_mask``), and soft-capping, which ``jax.nn`` lacks,
-through :func:`kernel.contract.reference_attention` (plain jnp). A query that sees no key
-gets zeros, as the reference's. ``cudnn`` runs what cuDNN's fused attention takes natively:
-a window on a causal problem (its sliding window is left-only); soft-capping and segment ids
-are refused by rule.
+Features: ``xla`` runs all four, a window as ``local_window_size``, segment ids as a boolean
+``mask`` (``kernel.contract.attention_mask``), and soft-capping and bottom-right alignment,
+which ``jax.nn`` lacks, through :func:`kernel.contract.reference_attention` (plain jnp). A
+query that sees no key gets zeros, as the reference's. ``cudnn`` runs what cuDNN's fused
+attention takes natively: a window on a causal problem (its sliding window is left-only);
+soft-capping, segment ids and bottom-right alignment are refused by rule.
 """
 
 from __future__ import annotations
@@ -76,11 +76,14 @@ class XlaKernel(TunableKernel):
         config_for(problem.mode)  # nothing to read, but an explicit config is still checked
 
         def attend(q: Any, k: Any, v: Any, *segment_ids: Any) -> Any:
-            if problem.softcap is not None:  # f32: bf16 probabilities put dK 5x off (peers)
+            # jax.nn lacks soft-capping, and its causal and window masks are top-left.
+            if problem.softcap is not None or problem.bottom_right:
+                # f32: bf16 probabilities put dK 5x off (peers)
                 wide = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in (q, k, v))
                 return reference_attention(*wide, *segment_ids, causal=problem.causal,
                                            sm_scale=sm_scale, window=problem.window,
-                                           softcap=problem.softcap).astype(q.dtype)
+                                           softcap=problem.softcap,
+                                           query_offset=problem.query_offset).astype(q.dtype)
             ids = dict(zip(("q_segment_ids", "kv_segment_ids"), segment_ids))
             mask = attention_mask(problem.q_len, problem.kv_len, **ids) if ids else None
             out = jax.nn.dot_product_attention(

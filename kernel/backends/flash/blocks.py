@@ -20,8 +20,9 @@ PYTHON_OPS = SimpleNamespace(minimum=min, maximum=max, div=operator.floordiv)
 
 @dataclass(frozen=True)
 class Reach:
-    """Keys visible around query i: ``i - left <= j <= i + right``. Causal is ``right = 0``;
-    a side at least as long as the sequence masks nothing (full attention)."""
+    """Keys visible around query i: ``i - left <= j <= i + right``. Causal is ``right = 0``
+    (top-left) or ``kv_len - q_len`` (bottom-right: both sides shift by the query offset, and
+    either may be negative); a side at least as long as the sequence masks nothing."""
 
     left: int
     right: int
@@ -30,8 +31,11 @@ class Reach:
 
     @classmethod
     def of(cls, problem: Problem) -> Reach:
-        left, right = problem.window or (problem.q_len, problem.kv_len)
-        return cls(left, 0 if problem.causal else right, problem.q_len, problem.kv_len)
+        unbounded = problem.q_len + problem.kv_len  # past every key, whatever the offset
+        left, right = problem.window or (unbounded, unbounded)
+        offset = problem.query_offset
+        return cls(left - offset, (0 if problem.causal else right) + offset, problem.q_len,
+                   problem.kv_len)
 
     @property
     def masks(self) -> bool:
