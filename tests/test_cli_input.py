@@ -8,7 +8,6 @@ import dataclasses
 import gzip
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +130,22 @@ def test_anchors_and_merge_keys_within_the_bound_still_load(tmp_path: Path) -> N
     assert [p.q_len for p in load_shapes(shapes)] == [128, 256]
 
 
-def test_reading_shapes_with_a_repeat_is_linear(tmp_path: Path) -> None:
+def test_reading_shapes_with_a_repeat_is_linear(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A10: each distinct problem looked up its first index by a list scan (16k shapes with one
-    repeat took 22 s instead of 3.4 s)."""
+    repeat took 22 s instead of 3.4 s). Counted, not timed (a loaded machine flips a time): a
+    scan compares each problem with those before it, a lookup by hash with none but its
+    repeat."""
     rows = [{"batch": 1 + i % 100, "q_heads": 1, "q_len": 128 * (1 + i // 100), "head_dim": 64}
-            for i in range(16_000)]
-    timings = []
-    for name, data in (("plain", rows), ("repeat", [*rows, rows[0]])):
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(data))
-        start = time.perf_counter()
-        assert len(load_shapes(path)) == 16_000
-        timings.append(time.perf_counter() - start)
-    assert timings[1] < 3 * timings[0] + 0.5, timings
+            for i in range(2_000)]
+    path = tmp_path / "repeat.json"
+    path.write_text(json.dumps([*rows, rows[0]]))
+    compared = []
+    equal = Problem.__eq__
+    monkeypatch.setattr(Problem, "__eq__", lambda self, other: compared.append(1) or equal(
+        self, other))
+    assert len(load_shapes(path)) == 2_000
+    assert len(compared) < 100, len(compared)  # a scan: about 2 million
 
 
 def test_precheck_takes_shapes_like_tune(tmp_path: Path) -> None:

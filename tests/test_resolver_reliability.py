@@ -104,7 +104,8 @@ def test_any_service_failure_falls_back_within_the_deadline(name, service, caplo
     elapsed = time.monotonic() - start
     assert resolution.source == "default", resolution
     assert resolution.config == kernel.get_kernel("flash").default_config(PROBLEM)
-    assert elapsed < 1.5, f"{name} stalled the trace for {elapsed:.1f} s"
+    # 0.5 s (the deadline) on a quiet machine; a trace the trickle stalled would wait over a minute
+    assert elapsed < 10, f"{name} stalled the trace for {elapsed:.1f} s"
     resolver.resolve(PROBLEM, "cpu", "flash", CPU)  # cached: no second warning, no request
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "default" in warnings[0].getMessage()
