@@ -22,7 +22,7 @@ from kernel import Problem, get_kernel
 from kernel.resolve import installed_versions
 from kernel.shapesfile import MAX_SHAPES_BYTES, append_shapes, save_shapes
 from storage import Store, TunedResult
-from tests.conftest import run_cli
+from tests.conftest import problem_flags, run_cli
 
 OLD = {**{f"{p}_version": v for p, v in installed_versions().items()}, "jax_version": "0.4.1"}
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
@@ -82,6 +82,53 @@ def test_the_result_line_says_why_a_search_measured_fewer_than_its_trials(
     _report(_summary(measured=11, **stop), json_output=False)
     assert said in " ".join(capsys.readouterr().out.split())
 
+
+
+def test_the_summaries_say_what_their_times_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 75 item 5: xla's line read "the default stays ... 0 measured"; the tune's and the
+    choice's times differed with no word why; a CPU's summary lacked the report's "not a
+    device figure" note (said once, after the choice)."""
+    from autotune.trials import NOTHING_TO_SEARCH
+
+    xla = _summary(kernel="xla", best_config={}, study="", method="device", measured=0,
+                   stop_reason=NOTHING_TO_SEARCH)
+    _report(xla, json_output=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "best default at 1.000 ms (no roofline (CPU)), no tunable fields: its one config; " \
+           "published: inserted" in out and "measured" not in out and "no device" not in out
+    _report(_summary(), json_output=False)
+    assert "(interpret mode: the TPU kernel emulated on a CPU; these times and their ratio " \
+           "are no device figure)" in " ".join(capsys.readouterr().out.split())
+    _report({"problem": PROBLEM.to_dict(), "device_kind": "cpu", "chosen_kernel": "flash",
+             "choice_method": "interpret", "choice_timing": "wallclock",
+             "choice_within_noise": False, "kernels": {"flash": 0.9, "xla": 1.2},
+             "kernels_iqr_ms": {"flash": 0.1, "xla": 0.1}, "kernel_failures": {},
+             "tuned": {"flash": _summary(), "xla": xla}}, json_output=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "flash 0.900 ms ± 0.100, xla 1.200 ms ± 0.100 (each kernel's winner timed again, " \
+           "against the others, as the wrapper calls it: these times, not each tune's above, " \
+           "decide)" in out
+    assert out.count("no device figure") == 1 and out.endswith("no device figure)")
+
+
+
+def test_the_bar_of_a_kernel_without_fields_counts_its_one_config(tmp_path: Path) -> None:
+    """Issue 75 item 5: xla's bar read ``0/30 ... confirming`` with nothing to measure (it
+    looked stuck)."""
+    db = f"sqlite:///{tmp_path / 'xla.db'}"
+    done = run_cli("tune", "--kernel", "xla", *problem_flags(PROBLEM), "--db", db,
+                   env={"COLUMNS": "250"})
+    assert done.returncode == 0, done.stderr
+    [bar] = [line for line in done.stdout.splitlines() if line.startswith("b1 h2/2")]
+    assert " 1/1 " in bar and bar.endswith("no tunable fields: its one config timed"), bar
+
+def test_the_help_shows_no_type_for_a_flag() -> None:
+    """Issue 75 item 5: Typer's help showed ``--force <bool>`` (and ``--help <bool>``), as
+    though the flag took a value."""
+    for command, flag in ((["tune"], "--force"), (["db", "upgrade"], "--help"), ([], "--help")):
+        done = run_cli(*command, "--help", env={"COLUMNS": "200"})
+        assert done.returncode == 0, done.stderr
+        assert flag in done.stdout and "<bool>" not in done.stdout, done.stdout
 
 def test_replay_prints_markup_in_a_landscape_name_as_text(tmp_path: Path) -> None:
     """A7: a landscape named ``evil [/x] name`` crashed ``replay``'s table."""

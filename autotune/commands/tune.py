@@ -12,6 +12,7 @@ from autotune.commands.db import DbOption, ensure_schema, open_store, resolve_ur
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel, known_kernels,
                                       problem_flags_given, with_problem_options)
 from kernel import Problem
+from present.text import INTERPRET_NOTE
 
 
 @with_problem_options
@@ -284,9 +285,10 @@ def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform
         raise typer.Exit(1)
 
 
-def _report(summary: dict[str, Any], json_output: bool) -> None:
+def _report(summary: dict[str, Any], json_output: bool, note: bool = True) -> None:
     """Prints one problem's summary (``TuneSummary.to_dict()``, or ``ChoiceSummary``'s: the
-    chosen kernel's with the kernel choice and each candidate's summary under ``tuned``)."""
+    chosen kernel's with the kernel choice and each candidate's summary under ``tuned``), and
+    (``note``) that interpret-mode times are no device figure, where they are."""
     if json_output:
         print(json.dumps({"summary": True, **summary}), flush=True)
         return
@@ -296,7 +298,7 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
 
     if "chosen_kernel" in summary:
         for tuned in summary["tuned"].values():
-            _report(tuned, json_output)
+            _report(tuned, json_output, note=False)  # said once, after the choice
         times = ", ".join(
             f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
             f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
@@ -308,8 +310,11 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
             f"({_method_label(summary['choice_method'], summary)}, "
             f"{summary['choice_timing']}): {times}"
             + ("; the platform's default kernel kept: the faster one led within the measured "
-               "noise" if summary["choice_within_noise"] else ""))
+               "noise" if summary["choice_within_noise"] else "")
+            + " (each kernel's winner timed again, against the others, as the wrapper calls "
+              "it: these times, not each tune's above, decide)" + _interpret_note(summary))
         return
+    from autotune.trials import NOTHING_TO_SEARCH
     from kernel import get_kernel
 
     problem = Problem.from_dict(summary["problem"])
@@ -320,18 +325,21 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
                                                   if fraction is None else
                                                   f"{fraction:.0%} of the "
                                                   f"{summary['roofline_bound']} roofline"))
-    verdict = ("the default stays: no candidate beat it beyond the measured noise"
+    one_config = summary["stop_reason"] == NOTHING_TO_SEARCH
+    verdict = ("no tunable fields: its one config" if one_config else
+               "the default stays: no candidate beat it beyond the measured noise"
                if summary["winner_is_default"] else "the default failed on this device"
                if summary["speedup"] is None else f"{summary['speedup']:.2f}x over the default")
+    searched = "" if one_config else (f"{summary['measured']} measured{_stop_note(summary)}, "
+                                      f"failures {escape(str(summary['failures'] or 'none'))}; ")
     output_console().print(
         f"[bold]{summary['kernel']} {problem.label()}[/] on {escape(summary['device_kind'])} "
         f"device {summary['device_index']} ({_method_label(summary['method'], summary)}, "
         f"timed by {summary['timing']}): "
-        f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
-        f"{summary['measured']} measured{_stop_note(summary)}, "
-        f"failures {escape(str(summary['failures'] or 'none'))}"
-        f"; published: {summary['publish']}"
-        + (f" (study {escape(repr(summary['study']))})" if summary["study"] else ""))
+        f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), "
+        f"{verdict}; {searched}published: {summary['publish']}"
+        + (f" (study {escape(repr(summary['study']))})" if summary["study"] else "")
+        + (_interpret_note(summary) if note else ""))
 
 
 def _stop_note(summary: dict[str, Any]) -> str:
@@ -342,6 +350,12 @@ def _stop_note(summary: dict[str, Any]) -> str:
              "timeout": "--timeout reached", "exhausted": "every legal config"}
     note = notes.get(summary["stop_reason"])
     return f" (stopped: {note})" if note else ""
+
+
+def _interpret_note(summary: dict[str, Any]) -> str:
+    """The note that interpret-mode times are no device figure, where the summary's are."""
+    method = summary.get("choice_method") or summary["method"]
+    return f" ({INTERPRET_NOTE})" if method == "interpret" else ""
 
 
 def _method_label(method: str, summary: dict[str, Any]) -> str:
