@@ -451,3 +451,16 @@ def test_the_tuner_seeds_only_from_its_problems_family(store: Store) -> None:
     store.publish(TunedResult(device_kind=DEVICE, problem=bigger(PLAIN), config=seed,
                               median_ms=1.0))
     assert warm_seeds(store, PLAIN, DEVICE, space, base, flash, target)[1] == params
+
+
+def test_a_problem_prints_as_its_label() -> None:
+    """Issue 75 item 7: docs/models.md shows a ``kernel.resolution_sources()`` key printed as
+    ``Problem(b4 h8/2 q2048 ...)``; a problem printed every field by name. Two problems still
+    print apart where their fields differ."""
+    problem = Problem(4, 8, 2, 2048, 2048, 128, "bfloat16", True, "fwd_bwd")
+    printed = "Problem(b4 h8/2 q2048 kv2048 d128 bfloat16 causal fwd_bwd)"
+    assert str(("flash", "TPU v5 lite", problem)) == f"('flash', 'TPU v5 lite', {printed})"
+    windowed = dataclasses.replace(problem, window=(63, 0), softcap=50.0000001)
+    assert repr(windowed) == "Problem(b4 h8/2 q2048 kv2048 d128 bfloat16 causal window63,0 " \
+                             "softcap50.0000001 fwd_bwd)"
+    assert repr(dataclasses.replace(windowed, softcap=50.0)) != repr(windowed)
