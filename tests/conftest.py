@@ -222,12 +222,14 @@ def wait_until_answering(process: subprocess.Popen, url: str, name: str,
 @contextmanager
 def running_server(db_url: str, log_dir: Path, *, token: str | None = TOKEN,
                    args: tuple[str, ...] = (), settings: dict[str, str] | None = None,
-                   max_open_files: int | None = None) -> Iterator[Server]:
+                   max_open_files: int | None = None,
+                   port: int | None = None) -> Iterator[Server]:
     """Starts ``autotune serve`` on ``db_url`` (already upgraded) and waits for /readyz;
-    ``settings`` are extra environment variables, ``max_open_files`` its ``ulimit -n``."""
+    ``settings`` are extra environment variables, ``max_open_files`` its ``ulimit -n``,
+    ``port`` its port (default: a free one)."""
     import resource
 
-    port = free_port()
+    port = port or free_port()
     log = log_dir / f"server-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
     env.update(settings or {})
