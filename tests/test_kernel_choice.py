@@ -142,7 +142,7 @@ def test_a_traced_call_runs_the_chosen_kernel(tuned: tuple[str, dict[str, Any]],
     if via == "table":
         path = tmp_path / "table.json"
         with Store(db) as store:
-            path.write_text(json.dumps(store.export_table("cpu", "flash").to_dict()))
+            path.write_text(json.dumps(store.export_table("cpu").to_dict()))  # every choice
         reset_resolver(ResolverSettings(table_paths=(str(path),)))
     else:
         reset_resolver(ResolverSettings(url=start_server(db).url, timeout_s=10))
@@ -323,8 +323,7 @@ def test_export_import_round_trip_carries_the_choices(tuned: tuple[str, dict[str
     done = run_cli("import", str(path), "--db", other)
     assert done.returncode == 0, done.stderr
     with Store(db) as before, Store(other) as after:
-        assert after.export_table("cpu", "flash").choices == before.export_table(
-            "cpu", "flash").choices
+        assert after.export_table("cpu").choices == before.export_table("cpu").choices
         [(stored, match)] = after.lookup_choices([("cpu", SMALL)])
         assert (stored.choice.kernel, match) == (summary["chosen_kernel"], "exact")
         assert stored.choice.times_ms() == summary["kernels"]
