@@ -285,35 +285,47 @@ def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform
         raise typer.Exit(1)
 
 
-def _report(summary: dict[str, Any], json_output: bool, note: bool = True) -> None:
+def _report(summary: dict[str, Any], json_output: bool) -> None:
     """Prints one problem's summary (``TuneSummary.to_dict()``, or ``ChoiceSummary``'s: the
     chosen kernel's with the kernel choice and each candidate's summary under ``tuned``), and
-    (``note``) that interpret-mode times are no device figure, where they are."""
+    that interpret-mode times are no device figure, where they are (once)."""
     if json_output:
         print(json.dumps({"summary": True, **summary}), flush=True)
-        return
+    elif "chosen_kernel" in summary:
+        for tuned in summary["tuned"].values():
+            _print_tune(tuned, note=False)
+        _print_choice(summary)
+    else:
+        _print_tune(summary, note=True)
+
+
+def _print_choice(summary: dict[str, Any]) -> None:
+    """The kernel choice's line: each candidate's confirmed time and the chosen one."""
     from rich.markup import escape  # stored and user strings (a study, an error) are no markup
 
     from autotune.progress import output_console
 
-    if "chosen_kernel" in summary:
-        for tuned in summary["tuned"].values():
-            _report(tuned, json_output, note=False)  # said once, after the choice
-        times = ", ".join(
-            f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
-            f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
-            for name, ms in summary["kernels"].items())
-        output_console().print(
-            f"[bold]chosen: {summary['chosen_kernel']}[/] for "
-            f"{Problem.from_dict(summary['problem']).label()} on "
-            f"{escape(summary['device_kind'])} "
-            f"({_method_label(summary['choice_method'], summary)}, "
-            f"{summary['choice_timing']}): {times}"
-            + ("; the platform's default kernel kept: the faster one led within the measured "
-               "noise" if summary["choice_within_noise"] else "")
-            + " (each kernel's winner timed again, against the others, as the wrapper calls "
-              "it: these times, not each tune's above, decide)" + _interpret_note(summary))
-        return
+    times = ", ".join(
+        f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
+        f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
+        for name, ms in summary["kernels"].items())
+    output_console().print(
+        f"[bold]chosen: {summary['chosen_kernel']}[/] for "
+        f"{Problem.from_dict(summary['problem']).label()} on "
+        f"{escape(summary['device_kind'])} "
+        f"({_method_label(summary['choice_method'], summary)}, "
+        f"{summary['choice_timing']}): {times}"
+        + ("; the platform's default kernel kept: the faster one led within the measured "
+           "noise" if summary["choice_within_noise"] else "")
+        + " (each kernel's winner timed again, against the others, as the wrapper calls "
+          "it: these times, not each tune's above, decide)" + _interpret_note(summary))
+
+
+def _print_tune(summary: dict[str, Any], note: bool) -> None:
+    """One kernel's tune line (``note``: with the interpret-mode note where it applies)."""
+    from rich.markup import escape
+
+    from autotune.progress import output_console
     from autotune.trials import NOTHING_TO_SEARCH
     from kernel import get_kernel
 
