@@ -335,9 +335,10 @@ class ExportQuery(QueryModel):
     """``GET /v1/tables/{device_kind}``: which kernel's table; an unknown query parameter is a
     422, as on the other endpoints."""
 
-    kernel: Text | None = Field(None, description="Only this kernel's configs (default: the "
-                                "default kernel's, and those of every kernel a stored choice "
-                                "names)")
+    kernel: Text | None = Field(None, description="Only this kernel's configs, and a table "
+                                "that runs it wherever it was tuned (default: the default "
+                                "kernel's configs, those of every kernel a stored choice names, "
+                                "and every choice)")
     kernel_version: Version | None = Field(None, description="Kernel version of `kernel` "
                                            "(default: the installed one)")
 

@@ -4,7 +4,10 @@ console script enters through ``autotune.__main__``, which first checks the comm
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+from typer.core import TyperOption
 
 app = typer.Typer(
     name="autotune",
@@ -20,7 +23,19 @@ def root() -> None:
 
 
 def main() -> None:
-    app()
+    without_flag_types(typer.main.get_command(app))(prog_name="autotune")
+
+
+def without_flag_types(command: Any) -> Any:
+    """``command`` (a command Typer built, and its subcommands) with no type shown for a flag
+    in its help: Typer shows one (``--force <bool>``), as though the flag took a value."""
+    help_option = command.get_help_option(command.context_class(command))  # made once, kept
+    for param in [*command.params, help_option]:
+        if isinstance(param, TyperOption) and param.is_flag:
+            param.metavar = ""
+    for subcommand in getattr(command, "commands", {}).values():
+        without_flag_types(subcommand)
+    return command
 
 
 from autotune.commands import precheck  # noqa: E402

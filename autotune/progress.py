@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.trials import TrialResult
+from autotune.trials import ONE_CONFIG_PHASE, TrialResult
 from kernel import ConfigError, Problem
 from present.text import first_line
 
@@ -86,8 +86,11 @@ class TuneProgress:
                               status=self._status(best, default_ms))
 
     def on_phase(self, phase: str) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, status=phase)
+        if self._progress is None:
+            return
+        if phase == ONE_CONFIG_PHASE:  # its bar counts that one config, not --trials
+            self._progress.update(self._task, total=1, completed=1)
+        self._progress.update(self._task, status=phase)
 
     def on_notice(self, message: str) -> None:
         """Something the user should know once (e.g. the timing method fell back)."""

@@ -19,8 +19,13 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.searchspace import Config, Space
 from storage.studies import FINISHED, NOT_MEASURED, OK, is_measurement, trial_status
 
-__all__ = ["FAILURES", "FINISHED", "LIVE", "NOT_MEASURED", "OK", "SEED_ATTR", "Measure",
-           "Measurement", "OnTrial", "TrialResult", "is_measurement", "trial_result", "trial_status"]
+# A kernel without tunable fields (``xla``): its search's stop reason, and its phase
+NOTHING_TO_SEARCH = "one config: nothing to search"
+ONE_CONFIG_PHASE = "no tunable fields: its one config timed"
+
+__all__ = ["FAILURES", "FINISHED", "LIVE", "NOTHING_TO_SEARCH", "NOT_MEASURED", "OK",
+           "ONE_CONFIG_PHASE", "SEED_ATTR", "Measure", "Measurement", "OnTrial", "TrialResult",
+           "is_measurement", "trial_result", "trial_status"]
 
 # Failure classes a measure function reports; any other non-"ok" string is accepted too.
 FAILURES = ("compile_error", "vmem_oom", "runtime_error", "wrong_result", "timeout",

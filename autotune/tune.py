@@ -25,7 +25,15 @@ from autotune.peaks import device_roofline
 from autotune.samplers import LEARNING_SAMPLERS, SAMPLERS, SamplerName
 from autotune.search import SearchResult, measured_since_best, search
 from autotune.searchspace import Space
-from autotune.trials import NOT_MEASURED, OK, TrialResult, is_measurement, trial_status
+from autotune.trials import (
+    NOT_MEASURED,
+    NOTHING_TO_SEARCH,
+    OK,
+    ONE_CONFIG_PHASE,
+    TrialResult,
+    is_measurement,
+    trial_status,
+)
 from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
     get_kernel
 from kernel.problem import shown_number
@@ -40,7 +48,6 @@ K = TypeVar("K", bound=Hashable)
 MAX_WARM_SEEDS = 3
 MAX_SEED = 2**32 - 1  # the largest seed numpy's RandomState, which TPE draws from, takes
 CONFIRMED_ATTR = "confirmed"  # a study's measured count and stop reason at its last publish
-NOTHING_TO_SEARCH = "one config: nothing to search"  # the stop reason of a kernel without fields
 
 
 @dataclass(frozen=True)
@@ -385,7 +392,7 @@ class TuneJob:
         problem, base, options, kernel, device = (self.problem, self.base, self.options,
                                                   self.kernel, self.device)
         if self.observer:
-            self.observer.on_phase("confirming")
+            self.observer.on_phase("confirming" if self.space else ONE_CONFIG_PHASE)
         study = (optuna.load_study(study_name=self.name, storage=self.storage)
                  if self.space else None)
         top = _top_configs(study, base, options.confirm_top) if study else []

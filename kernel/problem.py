@@ -172,6 +172,11 @@ class Problem:
                 params.append((name, str(value).lower() if isinstance(value, bool) else value))
         return params
 
+    def __repr__(self) -> str:
+        """``Problem(`` its :meth:`label` ``)``: short where it is printed inside a key (e.g.
+        ``kernel.resolution_sources()``), and as distinct as the fields."""
+        return f"Problem({self.label()})"
+
     def label(self) -> str:
         """A short human-readable name, e.g. ``b1 h8/8 q512 kv512 d128 bfloat16 causal fwd``,
         with ``window512,0``, ``softcap50``, ``segmented`` and ``bottom-right`` before the mode

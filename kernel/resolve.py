@@ -13,8 +13,12 @@ explicit config never reaches the resolver: the wrapper checks it and raises.
 Every answer, misses and fallbacks included, is cached per key for the life of the process,
 and the first fallback per key logs one warning giving the root cause; only an answer the
 service could not give (it failed, or its circuit breaker was open) is asked again once the
-breaker closes. A key is resolved once even when many threads trace it, and no lock is held
-over the network, so threads tracing different problems do not wait on each other.
+breaker closes: by the next trace that needs it, and, in the process-wide resolver, by a timer
+at that moment, so that a shape traced while the service was down (its jitted function never
+traced again) gets the service's answer: once one is answered, JAX's traces are keyed anew and
+each function resolves again on its next call. A key is resolved once even when many threads
+trace it, and no lock is held over the network, so threads tracing different problems do not
+wait on each other.
 """
 
 from __future__ import annotations
@@ -202,8 +206,16 @@ def stale_versions(provenance: Mapping[str, Any], installed: Mapping[str, str | 
 class Resolver:
     """Resolves and caches backends and configs per (kernel, device kind, problem)."""
 
-    def __init__(self, settings: ResolverSettings | None = None) -> None:
+    def __init__(self, settings: ResolverSettings | None = None, *,
+                 ask_again: bool = False) -> None:
+        """``ask_again``: ask the service again, by a timer, for each answer it could not
+        give once its breaker closes, and key JAX's traces anew when one is answered (the
+        process-wide resolver, whose answers the wrapper's traces use)."""
         self.settings = settings or ResolverSettings.from_env()
+        self._ask_again = ask_again
+        self._unanswered: dict[tuple[int, Any], tuple[dict[Any, Any], Any, Callable[[], Any]]] = {}
+        self._timer: threading.Timer | None = None
+        self._asking_again = threading.local()  # set in the timer's thread: no second warning
         self.service = ServiceClient(self.settings.url, self.settings.timeout_s,
                                      self.settings.breaker_s)
         self._lock = threading.Lock()  # guards the dicts below, never held over I/O
@@ -284,7 +296,45 @@ class Resolver:
                 cached = compute()
                 with self._lock:
                     cache[key] = cached
+            if cached.retry_at and self._ask_again:
+                self._wait_for_service(cache, key, compute, cached.retry_at)
             return cached
+
+    def _wait_for_service(self, cache: dict[Any, Any], key: Any, compute: Callable[[], Any],
+                          retry_at: float) -> None:
+        """Keeps ``key`` to ask again at ``retry_at`` (the breaker's close), by a timer."""
+        with self._lock:
+            self._unanswered[(id(cache), key)] = (cache, key, compute)
+            if self._timer is None:
+                self._timer = threading.Timer(max(0.0, retry_at - time.monotonic()) + 0.01,
+                                              self._ask_service_again)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _ask_service_again(self) -> None:
+        """Resolves each unanswered key again (the timer's thread); when one is answered now,
+        keys JAX's traces anew, so a function traced during the outage resolves it on its next
+        call. The keys still unanswered wait for the next close of the breaker."""
+        with self._lock:
+            unanswered, self._unanswered, self._timer = self._unanswered, {}, None
+        self._asking_again.active = True
+        try:
+            answered = [key for cache, key, compute in unanswered.values()
+                        if not self._once(cache, key, compute).retry_at]
+        finally:
+            self._asking_again.active = False
+        if answered:
+            log.info("flash-autotune: the lookup service answered %d key(s) it could not "
+                     "before; functions traced since resolve again on their next call",
+                     len(answered))
+            retrace_all()
+
+    def close(self) -> None:
+        """Stops asking the service again (a resolver replaced by another)."""
+        with self._lock:
+            timer, self._timer, self._ask_again = self._timer, None, False
+        if timer is not None:
+            timer.cancel()
 
     def pick(self, problem: Problem, device_kind: str, platform: str,
              target: Target) -> KernelPick:
@@ -470,9 +520,10 @@ class Resolver:
                            "illegal here: " + "; ".join(map(str, broken)))
         config = kernel.default_config(problem, target)
         detail = "; ".join(reasons)
-        log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
-                    kernel.name, config.label(problem.mode), problem.label(), device_kind,
-                    detail)
+        if not getattr(self._asking_again, "active", False):  # said when first traced
+            log.warning("flash-autotune: using the default %s config %s for %s on %s (%s)",
+                        kernel.name, config.label(problem.mode), problem.label(), device_kind,
+                        detail)
         return Resolution(config, "default", detail, retry_at=retry_at)
 
     def _from_tables(self, problem: Problem, device_kind: str,
@@ -531,7 +582,7 @@ def get_resolver() -> Resolver:
     if _default_resolver is None:
         with _default_lock:
             if _default_resolver is None:
-                _default_resolver = Resolver()
+                _default_resolver = Resolver(ask_again=True)
     return _default_resolver
 
 
@@ -539,7 +590,9 @@ def reset_resolver(settings: ResolverSettings | None = None) -> Resolver:
     """Replaces the process-wide resolver (fresh cache), e.g. after changing the environment."""
     global _default_resolver
     with _default_lock:
-        _default_resolver = Resolver(settings)
+        if _default_resolver is not None:
+            _default_resolver.close()
+        _default_resolver = Resolver(settings, ask_again=True)
     return _default_resolver
 
 

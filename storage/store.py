@@ -26,8 +26,14 @@ from kernel import (
     get_kernel,
     kernel_names,
 )
-from kernel.table import KernelChoice, nearest_entry, shape_distance
-from storage.choices import StoredChoice, check_choice, choice_columns, stored_choice
+from kernel.table import KernelChoice, KernelTiming, nearest_entry, shape_distance
+from storage.choices import (
+    CHOICE_PROVENANCE,
+    StoredChoice,
+    check_choice,
+    choice_columns,
+    stored_choice,
+)
 from storage.engine import (
     WRITE_OPTIONS,
     FullDiskReader,
@@ -176,6 +182,20 @@ def _result(row: Any) -> TunedResult:
         problem=problem_from_columns(get),
         config=get_kernel(get("kernel")).config_from_dict(get("config")),
         **{name: get(name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)})
+
+
+def _choosing(table: LookupTable, stored: Sequence[StoredChoice]) -> tuple[KernelChoice, ...]:
+    """Choices of ``table``'s kernel alone: its stored choices, and for every other problem it
+    has an entry for, a choice of it at that entry's config and time (the tune's provenance).
+    A stored choice of another kernel is left out: pinned, it would run that kernel."""
+    own = tuple(item.choice for item in stored if item.choice.kernel == table.kernel)
+    chosen = {choice.problem for choice in own}
+    return own + tuple(
+        KernelChoice(entry.problem, table.kernel, entry.config,
+                     {table.kernel: KernelTiming(entry.time_ms)},
+                     {name: entry.provenance[name] for name in CHOICE_PROVENANCE
+                      if name in entry.provenance} | {"kernel_version": table.kernel_version})
+        for entry in table.entries if entry.problem not in chosen)
 
 
 def _entry(row: Any) -> Entry:
@@ -627,17 +647,17 @@ class Store:
 
     def export_table(self, device_kind: str, kernel: str | None = None,
                      kernel_version: str | None = None) -> LookupTable:
-        """The tuned entries on one device kind and every kernel choice there, as a lookup
-        table: of ``kernel`` (at ``kernel_version``, default the installed one) alone, or, for
-        None, of the default kernel, with (``others``) those of every other kernel a choice
-        names, at their installed versions, so that a pinned table runs each choice it holds.
-        ConfigError for a kernel not in this build (its table could not be imported)."""
+        """The tuned entries on one device kind and its kernel choices, as a lookup table: of
+        ``kernel`` (at ``kernel_version``, default the installed one) alone, choosing it for
+        every problem it was tuned for (:func:`_choosing`), or, for None, of the default
+        kernel with every choice there and (``others``) the entries of every other kernel a
+        choice names, at their installed versions, so that a pinned table runs each choice it
+        holds. ConfigError for a kernel not in this build (its table could not be imported)."""
         choices, _ = self.list_choices({"device_kind": device_kind}, limit=None)
-        table = dataclasses.replace(
-            self._kernel_table(device_kind, kernel or DEFAULT_KERNEL, kernel_version),
-            choices=tuple(stored.choice for stored in choices))
+        table = self._kernel_table(device_kind, kernel or DEFAULT_KERNEL, kernel_version)
         if kernel is not None:
-            return table
+            return dataclasses.replace(table, choices=_choosing(table, choices))
+        table = dataclasses.replace(table, choices=tuple(stored.choice for stored in choices))
         named = {name for stored in choices for name in stored.choice.ranked()}
         others = (self._kernel_table(device_kind, name, None)
                   for name in sorted(named & set(kernel_names()) - {table.kernel}))

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -98,6 +99,46 @@ def pytest_configure(config: pytest.Config) -> None:
     The subprocesses inherit the default disposition and install the same handler."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FileProgress(config), "file-progress")
+
+
+class FileProgress:
+    """Under pytest-xdist (``.ci/run``: each test file on one worker), the controller's line
+    per test file once its last test finished, e.g. ``tests/test_x.py done (12 passed,
+    1 skipped, 34.5 s)``, so that a slow run shows where it is among its dots. The seconds are
+    the worker's on that file: its tests' setups, calls and teardowns."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.left: Counter[str] = Counter()  # tests of each file not finished yet
+        self.outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+        self.seconds: Counter[str] = Counter()
+        self.running: dict[str, str] = {}  # a test's outcome so far (the worst of its phases)
+
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+        if not self.left:  # every worker collects the same tests
+            self.left.update(nodeid.split("::")[0] for nodeid in ids)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        path = report.nodeid.split("::")[0]
+        self.seconds[path] += report.duration
+        outcome = self.running.get(report.nodeid, "passed")
+        if report.failed:
+            outcome = "failed" if report.when == "call" else "error"
+        elif report.skipped and outcome == "passed":
+            outcome = "skipped"
+        self.running[report.nodeid] = outcome
+        if report.when != "teardown":
+            return
+        self.outcomes[path][self.running.pop(report.nodeid)] += 1
+        self.left[path] -= 1
+        if self.left[path] == 0:
+            counts = ", ".join(f"{n} {outcome}" for outcome, n in self.outcomes[path].items())
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter._tw.width_of_current_line:  # after progress dots: a line of its own
+                reporter.write("\n")
+            reporter.write_line(f"{path} done ({counts}, {self.seconds[path]:.1f} s)")
 
 
 # --- databases ---
@@ -223,12 +264,14 @@ def wait_until_answering(process: subprocess.Popen, url: str, name: str,
 @contextmanager
 def running_server(db_url: str, log_dir: Path, *, token: str | None = TOKEN,
                    args: tuple[str, ...] = (), settings: dict[str, str] | None = None,
-                   max_open_files: int | None = None) -> Iterator[Server]:
+                   max_open_files: int | None = None,
+                   port: int | None = None) -> Iterator[Server]:
     """Starts ``autotune serve`` on ``db_url`` (already upgraded) and waits for /readyz;
-    ``settings`` are extra environment variables, ``max_open_files`` its ``ulimit -n``."""
+    ``settings`` are extra environment variables, ``max_open_files`` its ``ulimit -n``,
+    ``port`` its port (default: a free one)."""
     import resource
 
-    port = free_port()
+    port = port or free_port()
     log = log_dir / f"server-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
     env.update(settings or {})

@@ -781,3 +781,19 @@ def test_the_cli_import_refuses_a_device_kind_with_a_bom_as_the_service_does(
     assert "device_kind must be printable text" in done.stderr and "U+FEFF" in done.stderr
     with Store(sqlite_db_url) as store:
         assert store.list(limit=None)[1] == 0
+
+
+def test_every_operation_has_its_own_id() -> None:
+    """Issue 75 item 8: /healthz and /readyz answer GET and HEAD from one route each, which
+    gave both methods one OpenAPI operation id (FastAPI warned: "Duplicate Operation ID")."""
+    import warnings
+
+    from api.main import create_app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the duplicate's warning fails the test
+        schema = create_app().openapi()
+    ids = [operation["operationId"] for path in schema["paths"].values()
+           for operation in path.values()]
+    assert len(ids) == len(set(ids)), ids
+    assert {"get", "head"} <= schema["paths"]["/healthz"].keys()

@@ -8,7 +8,6 @@ import dataclasses
 import gzip
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from kernel import Problem, get_kernel
 from kernel.resolve import installed_versions
 from kernel.shapesfile import MAX_SHAPES_BYTES, append_shapes, save_shapes
 from storage import Store, TunedResult
-from tests.conftest import run_cli
+from tests.conftest import problem_flags, run_cli
 
 OLD = {**{f"{p}_version": v for p, v in installed_versions().items()}, "jax_version": "0.4.1"}
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=2, q_len=128, kv_len=128, head_dim=64,
@@ -84,6 +83,53 @@ def test_the_result_line_says_why_a_search_measured_fewer_than_its_trials(
     assert said in " ".join(capsys.readouterr().out.split())
 
 
+
+def test_the_summaries_say_what_their_times_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 75 item 5: xla's line read "the default stays ... 0 measured"; the tune's and the
+    choice's times differed with no word why; a CPU's summary lacked the report's "not a
+    device figure" note (said once, after the choice)."""
+    from autotune.trials import NOTHING_TO_SEARCH
+
+    xla = _summary(kernel="xla", best_config={}, study="", method="device", measured=0,
+                   stop_reason=NOTHING_TO_SEARCH)
+    _report(xla, json_output=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "best default at 1.000 ms (no roofline (CPU)), no tunable fields: its one config; " \
+           "published: inserted" in out and "measured" not in out and "no device" not in out
+    _report(_summary(), json_output=False)
+    assert "(interpret mode: the TPU kernel emulated on a CPU; these times and their ratio " \
+           "are no device figure)" in " ".join(capsys.readouterr().out.split())
+    _report({"problem": PROBLEM.to_dict(), "device_kind": "cpu", "chosen_kernel": "flash",
+             "choice_method": "interpret", "choice_timing": "wallclock",
+             "choice_within_noise": False, "kernels": {"flash": 0.9, "xla": 1.2},
+             "kernels_iqr_ms": {"flash": 0.1, "xla": 0.1}, "kernel_failures": {},
+             "tuned": {"flash": _summary(), "xla": xla}}, json_output=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "flash 0.900 ms ± 0.100, xla 1.200 ms ± 0.100 (each kernel's winner timed again, " \
+           "against the others, as the wrapper calls it: these times, not each tune's above, " \
+           "decide)" in out
+    assert out.count("no device figure") == 1 and out.endswith("no device figure)")
+
+
+
+def test_the_bar_of_a_kernel_without_fields_counts_its_one_config(tmp_path: Path) -> None:
+    """Issue 75 item 5: xla's bar read ``0/30 ... confirming`` with nothing to measure (it
+    looked stuck)."""
+    db = f"sqlite:///{tmp_path / 'xla.db'}"
+    done = run_cli("tune", "--kernel", "xla", *problem_flags(PROBLEM), "--db", db,
+                   env={"COLUMNS": "250"})
+    assert done.returncode == 0, done.stderr
+    [bar] = [line for line in done.stdout.splitlines() if line.startswith("b1 h2/2")]
+    assert " 1/1 " in bar and bar.endswith("no tunable fields: its one config timed"), bar
+
+def test_the_help_shows_no_type_for_a_flag() -> None:
+    """Issue 75 item 5: Typer's help showed ``--force <bool>`` (and ``--help <bool>``), as
+    though the flag took a value."""
+    for command, flag in ((["tune"], "--force"), (["db", "upgrade"], "--help"), ([], "--help")):
+        done = run_cli(*command, "--help", env={"COLUMNS": "200"})
+        assert done.returncode == 0, done.stderr
+        assert flag in done.stdout and "<bool>" not in done.stdout, done.stdout
+
 def test_replay_prints_markup_in_a_landscape_name_as_text(tmp_path: Path) -> None:
     """A7: a landscape named ``evil [/x] name`` crashed ``replay``'s table."""
     path = tmp_path / "evil.json.gz"
@@ -143,19 +189,22 @@ def test_anchors_and_merge_keys_within_the_bound_still_load(tmp_path: Path) -> N
     assert [p.q_len for p in load_shapes(shapes)] == [128, 256]
 
 
-def test_reading_shapes_with_a_repeat_is_linear(tmp_path: Path) -> None:
+def test_reading_shapes_with_a_repeat_is_linear(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A10: each distinct problem looked up its first index by a list scan (16k shapes with one
-    repeat took 22 s instead of 3.4 s)."""
+    repeat took 22 s instead of 3.4 s). Counted, not timed (a loaded machine flips a time): a
+    scan compares each problem with those before it, a lookup by hash with none but its
+    repeat."""
     rows = [{"batch": 1 + i % 100, "q_heads": 1, "q_len": 128 * (1 + i // 100), "head_dim": 64}
-            for i in range(16_000)]
-    timings = []
-    for name, data in (("plain", rows), ("repeat", [*rows, rows[0]])):
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(data))
-        start = time.perf_counter()
-        assert len(load_shapes(path)) == 16_000
-        timings.append(time.perf_counter() - start)
-    assert timings[1] < 3 * timings[0] + 0.5, timings
+            for i in range(2_000)]
+    path = tmp_path / "repeat.json"
+    path.write_text(json.dumps([*rows, rows[0]]))
+    compared = []
+    equal = Problem.__eq__
+    monkeypatch.setattr(Problem, "__eq__", lambda self, other: compared.append(1) or equal(
+        self, other))
+    assert len(load_shapes(path)) == 2_000
+    assert len(compared) < 100, len(compared)  # a scan: about 2 million
 
 
 def test_precheck_takes_shapes_like_tune(tmp_path: Path) -> None:

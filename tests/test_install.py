@@ -67,8 +67,10 @@ def bare_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(ROOT / package, source / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--quiet"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--wheel-dir", tmp / "dist", source], check=True,
-                   capture_output=True, text=True, timeout=300, env=_environment())
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--verbose", "--no-deps",
+                            "--wheel-dir", tmp / "dist", source], check=True,
+                           capture_output=True, text=True, timeout=300, env=_environment())
+    (tmp / "build.log").write_text(built.stdout + built.stderr)  # the build backend's words
     wheel, = (tmp / "dist").glob("flash_autotune-*.whl")
     constraints = tmp / "constraints.txt"
     constraints.write_text("".join(
@@ -91,6 +93,14 @@ def _environment() -> dict[str, str]:
 def _run(env: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300,
                           env=_environment(), cwd=env)
+
+
+def test_the_wheel_builds_without_a_deprecation_warning(bare_env: Path) -> None:
+    """Issue 75 item 8: setuptools warned that ``project.license`` as a TOML table is
+    deprecated (an error from 2027-02-18)."""
+    log = (bare_env.parent / "build.log").read_text()
+    assert "Successfully built flash-autotune" in log, log[-2000:]
+    assert "BuildBackendWarning" not in log and "deprecated" not in log.lower(), log
 
 
 def test_bare_install_runs_a_pinned_table_on_cpu_without_the_tuning_or_service_stack(

@@ -187,7 +187,9 @@ def test_a_featured_problem_is_stored_under_its_own_key(store: Store) -> None:
         copy.import_table(LookupTable.from_dict(json.loads(json.dumps(exported.to_dict()))))
         again = copy.export_table(DEVICE, "xla")  # in the order of the import's writes
     assert set(again.entries) == set(exported.entries) and len(again.entries) == 6
-    assert [c.problem for c in again.choices] == [SEGMENTED]
+    # the stored choice, and (issue 75 item 3) a choice of xla for each other entry of it
+    assert xla_choice(SEGMENTED) in exported.choices
+    assert {c.problem for c in again.choices} == {e.problem for e in again.entries}
 
 
 # --- the nearest-problem rule, in each direction ---
@@ -493,3 +495,16 @@ def test_the_tuner_seeds_only_from_its_problems_family(store: Store) -> None:
     store.publish(TunedResult(device_kind=DEVICE, problem=bigger(PLAIN), config=seed,
                               median_ms=1.0))
     assert warm_seeds(store, PLAIN, DEVICE, space, base, flash, target)[1] == params
+
+
+def test_a_problem_prints_as_its_label() -> None:
+    """Issue 75 item 7: docs/models.md shows a ``kernel.resolution_sources()`` key printed as
+    ``Problem(b4 h8/2 q2048 ...)``; a problem printed every field by name. Two problems still
+    print apart where their fields differ."""
+    problem = Problem(4, 8, 2, 2048, 2048, 128, "bfloat16", True, "fwd_bwd")
+    printed = "Problem(b4 h8/2 q2048 kv2048 d128 bfloat16 causal fwd_bwd)"
+    assert str(("flash", "TPU v5 lite", problem)) == f"('flash', 'TPU v5 lite', {printed})"
+    windowed = dataclasses.replace(problem, window=(63, 0), softcap=50.0000001)
+    assert repr(windowed) == "Problem(b4 h8/2 q2048 kv2048 d128 bfloat16 causal window63,0 " \
+                             "softcap50.0000001 fwd_bwd)"
+    assert repr(dataclasses.replace(windowed, softcap=50.0)) != repr(windowed)

@@ -61,8 +61,52 @@ def test_the_quickstart_is_two_command_lines() -> None:
     commands = [line for line in block.splitlines() if line.strip() and
                 not line.lstrip().startswith("#")]
     assert commands == [
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[all]' && .venv/bin/autotune demo",
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[tune,serve]' && "
+        ".venv/bin/autotune demo",
         "bash .ci/run"]
+
+
+def _requirement(item: str) -> str:
+    """A package's normalized name (``jax[tpu] (libtpu)`` reads ``jax``), or an extra of this
+    project as ``[extra]`` (``flash-autotune[all]`` in pyproject.toml, `` `all` `` in the
+    README)."""
+    extra = re.fullmatch(r"`([a-z]+)`", item.strip())
+    if extra:
+        return f"[{extra.group(1)}]"
+    name = re.match(r"[A-Za-z0-9._-]+", item.strip()).group(0)
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _extras_table() -> dict[str, tuple[set[str], set[str]]]:
+    """The README's extras table: per extra, the commands it enables and what it brings."""
+    rows = re.findall(r"^\| `([a-z]+)` \| (.*) \| (.*) \|$",
+                      _section(README.read_text(), "Install"), re.M)
+    return {extra: ({c.removeprefix("autotune ") for c in re.findall(r"`([^`]+)`", enables)},
+                    {_requirement(item) for item in re.split(r", | and ", brings)})
+            for extra, enables, brings in rows}
+
+
+def test_the_extras_table_matches_pyproject_and_the_commands() -> None:
+    """Issue 75 item 6: the table left out pydantic, pydantic-settings and xprof of ``tune``,
+    pytest-timeout and flatbuffers of ``test``, and commands its extras enable."""
+    import tomllib
+
+    from autotune.extras import COMMAND_EXTRAS
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    table = _extras_table()
+    assert table.keys() == extras.keys()
+    for extra, requirements in extras.items():
+        brought = set()
+        for requirement in requirements:
+            inner = re.fullmatch(r"flash-autotune\[([a-z,]+)\]", requirement)
+            brought |= ({f"[{e}]" for e in inner.group(1).split(",")} if inner
+                        else {_requirement(requirement)})
+        assert table[extra][1] == brought, extra
+        if extra in ("tune", "serve", "tpu"):
+            assert table[extra][0] == {command for command, choices in COMMAND_EXTRAS.items()
+                                       if any(extra in c.split(",") for c in choices)}, extra
 
 
 def test_the_chip_results_say_where_they_were_measured() -> None:

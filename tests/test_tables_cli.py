@@ -383,6 +383,47 @@ def test_export_of_another_kernel_s_configs_only_names_the_kernel_flag(
     assert done.returncode == 0, done.stderr
 
 
+
+def test_export_of_one_kernel_chooses_that_kernel(sqlite_db_url: str, tmp_path: Path) -> None:
+    """Issue 75 item 3: a CPU tune of every kernel chose xla; ``export --kernel flash`` still
+    wrote that choice, so the pinned table ran xla, not the flash config the user tuned. A
+    table of one kernel now chooses it wherever it has a config (a stored choice of it kept as
+    it is), and holds no other kernel's choice."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernel
+    from kernel import LookupTable, get_kernel
+    from kernel.table import KernelChoice, KernelTiming
+
+    problem = Problem(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=128,
+                      dtype="float32", causal=True, mode="fwd")
+    tuned = FlashConfig(block_q=128, block_kv=128, block_kv_compute=128)
+    with Store(sqlite_db_url) as store:
+        store.publish(TunedResult(device_kind="cpu", problem=problem, config=tuned,
+                                  median_ms=2.0, method="interpret", timing="wallclock"))
+        store.publish_choice("cpu", KernelChoice(
+            problem, "xla", get_kernel("xla").default_config(problem),
+            {"xla": KernelTiming(1.0, 0.1), "flash": KernelTiming(2.0, 0.1)},
+            {"kernel_version": get_kernel("xla").version}))
+    path = tmp_path / "flash.json"
+    done = run_cli("export", "-o", str(path), "--kernel", "flash", "--db", sqlite_db_url)
+    assert done.returncode == 0, done.stderr
+    [choice] = LookupTable.load(path).choices
+    assert (choice.kernel, choice.config, choice.times_ms()) == ("flash", tuned, {"flash": 2.0})
+    assert choice.provenance["method"] == "interpret"  # the tune's, as its entry says
+    q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
+    with kernel.tables(path):
+        jax.eval_shape(lambda q: kernel.flash_attention(q, q, q, causal=True), q)
+        [(key, how)] = [(key, how) for key, how in kernel.resolution_sources().items()
+                        if key[2] == problem]
+    assert key[0] == "flash" and f"config {tuned.label('fwd')}" in how, how
+    assert "kernel: chosen (exact choice in scoped table" in how, how
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"  # and it imports as it reads
+    assert run_cli("import", str(path), "--db", fresh).returncode == 0
+    with Store(fresh) as store:
+        assert [c.choice.kernel for c in store.list_choices(limit=None)[0]] == ["flash"]
+
 def _splash_study(url: str, problem: Problem, times: dict[int, float],
                   device: str = DEVICE) -> None:
     """A splash study of ``problem`` on ``device`` that measured ``block_kv_compute`` = each key

@@ -75,8 +75,8 @@ def test_profile_reads_device_time_per_run_from_a_real_trace() -> None:
     # timestamp the profiler's clock puts a little before its run's annotation counts for the
     # run before; a loaded 2-core CI machine showed one run 0.12 ms over its 2.06 ms wall).
     assert all(busy > 0 for busy in first) and sum(first) <= sum(walls), (first, walls)
-    ratio = statistics.median(second) / statistics.median(first)
-    assert 1 / 3 < ratio < 3, (first, second)  # the same executable reads about the same
+    # Without a timed call around each run, too (no ratio of the two: load flips one).
+    assert all(busy > 0 for busy in second), second
     # Events of kernels the executable does not run are none: not a zero time.
     assert profile_runs(lambda: compiled(X), 2, kernel_op_matcher(op_names(compiled), ("flash_fwd",))) \
         is None
@@ -236,12 +236,14 @@ def test_step_profile_counts_every_op_of_the_step_and_the_named_kernels_beside()
                                "products": measurer.timer(alone, 5)}, rounds=3)
     finally:
         measurer.close()
-    whole, products_ms = timings["step"], timings["products"].median_ms
+    whole = timings["step"]
     assert timings["products"].kernel_median_ms is None  # no kernel of that name ran
     assert whole.kernel_median_ms is not None and whole.kernel_median_ms > 0
-    # The products count in the step, and are no part of its kernel.
-    assert whole.median_ms > whole.kernel_median_ms + 0.5 * products_ms, (whole, products_ms)
-    assert whole.kernel_median_ms < 0.5 * whole.median_ms, whole
+    # The products count in the step, and are no part of its kernel: the step's time is many
+    # times its kernel's (about 40x on a quiet 2-core CPU), where either mistake would make
+    # them about equal. Both come from the same runs, so no load between runs can flip it (the
+    # products timed alone, compared with the step, once read 3x the step's time under load).
+    assert whole.median_ms > 5 * whole.kernel_median_ms, whole
 
 
 def test_step_profile_times_an_interpreted_kernels_whole_step_without_a_breakdown() -> None:
@@ -303,7 +305,7 @@ def test_wall_timing_takes_the_runs_asked_or_runs_until_enough() -> None:
     calls: list[None] = []
     samples = list(itertools.islice(
         wall_times(lambda: (calls.append(None), time.sleep(0.004)), per_call=2), 3))
-    assert len(calls) == 3 and all(2 <= s < 50 for s in samples), samples
+    assert len(calls) == 3 and all(2 <= s < 1000 for s in samples), samples  # ms, not s or us
     measurer = Measurer(TINY, FLASH.default_config(TINY, "cpu"), FLASH, timing="wallclock",
                         min_runs=2, max_runs=4, min_time_s=0.0)
     try:
@@ -413,7 +415,7 @@ def test_a_trace_leaves_out_the_python_calls_of_threads_compiling_meanwhile() ->
 def test_the_lean_trace_reads_the_same_step_times_as_a_full_one(monkeypatch) -> None:
     """The same executable traced in turns with the profiler's defaults (the Python tracer
     on, host level 2: the trace before) and with :func:`trace_options`: the same op events
-    per run, and busy times within the CPU's noise of each other (on a chip, the device's op
+    per run, and busy times of the same order (on a chip, the device's op
     lines)."""
     compiled = jax.jit(matmuls).lower(X).compile()
     jax.block_until_ready(compiled(X))
@@ -428,5 +430,6 @@ def test_the_lean_trace_reads_the_same_step_times_as_a_full_one(monkeypatch) -> 
             ops[name].add(len(op_events(events, counts)))  # on a chip, its op lines
             medians[name].append(statistics.median(run_times(events, 3, counts)))
     assert ops["full"] == ops["lean"] and len(ops["lean"]) == 1, ops
+    # Times read alike: a unit or an event mistake is 1000x off; the bound leaves load room.
     ratio = statistics.median(medians["lean"]) / statistics.median(medians["full"])
-    assert 0.5 < ratio < 2, medians
+    assert 0.1 < ratio < 10, medians

@@ -12,6 +12,7 @@ import typer
 
 from autotune.commands.db import DbOption, ensure_schema, open_store, resolve_url
 from kernel import Problem
+from present.text import INTERPRET_NOTE
 
 DEMO_PROBLEM = Problem(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
                        dtype="bfloat16", causal=True, mode="fwd")
@@ -75,9 +76,13 @@ def demo(
     console.print(f"winner {summary.best_config.label(DEMO_PROBLEM.mode)}: "
                   f"{summary.best_time_ms:.3f} ms vs {default} on {summary.device_kind} "
                   f"({summary.method}); stored: {summary.publish}")
+    if published is not None and summary.publish == "kept":
+        stored = published[0].result
+        console.print(f"the stored {stored.config.label(DEMO_PROBLEM.mode)} "
+                      f"({stored.median_ms:.3f} ms) stays, and is what the service serves: "
+                      "this run's winner is not faster than it beyond the noise")
     if summary.method == "interpret":
-        console.print("(interpret mode: the TPU kernel emulated on a CPU; these times and "
-                      "their ratio are no device figure)")
+        console.print(f"({INTERPRET_NOTE})")
 
     console.rule("2. serve")
     port = _free_port()

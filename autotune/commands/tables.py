@@ -21,6 +21,7 @@ from autotune.files import is_stdout, write_output
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel,
                                       output_file, problem_flags_given, with_problem_options)
 from kernel import AutotuneError, LookupTable, Problem, TableError, kernel_names
+from present.text import counted
 
 
 @with_problem_options
@@ -42,8 +43,9 @@ def export_table(
         show_default=False)] = None,
     kernel: Annotated[str | None, typer.Option(
         callback=known_kernel, show_default=False,
-        help="Only this kernel's configs (default: the default kernel's, and those of every "
-             "kernel a stored choice names, so that the table runs each choice).")] = None,
+        help="Only this kernel's configs, and a table that runs it wherever it was tuned "
+             "(choices of other kernels left out). Default: the default kernel's configs, "
+             "those of every kernel a stored choice names, and every choice.")] = None,
     kernel_version: Annotated[str | None, typer.Option(
         help="Kernel version of --kernel (default: the installed kernel's).",
         show_default=False)] = None,
@@ -82,7 +84,7 @@ def export_table(
         typer.echo(f"error: cannot write {output}: {error.strerror}", err=True)
         raise typer.Exit(1) from None
     counts = ", ".join(f"{len(t.entries)} {t.kernel}" for t in table.kernel_tables())
-    typer.echo(f"wrote entries ({counts}) and {len(table.choices)} kernel choices for "
+    typer.echo(f"wrote entries ({counts}) and {counted(len(table.choices), 'kernel choice')} for "
                f"{device_kind!r} to {output}", err=is_stdout(output))
 
 
@@ -169,4 +171,4 @@ def import_table(
               for status in ("inserted", "replaced", "kept")}
     typer.echo(f"imported {path} into {table.device_kind!r}: " +
                ", ".join(f"{n} {status}" for status, n in counts.items())
-               + f", {len(table.choices)} kernel choices")
+               + f", {counted(len(table.choices), 'kernel choice')}")

@@ -13,6 +13,7 @@ from autotune.commands.db import (DbOption, database_errors, ensure_schema, open
 from autotune.problem_options import (ShapesOption, given_problems, known_kernel, known_kernels,
                                       problem_flags_given, with_problem_options)
 from kernel import Problem
+from present.text import INTERPRET_NOTE
 
 
 @with_problem_options
@@ -285,30 +286,46 @@ def _tune_on_workers(problems: list[Problem], devices: tuple[int, ...], platform
 
 def _report(summary: dict[str, Any], json_output: bool) -> None:
     """Prints one problem's summary (``TuneSummary.to_dict()``, or ``ChoiceSummary``'s: the
-    chosen kernel's with the kernel choice and each candidate's summary under ``tuned``)."""
+    chosen kernel's with the kernel choice and each candidate's summary under ``tuned``), and
+    that interpret-mode times are no device figure, where they are (once)."""
     if json_output:
         print(json.dumps({"summary": True, **summary}), flush=True)
-        return
+    elif "chosen_kernel" in summary:
+        for tuned in summary["tuned"].values():
+            _print_tune(tuned, note=False)
+        _print_choice(summary)
+    else:
+        _print_tune(summary, note=True)
+
+
+def _print_choice(summary: dict[str, Any]) -> None:
+    """The kernel choice's line: each candidate's confirmed time and the chosen one."""
     from rich.markup import escape  # stored and user strings (a study, an error) are no markup
 
     from autotune.progress import output_console
 
-    if "chosen_kernel" in summary:
-        for tuned in summary["tuned"].values():
-            _report(tuned, json_output)
-        times = ", ".join(
-            f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
-            f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
-            for name, ms in summary["kernels"].items())
-        output_console().print(
-            f"[bold]chosen: {summary['chosen_kernel']}[/] for "
-            f"{Problem.from_dict(summary['problem']).label()} on "
-            f"{escape(summary['device_kind'])} "
-            f"({_method_label(summary['choice_method'], summary)}, "
-            f"{summary['choice_timing']}): {times}"
-            + ("; the platform's default kernel kept: the faster one led within the measured "
-               "noise" if summary["choice_within_noise"] else ""))
-        return
+    times = ", ".join(
+        f"{name} failed ({escape(summary['kernel_failures'][name])})" if ms is None else
+        f"{name} {ms:.3f} ms ± {summary['kernels_iqr_ms'][name]:.3f}"
+        for name, ms in summary["kernels"].items())
+    output_console().print(
+        f"[bold]chosen: {summary['chosen_kernel']}[/] for "
+        f"{Problem.from_dict(summary['problem']).label()} on "
+        f"{escape(summary['device_kind'])} "
+        f"({_method_label(summary['choice_method'], summary)}, "
+        f"{summary['choice_timing']}): {times}"
+        + ("; the platform's default kernel kept: the faster one led within the measured "
+           "noise" if summary["choice_within_noise"] else "")
+        + " (each kernel's winner timed again, against the others, as the wrapper calls "
+          "it: these times, not each tune's above, decide)" + _interpret_note(summary))
+
+
+def _print_tune(summary: dict[str, Any], note: bool) -> None:
+    """One kernel's tune line (``note``: with the interpret-mode note where it applies)."""
+    from rich.markup import escape
+
+    from autotune.progress import output_console
+    from autotune.trials import NOTHING_TO_SEARCH
     from kernel import get_kernel
 
     problem = Problem.from_dict(summary["problem"])
@@ -319,18 +336,21 @@ def _report(summary: dict[str, Any], json_output: bool) -> None:
                                                   if fraction is None else
                                                   f"{fraction:.0%} of the "
                                                   f"{summary['roofline_bound']} roofline"))
-    verdict = ("the default stays: no candidate beat it beyond the measured noise"
+    one_config = summary["stop_reason"] == NOTHING_TO_SEARCH
+    verdict = ("no tunable fields: its one config" if one_config else
+               "the default stays: no candidate beat it beyond the measured noise"
                if summary["winner_is_default"] else "the default failed on this device"
                if summary["speedup"] is None else f"{summary['speedup']:.2f}x over the default")
+    searched = "" if one_config else (f"{summary['measured']} measured{_stop_note(summary)}, "
+                                      f"failures {escape(str(summary['failures'] or 'none'))}; ")
     output_console().print(
         f"[bold]{summary['kernel']} {problem.label()}[/] on {escape(summary['device_kind'])} "
         f"device {summary['device_index']} ({_method_label(summary['method'], summary)}, "
         f"timed by {summary['timing']}): "
-        f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), {verdict}; "
-        f"{summary['measured']} measured{_stop_note(summary)}, "
-        f"failures {escape(str(summary['failures'] or 'none'))}"
-        f"; published: {summary['publish']}"
-        + (f" (study {escape(repr(summary['study']))})" if summary["study"] else ""))
+        f"best {best.label(problem.mode)} at {summary['best_time_ms']:.3f} ms ({roofline}), "
+        f"{verdict}; {searched}published: {summary['publish']}"
+        + (f" (study {escape(repr(summary['study']))})" if summary["study"] else "")
+        + (_interpret_note(summary) if note else ""))
 
 
 def _stop_note(summary: dict[str, Any]) -> str:
@@ -341,6 +361,12 @@ def _stop_note(summary: dict[str, Any]) -> str:
              "timeout": "--timeout reached", "exhausted": "every legal config"}
     note = notes.get(summary["stop_reason"])
     return f" (stopped: {note})" if note else ""
+
+
+def _interpret_note(summary: dict[str, Any]) -> str:
+    """The note that interpret-mode times are no device figure, where the summary's are."""
+    method = summary.get("choice_method") or summary["method"]
+    return f" ({INTERPRET_NOTE})" if method == "interpret" else ""
 
 
 def _method_label(method: str, summary: dict[str, Any]) -> str:
