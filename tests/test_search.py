@@ -335,7 +335,8 @@ def test_a_claim_whose_params_came_late_yields_its_config_to_a_later_claim(land,
         study.add_trial(FrozenTrial(
             number=number, state=TrialState.RUNNING, value=None, datetime_start=started,
             datetime_complete=None, params=config, distributions=space.distributions,
-            user_attrs={}, system_attrs={}, intermediate_values={}, trial_id=number))
+            user_attrs={"worker": f"w{number}"},  # each claim's, written right after its ask
+            system_attrs={}, intermediate_values={}, trial_id=number))
     conflict = claims.conflict(study, space, 0, space.key(config), trials=10)
     assert conflict == ("duplicate" if yields else "")
     assert claims.conflict(study, space, 1, space.key(config), trials=10) == "duplicate"
@@ -362,7 +363,8 @@ def test_a_claim_whose_params_came_late_counts_later_claims_against_the_budget(
         study.add_trial(FrozenTrial(
             number=number, state=TrialState.RUNNING, value=None, datetime_start=started,
             datetime_complete=None, params=config, distributions=space.distributions,
-            user_attrs={}, system_attrs={}, intermediate_values={}, trial_id=number))
+            user_attrs={"worker": f"w{number}"},  # each claim's, written right after its ask
+            system_attrs={}, intermediate_values={}, trial_id=number))
     assert claims.conflict(study, space, 0, space.key(configs[0]), trials=1) == conflict
     assert claims.conflict(study, space, 1, space.key(configs[1]), trials=1) == "surplus"
 
