@@ -312,7 +312,7 @@ def test_demo_on_a_database_holding_a_faster_result_checks_the_served_config(
     stored = default.replace(block_q=128, block_kv=128, block_kv_compute=128)
     with Store(db) as store:
         store.publish(TunedResult(device_kind="cpu", problem=DEMO_PROBLEM, config=stored,
-                                  median_ms=1e-6, method="interpret"))
+                                  median_ms=MIN_TIME_MS, method="interpret"))
     done = run_cli("demo", "--trials", "2", "--db", db, env={"COLUMNS": "250"}, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "stored: kept" in done.stdout and f"config {stored.label('fwd')}" in done.stdout
@@ -331,7 +331,7 @@ def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
     summary = _tiny_summary(tuned_pair)
     with Store(db) as store:  # the entry as if its run had timed it far faster
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
-        store.publish(dataclasses.replace(entry.result, median_ms=1e-6), force=True)
+        store.publish(dataclasses.replace(entry.result, median_ms=MIN_TIME_MS), force=True)
     study = optuna.load_study(study_name=summary["study"], storage=db)
     confirmed = study.user_attrs["confirmation"]
     rerun = run_cli(*flags, "--trials", "3", timeout=300)
