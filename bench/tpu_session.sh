@@ -41,6 +41,9 @@
 #                                            (flags: bench/peers.py's; wheels: bash
 #                                            bench/chip_wheels.sh peers): $OUT/peers-*.json
 #                                            (issue 72)
+#   bash bench/tpu_session.sh kernelpeers [pytest flags]  # tests/test_kernel_peers.py on the chip,
+#                                            e.g. -k large_logits (issue 74's float32 case):
+#                                            $OUT/kernelpeers.log
 #   bash bench/tpu_session.sh live KERNEL SEEDS TRIALS SECONDS [DB]  # our searcher against
 #                                            plain TPE and random, each run for real per seed
 #                                            until SECONDS (resume: DB, the .db a call returned):
@@ -91,6 +94,11 @@ kerneltests)  # less the one test that needs a loopback server: the chip VM has 
         --deselect tests/test_splash.py::test_the_service_stores_and_answers_flags_enums_and_unused_blocks \
         > "$OUT/kerneltests.log" 2>&1
     echo "pytest exit $?"; tail -n 40 "$OUT/kerneltests.log" ;;
+kernelpeers)
+    shift
+    timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -q -rfE \
+        tests/test_kernel_peers.py "$@" > "$OUT/kernelpeers.log" 2>&1
+    echo "pytest exit $?"; tail -n 40 "$OUT/kernelpeers.log" ;;
 backward)
     python3 bench/backward_passes.py --out "$OUT/backward.json" 2> "$OUT/backward.err" \
         | tail -n 60 ;;
