@@ -127,7 +127,7 @@ def assert_reads_work_and_writes_say_read_only(db_url: str, tmp_path: Path) -> N
     assert reported.returncode == 0, reported.stderr
     imported = run_cli("import", str(same), "--db", db_url)  # what is stored: a no-op
     assert imported.returncode == 0, imported.stderr
-    assert "1 kept, 1 kernel choices" in imported.stdout
+    assert "1 kept, 1 kernel choice" in imported.stdout
     assert_clean_failure(run_cli("import", str(table), "--db", db_url), "read-only")
     tuned = run_cli("tune", "--kernel", "flash", "--q-len", "128", "--head-dim", "128",
                     "--q-heads", "1", "--trials", "1", "--db", db_url, "--json", timeout=300)
