@@ -17,7 +17,8 @@ class ApiSettings(StorageSettings):
     between requests), ``AUTOTUNE_READ_TIMEOUT_S`` (time to send a whole request) and
     ``AUTOTUNE_MAX_BODY_BYTES`` (larger bodies of a write get a 413) and
     ``AUTOTUNE_MAX_LOOKUP_BODY_BYTES`` (the same for the body of a lookup, which needs no
-    token)."""
+    token); ``AUTOTUNE_MAX_PAGE_RENDERS`` (HTML pages built at once; more wait without holding
+    a thread, so lookups keep the threadpool)."""
 
     api_token: SecretStr | None = None
     allow_anonymous_writes: bool = False
@@ -31,6 +32,9 @@ class ApiSettings(StorageSettings):
     # A lookup's (no token): a batch of 100 keys is about 20 KiB; 4 MiB of ``{}`` took
     # seconds of the event loop to parse.
     max_lookup_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 64 << 10
+    # Pages draw their plots one at a time (matplotlib): 40 page views at once held every thread
+    # of the pool, and lookups waited behind them (0.04 s -> 1.1 s while a tune wrote).
+    max_page_renders: Annotated[int, Field(ge=1, le=32)] = 4
 
     @field_validator("api_token")
     @classmethod

@@ -88,3 +88,59 @@ def test_the_connection_limit_admits_exactly_that_many(sqlite_db_url: str,
             assert idle.recv(4096).startswith(b"HTTP/1.1 200 ")
         log = server.log.read_text()
     assert "concurrency limit" not in log, log[-2000:]
+
+
+def test_page_views_held_up_leave_the_lookups_their_threads(sqlite_db_url: str,
+                                                            monkeypatch) -> None:
+    """Issue 75 item 11m: 40 clients on the pages while a tune wrote took every thread of
+    the pool (plots are drawn one at a time), and lookups waited behind them, past the
+    wrapper's deadline. Pages are now built at most ``AUTOTUNE_MAX_PAGE_RENDERS`` at once; the
+    others wait without a thread. Here every page build is held until the end: a lookup still
+    answers, and no more than the limit of builds ever started (before: 40)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    from api.main import create_app
+    from api.routers import pages
+    from api.settings import ApiSettings
+    from conftest import free_port
+
+    release, started = threading.Event(), []
+    distinct = pages._distinct
+
+    def held(store, column):  # noqa: ANN001, ANN202 - a page build, kept until released
+        started.append(column)
+        release.wait(120)
+        return distinct(store, column)
+
+    monkeypatch.setattr(pages, "_distinct", held)
+    app = create_app(ApiSettings(db_url=sqlite_db_url, max_page_renders=3))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        with ThreadPoolExecutor(45) as clients:
+            views = [clients.submit(httpx.get, f"{base}/", timeout=180) for _ in range(44)]
+            deadline = time.monotonic() + 10  # a window for builds past the limit to start
+            while time.monotonic() < deadline and len(started) <= 3:
+                time.sleep(0.1)
+            lookup = clients.submit(httpx.get, f"{base}/v1/configs/lookup", timeout=60, params={
+                "kernel": "flash", "device_kind": "TPU v5 lite", "batch": 1, "q_heads": 2,
+                "kv_heads": 2, "q_len": 256, "kv_len": 256, "head_dim": 64,
+                "dtype": "float32"})
+            answered = lookup.result(timeout=60).status_code
+            most = len(started)
+            release.set()
+            statuses = {view.result(timeout=120).status_code for view in views}
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert answered == 404  # answered (nothing stored), while every page build was held
+    assert most == 3 and statuses == {200}

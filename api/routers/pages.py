@@ -14,10 +14,11 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlencode
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ValidationError
@@ -109,11 +110,12 @@ def _distinct(store: Store, column: Any) -> list[str]:
 
 
 def _html_errors(page: Callable[[Request, Store], HTMLResponse]
-                 ) -> Callable[[Request, Store], HTMLResponse]:
-    """``page``, with a database failure answered as an HTML page (the app's own handler
-    answers JSON, which a browser shows raw)."""
-    @functools.wraps(page)
-    def answer(request: Request, store: StoreDep) -> HTMLResponse:
+                 ) -> Callable[[Request, Store], Awaitable[HTMLResponse]]:
+    """``page``, built in a thread of its own limiter (``AUTOTUNE_MAX_PAGE_RENDERS`` at once:
+    the others wait without holding one of the pool's threads, which lookups need), with a
+    database failure answered as an HTML page (the app's own handler answers JSON, which a
+    browser shows raw)."""
+    def built(request: Request, store: Store) -> HTMLResponse:
         try:
             return page(request, store)
         except SQLAlchemyError as error:
@@ -122,7 +124,19 @@ def _html_errors(page: Callable[[Request, Store], HTMLResponse]
                           "The database is unavailable or its schema is not current; /readyz "
                           "says which, and `autotune db upgrade` brings a schema up to date.")
 
+    @functools.wraps(page)
+    async def answer(request: Request, store: StoreDep) -> HTMLResponse:
+        return await anyio.to_thread.run_sync(built, request, store,
+                                              limiter=_renders(request.app.state))
+
     return answer
+
+
+def _renders(state: Any) -> anyio.CapacityLimiter:
+    """The app's limiter of pages built at once (made in the event loop, on first use)."""
+    if getattr(state, "page_renders", None) is None:
+        state.page_renders = anyio.CapacityLimiter(state.settings.max_page_renders)
+    return state.page_renders
 
 
 def detail_link(key: ConfigKey) -> str:
