@@ -124,6 +124,7 @@ class Space:
         because hardware resources divide by sizes: halving a block doubles the blocks that
         fit, so a size and its double often perform alike where the values between do not
         (pnpoly: the optimum's block 448 is half of a local optimum's 896)."""
+        own = self.key(config)
         for name, values in self._values.items():
             current = config[name]
             i = values.index(current)
@@ -136,7 +137,7 @@ class Space:
                 others = [v for v in values if v != current]
             for value in others:
                 neighbour = self.config({**config, name: value})
-                if self.key(neighbour) != self.key(config) and self.is_legal(neighbour):
+                if self.key(neighbour) != own and self.is_legal(neighbour):
                     yield neighbour
 
     def random_legal(self, rng: random.Random, taken: set[Key]) -> Config | None:

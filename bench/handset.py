@@ -85,7 +85,7 @@ def handset(problem: Any, interpret: bool) -> tuple[dict[str, tuple[Any, Any]],
     that does not (with why)."""
     from bench.tpu_check import runs_here, target_here
     from kernel import ConfigError, get_kernel
-    from kernel.backends.splash import RECIPES, recipe
+    from kernel.backends.splash import RECIPES, fused, recipe
 
     splash = get_kernel("splash").discover()
     maxtext = splash.default_config(problem, target_here(splash))
@@ -93,10 +93,9 @@ def handset(problem: Any, interpret: bool) -> tuple[dict[str, tuple[Any, Any]],
     for size in (1024, 2048):
         configs[f"splash every block {size}"] = lambda size=size: (
             splash, maxtext.replace(**{name: size for name in UNIFORM}))
-    for size in (512, 1024):  # the fused backward (one kernel for dQ, dK, dV): no dQ blocks
-        configs[f"splash every block {size}, fused"] = lambda size=size: (splash, maxtext.replace(
-            **{name: size for name in UNIFORM}
-            | {"use_fused_bwd_kernel": True, "block_q_dq": None, "block_kv_dq": None}))
+    for size in (512, 1024):
+        configs[f"splash every block {size}, fused"] = lambda size=size: (
+            splash, fused(maxtext.replace(**{name: size for name in UNIFORM})))
     for name, changes in RECIPES.items():
         configs[f"splash recipe {name}"] = lambda changes=changes: (
             splash, recipe(problem, **changes))

@@ -131,15 +131,21 @@ class TokamaxCall:
     profile_names: tuple[str, ...] = ()
 
     def build(self, problem: Any, _config: PeerConfig) -> Any:
-        from kernel.contract import measured_fn
-
-        measured = measured_fn(problem, tokamax_attend(problem))
+        measured = tokamax_step(problem)
 
         def traced(*args: Any) -> Any:  # the result chooses the configs while it traces
             with self.result:
                 return measured(*args)
 
         return traced
+
+
+def tokamax_step(problem: Any) -> Any:
+    """What is tuned and timed: tokamax's attention in ``problem``'s mode (the gradients in
+    fwd_bwd), as ours is (:func:`kernel.contract.measured_fn`)."""
+    from kernel.contract import measured_fn
+
+    return measured_fn(problem, tokamax_attend(problem))
 
 
 def tokamax_attend(problem: Any) -> Any:
@@ -182,18 +188,14 @@ def tokamax_part(ops: Any, part: tuple[int, int]) -> Any:
     ``n``-th, in a fixed order), measured as ``tokamax.autotune`` measures them."""
     import tokamax
 
+    from kernel.contract import default_device
+
     k, n = part
     data = []
     for bound in ops:
         configs = sorted(bound.autotuning_configs, key=repr)[k - 1::n]
         data.append((bound, bound.autotune(set(configs))))
-    return tokamax.AutotuningResult(jax_device_kind(), tuple(data))
-
-
-def jax_device_kind() -> str:
-    import jax
-
-    return jax.devices()[0].device_kind
+    return tokamax.AutotuningResult(default_device().device_kind, tuple(data))
 
 
 def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
@@ -204,8 +206,6 @@ def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
     import tokamax
     from absl import flags
 
-    from kernel.contract import measured_fn
-
     if not flags.FLAGS.is_parsed():  # tokamax's options are absl flags; ours are not
         flags.FLAGS.mark_as_parsed()
     give_locations_predicates()
@@ -213,8 +213,7 @@ def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
     k, n = args.tokamax_part
     if [k, n] not in row["parts"]:
         start = time.perf_counter()
-        ops = tokamax.autotuning.get_bound_args(
-            measured_fn(problem, tokamax_attend(problem)), *inputs)
+        ops = tokamax.autotuning.get_bound_args(tokamax_step(problem), *inputs)
         result = tokamax_part(ops, (k, n))
         if "result" in row:
             result = tokamax.AutotuningResult.loads(row["result"]) | result
@@ -235,10 +234,10 @@ def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
 def splash_config(base: Any, settings: dict[str, Any]) -> Any:
     """Our splash config of MaxText's ``sa_*`` settings (the fused backward has no dQ
     blocks)."""
-    fields = {name.removeprefix("sa_"): value for name, value in settings.items()}
-    if fields.get("use_fused_bwd_kernel"):
-        fields.update(block_q_dq=None, block_kv_dq=None)
-    return base.replace(**fields)
+    from kernel.backends.splash import fused
+
+    config = base.replace(**{name.removeprefix("sa_"): value for name, value in settings.items()})
+    return fused(config) if config.use_fused_bwd_kernel else config
 
 
 def tune_jax_grid(problem: Any, interpret: bool) -> dict[str, list[Any]]:

@@ -311,11 +311,10 @@ class SplashKernel(TunableKernel):
         fused winner beat our published choice by 3.4% on the v5e, 2026-12-07); then MaxText's
         hand-set recipes (:data:`RECIPES`)."""
         uniform = super().seed_configs(problem, target)
-        fused = [config.replace(use_fused_bwd_kernel=True, block_q_dq=None, block_kv_dq=None)
-                 for config in [self.default_config(problem, target), *uniform]
-                 if problem.mode == "fwd_bwd"]
+        fused_seeds = [fused(config) for config in [self.default_config(problem, target), *uniform]
+                       if problem.mode == "fwd_bwd"]
         recipes = [recipe(problem, **changes) for changes in RECIPES.values()]
-        return [*uniform, *(config for config in fused + recipes
+        return [*uniform, *(config for config in fused_seeds + recipes
                             if not self.violations(problem, config, target))]
 
     def attention(self, problem: Problem, config_for: ConfigFor,
@@ -324,6 +323,12 @@ class SplashKernel(TunableKernel):
         the blocks it was made with, so a differentiated call runs the ``fwd_bwd`` config
         (:func:`per_mode`)."""
         return per_mode(lambda config: _on_platform(problem, config, sm_scale), config_for)
+
+
+def fused(config: SplashConfig) -> SplashConfig:
+    """``config`` with the fused backward (one kernel for dQ, dK and dV): no dQ blocks."""
+    return config.replace(**KERNEL.canonical_params({**config.to_dict(),
+                                                     "use_fused_bwd_kernel": True}))
 
 
 def recipe(problem: Problem, **changes: Any) -> SplashConfig:
