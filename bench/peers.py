@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokamax-part", type=part, default=(1, 1), metavar="K/N",
                         help="measure part K of N of tokamax's configs (every N-th), merged "
                              "into --results; the comparison waits for all N (default 1/1)")
+    parser.add_argument("--tokamax-sample", type=int, default=None, metavar="N",
+                        help="at most N of each tokamax op's configs, evenly spaced over its "
+                             "own sorted space (its budget; default: every config)")
     parser.add_argument("--results", type=Path, default=None,
                         help="where each tuner's result is kept per problem and read back by "
                              "a rerun: our study (SQLite), tune-jax's and tokamax's JSON "
@@ -183,19 +186,32 @@ def give_locations_predicates() -> None:
                     lambda loc, loc_type=loc_type: isinstance(loc, loc_type))
 
 
-def tokamax_part(ops: Any, part: tuple[int, int]) -> Any:
-    """tokamax's autotuning data of part ``k`` of ``n`` of each op's own configs (every
-    ``n``-th, in a fixed order), measured as ``tokamax.autotune`` measures them."""
+def sampled(configs: list[Any], most: int | None) -> list[Any]:
+    """At most ``most`` of ``configs``, evenly spaced (every ``ceil(len / most)``-th)."""
+    if most is None or len(configs) <= most:
+        return configs
+    return configs[::-(-len(configs) // most)]
+
+
+def tokamax_part(ops: Any, part: tuple[int, int], most: int | None) -> tuple[Any, list[str]]:
+    """tokamax's autotuning data of part ``k`` of ``n`` (every ``n``-th, in a fixed order) of
+    each op's own configs, or of ``most`` of them (:func:`sampled`), measured as
+    ``tokamax.autotune`` measures them; and why each config that failed did (a config that
+    cannot compile here, e.g. over the VMEM, is tokamax's to skip, as its autotune does)."""
     import tokamax
 
     from kernel.contract import default_device
 
     k, n = part
-    data = []
+    data, failures = [], []
     for bound in ops:
-        configs = sorted(bound.autotuning_configs, key=repr)[k - 1::n]
-        data.append((bound, bound.autotune(set(configs))))
-    return tokamax.AutotuningResult(default_device().device_kind, tuple(data))
+        configs = sampled(sorted(bound.autotuning_configs, key=repr), most)[k - 1::n]
+        measured = bound.autotune(set(configs))
+        failures += [f"{config}: {str(error).splitlines()[0][:200]}"
+                     for config, error in measured.items() if isinstance(error, Exception)]
+        data.append((bound, type(measured)({config: timing for config, timing in measured.items()
+                                            if not isinstance(timing, Exception)})))
+    return tokamax.AutotuningResult(default_device().device_kind, tuple(data)), failures
 
 
 def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
@@ -204,27 +220,34 @@ def run_tokamax(problem: Any, inputs: list[Any], args: argparse.Namespace,
     part's data merged into ``saved``, tokamax's own JSON): its contender once every part is
     measured, and its row of the report."""
     import tokamax
-    from absl import flags
+    from absl import flags, logging
 
     if not flags.FLAGS.is_parsed():  # tokamax's options are absl flags; ours are not
         flags.FLAGS.mark_as_parsed()
+    logging.set_verbosity(logging.DEBUG)  # its per-config times on stderr: a long part's progress
     give_locations_predicates()
-    row = json.loads(saved.read_text()) if saved.exists() else {"wall_s": 0.0, "parts": []}
+    row = json.loads(saved.read_text()) if saved.exists() else {
+        "wall_s": 0.0, "parts": [], "sample": args.tokamax_sample, "failed": []}
+    if row["sample"] != args.tokamax_sample:
+        raise SystemExit(f"{saved} holds parts of --tokamax-sample {row['sample']}, not "
+                         f"{args.tokamax_sample}: pass the same, or another --results")
     k, n = args.tokamax_part
     if [k, n] not in row["parts"]:
         start = time.perf_counter()
         ops = tokamax.autotuning.get_bound_args(tokamax_step(problem), *inputs)
-        result = tokamax_part(ops, (k, n))
+        result, failed = tokamax_part(ops, (k, n), args.tokamax_sample)
         if "result" in row:
             result = tokamax.AutotuningResult.loads(row["result"]) | result
         row.update(wall_s=row["wall_s"] + time.perf_counter() - start,
-                   parts=row["parts"] + [[k, n]], result=result.dumps())
+                   parts=row["parts"] + [[k, n]], failed=row["failed"] + failed,
+                   result=result.dumps())
         saved.write_text(json.dumps(row))
     result = tokamax.AutotuningResult.loads(row["result"])
     ops = [{"op": type(bound.op).__name__, "configs": len(data),
-            "failed": sum(isinstance(x, Exception) for x in data.values()),
-            "fastest": str(data.fastest_config)} for bound, data in result.data]
-    summary = {"wall_s": row["wall_s"], "parts": row["parts"], "ops": ops}
+            "fastest": str(data.fastest_config) if data else "none measured"}
+           for bound, data in result.data]
+    summary = {"wall_s": row["wall_s"], "parts": row["parts"], "sample": row["sample"],
+               "failed": row["failed"], "ops": ops}
     if len(row["parts"]) < n:
         return {}, {**summary, "error": f"tokamax: {len(row['parts'])} of {n} parts measured"}
     label = "; ".join(f"{op['op']}: {op['fastest']}" for op in ops)

@@ -67,3 +67,11 @@ def test_a_tokamax_part_must_be_k_of_n(text):
     with pytest.raises(SystemExit):
         peers.parse_args(["--tokamax-part", text])
     assert peers.parse_args(["--tokamax-part", "2/4"]).tokamax_part == (2, 4)
+
+
+def test_a_tokamax_sample_spans_its_space_evenly():
+    configs = list(range(576))
+    sample = peers.sampled(configs, 48)
+    assert sample == configs[::12] and len(sample) == 48
+    assert peers.sampled(configs[:18], 48) == configs[:18]  # a small space runs whole
+    assert peers.sampled(configs, None) == configs
