@@ -1,4 +1,4 @@
-"""Replay of measured tuning landscapes (gzip JSON, format in bench/landscapes/README.md).
+"""Replay of measured tuning landscapes (gzip JSON, format in bench/search/landscapes/README.md).
 
 A landscape answers "what would this config have measured" instantly, so a search strategy can
 be tested and benchmarked without an accelerator: its space is the declared ``params`` with
@@ -110,7 +110,8 @@ def load_landscape(path: str | Path) -> Landscape:
         doc = json.loads(_decompressed(path))
     except FileNotFoundError:
         raise LandscapeError(f"landscape file {path} does not exist; pass the path of a "
-                             "*.json.gz landscape (see bench/landscapes/README.md)") from None
+                             "*.json.gz landscape (see bench/search/landscapes/README.md)"
+                             ) from None
     except (OSError, ValueError, EOFError) as exc:  # ValueError: not UTF-8, not JSON
         raise LandscapeError(f"{path} is not gzip-compressed JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("params"), dict) or not isinstance(
@@ -174,7 +175,7 @@ _NOT_CLAIMS = ("illegal", "duplicate", "exhausted")
 
 def study_document(study: optuna.Study, *, partial: bool = False) -> dict[str, Any]:
     """The measured configs of a tuning ``study`` as a landscape document (the format of
-    bench/landscapes/README.md, plus the study's kernel, device and problem): its declared
+    bench/search/landscapes/README.md, plus the study's kernel, device and problem): its declared
     values as ``params``, one record per measured config with its ``iqr_ms`` and ``measure_s``
     (seconds the search spent measuring it; the compile ran ahead, in ``compile_s``).
 

@@ -67,9 +67,9 @@ log = logging.getLogger(__name__)
 
 # Configs a tuning search claims ahead of the one it measures, so that their compiles (seconds
 # each on a TPU) run on the host's cores during its measurement. The sampler picks them before
-# it sees that result: replayed on bench/landscapes (bench/search.py --ahead, 20 seeds), 2 ahead
-# found configs as good as 1 ahead (the tuner before) within the seeds' noise, while 3 and 6
-# fell behind on convolution-A100 (median score@50 0.674 and 0.693 against 0.844 and 0.811).
+# it sees that result: replayed on bench/search/landscapes (bench/search/replay.py --ahead, 20
+# seeds), 2 ahead found configs as good as 1 ahead (the tuner before) within the seeds' noise,
+# while 3 and 6 fell behind on convolution-A100 (median score@50 0.674 and 0.693 against 0.844 and 0.811).
 AHEAD = 2
 # Host memory one compile running ahead may hold at its peak: an allowance, so that a host
 # with many cores and little memory compiles fewer at once.

@@ -2,7 +2,7 @@
 legality predicate over whole configs.
 
 Optuna sees every parameter as categorical, with the real values as choices (a dashboard shows
-``block_q=512``). Measured on the landscapes (bench/search.py), TPE did worse with numeric
+``block_q=512``). Measured on the landscapes (bench/search/replay.py), TPE did worse with numeric
 parameters made ordinal (integer or log ranges): tile sizes are rugged, 32 can win while 48 and
 64 lose, so neighbourhood smoothing misleads the Parzen estimator more than it helps.
 """

@@ -10,9 +10,9 @@
 #                                            $OUT/backward.json (issue 56, goal 2)
 #   bash bench/tpu_session.sh handset PROBLEMS TRIALS [flags]  # tuned against every hand-set
 #                                            config, grid problems PROBLEMS (e.g. 1,3; flags:
-#                                            bench/handset.py's): $OUT/handset-*.json
+#                                            bench/chip/handset.py's): $OUT/handset-*.json
 #   bash bench/tpu_session.sh cost TRIALS [flags]  # trials per minute before and now (flags:
-#                                            bench/trial_cost.py's): $OUT/trial-cost.json
+#                                            bench/chip/trial_cost.py's): $OUT/trial-cost.json
 #   bash bench/tpu_session.sh landscape KERNEL TRIALS SECONDS [DB]  # a random sample of the
 #                                            space up to TRIALS in all (DB: a study to go on
 #                                            with, e.g. one kept from an earlier run):
@@ -21,7 +21,7 @@
 #                                            tune_model against each candidate tuned alone,
 #                                            MaxText's splash and XLA, with the tune's figures
 #                                            and each step's device time by op (flags:
-#                                            bench/model_step.py's, e.g. --kernels, --variants,
+#                                            bench/chip/model_step.py's, e.g. --kernels, --variants,
 #                                            --db): $OUT/model-MODEL-SEQ.json (issue 63, item 2)
 #   bash bench/tpu_session.sh long NAME KERNELS TRIALS PROBLEM-FLAGS  # as tune, a problem of
 #                                            its own: $OUT/tune-NAME.jsonl, verify-NAME.json
@@ -35,10 +35,10 @@
 #                                            git show REV:kernel/backends/flash/pallas.py \
 #                                              > .ablation/NAME.py
 #                                            against splash over the step: $OUT/flash-ablation.json
-#                                            (issue 61; flags: bench/flash_ablation.py's)
+#                                            (issue 61; flags: bench/chip/flash_ablation.py's)
 #   bash bench/tpu_session.sh peers PROBLEMS [flags]  # our published choice against tokamax's
 #                                            autotune and tune-jax, grid problems PROBLEMS
-#                                            (flags: bench/peers.py's; wheels: bash
+#                                            (flags: bench/chip/peers.py's; wheels: bash
 #                                            bench/chip_wheels.sh peers): $OUT/peers-*.json
 #                                            (issue 72)
 #   bash bench/tpu_session.sh kernelpeers [pytest flags]  # tests/test_kernel_peers.py on the chip,
@@ -71,12 +71,12 @@ tune_and_verify() {  # NAME TUNE-FLAGS...: $OUT/tune-NAME.jsonl, then its winner
     python3 -m autotune tune "$@" --db "sqlite:////tmp/tune-$name.db" --json \
         > "$OUT/tune-$name.jsonl" 2> "$OUT/tune-$name.err"
     echo "tune exit $?"; tail -c 3000 "$OUT/tune-$name.jsonl"; tail -n 5 "$OUT/tune-$name.err"
-    python3 bench/verify_published.py "$OUT/tune-$name.jsonl" --out "$OUT/verify-$name.json" \
+    python3 bench/chip/verify_published.py "$OUT/tune-$name.jsonl" --out "$OUT/verify-$name.json" \
         2>&1 | tail -n 30
 }
 case "$1" in
 verify)  # a tune output kept from an earlier run
-    python3 bench/verify_published.py "$2" --out "$OUT/verify-$(basename "$2" .jsonl).json" \
+    python3 bench/chip/verify_published.py "$2" --out "$OUT/verify-$(basename "$2" .jsonl).json" \
         2>&1 | tail -n 30 ;;
 tier)
     AUTOTUNE_TIER_SUMMARY=$OUT/tier.json timeout 480 python3 -m pytest -o addopts= -m tpu -p no:cacheprovider \
@@ -100,25 +100,25 @@ kernelpeers)
         tests/test_kernel_peers.py "$@" > "$OUT/kernelpeers.log" 2>&1
     echo "pytest exit $?"; tail -n 40 "$OUT/kernelpeers.log" ;;
 backward)
-    python3 bench/backward_passes.py --out "$OUT/backward.json" 2> "$OUT/backward.err" \
+    python3 bench/chip/backward_passes.py --out "$OUT/backward.json" 2> "$OUT/backward.err" \
         | tail -n 60 ;;
 flash_ablation)
     shift
     variants=(); for f in .ablation/*.py; do variants+=(--variant "$(basename "$f" .py)=$f"); done
-    python3 bench/flash_ablation.py "${variants[@]}" "$@" --out "$OUT/flash-ablation.json" \
+    python3 bench/chip/flash_ablation.py "${variants[@]}" "$@" --out "$OUT/flash-ablation.json" \
         2> "$OUT/flash-ablation.err" | tail -n 80 ;;
 handset)
-    python3 bench/handset.py --problems "$2" --trials "$3" "${@:4}" \
+    python3 bench/chip/handset.py --problems "$2" --trials "$3" "${@:4}" \
         --out "$OUT/handset-${2//,/-}.json" 2> "$OUT/handset-${2//,/-}.err" | tail -n 80 ;;
 peers)
-    python3 bench/peers.py --problems "$2" "${@:3}" \
+    python3 bench/chip/peers.py --problems "$2" "${@:3}" \
         --out "$OUT/peers-${2//,/-}.json" 2> "$OUT/peers-${2//,/-}.err" | tail -n 60 ;;
 cost)
-    python3 bench/trial_cost.py --trials "$2" "${@:3}" --out "$OUT/trial-cost.json" \
+    python3 bench/chip/trial_cost.py --trials "$2" "${@:3}" --out "$OUT/trial-cost.json" \
         2> "$OUT/trial-cost.err" | tail -n 60 ;;
 steptime)
     problems=${2:-1,2}
-    python3 bench/step_time.py --problems "$problems" --out "$OUT/step-time-${problems//,/-}.json" \
+    python3 bench/chip/step_time.py --problems "$problems" --out "$OUT/step-time-${problems//,/-}.json" \
         2> "$OUT/step-time-${problems//,/-}.err" | tail -n 80 ;;
 landscape)
     kernel=$2 trials=$3 seconds=$4 db=sqlite:////tmp/landscape-$2.db
@@ -134,17 +134,17 @@ print([json.loads(l) for l in open(sys.argv[1]) if "best_config" in l][-1]["stud
         -o "$OUT/landscape-$kernel.json.gz"
     cp "/tmp/landscape-$kernel.db" "$OUT/" ;;
 live)  # KERNEL SEEDS TRIALS SECONDS [DB]: ours, plain TPE and random run for real, one study
-        # each per seed (bench/live_search.py), resumed from DB (one kept from an earlier call)
+        # each per seed (bench/search/live_search.py), resumed from DB (one kept from an earlier call)
     kernel=$2 db=/tmp/live-$2.db
     [ -n "${6:-}" ] && cp "$6" "$db"
-    python3 bench/live_search.py run --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
+    python3 bench/search/live_search.py run --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
         --trials "$4" --time-limit "$5" -- "${PROBLEM[@]}" 2>&1 | tail -n 20
-    python3 bench/live_search.py score --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
+    python3 bench/search/live_search.py score --db "sqlite:///$db" --kernel "$kernel" --seeds "$3" \
         --budgets "10,$4" --out "$OUT/live-$kernel.json" 2>&1 | tail -n 40
     cp "$db" "$OUT/" ;;
 model)
     name=model-$2-$3
-    python3 bench/model_step.py --model "$2" --seq "$3" --trials "$4" "${@:5}" \
+    python3 bench/chip/model_step.py --model "$2" --seq "$3" --trials "$4" "${@:5}" \
         --out "$OUT/$name.json" 2> "$OUT/$name.err" > /dev/null
     echo "model_step exit $?"; tail -n 5 "$OUT/$name.err"
     # The figures in the output too: a call's files can stay behind (at most 8 come back).

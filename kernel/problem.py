@@ -34,7 +34,7 @@ INT_LIMITS: dict[str, int] = {"batch": MAX_BATCH, "q_heads": MAX_HEADS, "kv_head
 # inf or to 0 (a subnormal is 0 on a TPU), and every output is NaN; and autodiff multiplies
 # the cap by the logits' cotangent, so near float32's largest (3.4e38) xla's gradients are NaN.
 # 1e30 leaves that product room for a cotangent up to 3.4e8, and 1e-30 keeps it a normal
-# number down to a cotangent of 1e-8 (bench/softcap_range.py checks both ends on a device).
+# number down to a cotangent of 1e-8 (bench/kernels/softcap_range.py checks both ends on a device).
 SOFTCAP_RANGE = (1e-30, 1e30)
 # The optional features a problem may use (None or False when not in use).
 FEATURE_FIELDS = ("window", "softcap", "segmented", "bottom_right")

@@ -4,8 +4,8 @@ float64 truth errors are measured against.
 An error is the largest absolute difference over an output (the attention output, or one of
 dq, dk, dv), relative to that output's largest magnitude in the reference. The bounds hold for
 every registered kernel on normal inputs at the default scale, with margin over what the worst
-of them measures (``bench/numerics.py``), so a config that is faster but less accurate than the
-kernels' own precision fails the gate instead of winning.
+of them measures (``bench/kernels/numerics.py``), so a config that is faster but less accurate
+than the kernels' own precision fails the gate instead of winning.
 
 Pure Python at import (numpy and JAX load where used); imports nothing from kernel.
 """
@@ -19,7 +19,7 @@ from typing import Any
 # (kernel.reference.blockwise_reference). f32: on a CPU every kernel stays within 1e-5 of it
 # (the bound is the one set when the reference ran at default precision). bf16: inputs and outputs
 # rounded to 8 mantissa bits (the kernels measure up to 7e-3 at extreme logits,
-# bench/numerics.py).
+# bench/kernels/numerics.py).
 MAX_RELATIVE_ERROR: dict[str, float] = {"float32": 2e-3, "bfloat16": 2e-2}
 # f32 on a TPU: every kernel's f32 matmuls, XLA's attention's too, run at the TPU's default
 # precision (bf16 passes). Against an f32 reference at "highest" precision a TPU v5e measured up

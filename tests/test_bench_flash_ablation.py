@@ -1,4 +1,4 @@
-"""``bench/flash_ablation.py`` on a tiny problem in interpret mode: every variant (a copy of
+"""``bench/chip/flash_ablation.py`` on a tiny problem in interpret mode: every variant (a copy of
 the kernel file, loaded as its own module) and splash get a finite step time and errors
 within the kernels' bound; a missing variant file is refused in one line."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from kernel.tolerance import max_relative_error
 from tests.test_kernel_tuner_landscape import ROOT, _python
 
-SCRIPT = str(ROOT / "bench" / "flash_ablation.py")
+SCRIPT = str(ROOT / "bench/chip/flash_ablation.py")
 KERNEL_FILE = ROOT / "kernel" / "backends" / "flash" / "pallas.py"
 TINY = ("--batch", "1", "--heads", "2", "--seq", "256", "--head-dim", "64", "--block", "128",
         "--splash-block", "128", "--rounds", "2", "--calls", "2")

@@ -1,9 +1,9 @@
-"""bench/hlo_diff.py: the ops outside the attention kernels of a model step compiled for a TPU
-without one (issue 63 item 2)."""
+"""bench/kernels/hlo_diff.py: the ops outside the attention kernels of a model step compiled for
+a TPU without one (issue 63 item 2)."""
 
 from __future__ import annotations
 
-from bench import hlo_diff
+from bench.kernels import hlo_diff
 
 # An optimized module's shape: a kernel whose backend config spans lines (as splash's
 # xprof_metadata does), an async copy into VMEM (S(1)) and a fusion with its cost estimate.

@@ -1,4 +1,4 @@
-"""``bench/live_search.py``: each searcher run for real in its own study (here flash
+"""``bench/search/live_search.py``: each searcher run for real in its own study (here flash
 interpreted on a CPU), resumed where a time limit cut it, and scored against the best config
 any run measured."""
 
@@ -12,12 +12,12 @@ import pytest
 from autotune.search import search
 from autotune.searchspace import Space
 from autotune.trials import Measurement
-from bench import live_search
-from bench.live_search import study_name
-from bench.search import SAMPLERS
+from bench.search import live_search
+from bench.search.live_search import study_name
+from bench.search.replay import SAMPLERS
 from tests.test_kernel_tuner_landscape import ROOT, _python
 
-SCRIPT = str(ROOT / "bench" / "live_search.py")
+SCRIPT = str(ROOT / "bench/search/live_search.py")
 PROBLEM = ("--", "--batch", "1", "--q-heads", "1", "--q-len", "256", "--head-dim", "64",
            "--causal", "--mode", "fwd")  # forward only: an interpreted tune in half the time
 

@@ -1,4 +1,4 @@
-"""bench/model_step.py on the CPU: a tiny Gemma-2-style step (a local and a global layer,
+"""bench/chip/model_step.py on the CPU: a tiny Gemma-2-style step (a local and a global layer,
 soft-capped), tuned with tune_model, then run from the tuned table, from each candidate's own
 tuned configs, from a hand-set splash table and from an XLA table; each variant must run the
 kernel its table chose, the report must carry the tune's figures and each variant's device time
@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from bench import model_step
+from bench.chip import model_step
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""bench/patience_replay.py: what a patience costs a replayed search (the stop itself is the
+"""bench/search/patience_replay.py: what a patience costs a replayed search (the stop itself is the
 search's own, tested in test_tune_patience.py)."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ def test_a_replay_reports_the_configs_a_patience_saves_and_the_score_it_loses(
     patience as long as the budget measures all of it and loses nothing."""
     folder = tmp_path / "lands"
     folder.mkdir()
-    (folder / "pnpoly.json.gz").symlink_to(ROOT / "bench/landscapes/pnpoly-RTX_2080_Ti.json.gz")
+    (folder / "pnpoly.json.gz").symlink_to(
+        ROOT / "bench/search/landscapes/pnpoly-RTX_2080_Ti.json.gz")
     out = tmp_path / "patience.json"
-    subprocess.run([sys.executable, str(ROOT / "bench/patience_replay.py"), "--landscapes",
+    subprocess.run([sys.executable, str(ROOT / "bench/search/patience_replay.py"), "--landscapes",
                     str(folder), "--seeds", "2", "--budget", "16", "--patience", "3,16",
                     "--out", str(out)], check=True, capture_output=True, timeout=600, cwd=ROOT)
     short, whole = (json.loads(out.read_text())["patience"][p] for p in ("3", "16"))

@@ -1,5 +1,5 @@
-"""``bench/peers.py`` (issue 72) on a CPU, without the peers installed (as CI runs it): our tune
-and the hand-set configs are timed, each missing peer is named with its install line, a peer's
+"""``bench/chip/peers.py`` (issue 72) on a CPU, without the peers installed (as CI runs it): our
+tune and the hand-set configs are timed, each missing peer is named with its install line, a peer's
 saved result is read back without the peer, and the ratios count a winner over the error bound
 as failed, not as a win."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench import peers
+from bench.chip import peers
 from kernel import Problem, get_kernel
 
 

@@ -1,4 +1,4 @@
-"""``bench/search.py``: warm start and cold compared at the same budget, and bad arguments or
+"""``bench/search/replay.py``: warm start and cold compared at the same budget, and bad arguments or
 landscapes refused in one line."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from autotune.landscape import save_landscape
 from tests.test_kernel_tuner_landscape import ROOT, _python
 
-SCRIPT = str(ROOT / "bench" / "search.py")
+SCRIPT = str(ROOT / "bench/search/replay.py")
 FAST = ("--seeds", "1", "--jobs", "1", "--overhead-trials", "2")
 
 

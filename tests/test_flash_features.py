@@ -230,7 +230,7 @@ def test_window_softcap_and_segment_kernels_compile_for_a_tpu_within_the_estimat
 
 def test_window_bench_counts_the_blocks_each_kernel_computes(tmp_path):
     out = tmp_path / "window.json"
-    subprocess.run([sys.executable, "bench/window.py", "--seq", "2048", "--out", str(out)],
+    subprocess.run([sys.executable, "bench/kernels/window.py", "--seq", "2048", "--out", str(out)],
                    check=True, capture_output=True, cwd=ROOT)
     rows = {(row["kernel"], row["pass"]): row for row in json.loads(out.read_text())["rows"]}
     # 4 blocks of 512 queries and keys, 8 heads: causal 10 block pairs each; a 512-key window

@@ -1,4 +1,4 @@
-"""``bench/goal_power.py``: how often one run meets issue 17's goal, for searchers of known
+"""``bench/search/goal_power.py``: how often one run meets issue 17's goal, for searchers of known
 strength. The counting on made-up scores, then the script end to end on small landscapes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from tests.test_bench_search import _landscapes
 from tests.test_kernel_tuner_landscape import ROOT, _python
 
-SCRIPT = ROOT / "bench" / "goal_power.py"
+SCRIPT = ROOT / "bench/search/goal_power.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""``bench/gpu_check.py --interpret``: the GPU check's CPU dry run honours its budget and writes
-the JSON and HTML a Hopper GPU would (pallas_gpu interpreted stands in for mosaic_gpu)."""
+"""``bench/chip/gpu_check.py --interpret``: the GPU check's CPU dry run honours its budget and
+writes the JSON and HTML a Hopper GPU would (pallas_gpu interpreted stands in for mosaic_gpu)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_dry_run_writes_every_section_within_its_budget(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--interpret", "--seqs", "128",
+        [sys.executable, str(ROOT / "bench/chip/gpu_check.py"), "--interpret", "--seqs", "128",
          "--modes", "fwd", "--trials", "2", "--rounds", "1", "--landscape-seq", "128",
          "--budget-s", "25", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})

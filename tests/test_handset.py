@@ -1,11 +1,11 @@
-"""``bench/handset.py`` (issue 56, goals 1 and 2): the hand-set baselines it times against the
+"""``bench/chip/handset.py`` (issue 56, goals 1 and 2): the hand-set baselines it times against the
 tuned, and the goals' ratios it reads from one problem's timed rows."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.handset import MAXTEXT, handset, ratios, same_as_tuned
+from bench.chip.handset import MAXTEXT, handset, ratios, same_as_tuned
 from kernel import Problem
 
 

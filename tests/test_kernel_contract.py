@@ -26,10 +26,10 @@ from kernel.tolerance import MAX_RELATIVE_ERROR, relative_error
 
 NAMES = kernel_names()
 # Backends with a CPU target (interpret mode, or XLA itself) run here; the others are checked
-# on their device by bench/gpu_check.py and say so.
+# on their device by bench/chip/gpu_check.py and say so.
 ON_CPU = [name if "cpu" in get_kernel(name).targets else pytest.param(
     name, marks=pytest.mark.skip(reason=f"{name} runs only on {', '.join(get_kernel(name).targets)}"
-                                 "; bench/gpu_check.py checks it there")) for name in NAMES]
+                                 "; bench/chip/gpu_check.py checks it there")) for name in NAMES]
 TUNABLE = [name for name in NAMES if "cpu" in get_kernel(name).targets
            and get_kernel(name).space_params(Problem(1, 2, 1, 256, 256, 64, "float32"))]
 TOLERANCE = MAX_RELATIVE_ERROR  # per dtype: the tuner's correctness gate

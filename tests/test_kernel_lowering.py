@@ -132,8 +132,8 @@ def test_lengths_off_the_lane_tile_compile_with_mosaic_for_v5e(q_len, kv_len, dt
     which the kernels' hand-made DMAs of its K/V, statistics rows and segment ids take at a
     traced offset: they compile (a real deviceless compile: Mosaic rejected such lane offsets,
     which it cannot prove multiples of 128, on a TPU v5e; interpret mode does not check them).
-    ``bench/unaligned_compile.py`` runs the whole sweep."""
-    from bench.unaligned_compile import FEATURES, compiles
+    ``bench/kernels/unaligned_compile.py`` runs the whole sweep."""
+    from bench.kernels.unaligned_compile import FEATURES, compiles
 
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd", "q_len": q_len,
                          "kv_len": kv_len, "dtype": dtype, "causal": causal,

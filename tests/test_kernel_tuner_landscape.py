@@ -1,4 +1,4 @@
-"""``bench/kernel_tuner_landscape.py``: a Kernel Tuner cache file becomes a landscape that
+"""``bench/search/kernel_tuner_landscape.py``: a Kernel Tuner cache file becomes a landscape that
 ``autotune replay`` reads, and a file that is not such a cache is refused in one line."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from autotune.landscape import load_landscape
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "kernel_tuner_landscape.py"
+SCRIPT = ROOT / "bench/search/kernel_tuner_landscape.py"
 
 
 def _cache() -> dict[str, Any]:

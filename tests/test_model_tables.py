@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernel
-from bench.soak import rss_mib
+from bench.service.soak import rss_mib
 from kernel import LookupTable, Problem, TableEntry, get_kernel, get_target
 from conftest import plain_sources
 from kernel.resolve import ResolverSettings, reset_resolver

@@ -1,6 +1,6 @@
 """The ``mosaic_gpu`` backend on a CPU: upstream's rules, the shared-memory estimate, the
 registry, and its refusal off Hopper and off a GPU. Its numerics and the estimate's agreement
-with the compiler need a Hopper GPU: ``bench/gpu_check.py`` checks them there."""
+with the compiler need a Hopper GPU: ``bench/chip/gpu_check.py`` checks them there."""
 
 from __future__ import annotations
 

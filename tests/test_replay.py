@@ -1,4 +1,4 @@
-"""``autotune replay`` on a synthetic landscape and on a real one (bench/landscapes)."""
+"""``autotune replay`` on a synthetic landscape and on a real one (bench/search/landscapes)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from autotune.cli import app
 from autotune.landscape import MAX_LANDSCAPE_BYTES, load_landscape
 from tests.test_search import write_landscape
 
-LANDSCAPES = Path(__file__).resolve().parent.parent / "bench" / "landscapes"
+LANDSCAPES = Path(__file__).resolve().parent.parent / "bench/search/landscapes"
 REAL = LANDSCAPES / "convolution-A100.json.gz"
 OWN = sorted((LANDSCAPES / "own").glob("*.json.gz"))  # measured by us (see their README)
 

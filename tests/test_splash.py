@@ -146,13 +146,13 @@ def test_each_rule_says_how_to_fix_the_config(changes, rule, fix):
     assert any(v.rule == rule and fix in v.message for v in broken), broken
 
 
-# Deviceless v5e compiles (bench/precheck.py): each config's verdict from the compiler. The
+# Deviceless v5e compiles (bench/kernels/precheck.py): each config's verdict from the compiler. The
 # forward's unrolled compute loop keeps more temporaries alive with more steps: q1024
 # kv4096/512 (8 steps) overflows where q1024 kv2048/512 (4 steps) fits; at 128 keys, one key
 # block over all keys keeps more alive than two (q4096 kv4096/128 at 4096 and 8192 tokens). The backward kernels'
 # row statistics are (8 or 1, rows) blocks, so 2048 and 4096 query rows fit there (scoped
-# allocations measured by bench/vmem_sizes.py: dK/dV 2048x1024/512 6.6 MiB at 8192 tokens and
-# 6.9 at 2048, 4096x256/256 4.6 MiB at 8192; dQ 2048x512 6.1 MiB at 2048).
+# allocations measured by bench/kernels/vmem_sizes.py: dK/dV 2048x1024/512 6.6 MiB at 8192 tokens
+# and 6.9 at 2048, 4096x256/256 4.6 MiB at 8192; dQ 2048x512 6.1 MiB at 2048).
 @pytest.mark.parametrize("seq, mode, changes, fits", [
     (8192, "fwd", dict(block_q=1024, block_kv=4096, block_kv_compute=512), False),
     (8192, "fwd", dict(block_q=512, block_kv=4096, block_kv_compute=1024), True),
@@ -173,17 +173,18 @@ def test_the_vmem_estimate_agrees_with_the_v5e_compiler(seq, mode, changes, fits
     assert SPLASH.is_legal(problem, SplashConfig().replace(**changes), "v5e") == fits
 
 
-# Each sampled config's allocations, measured deviceless by bench/vmem_sizes.py --out.
-VMEM_SIZES = sorted((Path(__file__).parent.parent / "bench/data/splash_vmem").glob("*.jsonl"))
+# Each sampled config's allocations, measured deviceless by bench/kernels/vmem_sizes.py --out.
+VMEM_SIZES = sorted((Path(__file__).parent.parent / "bench/kernels/data/splash_vmem")
+                    .glob("*.jsonl"))
 # The precheck goal (no false admit, recall >= 0.9) holds at these (target, seq, mode).
 GOAL = {(target, seq, mode) for target in ("v5e", "v6e") for seq in (2048, 8192)
         for mode in ("fwd", "fwd_bwd")}
 
 
 def test_the_estimate_meets_the_precheck_goal_on_the_measured_allocations():
-    """bench/vmem_sizes.py --rescore judges the estimate against the saved measurements: no
+    """bench/kernels/vmem_sizes.py --rescore judges the estimate against the saved measurements: no
     sampled config the compiler refuses is admitted, and the goal rows' recall is >= 0.9."""
-    script = Path(__file__).parent.parent / "bench/vmem_sizes.py"
+    script = Path(__file__).parent.parent / "bench/kernels/vmem_sizes.py"
     out = subprocess.run([sys.executable, str(script), "--kernel", "splash", "--rescore",
                           *map(str, VMEM_SIZES)], capture_output=True, text=True, check=True)
     rows = {(t, int(seq), mode): (precision, recall) for t, mode, seq, precision, recall
@@ -198,7 +199,7 @@ def test_the_estimate_meets_the_precheck_goal_on_the_measured_allocations():
 
 # The two configs that overflowed on a v5e chip at batch 4, 16 heads, 4096 tokens though the
 # estimate fitted at batch 1 admitted them (pallas-facts section 10). Measured deviceless
-# (bench/data/splash_vmem/v5e_4096_chip_false_admits.jsonl): A's dK/dV 16.16 MiB (13.39
+# (bench/kernels/data/splash_vmem/v5e_4096_chip_false_admits.jsonl): A's dK/dV 16.16 MiB (13.39
 # estimated before), B's forward with residuals 22.52 MiB (15.20); at batch 1 they fit.
 CHIP_FALSE_ADMITS = {
     "A": dict(block_q=1024, block_kv=2048, block_kv_compute=512, block_q_dkv=256,
@@ -346,13 +347,13 @@ def test_maxtexts_recipes_are_capped_like_its_default():
 
 
 def test_the_estimate_admits_nothing_the_v5e_chip_refused():
-    """The chip's own verdicts (bench/data/splash_chip/v5e_verdicts.jsonl: a 20-trial
+    """The chip's own verdicts (bench/kernels/data/splash_chip/v5e_verdicts.jsonl: a 20-trial
     tune and a 4-trial choice at b4 h16 4096 tokens, and the hardware tier's splash configs at
     2048 to 8192, on 2026-12-05; a 30-trial tune and a 10-trial choice there on 2026-12-06):
     every config that failed ``vmem_oom`` on the chip is rejected (3 of 3; the old estimate
     admitted each); of the 75 that compiled and ran, 67 are admitted (the batch term rejects 8
     at b4 h16, all slower there than MaxText's default)."""
-    path = Path(__file__).resolve().parents[1] / "bench/data/splash_chip/v5e_verdicts.jsonl"
+    path = Path(__file__).resolve().parents[1] / "bench/kernels/data/splash_chip/v5e_verdicts.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     admitted = {row["source"]: not SPLASH.violations(Problem.from_dict(row["problem"]),
                                                      SPLASH.config_from_dict(row["config"]),

@@ -148,7 +148,7 @@ def test_a_choice_that_holds_over_the_step_is_kept(tuned_db, tmp_path, capsys,
 def test_a_rerun_that_tunes_nothing_keeps_the_step_confirmation(tuned_db, tmp_path, capsys):
     """A second ``tune_model(..., confirm_step=True)`` of a confirmed step read the tune back
     but timed the step again, so on a loaded machine it could flip a choice the first call
-    kept (CI: bench/model_step's rerun under a memory limit). Now it keeps the stored
+    kept (CI: bench/chip/model_step's rerun under a memory limit). Now it keeps the stored
     confirmation, as the tune keeps a finished problem; a step with other problems, or
     ``force``, confirms again. The first call times the steps for real (wall clock): which
     table it keeps is the machine's load's to say, and this test checks none."""

@@ -1,4 +1,4 @@
-"""``bench/step_time.py --interpret`` (issue 60, item 1): the chip check of the tuner's figure
+"""``bench/chip/step_time.py --interpret`` (issue 60, item 1): the chip check of the tuner's figure
 against the wall time of back-to-back calls runs end to end on this CPU and writes its JSON:
 a row per kernel and problem, measured or skipped, with the ratio and the kernels' part."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_step_time_writes_a_row_per_kernel_and_problem(tmp_path: Path) -> None:
     out = tmp_path / "step-time.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "step_time.py"), "--interpret", "--problems",
+        [sys.executable, str(ROOT / "bench/chip/step_time.py"), "--interpret", "--problems",
          "2", "--kernels", "xla,cudnn", "--rounds", "4", "--timing", "step_profile",
          "--out", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})

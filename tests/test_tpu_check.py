@@ -1,5 +1,5 @@
-"""``bench/tpu_check.py --interpret``: the one-command TPU check runs end to end on this CPU and
-writes the JSON (and HTML) a TPU VM would, section by section."""
+"""``bench/chip/tpu_check.py --interpret``: the one-command TPU check runs end to end on this CPU
+and writes the JSON (and HTML) a TPU VM would, section by section."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tpu_check_writes_every_section(tmp_path: Path) -> None:
     out, html = tmp_path / "check.json", tmp_path / "check.html"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "tpu_check.py"), "--interpret", "--shapes", "1",
+        [sys.executable, str(ROOT / "bench/chip/tpu_check.py"), "--interpret", "--shapes", "1",
          "--trials", "2", "--rounds", "1", "--precheck-limit", "1", "--kernels", "flash,cudnn",
          "--out", str(out), "--html", str(html)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})

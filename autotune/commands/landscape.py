@@ -1,5 +1,5 @@
 """``autotune landscape``: write a tuning study's measured configs as a landscape file, which
-``autotune replay`` and ``bench/search.py`` replay like the published ones."""
+``autotune replay`` and ``bench/search/replay.py`` replay like the published ones."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def landscape(
     db: DbOption = None,
 ) -> None:
     """Write a study's measured configs as a landscape file (format in
-    bench/landscapes/README.md). Record one with `autotune tune ... --sampler grid --trials N`,
-    N above the legal space, so that the search ends on 'exhausted'."""
+    bench/search/landscapes/README.md). Record one with `autotune tune ... --sampler grid
+    --trials N`, N above the legal space, so that the search ends on 'exhausted'."""
     if not output.name.endswith(".json.gz"):
         raise typer.BadParameter(f"{output}: name the file *.json.gz (gzip JSON), as "
-                                 "`autotune replay` and bench/search.py expect",
+                                 "`autotune replay` and bench/search/replay.py expect",
                                  param_hint="--output")
     import optuna
 

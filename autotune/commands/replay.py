@@ -11,7 +11,7 @@ import typer
 
 def replay(
     landscape: Annotated[Path, typer.Argument(help="A landscape file (*.json.gz, format in "
-                                              "bench/landscapes/README.md).")],
+                                              "bench/search/landscapes/README.md).")],
     budget: Annotated[int, typer.Option(min=1, help="Measured configs to spend.")] = 100,
     seed: Annotated[int, typer.Option(help="Random seed of the sampler.")] = 0,
     sampler: Annotated[str, typer.Option(help="tpe | random | grid | plain-tpe.")] = "tpe",

@@ -9,8 +9,8 @@
   (:mod:`autotune.samplers.forest`): it exploits interactions (tile x vector width, flags that
   only pay together) that TPE's densities model poorly (TPE here is multivariate on every
   Optuna, and still stalls in the convolution landscapes' plateaus: plain TPE in
-  bench/search.py), while TPE keeps exploring. The mix was chosen on the measured landscapes
-  (bench/search.py, 20 seeds): forest-only and half-forest searches stall in the deceptive
+  bench/search/replay.py), while TPE keeps exploring. The mix was chosen on the measured landscapes
+  (bench/search/replay.py, 20 seeds): forest-only and half-forest searches stall in the deceptive
   plateaus of the convolution landscapes (a flag whose typical configs are slow but whose best
   config is the optimum), a third of forest picks is too few to help on gemm; two in five did
   best overall. When ``RESTART_AFTER`` measured configs in a row bring no new best, the best
@@ -18,7 +18,8 @@
   measured, sizes also doubled and halved) and TPE's view starts afresh (its densities had
   settled in one basin), and warm-start seeds are measured first but modelled by neither TPE nor
   the forest (:class:`autotune.samplers.engine.EngineSampler`). Every variant of this mix that
-  was measured, with its figures and why it was kept or rejected: ``bench/searcher-variants.md``.
+  was measured, with its figures and why it was kept or rejected:
+  ``bench/search/searcher-variants.md``.
 - ``random``: uniformly random legal unmeasured configs.
 - ``grid``: every legal config in lexicographic order of the declared values.
 - ``plain-tpe``: the baseline, Optuna's ``TPESampler`` with Optuna 5's defaults on every

@@ -46,7 +46,7 @@ class EngineSampler(BaseSampler):
       kept 0.685 of convolution-A100's optimum at 200 configs in the 10th percentile, against
       0.931. A Latin-hypercube start in place of TPE's random one (what Kernel Tuner's
       diff_evo measures at these budgets: its population outnumbers them) did worse too
-      (bench/search.py's summed median, mean and 10th percentile: 49.673 against 49.886).
+      (bench/search/replay.py's summed median, mean and 10th percentile: 49.673 against 49.886).
     - **Warm-start seeds are a hedge, not a prior.** Seeds (configs a neighbouring problem
       found best) are measured first and can be the answer, but neither model learns from
       them: both count only the search's own measurements, so the search after the seeds is

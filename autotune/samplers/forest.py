@@ -16,7 +16,7 @@ predictions minus their spread. Measured on the landscapes inside the ``tpe`` mi
 expected improvement, which spent its picks polishing the incumbent's basin (convolution-A100
 score@50 0.875 vs 0.813, gemm score@100 1.000 vs 0.982; medians of 20 seeds). A spread weight
 that grew with the configs measured since the last new best (1 to 2 at a restart) only moved
-bad seeds between landscapes: bench/search.py's summed median, mean and 10th percentile +0.25
+bad seeds between landscapes: bench/search/replay.py's summed median, mean and 10th percentile +0.25
 and +0.18 on seeds 0-19 and 20-39 of the development landscapes, -0.16 on the held-out ones.
 """
 

@@ -19,7 +19,7 @@ def tpe_sampler(seed: int | None) -> TPESampler:
     """Optuna's ``TPESampler`` with Optuna 5's defaults, set explicitly: multivariate, with the
     constant liar. Optuna 4 defaults to independent per parameter without the liar, which is
     another search: on Optuna 4.9 with those defaults, our searcher scored 49.340 against 49.886
-    in bench/search.py's summed median, mean and 10th percentile (six landscapes, 20 seeds;
+    in bench/search/replay.py's summed median, mean and 10th percentile (six landscapes, 20 seeds;
     convolution-A100 @50 median 0.668 against 0.875) and ran 40% longer. With these settings,
     Optuna 4.9 reproduces Optuna 5's scores in every cell, for the searcher and for its
     plain-TPE baseline."""

@@ -167,7 +167,7 @@ class MosaicGpuKernel(TunableKernel):
     # anyway): upstream's backward computes delta and, for GQA, sums dK/dV over the group in
     # XLA ops outside its kernels. Its kernels' names, by upstream's bodies (plgpu.kernel names
     # a kernel after its body function; the backward's are functools.partials), unverified on
-    # a device: bench/gpu_check.py lists the compiled program's op names to check them.
+    # a device: bench/chip/gpu_check.py lists the compiled program's op names to check them.
     kernel_names: ClassVar[tuple[str, ...]] = ("entry", "anonymous")
     # What discover() read of the device: "sm90"-style, "" for a GPU that is not NVIDIA's,
     # None when unknown (not discovered, or no GPU: the target rule refuses those).

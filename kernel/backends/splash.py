@@ -119,8 +119,8 @@ def _dq_violations(config: SplashConfig) -> list[Violation]:
 
 
 # The VMEM model below is fitted to the allocations Mosaic reports for splash in deviceless
-# compiles (``bench/vmem_sizes.py``; the measurements are in ``bench/data/``), not derived
-# from the kernel's block specs: the compiler allocates about half of what the specs
+# compiles (``bench/kernels/vmem_sizes.py``; the measurements are in ``bench/kernels/data/``),
+# not derived from the kernel's block specs: the compiler allocates about half of what the specs
 # double-buffer. What the measurements show:
 # - the windows of a kernel's innermost grid axis (k and v in the forward, q and dO in dK/dV)
 #   are not in its scoped allocation on v5e while HEAD_DIM_MINOR, and on v6e no more than the
@@ -152,7 +152,7 @@ UNFITTED_MARGINS = {"v5p": 1.5, "v4": 2.0}
 # The sample above is batch 1, where ``jax.vmap`` leaves splash's grid as it is (a vmap of
 # size 1 is squeezed away). From batch 2 it adds a batch grid axis, and the compiler allocates
 # more per kernel (v5e, 4096 tokens, batch 4 and 16 heads unless said:
-# ``bench/data/splash_vmem/v5e_4096_chip_false_admits.jsonl``):
+# ``bench/kernels/data/splash_vmem/v5e_4096_chip_false_admits.jsonl``):
 # - the outputs splash uses as scratch (index map ``(0, 0)``: the forward's m, l and
 #   accumulator, dK/dV's f32 dk and dv, dQ's f32 dq) take a second buffer, and so does the
 #   forward's logsumexp residual;

@@ -149,7 +149,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
     Each kernel holds the windows of its outer grid (two buffers each), the buffers of the
     operands it streams through its inner pipeline (its pipeline depth times their tile bytes),
     its declared scratch accumulators and Mosaic's internal scratch (``_spill_bytes``).
-    Checked against the Mosaic compiler by ``bench/precheck.py``; meant as an upper bound (a
+    Checked against the Mosaic compiler by ``bench/kernels/precheck.py``; meant as an upper bound (a
     config it admits compiles). In a gradient program XLA may keep operands
     in VMEM outside the scoped limit, so there a kernel can need less than its windows suggest
     (most of the rejected configs that compile anyway are such).
