@@ -105,8 +105,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
 
     Sharded steps (docs/sharded-training.md): inside ``jax.shard_map`` it runs on each
     device's shard; under ``jax.jit`` with q, k and v sharded over a mesh's explicit axes
-    (batch and heads only) it runs itself per device under ``jax.shard_map``. Either way the
-    problem resolved, tuned and captured is the one each device computes.
+    (batch, heads and the sequence: :func:`context_parallel_attention`) it runs itself per
+    device under ``jax.shard_map``. Either way the problem resolved, tuned and captured is
+    the one each device computes.
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
@@ -140,10 +141,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                                    masked and alignment == "bottom_right", k, v)
     sharded = explicit_specs(q, k, v)
     if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
-        return _per_device(sharded, functools.partial(
-            flash_attention, causal=causal, sm_scale=sm_scale, window=window,
-            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD",
-            alignment=alignment), q, k, v, ids)
+        return _per_device(sharded, {"causal": causal, "sm_scale": sm_scale, "window": window,
+                                     "logits_soft_cap": logits_soft_cap, "config": config,
+                                     "layout": "BHSD"}, alignment, q, k, v, ids)
     if not check_per_device(q):  # plain jit on several devices: known only when lowered
         q = unplaced(q)
         note_unplaced()
@@ -249,20 +249,25 @@ def _check_context_parallel(problem: Problem, axis_name: Any, load_balanced: boo
                          f"multiple of {2 * shards}")
 
 
-def _per_device(sharded: tuple[Any, Any, Any], attention: Any, q: Any, k: Any, v: Any,
-                ids: tuple[Any, ...]) -> Any:
-    """``attention(q, k, v, segment_ids=...)`` on each device's shard under ``jax.shard_map``
+def _per_device(sharded: tuple[Any, Any, Any], options: dict[str, Any], alignment: str | None,
+                q: Any, k: Any, v: Any, ids: tuple[Any, ...]) -> Any:
+    """The call (``options``: its arguments) on each device's shard under ``jax.shard_map``
     over the inputs' mesh (``sharded``: :func:`kernel.sharded.explicit_specs`), the segment ids
-    resharded as q's batch."""
+    resharded as q's batch and sequence; a sharded sequence by
+    :func:`context_parallel_attention`."""
     import jax
 
     mesh, q_spec, kv_spec = sharded
-    ids_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+    ids_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[2])
     ids_sharding = jax.sharding.NamedSharding(mesh, ids_spec)
     ids = tuple(jax.sharding.reshard(x, ids_sharding) for x in ids)
 
     def local(q: Any, k: Any, v: Any, *ids: Any) -> Any:
-        return attention(q, k, v, segment_ids=ids or None)
+        if q_spec[2] is None:
+            return flash_attention(q, k, v, alignment=alignment, segment_ids=ids or None,
+                                   **options)
+        return context_parallel_attention(q, k, v, axis_name=q_spec[2],
+                                          segment_ids=ids or None, **options)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec,
                                                       *(ids_spec,) * len(ids)),

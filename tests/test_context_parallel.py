@@ -105,12 +105,13 @@ def test_bad_calls_raise_naming_the_fix() -> None:
 
 
 def test_masks_match_the_unsharded_call_forward_and_backward() -> None:
-    """On 4 forced CPU devices, grouped-query heads: causal over a sequence on 4 devices (the
-    middle two as windows over every key, the last bottom-right), and on a 2 x 2 mesh (batch
-    and sequence sharded together) a load-balanced sequence under a two-sided (non-causal)
-    sliding window with segment ids, whose calls take both alignments. Outputs and dQ, dK,
-    dV match the unsharded call; the problems captured for the causal step are each
-    device's."""
+    """On 4 forced CPU devices, grouped-query heads: causal over a sequence sharded over 4
+    devices under plain jax.jit (the wrapper runs context parallelism itself; the middle two
+    devices as windows over every key, the last bottom-right), and on a 2 x 2 mesh in the
+    user's shard_map (batch and sequence sharded together) a load-balanced sequence under a
+    two-sided (non-causal) sliding window with segment ids, whose calls take both alignments.
+    Outputs and dQ, dK, dV match the unsharded call; the problems captured for the causal
+    step are each device's."""
     out = _run(4, """
         import numpy as np
         q, k, v = arrays(2, 4, 2, 256, 32)
@@ -122,13 +123,17 @@ def test_masks_match_the_unsharded_call_forward_and_backward() -> None:
                 return out, vjp(out)
             return jax.jit(run)
 
-        def sharded(mesh, batch, segments=False, **options):
+        def sharded(mesh, batch, own_shard_map, segments=False, **options):
             specs = (P(batch, None, "seq"),) * 3 + (P(batch, "seq"),)
-            attend = lambda q, k, v, ids: kernel.context_parallel_attention(
-                q, k, v, axis_name="seq", segment_ids=(ids, ids) if segments else None,
-                **options)
-            run = with_grads(jax.shard_map(attend, mesh=mesh, in_specs=specs,
-                                           out_specs=specs[0]))
+            segment_ids = lambda ids: (ids, ids) if segments else None
+            if own_shard_map:  # MaxText's style: the attention op in the model's shard_map
+                attend = jax.shard_map(lambda q, k, v, ids: kernel.context_parallel_attention(
+                    q, k, v, axis_name="seq", segment_ids=segment_ids(ids), **options),
+                    mesh=mesh, in_specs=specs, out_specs=specs[0])
+            else:  # plain jit over sharded inputs: the wrapper's own shard_map
+                attend = lambda q, k, v, ids: kernel.flash_attention(
+                    q, k, v, segment_ids=segment_ids(ids), **options)
+            run = with_grads(attend)
             return lambda *args: run(*(jax.device_put(x, NamedSharding(mesh, spec))
                                        for x, spec in zip(args, specs)))
 
@@ -139,25 +144,22 @@ def test_masks_match_the_unsharded_call_forward_and_backward() -> None:
         seq = jax.make_mesh((4,), ("seq",))
         both = jax.make_mesh((2, 2), ("data", "seq"))
         window = {"window": (40, 24), "segments": True}
-        cases = {"causal": (seq, None, {"causal": True}, plain(causal=True)),
-                 "load-balanced window": (both, "data", {**window, "load_balanced": True},
+        cases = {"causal": (seq, None, False, {"causal": True}, plain(causal=True)),
+                 "load-balanced window": (both, "data", True, {**window, "load_balanced": True},
                                           plain(**window))}
         errors = {}
-        for name, (mesh, batch, options, (want, want_grads)) in cases.items():
+        for name, (mesh, batch, own, options, (want, want_grads)) in cases.items():
             order = np.arange(256)
             if options.get("load_balanced"):
                 order = np.asarray(kernel.load_balanced_order(2, 256))
-            got, grads = sharded(mesh, batch, **options)(*(x[:, :, order] for x in (q, k, v)),
-                                                         ids[:, order])
+            got, grads = sharded(mesh, batch, own, **options)(
+                *(x[:, :, order] for x in (q, k, v)), ids[:, order])
             errors[name] = [largest_error(np.asarray(g)[:, :, np.argsort(order)], w)
                             for g, w in zip((got, *grads), (want, *want_grads))]
-        spec = P(None, None, "seq")
-        step = jax.grad(lambda q, k, v: jnp.sum(jax.shard_map(
-            lambda q, k, v: kernel.context_parallel_attention(q, k, v, axis_name="seq",
-                                                              causal=True),
-            mesh=seq, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)))
+        spec = NamedSharding(seq, P(None, None, "seq"))
+        step = jax.grad(lambda q, k, v: jnp.sum(kernel.flash_attention(q, k, v, causal=True)))
         with kernel.capture() as captured:
-            jax.eval_shape(step, *(jax.device_put(x, NamedSharding(seq, spec)) for x in (q, k, v)))
+            jax.eval_shape(step, *(jax.device_put(x, spec) for x in (q, k, v)))
         print(json.dumps({"errors": errors, "captured": [p.label() for p in captured]}))
     """)
     assert len(out["errors"]) == 2
