@@ -12,8 +12,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from kernel import context_parallel
 from kernel.capture import Call, note_unplaced, observe
+from kernel.context_parallel import sharded_attention
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem, finite_float, shown_number, softcap_problem
 from kernel.resolve import NO_TUNABLE_FIELDS
@@ -218,9 +218,9 @@ def context_parallel_attention(q: Any, k: Any, v: Any, *, axis_name: Any, causal
     _check_context_parallel(problem, axis_name, load_balanced)
     attention = functools.partial(flash_attention, sm_scale=sm_scale,
                                   logits_soft_cap=logits_soft_cap, config=config, layout="BHSD")
-    return context_parallel.attend(attention, q, k, v, _segment_ids(segment_ids, problem),
-                                   axis_name=axis_name, causal=causal, window=window,
-                                   load_balanced=load_balanced)
+    return sharded_attention(attention, q, k, v, _segment_ids(segment_ids, problem),
+                             axis_name=axis_name, causal=causal, window=window,
+                             load_balanced=load_balanced)
 
 
 def _check_context_parallel(problem: Problem, axis_name: Any, load_balanced: bool) -> None:

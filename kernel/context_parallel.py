@@ -125,8 +125,8 @@ def _block(first_row: int, rows: int, position: int, start: int, keys: int, tota
     return block(False, (back + offset, forward - offset), "bottom_right")
 
 
-def attend(attention: Any, q: Any, k: Any, v: Any, segment_ids: tuple[Any, ...], *,
-           axis_name: Any, causal: bool, window: Any, load_balanced: bool) -> Any:
+def sharded_attention(attention: Any, q: Any, k: Any, v: Any, segment_ids: tuple[Any, ...], *,
+                      axis_name: Any, causal: bool, window: Any, load_balanced: bool) -> Any:
     """``attention(q, k, v, causal=, window=, alignment=, segment_ids=)`` (the wrapper, its
     other arguments bound) of this device's queries over the keys of every device of
     ``axis_name``, inside ``jax.shard_map``: ``q``, ``k``, ``v`` ``[batch, heads, length,
@@ -139,8 +139,9 @@ def attend(attention: Any, q: Any, k: Any, v: Any, segment_ids: tuple[Any, ...],
     blocks = plan(shards, q.shape[2], causal=causal, window=window, load_balanced=balanced)
     if shards > 1:
         k, v = (_gathered(x, axis_name, 2, shards, balanced) for x in (k, v))
-        segment_ids = (*segment_ids[:1],
-                       *(_gathered(x, axis_name, 1, shards, balanced) for x in segment_ids[1:]))
+        if segment_ids:
+            q_ids, kv_ids = segment_ids
+            segment_ids = (q_ids, _gathered(kv_ids, axis_name, 1, shards, balanced))
     branches = [functools.partial(_calls, attention, device) for device in blocks]
     if len(set(blocks)) == 1:
         return branches[0](q, k, v, *segment_ids)

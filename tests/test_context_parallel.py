@@ -108,10 +108,10 @@ def test_masks_match_the_unsharded_call_forward_and_backward() -> None:
     """On 4 forced CPU devices, grouped-query heads: causal over a sequence sharded over 4
     devices under plain jax.jit (the wrapper runs context parallelism itself; the middle two
     devices as windows over every key, the last bottom-right), and on a 2 x 2 mesh in the
-    user's shard_map (batch and sequence sharded together) a load-balanced sequence under a
-    two-sided (non-causal) sliding window with segment ids, whose calls take both alignments.
-    Outputs and dQ, dK, dV match the unsharded call; the problems captured for the causal
-    step are each device's."""
+    model's shard_map as MaxText's (check_vma=False; batch and sequence sharded together) a
+    load-balanced sequence under a two-sided (non-causal) sliding window with segment ids,
+    whose calls take both alignments. Outputs and dQ, dK, dV match the unsharded call; the
+    problems captured for the causal step are each device's."""
     out = _run(4, """
         import numpy as np
         q, k, v = arrays(2, 4, 2, 256, 32)
@@ -129,7 +129,7 @@ def test_masks_match_the_unsharded_call_forward_and_backward() -> None:
             if own_shard_map:  # MaxText's style: the attention op in the model's shard_map
                 attend = jax.shard_map(lambda q, k, v, ids: kernel.context_parallel_attention(
                     q, k, v, axis_name="seq", segment_ids=segment_ids(ids), **options),
-                    mesh=mesh, in_specs=specs, out_specs=specs[0])
+                    mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
             else:  # plain jit over sharded inputs: the wrapper's own shard_map
                 attend = lambda q, k, v, ids: kernel.flash_attention(
                     q, k, v, segment_ids=segment_ids(ids), **options)
