@@ -48,6 +48,11 @@
 #                                            plain TPE and random, each run for real per seed
 #                                            until SECONDS (resume: DB, the .db a call returned):
 #                                            $OUT/live-KERNEL.json and .db (issue 63, item 3)
+#   bash bench/tpu_session.sh context_parallel [flags]  # the training step of
+#                                            context_parallel_attention on a one-device
+#                                            sequence axis against the plain call (goal: at
+#                                            most 1.02x; flags: bench/chip/context_parallel.py's):
+#                                            $OUT/context-parallel.json (issue 71, item 8)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,4 +162,8 @@ for name, row in report["variants"].items():
     print(name, row.get("error") or {key: row.get(key) for key in ("median_ms", "over_tuned")}
           | {key: time.get(key) for key in ("kernels_ms", "outside_kernels_ms")})' \
         "$OUT/$name.json" ;;
+context_parallel)
+    shift
+    python3 bench/chip/context_parallel.py "$@" --out "$OUT/context-parallel.json" \
+        2> "$OUT/context-parallel.err" | tail -n 40 ;;
 esac

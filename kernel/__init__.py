@@ -5,16 +5,19 @@ Layers, each importing only those above it in this list: core types (``errors``,
 (``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
 (``shapesfile``) and scoped tables (``table_scope``); resolution (``resolve``, then
 ``scoped_resolver`` inside ``kernel.tables`` blocks); misses (``misses``) and capture
-(``capture``); the public ``flash_attention`` (``attention``). Importing this package loads no
-jax (the backends load it when they run), so the service and storage use the rules freely.
+(``capture``); context parallelism's plan (``context_parallel``); the public
+``flash_attention`` and ``context_parallel_attention`` (``attention``). Importing this package
+loads no jax (the backends load it when they run), so the service and storage use the rules
+freely.
 Where no accelerator is attached, it keeps JAX off libtpu's TPU backend (``kernel.platforms``).
 """
 
 from __future__ import annotations
 
-from kernel.attention import dot_product_attention, flash_attention
+from kernel.attention import context_parallel_attention, dot_product_attention, flash_attention
 from kernel.backends.flash.config import FlashConfig
 from kernel.capture import Capture, capture
+from kernel.context_parallel import load_balanced_order
 from kernel.contract import TunableKernel, reference_attention
 from kernel.errors import (
     AutotuneError,
@@ -39,8 +42,9 @@ __all__ = [
     "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Borrowed", "Capture", "ConfigError",
     "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "ShardingError",
     "StrictMiss", "TableEntry", "TableError",
-    "Target", "TunableKernel", "Violation", "borrowed", "capture", "device_target",
-    "dot_product_attention", "flash_attention", "get_kernel", "get_target", "kernel_names",
+    "Target", "TunableKernel", "Violation", "borrowed", "capture", "context_parallel_attention",
+    "device_target", "dot_product_attention", "flash_attention", "get_kernel", "get_target",
+    "kernel_names", "load_balanced_order",
     "reference_attention", "resolution_sources", "tables", "untuned", "use_table",
 ]
 

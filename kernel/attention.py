@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 from kernel.capture import Call, note_unplaced, observe
+from kernel.context_parallel import sharded_attention
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
 from kernel.problem import DTYPES, Problem, finite_float, shown_number, softcap_problem
 from kernel.resolve import NO_TUNABLE_FIELDS
@@ -104,8 +105,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
 
     Sharded steps (docs/sharded-training.md): inside ``jax.shard_map`` it runs on each
     device's shard; under ``jax.jit`` with q, k and v sharded over a mesh's explicit axes
-    (batch and heads only) it runs itself per device under ``jax.shard_map``. Either way the
-    problem resolved, tuned and captured is the one each device computes.
+    (batch, heads and the sequence: :func:`context_parallel_attention`) it runs itself per
+    device under ``jax.shard_map``. Either way the problem resolved, tuned and captured is
+    the one each device computes.
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
@@ -139,10 +141,9 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
                                    masked and alignment == "bottom_right", k, v)
     sharded = explicit_specs(q, k, v)
     if sharded:  # under jit over a mesh: run per device, resolving the per-device problem
-        return _per_device(sharded, functools.partial(
-            flash_attention, causal=causal, sm_scale=sm_scale, window=window,
-            logits_soft_cap=logits_soft_cap, config=config, layout="BHSD",
-            alignment=alignment), q, k, v, ids)
+        return _per_device(sharded, {"causal": causal, "sm_scale": sm_scale, "window": window,
+                                     "logits_soft_cap": logits_soft_cap, "config": config,
+                                     "layout": "BHSD"}, alignment, q, k, v, ids)
     if not check_per_device(q):  # plain jit on several devices: known only when lowered
         q = unplaced(q)
         note_unplaced()
@@ -182,20 +183,91 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     return by_mode(attend)(q, k, v, *ids)
 
 
-def _per_device(sharded: tuple[Any, Any, Any], attention: Any, q: Any, k: Any, v: Any,
-                ids: tuple[Any, ...]) -> Any:
-    """``attention(q, k, v, segment_ids=...)`` on each device's shard under ``jax.shard_map``
+def context_parallel_attention(q: Any, k: Any, v: Any, *, axis_name: Any, causal: bool = False,
+                               sm_scale: float | None = None,
+                               window: tuple[int, int] | None = None,
+                               logits_soft_cap: float | None = None, segment_ids: Any = None,
+                               config: Any = None, layout: str | None = None,
+                               load_balanced: bool = False) -> Any:
+    """:func:`flash_attention` over a sequence sharded over the mesh axis ``axis_name`` (a
+    name or a tuple of names), called inside ``jax.shard_map``: ``q``, ``k``, ``v`` (and
+    ``segment_ids``) are this device's shards of the sequence, ``length`` positions each, the
+    shards in device order (``load_balanced``: in :func:`load_balanced_order`'s, MaxText's
+    ``context_parallel_load_balance``). Returns this device's shard of the output, the
+    attention of its queries over the whole sequence, as the unsharded call computes it.
+
+    Each device all-gathers K and V along the sequence (memory: the whole sequence's K and V
+    on every device) and calls :func:`flash_attention` on its queries with the mask that puts
+    them at their global positions: each device's problem is resolved, tuned and captured as
+    any call's (``kernel.capture``, ``autotune.tune_model``). The other arguments are
+    :func:`flash_attention`'s; ``kv_lengths`` and a query length other than the keys' are
+    not taken (self-attention over one sequence). On one device it is the plain call.
+    docs/sharded-training.md#context-parallelism."""
+    if layout not in (None, *LAYOUTS):
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "BSHD":
+        import jax.numpy as jnp
+
+        _check_arrays(q, k, v, layout)
+        out = context_parallel_attention(
+            *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), axis_name=axis_name, causal=causal,
+            sm_scale=sm_scale, window=window, logits_soft_cap=logits_soft_cap,
+            segment_ids=segment_ids, config=config, layout="BHSD", load_balanced=load_balanced)
+        return jnp.swapaxes(out, 1, 2)
+    problem = _problem(q, k, v, causal, checked=layout == "BHSD")
+    _check_context_parallel(problem, axis_name, load_balanced)
+    attention = functools.partial(flash_attention, sm_scale=sm_scale,
+                                  logits_soft_cap=logits_soft_cap, config=config, layout="BHSD")
+    return sharded_attention(attention, q, k, v, _segment_ids(segment_ids, problem),
+                             axis_name=axis_name, causal=causal, window=window,
+                             load_balanced=load_balanced)
+
+
+def _check_context_parallel(problem: Problem, axis_name: Any, load_balanced: bool) -> None:
+    """Raises naming the fix unless the call runs inside ``jax.shard_map`` over
+    ``axis_name``, with as many query positions as key positions per device (an even number
+    of them when ``load_balanced``: two chunks each)."""
+    import jax
+
+    try:
+        shards = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"context_parallel_attention runs inside jax.shard_map over a mesh "
+                         f"axis {axis_name!r}, which is not bound here; call it in the body of "
+                         f"a jax.shard_map whose in_specs shard the sequence axis of q, k and "
+                         f"v over {axis_name!r} (P(None, None, {axis_name!r}) for [batch, "
+                         "heads, seq, head_dim])") from None
+    if problem.q_len != problem.kv_len:
+        raise ValueError(f"context_parallel_attention is self-attention over one sharded "
+                         f"sequence: q holds {problem.q_len} positions per device but k and v "
+                         f"{problem.kv_len}; shard q, k and v alike over {axis_name!r} (for "
+                         "decode or cross-attention, all-gather k and v and call "
+                         "flash_attention)")
+    if load_balanced and shards > 1 and problem.q_len % 2:
+        raise ValueError(f"load_balanced: each device holds two chunks of equal length, but "
+                         f"its {problem.q_len} positions are odd; pad the sequence to a "
+                         f"multiple of {2 * shards}")
+
+
+def _per_device(sharded: tuple[Any, Any, Any], options: dict[str, Any], alignment: str | None,
+                q: Any, k: Any, v: Any, ids: tuple[Any, ...]) -> Any:
+    """The call (``options``: its arguments) on each device's shard under ``jax.shard_map``
     over the inputs' mesh (``sharded``: :func:`kernel.sharded.explicit_specs`), the segment ids
-    resharded as q's batch."""
+    resharded as q's batch and sequence; a sharded sequence by
+    :func:`context_parallel_attention`."""
     import jax
 
     mesh, q_spec, kv_spec = sharded
-    ids_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+    ids_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[2])
     ids_sharding = jax.sharding.NamedSharding(mesh, ids_spec)
     ids = tuple(jax.sharding.reshard(x, ids_sharding) for x in ids)
 
     def local(q: Any, k: Any, v: Any, *ids: Any) -> Any:
-        return attention(q, k, v, segment_ids=ids or None)
+        if q_spec[2] is None:
+            return flash_attention(q, k, v, alignment=alignment, segment_ids=ids or None,
+                                   **options)
+        return context_parallel_attention(q, k, v, axis_name=q_spec[2],
+                                          segment_ids=ids or None, **options)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec,
                                                       *(ids_spec,) * len(ids)),

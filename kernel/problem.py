@@ -106,7 +106,7 @@ class Problem:
     def _normalised_window(self) -> tuple[int, int] | None:
         """The checked window, None when it covers every key a query may see (the plain
         causal or full problem: one key, tuned once), saying so the first time."""
-        window = _window(self.window, self.causal)
+        window = checked_window(self.window, self.causal)
         left, right = window
         first, last = self.query_offset, self.query_offset + self.q_len - 1  # query positions
         if left < last or (not self.causal and first + right < self.kv_len - 1):
@@ -210,7 +210,7 @@ def _exact_text(number: float) -> str:
     return short if float(short) == number else repr(number)
 
 
-def _window(window: Any, causal: bool) -> tuple[int, int]:
+def checked_window(window: Any, causal: bool) -> tuple[int, int]:
     """``window`` as a ``(left, right)`` pair of non-negative ints, right capped at 0 when
     ``causal``; anything else raises naming the fix."""
     if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:

@@ -13,7 +13,8 @@
   default), a Mosaic kernel is not partitioned by XLA ("cannot be automatically
   partitioned"): :func:`explicit_specs` reads the inputs' shardings, and the wrapper runs
   itself per device under ``jax.shard_map`` over them, so the problem it resolves is the
-  per-device one. Sharded sequence or head_dim axes are refused naming the fix.
+  per-device one (a sharded sequence by context parallelism). A sharded head_dim axis is
+  refused naming the fix.
 - Where XLA chooses the shardings after tracing (a context mesh of ``Auto`` axes, or plain
   ``jax.jit`` over several devices with ``in_shardings`` or ``with_sharding_constraint`` on
   such a mesh), the per-device problem is not known while tracing: :func:`check_per_device`
@@ -33,8 +34,9 @@ from kernel.errors import ShardingError
 from kernel.rules import Violation
 
 # Axes of our [batch, heads, seq, head_dim] layout that may be sharded: each device then
-# computes whole sequences of its batch rows and heads.
-SHARDABLE = ("batch", "heads")
+# computes its batch rows and heads, over the whole sequence (a sharded one all-gathered:
+# context parallelism, kernel.context_parallel).
+SHARDABLE = ("batch", "heads", "seq")
 AXES = ("batch", "heads", "seq", "head_dim")
 PER_DEVICE_FIX = ("call it inside jax.shard_map over the mesh (as MaxText's attention op does), "
                   "or shard q, k and v over Explicit mesh axes (jax.make_mesh's default; "
@@ -80,9 +82,9 @@ def summed_as(cotangent: Any, primal: Any) -> Any:
 
 def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
     """``(mesh, q_spec, kv_spec)`` when ``q``, ``k`` or ``v`` (``[batch, heads, seq,
-    head_dim]``) is sharded over a mesh's explicit axes, else None. Only batch and heads may be
-    sharded, alike in all three (k and v unsharded over heads when they have one head, as
-    multi-query attention); anything else raises naming the fix."""
+    head_dim]``) is sharded over a mesh's explicit axes, else None. Only batch, heads and the
+    sequence may be sharded, alike in all three (k and v unsharded over heads when they have
+    one head, as multi-query attention); anything else raises naming the fix."""
     import jax
 
     shardings = [jax.typeof(x).sharding for x in (q, k, v)]
@@ -95,12 +97,13 @@ def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
         if sharded:
             raise ValueError(f"{name} is sharded over its {' and '.join(sharded)} axis "
                              f"({jax.sharding.PartitionSpec(*spec)}): flash_attention "
-                             "computes whole sequences per device; shard [batch, heads, seq, "
-                             "head_dim] over batch and heads only (jax.sharding.reshard)")
+                             "computes whole head vectors per device; shard [batch, heads, "
+                             "seq, head_dim] over batch, heads and seq only "
+                             "(jax.sharding.reshard)")
     q_spec, k_spec, v_spec = specs
     kv_heads = q_spec[1] if k.shape[1] > 1 else k_spec[1]
-    if k_spec != v_spec or k_spec[:2] != (q_spec[0], kv_heads):
-        raise ValueError(f"q, k and v must be sharded alike over batch and heads, got "
+    if k_spec != v_spec or k_spec[:3] != (q_spec[0], kv_heads, q_spec[2]):
+        raise ValueError(f"q, k and v must be sharded alike over batch, heads and seq, got "
                          f"{[str(jax.sharding.PartitionSpec(*s)) for s in specs]}; reshard k "
                          "and v as q (jax.sharding.reshard)")
     P = jax.sharding.PartitionSpec

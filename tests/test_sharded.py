@@ -258,18 +258,28 @@ def test_upstream_kernels_give_way_inside_shard_map_with_check_vma() -> None:
     assert "running flash for b2 h2/2" in fallback and "check_vma" in fallback
 
 
-def test_a_sharded_sequence_is_refused_naming_the_fix() -> None:
+def test_a_sharded_head_dim_or_a_sequence_sharded_unlike_q_is_refused_naming_the_fix() -> None:
+    """Under plain jit a sharded sequence runs (context parallelism, tests/
+    test_context_parallel.py), a sharded head_dim does not, nor K/V sharded over the sequence
+    unlike q."""
     out = _run(2, """
-        mesh = jax.make_mesh((2,), ("seq",))
-        q, k, v = (jax.device_put(x, NamedSharding(mesh, P(None, None, "seq")))
-                   for x in arrays(1, 2, 2, 256, 64))
-        try:
-            jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v))(q, k, v)
-        except ValueError as error:
-            print(json.dumps({"error": str(error)}))
+        mesh = jax.make_mesh((2,), ("x",))
+        q, k, v = arrays(1, 2, 2, 256, 64)
+        specs = {"head_dim": (P(None, None, None, "x"),) * 3,
+                 "seq unlike q": (P(None, None, "x"), P(), P())}
+        errors = {}
+        for name, (q_spec, kv_spec, _) in specs.items():
+            placed = [jax.device_put(x, NamedSharding(mesh, spec))
+                      for x, spec in zip((q, k, v), (q_spec, kv_spec, kv_spec))]
+            try:
+                jax.jit(lambda q, k, v: kernel.flash_attention(q, k, v))(*placed)
+            except ValueError as error:
+                errors[name] = str(error)
+        print(json.dumps(errors))
     """)
-    assert "sharded over its seq axis" in out["error"]
-    assert "batch and heads only" in out["error"]
+    assert "sharded over its head_dim axis" in out["head_dim"]
+    assert "batch, heads and seq only" in out["head_dim"]
+    assert "sharded alike over batch, heads and seq" in out["seq unlike q"]
 
 
 def test_the_depth_probe_names_a_real_error(monkeypatch: pytest.MonkeyPatch) -> None:
