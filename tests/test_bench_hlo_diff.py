@@ -1,7 +1,10 @@
 """bench/kernels/hlo_diff.py: the ops outside the attention kernels of a model step compiled for
-a TPU without one (issue 63 item 2)."""
+a TPU without one (issue 63 item 2), and the kernels' Mosaic modules against another
+checkout's."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from bench.kernels import hlo_diff
 
@@ -48,3 +51,22 @@ def test_compares_flash_and_splash_compiled_for_v5e():
     assert counts[("iota", "s32[512,128]")] == ["0", "1"]
     assert not any(kind == "tpu_custom_call" for kind, _ in counts)
     assert lines[-1].startswith("total")
+
+
+def test_mosaic_lines_name_each_module_that_differs_or_is_missing():
+    lines = hlo_diff.mosaic_lines({"flash:a": "x\ny", "flash:b": "z"},
+                                  {"flash:a": "x\nw", "flash:b": "z", "flash:c": "v"}, "main")
+    assert lines[0] == "flash:a: differs" and "-w" in lines and "+y" in lines
+    assert "flash:b: identical (1 characters)" in lines and "flash:c: only main" in lines
+
+
+def test_mosaic_modules_of_a_checkout_match_its_own():
+    """--mosaic lowers flash's three kernels for TPU here and, in a child process, from the
+    given checkout (here the same one): every module identical, read back from Mosaic's
+    serialized form."""
+    root = str(Path(hlo_diff.__file__).resolve().parents[2])
+    lines = hlo_diff.main(["--mosaic", root, "--kernels", "flash", "--seq", "256", "--heads",
+                           "1", "--kv-heads", "1", "--head-dim", "64"])
+    assert [line.split(":")[1] for line in lines] == ["flash_fwd", "flash_bwd_dkv",
+                                                      "flash_bwd_dq"]
+    assert all(": identical (" in line for line in lines), lines

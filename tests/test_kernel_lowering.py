@@ -231,13 +231,17 @@ SHAPED = FlashConfig(block_q=256, block_kv=256, block_kv_compute=256, block_q_dk
                      block_kv_dkv=512, block_q_dq=256, block_kv_dq=512)
 
 
-def test_backward_statistics_travel_as_rows_not_lane_padded_columns():
-    """lse and delta reach the backward as [batch, heads, 1, q_len] rows: no (q_len, n < 128)
-    f32 column (the TPU pads each to 128 lanes, 32x a statistic's bytes)."""
-    problem = dataclasses.replace(PROBLEM, mode="fwd_bwd")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_backward_statistics_travel_as_rows_not_lane_padded_columns(dtype):
+    """The forward's statistics (bf16: the logsumexp, [batch, heads, 1, q_len]; float32, issue
+    74: m and 1 / l, [batch, heads, 2, q_len]) and delta ([batch, heads, 1, q_len]) reach the
+    backward as rows: no (q_len, n < 128) f32 column (the TPU pads each to 128 lanes, 32x a
+    statistic's bytes)."""
+    problem = dataclasses.replace(PROBLEM, mode="fwd_bwd", dtype=dtype)
     text = str(jax.make_jaxpr(_attention(problem, SHAPED))(*_specs(problem)))
     b, h, q = problem.batch, problem.q_heads, problem.q_len
     columns = set(re.findall(rf"f32\[{b},{h},{q},(\d+)\]", text)) - {str(problem.head_dim)}
     assert not columns, f"statistics as (q_len, {columns}) columns"
-    assert f"f32[{b},{h},1,{q}]" in text
+    rows = {int(n) for n in re.findall(rf"f32\[{b},{h},(\d+),{q}\]", text)}
+    assert rows == ({1, pallas.STATS_ROWS} if dtype == "float32" else {1}), rows
 

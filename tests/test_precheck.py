@@ -23,7 +23,8 @@ from autotune.precheck import Agreement, PrecheckResult, candidates, precheck, v
 from kernel import FlashConfig, Problem, get_kernel, get_target
 from kernel.aot import compile_for_target
 from kernel.backends.flash.config import DKV_FIELDS, DQ_FIELDS
-from kernel.backends.flash.rules import vmem_estimate, vmem_violations
+from kernel.backends.flash.rules import DKV_STAT_COLUMNS, vmem_estimate, vmem_violations
+from kernel.rules import tile_bytes
 
 FLASH = get_kernel("flash").discover()
 
@@ -260,3 +261,22 @@ def test_estimate_counts_the_statistics_columns_dkv_broadcasts():
         compile_for_target(FLASH, problem, config, "v5e")
     assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM, str(raised.value)
     assert vmem_violations(problem, config, get_target("v5e"))
+
+
+def test_float32_estimate_counts_the_column_of_inverse_sums_dkv_broadcasts():
+    """Issue 74: a float32 forward saves m and 1 / l apart, and dK/dV broadcasts 1 / l along
+    the keys too, as one more lane-padded (block_q, 1) f32 column. Here (d256, dK/dV 2048x256
+    depth 1) it allocated 13.91 MiB against 13.02 with the logsumexp, which the estimate
+    without the column (13.38 MiB) no longer bounds; with it (15.38) it does."""
+    problem = Problem(1, 1, 1, 2048, 2048, 256, "float32", True, "fwd_bwd")
+    config = FlashConfig(block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=2048,
+                         block_kv_dkv=256, pipeline_depth_dkv=1)
+    estimate = vmem_estimate(problem, config)["dkv"]
+    columns = DKV_STAT_COLUMNS["float32"] - DKV_STAT_COLUMNS["bfloat16"]
+    without = estimate - columns * tile_bytes(config.block_q_dkv, 1, 4)
+    assert compile_for_target(FLASH, problem, config, "v5e",
+                              {"xla_tpu_scoped_vmem_limit_kib": estimate // 1024}) > 0
+    with pytest.raises(Exception) as raised:
+        compile_for_target(FLASH, problem, config, "v5e",
+                           {"xla_tpu_scoped_vmem_limit_kib": without // 1024})
+    assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM, str(raised.value)

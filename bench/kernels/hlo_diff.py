@@ -12,13 +12,30 @@ the compute: their bytes count, their cycles are none::
 
     python bench/kernels/hlo_diff.py --model llama --seq 4096          # flash against splash, v5e
     python bench/kernels/hlo_diff.py --kernels flash,splash --layers 1 --target v5e
+
+With ``--mosaic CHECKOUT`` it compares the kernels themselves instead, across two checkouts:
+the Mosaic module of each ``tpu_custom_call`` that each of ``--kernels`` lowers for TPU (on a
+CPU host, nothing compiled) for the step's attention problem (causal ``fwd_bwd``, ``--batch``,
+``--heads``, ``--kv-heads``, ``--seq``, ``--head-dim``, ``--dtype``) at the kernel's default
+config for ``--target``, here and in ``CHECKOUT``'s ``kernel`` package, as text without
+locations. It prints each module's verdict (and the first lines that differ) and exits 1 when
+any differs: a change meant to leave a kernel alone (issue 74's float32-only statistics, for
+bf16) is proved so without a chip::
+
+    python bench/kernels/hlo_diff.py --mosaic /work/main --kernels flash --seq 512 --heads 2 \
+        --kv-heads 2 --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import difflib
+import json
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -163,13 +180,110 @@ def table_lines(variants: dict[str, dict[tuple[str, str], list[int]]]) -> list[s
     return lines
 
 
+def mosaic_modules(args: argparse.Namespace, kernel_names: list[str], dtype: str,
+                   target: str) -> dict[str, str]:
+    """Per kernel (``name:function``, in call order), the Mosaic module text (no locations) of
+    each ``tpu_custom_call`` that ``kernel_names`` lower for TPU, for the causal ``fwd_bwd``
+    attention problem of ``args`` (``model_step``'s shape flags) in ``dtype``, each at its
+    default config for ``target``. Lowered only: no libtpu, no compile."""
+    from jax._src.interpreters import mlir
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+    from jaxlib.mosaic.python import tpu
+
+    from kernel.aot import input_specs
+
+    problem = kernel.Problem(args.batch, args.heads, args.kv_heads, args.seq, args.seq,
+                             args.head_dim, dtype, True, "fwd_bwd")
+    configs: list[tuple[str, str]] = []  # (kernel name, backend config JSON)
+
+    def collect(name: str, op: ir.Operation) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    inner = inner.operation
+                    if (inner.name == "stablehlo.custom_call" and ir.StringAttr(
+                            inner.attributes["call_target_name"]).value == "tpu_custom_call"):
+                        configs.append(
+                            (name, ir.StringAttr(inner.attributes["backend_config"]).value))
+                    collect(name, inner)
+
+    for name in kernel_names:
+        chosen = kernel.get_kernel(name)
+        fn = chosen.build(problem, chosen.default_config(problem, target))
+        lowered = jax.jit(fn).trace(*input_specs(problem)).lower(lowering_platforms=("tpu",))
+        collect(name, lowered.compiler_ir("stablehlo").operation)
+    context = mlir.make_ir_context()
+    tpu.register_dialect(context)
+    modules = {}
+    with context, ir.Location.unknown():
+        # The body is Mosaic's versioned bytecode (stable_mosaic ops): read back into the tpu
+        # dialect as jax's own downgrade does.
+        context.allow_unregistered_dialects = True
+        for name, config in configs:
+            body = json.loads(config)["custom_call_config"]["body"]
+            module = ir.Module.parse(base64.b64decode(body))
+            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(
+                module.operation)
+            text = module.operation.get_asm(enable_debug_info=False)
+            function = re.search(r"func\.func @([\w.]+)", text)[1]
+            key = f"{name}:{function}"
+            while key in modules:
+                key += "'"
+            modules[key] = text
+    return modules
+
+
+# Runs a script with another checkout's ``kernel`` package: imported before the script puts its
+# own repository first on the path (a package's submodules load from where it was found).
+_IN_CHECKOUT = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); import kernel; "
+                "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def mosaic_lines(ours: dict[str, str], theirs: dict[str, str], checkout: str) -> list[str]:
+    """Each module's verdict, ours against ``checkout``'s, with the first lines that differ."""
+    lines = []
+    for key in sorted(set(ours) | set(theirs), key=list({**ours, **theirs}).index):
+        if key not in ours or key not in theirs:
+            lines.append(f"{key}: only {'here' if key in ours else checkout}")
+        elif ours[key] == theirs[key]:
+            lines.append(f"{key}: identical ({len(ours[key])} characters)")
+        else:
+            diff = difflib.unified_diff(theirs[key].splitlines(), ours[key].splitlines(),
+                                        checkout, "here", n=1, lineterm="")
+            lines += [f"{key}: differs", *list(diff)[:40]]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default="flash,splash",
                         help="the attention kernels to compare (a,b), each at its default")
     parser.add_argument("--target", default="v5e", help="the TPU generation to compile for")
+    parser.add_argument("--mosaic", metavar="CHECKOUT",
+                        help="compare the kernels' Mosaic modules with this checkout's")
+    parser.add_argument("--dtype", default="bfloat16", help="the attention inputs' (--mosaic)")
+    parser.add_argument("--mosaic-out", type=Path, help=argparse.SUPPRESS)  # a --mosaic child's
     own, model_flags = parser.parse_known_args(argv)
     args = model_step.parse_args(model_flags)
+    names = own.kernels.split(",")
+    if own.mosaic_out:
+        own.mosaic_out.write_text(json.dumps(mosaic_modules(args, names, own.dtype,
+                                                            own.target)))
+        return []
+    if own.mosaic:
+        with tempfile.TemporaryDirectory() as scratch:
+            out = Path(scratch) / "modules.json"
+            subprocess.run([sys.executable, "-c", _IN_CHECKOUT, own.mosaic, __file__,
+                            *(sys.argv[1:] if argv is None else argv), "--mosaic-out", str(out)],
+                           check=True)
+            theirs = json.loads(out.read_text())
+        ours = mosaic_modules(args, names, own.dtype, own.target)
+        lines = mosaic_lines(ours, theirs, own.mosaic)
+        print("\n".join(lines))
+        if ours != theirs:
+            raise SystemExit(1)
+        return lines
     variants = {name: outside_kernels(compiled_hlo(args, name, own.target))
                 for name in own.kernels.split(",")}
     lines = table_lines(variants)

@@ -36,6 +36,11 @@ from kernel.sharded import summed_as, varying_struct
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 # Whether the kernel being traced runs in interpret mode (set by _pallas_call around its trace).
 _INTERPRETING: contextvars.ContextVar[bool] = contextvars.ContextVar("interpreting", default=False)
+# The forward's saved statistics per query in float32 (issue 74): the row max m and 1 / l, one
+# row each; other dtypes save one row, the logsumexp (``_saves_m_and_inv_l``). m is in row 0,
+# where the logsumexp is otherwise: the backward subtracts row 0 from the logits either way.
+M_ROW, INV_L_ROW = 0, 1
+STATS_ROWS = 2
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
 
@@ -54,13 +59,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments
 
 def _flash_fwd(q, k, v, segments, logits, config_for):
     # custom_vjp traces this rule only when differentiating: the fwd_bwd-tuned config.
-    out, lse, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
-                                 save_stats=True)
-    return out, (q, k, v, segments, out, out_low, lse)
+    out, stats, out_low = _forward(q, k, v, segments, config_for("fwd_bwd"), logits,
+                                   save_stats=True)
+    return out, (q, k, v, segments, out, out_low, stats)
 
 
 def _flash_bwd(logits, config_for, residuals, d_out):
-    q, k, v, segments, out, out_low, lse = residuals
+    q, k, v, segments, out, out_low, stats = residuals
     config = config_for("fwd_bwd")
     # delta_i = sum_d dO_id O_id = rowsum(P * dP): one fused XLA reduction feeding both kernels.
     # With the f32 output (bf16: its rounded part plus the remainder), not the output rounded
@@ -69,11 +74,11 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     out = out.astype(jnp.float32)
     if out_low is not None:
         out = out + out_low.astype(jnp.float32)
-    # Row statistics [batch, heads, 1, q_len], rows on lanes (see _forward); the sum over
-    # head_dim leaves delta in that layout, with no relayout pass of its own.
+    # Row statistics [batch, heads, rows, q_len], queries on lanes (see _forward); the sum over
+    # head_dim leaves delta in that layout (one row), with no relayout pass of its own.
     delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)[:, :, None, :]
-    dk, dv = _backward_dkv(q, k, v, d_out, lse, delta, segments, config, logits)
-    dq = _backward_dq(q, k, v, d_out, lse, delta, segments, config, logits)
+    dk, dv = _backward_dkv(q, k, v, d_out, stats, delta, segments, config, logits)
+    dq = _backward_dq(q, k, v, d_out, stats, delta, segments, config, logits)
     # segment ids: integers, no cotangent
     return summed_as(dq, q), summed_as(dk, k), summed_as(dv, v), None
 
@@ -174,20 +179,40 @@ def _ds_dot(ds: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.A
     return lax.dot_general(ds.astype(y.dtype), y, dims, preferred_element_type=jnp.float32)
 
 
-def _column(row_ref) -> jax.Array:
-    """A (1, rows) row-statistic block as a (rows, 1) column, to broadcast along a logits
-    tile's keys (lanes): a relayout of one vector, as splash's dQ kernel reads its lse."""
-    return jnp.expand_dims(row_ref[0], -1)
+def _saves_m_and_inv_l(dtype) -> bool:
+    """Whether the forward saves the row max m and 1 / l apart for inputs of ``dtype`` (else
+    one logsumexp), decided at trace time (issue 74). A logsumexp m + log l is rounded to the
+    ulp of m, an error every recomputed P of the row shares: at logits near 1e4 in float32,
+    dV was 2.9x XLA's error; from m and 1 / l, P = exp(S - m) / l is as exact as the
+    forward's. The price is an f32 multiply per logit in dK/dV (and its column of 1 / l in
+    VMEM): 5.7% on a bf16 fwd_bwd step (TPU v5e, b4 h16 s4096 d128 causal, every block 512:
+    10.19 against 9.64 ms) for bf16 errors unchanged (P and dS are rounded to bf16 for the
+    MXU, far coarser than that ulp). So float32, the precision-first case, pays it; other
+    dtypes keep splash's logsumexp."""
+    return dtype == jnp.float32
 
 
-def _probs_and_ds(q, k, v, do, lse, delta, logits: Logits, q0, k0, same_segment=None):
+def _column(row_ref, row: int = 0) -> jax.Array:
+    """Row ``row`` of a (n, block_q) row-statistic block as a (block_q, 1) column, to broadcast
+    along a logits tile's keys (lanes): a relayout of one vector, as splash's dQ kernel reads
+    its lse."""
+    return jnp.expand_dims(row_ref[row], -1)
+
+
+def _probs_and_ds(q, k, v, do, shift, inv_l, delta, logits: Logits, q0, k0,
+                  same_segment=None):
     """The probabilities P and logit gradients dS (f32, queries x keys) of a (q, k) block pair
     whose first query and key positions are ``q0`` and ``k0``, recomputed as the forward
     computed them: logits ``q @ k.T`` (the dot orientation decides its rounding), P =
-    exp(S - lse), dS = P (dO V^T - delta) (through the soft cap's derivative when capped);
-    ``lse`` and ``delta`` are (block_q, 1) columns."""
+    exp(S - ``shift``) ``inv_l``, dS = P (dO V^T - delta) (through the soft cap's derivative
+    when capped); ``shift`` (the logsumexp, or the row max m), ``inv_l`` (1 / l) and
+    ``delta`` are (block_q, 1) columns. ``inv_l`` None: P = exp(S - shift), for the logsumexp,
+    or (with m) P and dS l times as large, for a caller that sums them along the keys and
+    multiplies the sum by 1 / l once (no multiply per logit)."""
     s = logits.of(q, k)
-    p = jnp.exp(s - lse)
+    p = jnp.exp(s - shift)
+    if inv_l is not None:
+        p = p * inv_l
     mask = logits.visible(p.shape, q0, k0, same_segment)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
@@ -390,7 +415,7 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
     (q_ids_ref, kv_ids_hbm), refs = _segment_refs(refs, segmented)
     ring_size = 4 + segmented  # _kv_ring's: K, V (kv ids), their semaphores, the next slot
     (*outs, m_ref, l_ref, acc_ref), ring = refs[:-ring_size], refs[-ring_size:]
-    o_ref, lse_ref, low_ref = (*outs, None, None)[:3]
+    o_ref, stats_ref, low_ref = (*outs, None, None)[:3]
     block_q, head_dim = q_ref.shape
     q0 = pl.program_id(2) * block_q
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
@@ -435,15 +460,23 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
     if low_ref is not None:  # what rounding to bf16 lost, for the backward's delta
         low_ref[...] = (out - o_ref[...].astype(jnp.float32)).astype(low_ref.dtype)
     if save_stats:
-        # The logsumexp m + log l: P = exp(S - lse) in the backward. A row that saw no key
-        # gets +inf, so its every P is exp(-inf) = 0. lse is rounded to the ulp of m (large for
-        # large logits), an error every recomputed probability of the row shares: splash's
-        # trade, for one statistic instead of two and no multiply by 1/l per logit.
-        lse = jnp.where(m_ref[...] > MASK_VALUE, m_ref[...] + jnp.log(l_ref[...]), jnp.inf)
-        # Stored rows on lanes, (1, block_q) (one XLU transpose of the lane-replicated
-        # (block_q, 128) value): a (q_len, 1) column would be padded to 128 lanes in HBM,
-        # 128x the bytes for every pass that writes or reads it.
-        lse_ref[...] = lse.T[:1]
+        # Stored rows on lanes, (rows, block_q) (one XLU transpose of the lane-replicated
+        # (block_q, 128) values): a (q_len, rows) column would be padded to 128 lanes in HBM,
+        # 128x / rows the bytes for every pass that writes or reads it.
+        if _saves_m_and_inv_l(q_ref.dtype):
+            # m and 1 / l apart: P = exp(S - m) / l in the backward. A row that saw no key
+            # gets m = +inf and 1 / l = 0: each P is 0. m in lane M_ROW, 1 / l in the next.
+            m = jnp.where(m_ref[...] > MASK_VALUE, m_ref[...], jnp.inf)
+            lane = lax.broadcasted_iota(jnp.int32, m.shape, 1)
+            stats_ref[...] = jnp.where(lane == M_ROW, m, inv_l).T[:STATS_ROWS]
+        else:
+            # The logsumexp m + log l: P = exp(S - lse) in the backward. A row that saw no key
+            # gets +inf, so its every P is exp(-inf) = 0. lse is rounded to the ulp of m (large
+            # for large logits), an error every recomputed probability of the row shares:
+            # splash's trade, for one statistic instead of two and no multiply by 1/l per logit.
+            lse = jnp.where(m_ref[...] > MASK_VALUE, m_ref[...] + jnp.log(l_ref[...]),
+                            jnp.inf)
+            stats_ref[...] = lse.T[:1]
 
 
 def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
@@ -452,10 +485,16 @@ def _q_block_spec(block_q: int, head_dim: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
 
 
-def _row_spec(block_q: int) -> pl.BlockSpec:
-    """A (1, block_q) window of a row statistic [batch, q_heads, 1, q_len] on a (batch, q_head,
-    q_block) grid."""
-    return pl.BlockSpec((None, None, 1, block_q), lambda b, h, i: (b, h, 0, i))
+def _stat_rows(dtype) -> int:
+    """Rows of the forward's saved statistics for inputs of ``dtype``: m and 1 / l, or the
+    logsumexp (``_saves_m_and_inv_l``)."""
+    return STATS_ROWS if _saves_m_and_inv_l(dtype) else 1
+
+
+def _row_spec(block_q: int, rows: int = 1) -> pl.BlockSpec:
+    """A (rows, block_q) window of row statistics [batch, q_heads, rows, q_len] on a (batch,
+    q_head, q_block) grid."""
+    return pl.BlockSpec((None, None, rows, block_q), lambda b, h, i: (b, h, 0, i))
 
 
 def _q_ids_spec(block_q: int) -> pl.BlockSpec:
@@ -470,9 +509,10 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     q_spec = _q_block_spec(bq, head_dim)
     out_shape = [varying_struct(q.shape, q.dtype, q, k, v)]
     out_specs = [q_spec]
-    if save_stats:  # the logsumexp, [batch, q_heads, 1, q_len]: rows on lanes
-        out_shape.append(varying_struct((batch, q_heads, 1, q_len), jnp.float32, q, k, v))
-        out_specs.append(_row_spec(bq))
+    if save_stats:  # m and 1 / l or the logsumexp, [batch, q_heads, rows, q_len]: rows on lanes
+        rows = _stat_rows(q.dtype)
+        out_shape.append(varying_struct((batch, q_heads, rows, q_len), jnp.float32, q, k, v))
+        out_specs.append(_row_spec(bq, rows))
         if q.dtype != jnp.float32:
             out_shape.append(varying_struct(q.shape, q.dtype, q, k, v))
             out_specs.append(q_spec)
@@ -501,7 +541,7 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
+def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
                 segmented: bool, group: int, block_q: int, depth: int):
     (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, *ring) = _segment_refs(
         refs, segmented)
@@ -520,16 +560,16 @@ def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: 
     first, count = run_of(pl.program_id(2))
     batch, head0 = pl.program_id(0), pl.program_id(1) * group
 
-    def windows(kv_block, t):  # Q, dO, lse, delta (and q ids) of step t of kv_block's run
+    def windows(kv_block, t):  # Q, dO, statistics, delta (and q ids) of step t of its run
         first, count = run_of(kv_block)
         head, start = head0 + _div(t, count), (first + _rem(t, count)) * block_q
         views = [(q_hbm.at[batch, head], 0), (do_hbm.at[batch, head], 0),
-                 (lse_hbm.at[batch, head], 1), (delta_hbm.at[batch, head], 1)]
+                 (stats_hbm.at[batch, head], 1), (delta_hbm.at[batch, head], 1)]
         if segmented:
             views.append((q_ids_hbm.at[batch], 0))
         return [window(view, axis, start, block_q) for view, axis in views]
 
-    def step(t, q_ref, do_ref, lse_ref, delta_ref, q_ids_ref=None):
+    def step(t, q_ref, do_ref, stats_ref, delta_ref, q_ids_ref=None):
         q0 = (first + _rem(t, count)) * block_q
 
         def run():
@@ -539,8 +579,11 @@ def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: 
             # XLU before the MXU pass. Transposed logits (k @ q.T) would avoid that transpose
             # but round differently from the forward's, so P no longer matches the saved m and
             # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
+            # With m and 1 / l, P's 1 / l costs a multiply per logit here: dK and dV sum over
+            # queries, so a query's 1 / l cannot wait until after the sum, as in dQ.
             q, do = q_ref[...], do_ref[...]
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, _column(lse_ref),
+            inv_l = _column(stats_ref, INV_L_ROW) if _saves_m_and_inv_l(q.dtype) else None
+            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, _column(stats_ref), inv_l,
                                   _column(delta_ref), logits, q0, k0,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
@@ -555,7 +598,8 @@ def _dkv_kernel(q_hbm, do_hbm, lse_hbm, delta_hbm, k_ref, v_ref, *refs, logits: 
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logits: Logits):
+def _backward_dkv(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
+                  logits: Logits):
     """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
     its group and over the query blocks, in a VMEM accumulator."""
     batch, kv_heads, kv_len, head_dim = k.shape
@@ -566,7 +610,8 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
                                depth=config.pipeline_depth_dkv)
     kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
     streamed = [((bq, head_dim), q.dtype), ((bq, head_dim), d_out.dtype),
-                ((1, bq), jnp.float32), ((1, bq), jnp.float32), ((bq, LANES), jnp.int32)]
+                ((_stat_rows(q.dtype), bq), jnp.float32), ((1, bq), jnp.float32),
+                ((bq, LANES), jnp.int32)]
     return _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
@@ -580,10 +625,10 @@ def _backward_dkv(q, k, v, d_out, lse, delta, segments, config: FlashConfig, log
                         *ring_scratch(streamed[:4 + segmented], config.pipeline_depth_dkv)],
         semantics=STREAMS_AHEAD,
         name="flash_bwd_dkv",
-    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
+    )(q, d_out, stats, delta, k, v, *_segment_layouts(segments))
 
 
-def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
+def _dq_kernel(q_ref, do_ref, stats_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
                segmented: bool, group: int, block_kv: int, depth: int):
     (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, *ring) = _segment_refs(refs, segmented)
     block_q = q_ref.shape[0]
@@ -592,9 +637,11 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: L
 
     def step(k_ref, v_ref, kv_ids_ref, kv_block):
         def run():
+            # With m and 1 / l, dS l (no 1 / l per logit): dQ = (1 / l) sum over keys of
+            # dS l K, multiplied once below.
             k = k_ref[...]
-            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(lse_ref),
-                                  _column(delta_ref), logits, q0, kv_block * block_kv,
+            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(stats_ref),
+                                  None, _column(delta_ref), logits, q0, kv_block * block_kv,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dq_acc[...] += _ds_dot(ds, k)
 
@@ -603,10 +650,14 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, logits: L
 
     _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, ring, logits.reach, group=group,
                block_q=block_q, block_kv=block_kv, depth=depth)
-    dq_ref[...] = (dq_acc[...] * logits.sm_scale).astype(dq_ref.dtype)
+    scale = logits.sm_scale
+    if _saves_m_and_inv_l(q_ref.dtype):
+        scale = _column(stats_ref, INV_L_ROW) * scale
+    dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logits: Logits):
+def _backward_dq(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
+                 logits: Logits):
     """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
     batch, q_heads, q_len, head_dim = q.shape
     bq = config.block_q_dq
@@ -617,7 +668,8 @@ def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logi
     return _pallas_call(
         kernel,
         grid=(batch, q_heads, q_len // bq),
-        in_specs=[q_spec, q_spec, _row_spec(bq), _row_spec(bq), _IN_HBM, _IN_HBM,
+        in_specs=[q_spec, q_spec, _row_spec(bq, _stat_rows(q.dtype)), _row_spec(bq),
+                  _IN_HBM, _IN_HBM,
                   *_segment_specs(_q_ids_spec(bq), _IN_HBM, segments is not None)],
         out_specs=q_spec,
         out_shape=varying_struct(q.shape, q.dtype, q, k, v, d_out),
@@ -626,4 +678,4 @@ def _backward_dq(q, k, v, d_out, lse, delta, segments, config: FlashConfig, logi
                                   config.pipeline_depth_dq)],
         semantics=STREAMS_AHEAD,
         name="flash_bwd_dq",
-    )(q, d_out, lse, delta, k, v, *_segment_layouts(segments))
+    )(q, d_out, stats, delta, k, v, *_segment_layouts(segments))

@@ -97,6 +97,10 @@ NARROW_LANES = 2 * LANES
 # Their f32 matmul products (dK, dV, dQ: block x head_dim) stayed within it in 11 compiles with
 # d 128-512 and 2048-row blocks (tightest: dQ d512 2048x128 bf16, 2.33 of 2.5 MiB counted).
 BACKWARD_DS_SPILL_TILES = 1.0
+# The (block_q, 1) f32 columns of the row statistics dK/dV keeps in VMEM, in columns' bytes (see
+# vmem_estimate): the logsumexp and delta; in float32, whose forward saves the row max m and
+# 1 / l apart (issue 74), m, delta, and 1 / l counted twice.
+DKV_STAT_COLUMNS = {"bfloat16": 2, "float32": 4}
 # Windows, soft-capping and segment ids add step temporaries, spilled like the others: a
 # window masked on both sides a second key-position comparison, segment ids an int32
 # comparison, a soft cap its tanh (kept live in the backward for the cap's derivative), in
@@ -137,9 +141,9 @@ def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 
 
 
 def _stat_row_bytes(block: int) -> int:
-    """VMEM of one buffer of a row statistic (the logsumexp or delta of ``block`` queries): the
-    kernels keep them lane-dense, a (1, block) f32 row, padded to (8, block) (a lane-replicated
-    (block, 128) column would take 16x that)."""
+    """VMEM of one buffer of row statistics (the logsumexp, m and 1 / l, or delta of ``block``
+    queries): the kernels keep them lane-dense, a (1, block) or (2, block) f32 row block, padded
+    to (8, block) either way (a lane-replicated (block, 128) column would take 16x that)."""
     return tile_bytes(1, block, 4)
 
 
@@ -171,7 +175,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + _segment_bytes(problem, bq, bkv, depth, streamed="kv")
     )
     if problem.mode == "fwd_bwd":
-        fwd += 2 * _stat_row_bytes(bq)  # logsumexp output window (a row), for the backward
+        fwd += 2 * _stat_row_bytes(bq)  # statistics output window (rows), for the backward
         if isz < 4:  # the output's bf16 rounding remainder, for the backward's delta
             # ... and the f32 output it is taken from (acc / l), a (block_q, head_dim) value
             # that stays live across its own bf16 store: it spills whole (measured: 1.00-1.02
@@ -183,11 +187,16 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         qk, kk, depth_dkv = config.block_q_dkv, config.block_kv_dkv, config.pipeline_depth_dkv
         estimate["dkv"] = (
             2 * depth_dkv * tile_bytes(qk, d, isz)  # streamed q, do buffers
-            + 2 * depth_dkv * _stat_row_bytes(qk)  # streamed lse, delta rows (ring buffers)
+            # streamed statistics and delta rows (ring buffers)
+            + 2 * depth_dkv * _stat_row_bytes(qk)
             # ... and the lane-padded (block_q, 1) f32 columns a step broadcasts them as along
-            # the keys: values, kept whole in VMEM (v5e, d256, dK/dV 4096x128 depth 2: 17.90
-            # MiB allocated, 14.0 counted without them, 18.0 with)
-            + 2 * tile_bytes(qk, 1, 4)
+            # the keys: values, kept whole in VMEM (v5e, d256 bf16, dK/dV 4096x128 depth 2:
+            # 17.90 MiB allocated, 14.0 counted without them, 18.0 with). In float32 the column
+            # of 1 / l, which multiplies P, took 0.4 to 2.3 columns' bytes more in nine
+            # configs, and without it the estimate fell below one (issue 74, d256, 2048x256
+            # depth 1: 13.02 MiB allocated with the logsumexp, 13.91 with m and 1 / l, 13.38
+            # counted): counted as two (docs/flash-vmem-statistics.md).
+            + DKV_STAT_COLUMNS[problem.dtype] * tile_bytes(qk, 1, 4)
             + 2 * 2 * tile_bytes(kk, d, isz)  # k, v windows
             + 2 * 2 * tile_bytes(kk, d, isz)  # dk, dv output windows
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
@@ -197,8 +206,8 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
             2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
-            # lse, delta row windows, double buffered (dQ's columns of them stayed within the
-            # rest: v5e, d256, 4096x128 depth 2: 12.03 MiB allocated of 21.5 counted)
+            # statistics and delta row windows, double buffered (dQ's columns of them stayed
+            # within the rest: v5e, d256, 4096x128 depth 2: 12.03 MiB allocated of 21.5 counted)
             + 2 * 2 * _stat_row_bytes(qq)
             + 2 * config.pipeline_depth_dq * tile_bytes(kq, d, isz)  # streamed k, v
             + 2 * tile_bytes(qq, d, isz)  # dq output window
