@@ -86,12 +86,11 @@ def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
     import jax
 
     shardings = [jax.typeof(x).sharding for x in (q, k, v)]
-    specs = [_padded(sharding.spec) for sharding in shardings]
+    specs = [padded(sharding.spec) for sharding in shardings]
     if not any(any(spec) for spec in specs):
         return None
     for name, spec in zip("qkv", specs, strict=True):
-        sharded = [axis for axis, entry in zip(AXES, spec, strict=True)
-                   if entry is not None and axis not in SHARDABLE]
+        sharded = unshardable_axes(spec)
         if sharded:
             raise ValueError(f"{name} is sharded over its {' and '.join(sharded)} axis "
                              f"({jax.sharding.PartitionSpec(*spec)}): flash_attention "
@@ -107,11 +106,17 @@ def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
     return shardings[0].mesh, P(*q_spec), P(*k_spec)
 
 
-def _padded(spec: Any) -> tuple[Any, ...]:
+def padded(spec: Any) -> tuple[Any, ...]:
     """A rank-4 array's ``PartitionSpec`` as four entries (a shorter spec leaves the rest
     unsharded)."""
     entries = tuple(spec)
     return entries + (None,) * (len(AXES) - len(entries))
+
+
+def unshardable_axes(entries: tuple[Any, ...]) -> list[str]:
+    """The axes of ``AXES`` that ``entries`` (a :func:`padded` spec) shards and must not."""
+    return [axis for axis, entry in zip(AXES, entries, strict=True)
+            if entry is not None and axis not in SHARDABLE]
 
 
 def unknown_per_device(where: str) -> ShardingError:

@@ -529,3 +529,80 @@ def test_a_maxtext_style_step_is_tuned_and_runs_its_per_device_problem(tmp_path:
     assert list(out["sources"]) == [f"flash {local}"]
     assert out["sources"][f"flash {local}"].startswith("scoped table")
     assert out["grads"] < 1e-4
+
+
+def test_the_maxtext_drop_in_matches_maxtexts_splash_call_on_a_2x4_mesh() -> None:
+    """kernel.maxtext.tpu_flash_attention against splash called as MaxText's
+    tpu_flash_attention calls it (MaxText 2026-08, layers/attention_op.py; interpreted here):
+    BSHD inputs over a 2 x 4 mesh of Auto axes (batch over "fsdp", heads over "tensor",
+    grouped-query), its mask (CausalMask, & LocalMask((w - 1, w)) for a local layer), its
+    default sa_* blocks, the kernel made for the global heads with head_shards and passed
+    through shard_map(check_vma=False) by its manual_sharding_spec, vmapped over the batch
+    with SegmentIds. The loss and its gradients agree for a soft-capped local sliding-window
+    layer and a global (causal) layer of packed segments, a window one key narrower does not,
+    and each call resolved the per-device problem b1 h2/1."""
+    out = _run(8, """
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as sk, splash_attention_mask as sm)
+        from jax.sharding import AxisType
+        from kernel.backends.splash import block_sizes
+        from kernel.maxtext import tpu_flash_attention
+
+        mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+        spec, ids_spec = P("fsdp", "tensor", None, None), P("fsdp", None)
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in arrays(2, 8, 4, 128, 64))
+        ids = jnp.concatenate([jnp.zeros((2, 40), jnp.int32), jnp.ones((2, 88), jnp.int32)], 1)
+
+        def maxtext_splash(query, key, value, segment_ids, attention_type, window, cap):
+            query, key, value = (jnp.transpose(x, (0, 2, 1, 3)) for x in (query, key, value))
+            shape = (query.shape[2], key.shape[2])
+            mask = sm.CausalMask(shape=shape)
+            if attention_type == "local_sliding":
+                mask &= sm.LocalMask(shape=shape, window_size=(window - 1, window), offset=0)
+            problem = kernel.Problem(*query.shape[:2], key.shape[1], *shape, query.shape[3],
+                                     "float32")
+            splash = sk.make_splash_mha(
+                sm.MultiHeadMask(masks=(mask,) * query.shape[1]), head_shards=4, q_seq_shards=1,
+                block_sizes=block_sizes(kernel.get_kernel("splash").default_config(problem)),
+                attn_logits_soft_cap=cap, residual_checkpoint_name="context", interpret=True)
+            splash_spec = splash.manual_sharding_spec(NamedSharding(mesh, P("tensor", None)))
+            segmented = segment_ids is not None
+            segments = sk.SegmentIds(segment_ids, segment_ids) if segmented else None
+            segments_spec = sk.SegmentIds(ids_spec, ids_spec) if segmented else None
+            out = jax.shard_map(
+                lambda q, k, v, s, splash: jax.vmap(splash, in_axes=(0, 0, 0, 0))(q, k, v, s),
+                mesh=mesh, in_specs=(spec, spec, spec, segments_spec, splash_spec),
+                out_specs=spec, check_vma=False)(query, key, value, segments, splash)
+            return jnp.transpose(out, (0, 2, 1, 3))
+
+        def drop_in(query, key, value, segment_ids, attention_type, window, cap):
+            return tpu_flash_attention(query, key, value, segment_ids, cap, mesh=mesh,
+                                       axis_names_q=spec, axis_names_kv=spec,
+                                       attention_type=attention_type, sliding_window_size=window)
+
+        def loss_and_grads(attention, *options):
+            loss = lambda q, k, v: jnp.sum(attention(q, k, v, *options) ** 2)
+            with jax.set_mesh(mesh):
+                return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+        def relative_error(got, want):
+            return max(largest_error(a, b) / float(jnp.max(jnp.abs(b)))
+                       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+        layers = {"local, soft cap": (None, "local_sliding", 48, 20.0),
+                  "global, segments": (ids, "global", None, None)}
+        errors = {name: relative_error(loss_and_grads(drop_in, *options),
+                                       loss_and_grads(maxtext_splash, *options))
+                  for name, options in layers.items()}
+        with jax.set_mesh(mesh):
+            narrower = relative_error(
+                jax.jit(drop_in, static_argnums=(4, 5, 6))(q, k, v, None, "local_sliding", 47,
+                                                            20.0),
+                jax.jit(maxtext_splash, static_argnums=(4, 5, 6))(q, k, v, None,
+                                                                  "local_sliding", 48, 20.0))
+        print(json.dumps({"errors": errors, "narrower": narrower,
+                          "problems": per_device_problems()}))
+    """)
+    assert all(error < 1e-5 for error in out["errors"].values()), out["errors"]
+    assert out["narrower"] > 1e-3
+    assert out["problems"] == [[1, 2, 1, 128, "fwd"], [1, 2, 1, 128, "fwd_bwd"]]
