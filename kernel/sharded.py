@@ -80,14 +80,16 @@ def summed_as(cotangent: Any, primal: Any) -> Any:
 
 def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
     """``(mesh, q_spec, kv_spec)`` when ``q``, ``k`` or ``v`` (``[batch, heads, seq,
-    head_dim]``) is sharded over a mesh's explicit axes, else None. Only batch and heads may be
-    sharded, alike in all three (k and v unsharded over heads when they have one head, as
-    multi-query attention); anything else raises naming the fix."""
+    head_dim]``) is sharded over a mesh's explicit axes, or all three are replicated over a
+    mesh whose axes are all Explicit (the Pallas kernels then run in ``jax.shard_map`` too:
+    interpreted outside it, their stores fail JAX's sharding check), else None. Only batch and
+    heads may be sharded, alike in all three (k and v unsharded over heads when they have one
+    head, as multi-query attention); anything else raises naming the fix."""
     import jax
 
     shardings = [jax.typeof(x).sharding for x in (q, k, v)]
     specs = [padded(sharding.spec) for sharding in shardings]
-    if not any(any(spec) for spec in specs):
+    if not any(any(spec) for spec in specs) and not _all_explicit(shardings[0].mesh):
         return None
     for name, spec in zip("qkv", specs, strict=True):
         sharded = unshardable_axes(spec)
@@ -104,6 +106,15 @@ def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
                          "and v as q (jax.sharding.reshard)")
     P = jax.sharding.PartitionSpec
     return shardings[0].mesh, P(*q_spec), P(*k_spec)
+
+
+def _all_explicit(mesh: Any) -> bool:
+    """Whether ``mesh`` has axes and every one is Explicit (none Manual, as inside a
+    ``jax.shard_map``, nor Auto)."""
+    import jax
+
+    return not mesh.empty and all(kind == jax.sharding.AxisType.Explicit
+                                  for kind in mesh.axis_types)
 
 
 def padded(spec: Any) -> tuple[Any, ...]:

@@ -121,8 +121,10 @@ def test_multi_query_kv_replicated_over_the_heads_axis_gets_summed_gradients() -
 def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
     """Plain jax.jit with q, k, v sharded over batch and heads (jax.make_mesh's explicit
     axes): the wrapper runs per device under shard_map, so forward and gradients match and
-    the resolved problem is b2 h2/1, not the global b4 h4/2. Before: the kernel's refs could
-    not be indexed (TypeError: sharded ref), and the key would be global."""
+    the resolved problem is b2 h2/1, not the global b4 h4/2; replicated over the mesh (under
+    jax.set_mesh) it matches too. Before: the kernel's refs could not be indexed (TypeError:
+    sharded ref), and the key would be global; replicated, the interpreted kernel's stores
+    failed JAX's sharding check (ShardingTypeError: dynamic_update_slice operand sharding)."""
     out = _run(4, """
         mesh = jax.make_mesh((2, 2), ("data", "model"))
         q, k, v = arrays(4, 4, 2, 128, 64)
@@ -134,11 +136,16 @@ def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
         sharded = {"data": got.sharding.spec[0], "model": got.sharding.spec[1]}
         problems = per_device_problems()
         wanted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        with jax.set_mesh(mesh):
+            replicated = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+                *(jax.device_put(x, P()) for x in (q, k, v)))
         print(json.dumps({"out": largest_error(got, attend(q, k, v)),
                           "grads": max(map(largest_error, grads, wanted)),
+                          "replicated": max(map(largest_error, *map(jax.device_get, (
+                              replicated, wanted)))),
                           "sharded": sharded, "problems": problems}))
     """)
-    assert out["out"] < 1e-5 and out["grads"] < 1e-4
+    assert out["out"] < 1e-5 and out["grads"] < 1e-4 and out["replicated"] < 1e-4
     assert out["sharded"] == {"data": "data", "model": "model"}  # stays sharded as given
     assert out["problems"] == [[2, 2, 1, 128, "fwd"], [2, 2, 1, 128, "fwd_bwd"]]
 
