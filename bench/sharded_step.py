@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=8, help="configs per kernel and problem")
     parser.add_argument("--kernels", default="flash,splash", help="tune_model's candidates")
     parser.add_argument("--steps", type=int, default=3, help="back-to-back steps per sample")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of the steps and of the tune's confirmation")
     parser.add_argument("--db", default=None, help="the tune's database URL (default: a "
                                                    "temporary one)")
     parser.add_argument("--interpret", action="store_true",
@@ -78,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.set_defaults(model="gemma2")
     args = parser.parse_args(argv)
     if args.interpret:
-        args.d_model, args.heads, args.kv_heads, args.head_dim = 256, 2, 1, 128
-        args.seq, args.window, args.batch, args.trials = 256, 128, 1, 1
+        args.d_model, args.heads, args.kv_heads, args.head_dim = 128, 2, 1, 128
+        args.seq, args.window, args.batch, args.trials = 128, 64, 1, 1
         args.steps, args.rounds, args.kernels = 1, 1, "flash"
     if not 0 < args.window < args.seq:
         parser.error(f"--window {args.window} must be above 0 and below --seq {args.seq}: a "
@@ -129,6 +130,7 @@ def tuned_style(style: str, args: argparse.Namespace, params: Any, x: Any,
     """The style's step tuned and compiled under its table: the executable, its row (the
     table's choices, what each problem ran, the fallbacks) and the step's problems."""
     import autotune
+    from autotune.tune import TuneOptions
 
     mesh = one_device_mesh(style)
     step = make_step(args, maxtext_attention(mesh) if style == "maxtext" else attention)
@@ -138,7 +140,8 @@ def tuned_style(style: str, args: argparse.Namespace, params: Any, x: Any,
             jax.eval_shape(step, *placed)
         problems = list(captured)
         table = autotune.tune_model(step, *placed, db=db, trials=args.trials,
-                                    kernels=args.kernels)
+                                    kernels=args.kernels,
+                                    options=TuneOptions(confirm_rounds=args.rounds))
         lowered, ran = lowered_under(table, step, *placed, problems)
         executable = lowered.compile()
     row = {"problems": [p.label() for p in problems],

@@ -48,6 +48,12 @@
 #                                            plain TPE and random, each run for real per seed
 #                                            until SECONDS (resume: DB, the .db a call returned):
 #                                            $OUT/live-KERNEL.json and .db (issue 63, item 3)
+#   bash bench/tpu_session.sh sharded_step TRIALS [flags]  # issue 71's Gemma-2-style step on
+#                                            one device, MaxText's style (kernel.maxtext's
+#                                            drop-in) and set_mesh's, tuned with tune_model, run
+#                                            with no fallback, and the maxtext export of its
+#                                            layer types (flags: bench/sharded_step.py's):
+#                                            $OUT/sharded-step.json (issue 71, items 4 and 5)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,4 +163,15 @@ for name, row in report["variants"].items():
     print(name, row.get("error") or {key: row.get(key) for key in ("median_ms", "over_tuned")}
           | {key: time.get(key) for key in ("kernels_ms", "outside_kernels_ms")})' \
         "$OUT/$name.json" ;;
+sharded_step)
+    python3 bench/sharded_step.py --trials "$2" "${@:3}" --out "$OUT/sharded-step.json" \
+        2> "$OUT/sharded-step.err" > /dev/null
+    echo "sharded_step exit $?"; tail -n 5 "$OUT/sharded-step.err"
+    python3 -c 'import json, sys
+report = json.load(open(sys.argv[1]))
+for style, row in report["styles"].items():
+    print(style, {key: row.get(key) for key in ("median_ms", "loss", "fallbacks")})
+    for key, why in row["ran"].items():
+        print("  ", key, "<-", why)
+print("export", json.dumps(report["export"], indent=1))' "$OUT/sharded-step.json" ;;
 esac
