@@ -613,3 +613,26 @@ def test_the_maxtext_drop_in_matches_maxtexts_splash_call_on_a_2x4_mesh() -> Non
     assert all(error < 1e-5 for error in out["errors"].values()), out["errors"]
     assert out["narrower"] > 1e-3
     assert out["problems"] == [[1, 2, 1, 128, "fwd"], [1, 2, 1, 128, "fwd_bwd"]]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"attention_type": "chunk"}, "attention_type 'chunk' is not run by this op; it runs "
+                                  "global, local_sliding, full"),
+    ({"attention_type": "local_sliding"}, "needs sliding_window_size, a positive int"),
+    ({"axis_names_q": ("data", None, "context")}, "shards the seq axis"),
+    ({"decoder_segment_ids_kv": "ids"}, "decoder_segment_ids_kv was given without "
+                                        "decoder_segment_ids")])
+def test_the_maxtext_drop_in_refuses_what_it_does_not_run_naming_the_fix(options, message):
+    """What MaxText runs another way (chunk attention, context parallelism) or a local layer
+    without its window is refused before anything is traced, naming the fix."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    from kernel.maxtext import tpu_flash_attention
+
+    x = jnp.zeros((1, 128, 2, 64))
+    given = {"mesh": None, "axis_names_q": PartitionSpec("data"),
+             "axis_names_kv": PartitionSpec("data"), **options}
+    given["axis_names_q"] = PartitionSpec(*given["axis_names_q"])
+    with pytest.raises(ValueError, match=message):
+        tpu_flash_attention(x, x, x, **given)
