@@ -53,6 +53,12 @@
 #                                            sequence axis against the plain call (goal: at
 #                                            most 1.02x; flags: bench/chip/context_parallel.py's):
 #                                            $OUT/context-parallel.json (issue 71, item 8)
+#   bash bench/tpu_session.sh sharded_step TRIALS [flags]  # issue 71's Gemma-2-style step on
+#                                            one device, MaxText's style (kernel.maxtext's
+#                                            drop-in) and set_mesh's, tuned with tune_model, run
+#                                            with no fallback, and the maxtext export of its
+#                                            layer types (flags: bench/chip/sharded_step.py's):
+#                                            $OUT/sharded-step.json (issue 71, items 4 and 5)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -166,4 +172,15 @@ context_parallel)
     shift
     python3 bench/chip/context_parallel.py "$@" --out "$OUT/context-parallel.json" \
         2> "$OUT/context-parallel.err" | tail -n 40 ;;
+sharded_step)
+    python3 bench/chip/sharded_step.py --trials "$2" "${@:3}" --out "$OUT/sharded-step.json" \
+        2> "$OUT/sharded-step.err" > /dev/null
+    echo "sharded_step exit $?"; tail -n 5 "$OUT/sharded-step.err"
+    python3 -c 'import json, sys
+report = json.load(open(sys.argv[1]))
+for style, row in report["styles"].items():
+    print(style, {key: row.get(key) for key in ("median_ms", "loss", "fallbacks")})
+    for key, why in row["ran"].items():
+        print("  ", key, "<-", why)
+print("export", json.dumps(report["export"], indent=1))' "$OUT/sharded-step.json" ;;
 esac

@@ -82,18 +82,19 @@ def summed_as(cotangent: Any, primal: Any) -> Any:
 
 def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
     """``(mesh, q_spec, kv_spec)`` when ``q``, ``k`` or ``v`` (``[batch, heads, seq,
-    head_dim]``) is sharded over a mesh's explicit axes, else None. Only batch, heads and the
-    sequence may be sharded, alike in all three (k and v unsharded over heads when they have
-    one head, as multi-query attention); anything else raises naming the fix."""
+    head_dim]``) is sharded over a mesh's explicit axes, or all three are replicated over a
+    mesh whose axes are all Explicit (the Pallas kernels then run in ``jax.shard_map`` too:
+    interpreted outside it, their stores fail JAX's sharding check), else None. Only batch,
+    heads and the sequence may be sharded, alike in all three (k and v unsharded over heads
+    when they have one head, as multi-query attention); anything else raises naming the fix."""
     import jax
 
     shardings = [jax.typeof(x).sharding for x in (q, k, v)]
-    specs = [_padded(sharding.spec) for sharding in shardings]
-    if not any(any(spec) for spec in specs):
+    specs = [padded(sharding.spec) for sharding in shardings]
+    if not any(any(spec) for spec in specs) and not _all_explicit(shardings[0].mesh):
         return None
     for name, spec in zip("qkv", specs, strict=True):
-        sharded = [axis for axis, entry in zip(AXES, spec, strict=True)
-                   if entry is not None and axis not in SHARDABLE]
+        sharded = unshardable_axes(spec)
         if sharded:
             raise ValueError(f"{name} is sharded over its {' and '.join(sharded)} axis "
                              f"({jax.sharding.PartitionSpec(*spec)}): flash_attention "
@@ -110,11 +111,26 @@ def explicit_specs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
     return shardings[0].mesh, P(*q_spec), P(*k_spec)
 
 
-def _padded(spec: Any) -> tuple[Any, ...]:
+def _all_explicit(mesh: Any) -> bool:
+    """Whether ``mesh`` has axes and every one is Explicit (none Manual, as inside a
+    ``jax.shard_map``, nor Auto)."""
+    import jax
+
+    return not mesh.empty and all(kind == jax.sharding.AxisType.Explicit
+                                  for kind in mesh.axis_types)
+
+
+def padded(spec: Any) -> tuple[Any, ...]:
     """A rank-4 array's ``PartitionSpec`` as four entries (a shorter spec leaves the rest
     unsharded)."""
     entries = tuple(spec)
     return entries + (None,) * (len(AXES) - len(entries))
+
+
+def unshardable_axes(entries: tuple[Any, ...]) -> list[str]:
+    """The axes of ``AXES`` that ``entries`` (a :func:`padded` spec) shards and must not."""
+    return [axis for axis, entry in zip(AXES, entries, strict=True)
+            if entry is not None and axis not in SHARDABLE]
 
 
 def unknown_per_device(where: str) -> ShardingError:

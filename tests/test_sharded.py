@@ -121,8 +121,10 @@ def test_multi_query_kv_replicated_over_the_heads_axis_gets_summed_gradients() -
 def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
     """Plain jax.jit with q, k, v sharded over batch and heads (jax.make_mesh's explicit
     axes): the wrapper runs per device under shard_map, so forward and gradients match and
-    the resolved problem is b2 h2/1, not the global b4 h4/2. Before: the kernel's refs could
-    not be indexed (TypeError: sharded ref), and the key would be global."""
+    the resolved problem is b2 h2/1, not the global b4 h4/2; replicated over the mesh (under
+    jax.set_mesh) it matches too. Before: the kernel's refs could not be indexed (TypeError:
+    sharded ref), and the key would be global; replicated, the interpreted kernel's stores
+    failed JAX's sharding check (ShardingTypeError: dynamic_update_slice operand sharding)."""
     out = _run(4, """
         mesh = jax.make_mesh((2, 2), ("data", "model"))
         q, k, v = arrays(4, 4, 2, 128, 64)
@@ -134,11 +136,16 @@ def test_jit_over_an_explicit_mesh_runs_each_devices_problem() -> None:
         sharded = {"data": got.sharding.spec[0], "model": got.sharding.spec[1]}
         problems = per_device_problems()
         wanted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        with jax.set_mesh(mesh):
+            replicated = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+                *(jax.device_put(x, P()) for x in (q, k, v)))
         print(json.dumps({"out": largest_error(got, attend(q, k, v)),
                           "grads": max(map(largest_error, grads, wanted)),
+                          "replicated": max(map(largest_error, *map(jax.device_get, (
+                              replicated, wanted)))),
                           "sharded": sharded, "problems": problems}))
     """)
-    assert out["out"] < 1e-5 and out["grads"] < 1e-4
+    assert out["out"] < 1e-5 and out["grads"] < 1e-4 and out["replicated"] < 1e-4
     assert out["sharded"] == {"data": "data", "model": "model"}  # stays sharded as given
     assert out["problems"] == [[2, 2, 1, 128, "fwd"], [2, 2, 1, 128, "fwd_bwd"]]
 
@@ -341,36 +348,6 @@ def test_every_mask_under_every_sharding_style_matches_the_unsharded_call() -> N
     assert all(error < 1e-4 for error in out.values()), out
 
 
-def test_tune_model_under_set_mesh_tunes_the_per_device_problem_on_one_device(
-        tmp_path: Path) -> None:
-    """The explicit-sharding style: the step traced and tuned under jax.set_mesh, its
-    arguments sharded by bare PartitionSpecs. The per-device problem is measured on one
-    device outside the context mesh, and the step then runs under the mesh from the table.
-    Before: ValueError "Received incompatible devices for jitted computation" from the
-    gate reference's compile in check_fits."""
-    out = _run(4, f"""
-        import autotune
-        mesh = jax.make_mesh((2, 2), ("data", "model"))
-        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(kernel.flash_attention(q, k, v))))
-        with jax.set_mesh(mesh):
-            args = [jax.ShapeDtypeStruct((4, h, 128, 64), jnp.float32,
-                                         sharding=P("data", "model")) for h in (4, 2, 2)]
-            table = autotune.tune_model(step, *args, db="sqlite:///{tmp_path / 'autotune.db'}",
-                                        trials=1, kernels="flash")
-            with kernel.tables(table):
-                q, k, v = (jax.device_put(x, P("data", "model")) for x in arrays(4, 4, 2, 128, 64))
-                grad = step(q, k, v)
-                sources = {{p.label(): source for (_, _, p), source
-                           in kernel.resolution_sources().items()}}
-        print(json.dumps({{"choices": [c.problem.label() for c in table.choices],
-                          "grad": grad.sharding.spec[0], "sources": sources}}))
-    """)
-    local = "b2 h2/1 q128 kv128 d64 float32 full fwd_bwd"
-    assert out["choices"] == [local]
-    assert out["grad"] == "data"
-    assert out["sources"][local].startswith("scoped table")
-
-
 def test_auto_axes_raise_naming_shard_map_and_run_per_device_inside_it() -> None:
     """A 2 x 4 mesh of Auto axes (MaxText's): under jax.set_mesh, and under plain jit with
     in_shardings and with_sharding_constraint (no context mesh), the wrapper and capture
@@ -500,42 +477,172 @@ def test_a_strict_build_fails_the_trace_listing_what_the_pinned_table_misses(
     assert out["requests"] == 0
 
 
-def test_a_maxtext_style_step_is_tuned_and_runs_its_per_device_problem(tmp_path: Path) -> None:
-    """MaxText's style on a 2 x 4 mesh of Auto axes under jax.set_mesh: the attention op in
-    its own shard_map(check_vma=False), a training step around it. tune_model tunes the
-    per-device problem b2 h2/1 (measured outside the mesh), and the step then runs it from
-    the table, the same gradient as without the table."""
+def test_the_maxtext_style_and_set_mesh_steps_are_tuned_and_run_each_devices_problems(
+        tmp_path: Path) -> None:
+    """A Gemma-2-style step of a local (sliding-window, soft-capped) and a global layer on a
+    2 x 4 mesh, in both styles: MaxText's (Auto axes, kernel.maxtext's drop-in in its own
+    shard_map(check_vma=False)) and the explicit one (jax.set_mesh, arguments sharded by bare
+    PartitionSpecs, the wrapper called directly). tune_model, called inside the mesh, tunes
+    the two per-device problems b2 h2/1 on one device outside it (the MaxText step then only
+    reads them), and each step runs both from its table with the kernel its choice names, the
+    two styles' gradients alike. Before: the explicit style raised ValueError "Received
+    incompatible devices for jitted computation" from the gate reference's compile in
+    check_fits."""
     out = _run(8, f"""
         import autotune
+        from autotune.tune import TuneOptions
         from jax.sharding import AxisType
-        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-        spec = P("data", "model")
+        from kernel.maxtext import tpu_flash_attention
+        db = "sqlite:///{tmp_path / 'autotune.db'}"
+        shape = dict(zip(("batch", "heads", "kv_heads", "seq", "head_dim"), (4, 8, 4, 128, 64)))
+        layers = (("local_sliding", 48), ("global", None))
 
-        def attention_op(q, k, v):
-            return jax.shard_map(lambda q, k, v: kernel.flash_attention(q, k, v, causal=True),
-                                 mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
-                                 check_vma=False)(q, k, v)
+        def maxtext_loss(mesh, spec):
+            def loss(q, k, v):
+                return sum(jnp.sum(tpu_flash_attention(
+                    q, k, v, None, 20.0, mesh=mesh, axis_names_q=spec, axis_names_kv=spec,
+                    attention_type=kind, sliding_window_size=window) ** 2)
+                    for kind, window in layers)
+            return loss
 
-        step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention_op(q, k, v) ** 2),
-                                argnums=(0, 1, 2)))
-        with jax.set_mesh(mesh):
-            args = [jax.ShapeDtypeStruct((4, h, 128, 64), jnp.float32,
-                                         sharding=NamedSharding(mesh, spec)) for h in (8, 4, 4)]
-            table = autotune.tune_model(step, *args, db="sqlite:///{tmp_path / 'autotune.db'}",
-                                        trials=1, kernels="flash")
-            placed = [jax.device_put(x, NamedSharding(mesh, spec))
-                      for x in arrays(4, 8, 4, 128, 64)]
-            untuned = step(*placed)
-            with kernel.tables(table):
-                tuned = step(*placed)
-                sources = {{f"{{name}} {{p.label()}}": source.split(";")[0] for (name, _, p), source
-                           in kernel.resolution_sources().items() if "scoped" in source}}
-        print(json.dumps({{"choices": [(c.kernel, c.problem.label()) for c in table.choices],
-                          "sources": sources,
-                          "grads": max(map(largest_error, tuned, untuned))}}))
+        def explicit_loss(q, k, v):
+            return sum(jnp.sum(kernel.flash_attention(
+                q, k, v, causal=True, window=window and (window - 1, 0), sm_scale=1.0,
+                logits_soft_cap=20.0, layout="BSHD") ** 2) for _, window in layers)
+
+        def tuned_run(mesh, sharding, loss):
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            with jax.set_mesh(mesh):
+                args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                        for x in inputs]
+                table = autotune.tune_model(step, *args, db=db, trials=1, kernels="flash",
+                                            options=TuneOptions(confirm_rounds=1))
+                with kernel.tables(table):
+                    grads = step(*(jax.device_put(x, sharding) for x in inputs))
+                    sources = {{f"{{name}} {{p.label()}}": source
+                               for (name, _, p), source in kernel.resolution_sources().items()
+                               if "scoped" in source}}
+            return grads, {{"choices": {{c.problem.label(): c.kernel for c in table.choices}},
+                           "sources": sources, "dq": str(grads[0].sharding.spec)}}
+
+        inputs = [jnp.swapaxes(x, 1, 2) for x in arrays(*shape.values())]
+        spec = P("data", None, "model", None)  # [batch, seq, heads, head_dim]
+        explicit = jax.make_mesh((2, 4), ("data", "model"))
+        auto = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        explicit_grads, out = tuned_run(explicit, spec, explicit_loss)
+        maxtext_grads, maxtext = tuned_run(auto, NamedSharding(auto, spec),
+                                           maxtext_loss(auto, P("data", "model")))
+        print(json.dumps({{"set_mesh": out, "maxtext": maxtext,
+                          "grads": max(map(largest_error, *map(jax.device_get, (
+                              maxtext_grads, explicit_grads))))}}))
     """)
-    local = "b2 h2/1 q128 kv128 d64 float32 causal fwd_bwd"
-    assert out["choices"] == [["flash", local]]
-    assert list(out["sources"]) == [f"flash {local}"]
-    assert out["sources"][f"flash {local}"].startswith("scoped table")
+    local = ["b2 h2/1 q128 kv128 d64 float32 causal window47,0 softcap20 fwd_bwd",
+             "b2 h2/1 q128 kv128 d64 float32 causal softcap20 fwd_bwd"]
+    for style in ("set_mesh", "maxtext"):
+        assert out[style]["choices"] == {problem: "flash" for problem in local}
+        sources = out[style]["sources"]
+        assert sorted(sources) == sorted(f"flash {problem}" for problem in local), sources
+        assert all(source.startswith("scoped table") and "kernel: chosen" in source
+                   for source in sources.values()), sources
+    assert out["set_mesh"]["dq"] == "P('data', None, 'model', None)"
     assert out["grads"] < 1e-4
+
+
+def test_the_maxtext_drop_in_matches_maxtexts_splash_call_on_a_2x4_mesh() -> None:
+    """kernel.maxtext.tpu_flash_attention against splash called as MaxText's
+    tpu_flash_attention calls it (MaxText 2026-08, layers/attention_op.py; interpreted here):
+    BSHD inputs over a 2 x 4 mesh of Auto axes (batch over "fsdp", heads over "tensor",
+    grouped-query), its mask (CausalMask, & LocalMask((w - 1, w)) for a local layer), its
+    default sa_* blocks, the kernel made for the global heads with head_shards and passed
+    through shard_map(check_vma=False) by its manual_sharding_spec, vmapped over the batch
+    with SegmentIds. The loss and its gradients agree for a soft-capped local sliding-window
+    layer and a global (causal) layer of packed segments, a window one key narrower does not,
+    and each call resolved the per-device problem b1 h2/1."""
+    out = _run(8, """
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as sk, splash_attention_mask as sm)
+        from jax.sharding import AxisType
+        from kernel.backends.splash import block_sizes
+        from kernel.maxtext import tpu_flash_attention
+
+        mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+        spec, ids_spec = P("fsdp", "tensor", None, None), P("fsdp", None)
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in arrays(2, 8, 4, 128, 64))
+        ids = jnp.concatenate([jnp.zeros((2, 40), jnp.int32), jnp.ones((2, 88), jnp.int32)], 1)
+
+        def maxtext_splash(query, key, value, segment_ids, attention_type, window, cap):
+            query, key, value = (jnp.transpose(x, (0, 2, 1, 3)) for x in (query, key, value))
+            shape = (query.shape[2], key.shape[2])
+            mask = sm.CausalMask(shape=shape)
+            if attention_type == "local_sliding":
+                mask &= sm.LocalMask(shape=shape, window_size=(window - 1, window), offset=0)
+            problem = kernel.Problem(*query.shape[:2], key.shape[1], *shape, query.shape[3],
+                                     "float32")
+            splash = sk.make_splash_mha(
+                sm.MultiHeadMask(masks=(mask,) * query.shape[1]), head_shards=4, q_seq_shards=1,
+                block_sizes=block_sizes(kernel.get_kernel("splash").default_config(problem)),
+                attn_logits_soft_cap=cap, residual_checkpoint_name="context", interpret=True)
+            splash_spec = splash.manual_sharding_spec(NamedSharding(mesh, P("tensor", None)))
+            segmented = segment_ids is not None
+            segments = sk.SegmentIds(segment_ids, segment_ids) if segmented else None
+            segments_spec = sk.SegmentIds(ids_spec, ids_spec) if segmented else None
+            out = jax.shard_map(
+                lambda q, k, v, s, splash: jax.vmap(splash, in_axes=(0, 0, 0, 0))(q, k, v, s),
+                mesh=mesh, in_specs=(spec, spec, spec, segments_spec, splash_spec),
+                out_specs=spec, check_vma=False)(query, key, value, segments, splash)
+            return jnp.transpose(out, (0, 2, 1, 3))
+
+        def drop_in(query, key, value, segment_ids, attention_type, window, cap):
+            return tpu_flash_attention(query, key, value, segment_ids, cap, mesh=mesh,
+                                       axis_names_q=spec, axis_names_kv=spec,
+                                       attention_type=attention_type, sliding_window_size=window)
+
+        def loss_and_grads(attention, *options):
+            loss = lambda q, k, v: jnp.sum(attention(q, k, v, *options) ** 2)
+            with jax.set_mesh(mesh):
+                return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+        def relative_error(got, want):
+            return max(largest_error(a, b) / float(jnp.max(jnp.abs(b)))
+                       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+        layers = {"local, soft cap": (None, "local_sliding", 48, 20.0),
+                  "global, segments": (ids, "global", None, None)}
+        errors = {name: relative_error(loss_and_grads(drop_in, *options),
+                                       loss_and_grads(maxtext_splash, *options))
+                  for name, options in layers.items()}
+        with jax.set_mesh(mesh):
+            narrower = relative_error(
+                jax.jit(drop_in, static_argnums=(4, 5, 6))(q, k, v, None, "local_sliding", 47,
+                                                            20.0),
+                jax.jit(maxtext_splash, static_argnums=(4, 5, 6))(q, k, v, None,
+                                                                  "local_sliding", 48, 20.0))
+        print(json.dumps({"errors": errors, "narrower": narrower,
+                          "problems": per_device_problems()}))
+    """)
+    assert all(error < 1e-5 for error in out["errors"].values()), out["errors"]
+    assert out["narrower"] > 1e-3
+    assert out["problems"] == [[1, 2, 1, 128, "fwd"], [1, 2, 1, 128, "fwd_bwd"]]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"attention_type": "chunk"}, "attention_type 'chunk' is not run by this op; it runs "
+                                  "global, local_sliding, full"),
+    ({"attention_type": "local_sliding"}, "needs sliding_window_size, a positive int"),
+    ({"axis_names_q": ("data", None, "context")}, "shards the seq axis"),
+    ({"decoder_segment_ids_kv": "ids"}, "decoder_segment_ids_kv was given without "
+                                        "decoder_segment_ids")])
+def test_the_maxtext_drop_in_refuses_what_it_does_not_run_naming_the_fix(options, message):
+    """What MaxText runs another way (chunk attention, context parallelism) or a local layer
+    without its window is refused before anything is traced, naming the fix."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    from kernel.maxtext import tpu_flash_attention
+
+    x = jnp.zeros((1, 128, 2, 64))
+    given = {"mesh": None, "axis_names_q": PartitionSpec("data"),
+             "axis_names_kv": PartitionSpec("data"), **options}
+    given["axis_names_q"] = PartitionSpec(*given["axis_names_q"])
+    with pytest.raises(ValueError, match=message):
+        tpu_flash_attention(x, x, x, **given)

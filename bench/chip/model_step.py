@@ -122,25 +122,34 @@ def rms_norm(x: Any) -> Any:
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
-def block(x: Any, w: dict[str, Any], args: argparse.Namespace, local: bool) -> Any:
-    """One pre-norm decoder block: attention through the wrapper, then a SwiGLU MLP."""
+def attention(q: Any, k: Any, v: Any, args: argparse.Namespace, local: bool) -> Any:
+    """One layer's attention through the wrapper (``[batch, seq, heads, head_dim]``): causal,
+    a ``--window``-key window in a local layer, gemma2's soft cap."""
+    return kernel.flash_attention(q, k, v, causal=True, layout="BSHD",
+                                  window=(args.window - 1, 0) if local else None,
+                                  logits_soft_cap=SOFTCAP if args.model == "gemma2" else None)
+
+
+def block(x: Any, w: dict[str, Any], args: argparse.Namespace, local: bool,
+          attend: Any = attention) -> Any:
+    """One pre-norm decoder block: attention (``attend``, as :func:`attention`), then a
+    SwiGLU MLP."""
     b, s, _ = x.shape
     h = rms_norm(x)
     q = (h @ w["q"]).reshape(b, s, args.heads, args.head_dim)
     k, v = ((h @ w[n]).reshape(b, s, args.kv_heads, args.head_dim) for n in "kv")
-    gemma = args.model == "gemma2"
-    out = kernel.flash_attention(q, k, v, causal=True, layout="BSHD",
-                                 window=(args.window - 1, 0) if local else None,
-                                 logits_soft_cap=SOFTCAP if gemma else None)
+    out = attend(q, k, v, args, local)
     x = x + out.reshape(b, s, -1) @ w["o"]
     h = rms_norm(x)
     return x + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
 
 
-def make_step(args: argparse.Namespace) -> Any:
+def make_step(args: argparse.Namespace, attend: Any = attention) -> Any:
+    """The training step: ``jax.value_and_grad`` of the model's loss and an SGD update, each
+    layer's attention ``attend`` (:func:`attention`)."""
     def loss(params: dict[str, Any], x: Any) -> Any:
         for i, w in enumerate(params["layers"]):
-            x = block(x, w, args, local=args.model == "gemma2" and i % 2 == 0)
+            x = block(x, w, args, local=args.model == "gemma2" and i % 2 == 0, attend=attend)
         return jnp.mean(rms_norm(x).astype(jnp.float32) ** 2)
 
     def step(params: dict[str, Any], x: Any) -> tuple[dict[str, Any], Any]:
