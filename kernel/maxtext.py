@@ -92,12 +92,13 @@ def _checked_spec(name: str, spec: Any) -> tuple[Any, ...]:
     """``spec`` (a PartitionSpec of ``[batch, heads, seq, head_dim]``) as four entries; one
     sharding the sequence or head_dim raises naming the fix."""
     entries = padded(spec)
-    sharded = unshardable_axes(entries)
+    sharded = unshardable_axes(entries, shardable=("batch", "heads"))
     if sharded:
-        raise ValueError(f"{name} {spec} shards the {' and '.join(sharded)} axis: each "
-                         "device's kernel computes whole sequences, so shard batch and heads "
-                         "only (MaxText's logical axis rules: leave the length and kv axes "
-                         "unsharded; context parallelism is not run by this op)")
+        raise ValueError(f"{name} {spec} shards the {' and '.join(sharded)} axis: this op "
+                         "runs whole sequences per device, so shard batch and heads only "
+                         "(MaxText's logical axis rules: leave the length and kv axes "
+                         "unsharded); for a sharded sequence (context parallelism) call "
+                         "kernel.context_parallel_attention inside your shard_map")
     return entries
 
 

@@ -127,10 +127,11 @@ def padded(spec: Any) -> tuple[Any, ...]:
     return entries + (None,) * (len(AXES) - len(entries))
 
 
-def unshardable_axes(entries: tuple[Any, ...]) -> list[str]:
+def unshardable_axes(entries: tuple[Any, ...],
+                     shardable: tuple[str, ...] = SHARDABLE) -> list[str]:
     """The axes of ``AXES`` that ``entries`` (a :func:`padded` spec) shards and must not."""
     return [axis for axis, entry in zip(AXES, entries, strict=True)
-            if entry is not None and axis not in SHARDABLE]
+            if entry is not None and axis not in shardable]
 
 
 def unknown_per_device(where: str) -> ShardingError:
