@@ -29,7 +29,7 @@ from storage import (
 from storage.results import KEY_TEXT_FIELDS, TEXT_LIMITS
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
-# What a nearest match shares with the problem asked (kernel.table.problem_family), for misses.
+# What a nearest match shares with the problem asked (kernel.problem.Problem.family), for misses.
 NEAREST_FAMILY = ("with the same dtype, head_dim, causal, mode, window, segment ids or none, "
                   "alignment, and softcap (any value) or none")
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for

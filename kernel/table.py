@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -404,13 +403,6 @@ def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:
 _HEADER_TEXT = tuple(f.name for f in dataclasses.fields(LookupTable)[:3])
 
 
-def shape_distance(a: Problem, b: Problem) -> float:
-    """How far apart two problems are, in octaves of their sizes."""
-    return (abs(math.log2(a.q_len / b.q_len)) + abs(math.log2(a.kv_len / b.kv_len))
-            + 0.5 * abs(math.log2(a.batch * a.q_heads / (b.batch * b.q_heads)))
-            + 0.25 * abs(math.log2(a.group_size / b.group_size)))
-
-
 def find_entry(problem: Problem, entries: Sequence[TableEntry],
                kernel: str) -> tuple[TableEntry, str] | None:
     """``(entry, "exact")`` for ``problem``, else ``(entry, "nearest")``
@@ -424,33 +416,23 @@ def find_choice(problem: Problem,
     return ProblemIndex(choices, lambda choice: choice.kernel).find(problem)
 
 
-def problem_family(problem: Problem) -> tuple[Any, ...]:
-    """What a nearest match must share with the problem: dtype, head_dim, causality, mode,
-    the window exactly (it decides which blocks are skipped: tiles tuned for another window
-    are no evidence), whether logits are soft-capped but not the cap (one elementwise tanh per
-    logit costs the same at any value), whether segment ids are given, and the alignment
-    (bottom-right skips other blocks than top-left)."""
-    return (problem.dtype, problem.head_dim, problem.causal, problem.mode, problem.window,
-            problem.softcap is not None, problem.segmented, problem.bottom_right)
-
-
 class ProblemIndex:
     """Table entries or kernel choices indexed by problem: an exact lookup is one dict read;
-    a nearest one looks only at the problem's family (:func:`problem_family`), visits its
-    (q_len, kv_len) buckets closest first and stops once a bucket cannot hold anything closer
-    than the best legal item found, checking rules closest first. Earlier items win ties."""
+    a nearest one looks only at the problem's family (its ``family()``), visits its buckets
+    (``nearest_axes()``: an attention problem's (q_len, kv_len)) closest first and stops once a
+    bucket cannot hold anything closer than the best legal item found, checking rules closest
+    first. Earlier items win ties."""
 
     def __init__(self, items: Iterable[Any], kernel_of: Callable[[Any], str]) -> None:
         self._kernel_of = kernel_of
-        self._exact: dict[Problem, Any] = {}
-        self._families: dict[tuple[Any, ...], dict[tuple[int, int], list[Any]]] = {}
+        self._exact: dict[Any, Any] = {}
+        self._families: dict[tuple[Any, ...], dict[tuple[int, ...], list[Any]]] = {}
         for order, item in enumerate(items):
             self._exact.setdefault(item.problem, item)
-            lengths = (item.problem.q_len, item.problem.kv_len)
-            self._families.setdefault(problem_family(item.problem), {}).setdefault(
-                lengths, []).append((order, item))
+            self._families.setdefault(item.problem.family(), {}).setdefault(
+                item.problem.nearest_axes(), []).append((order, item))
 
-    def find(self, problem: Problem) -> tuple[Any, str] | None:
+    def find(self, problem: Any) -> tuple[Any, str] | None:
         """``(item, "exact")``, else ``(item, "nearest")``, else None."""
         exact = self._exact.get(problem)
         if exact is not None:
@@ -458,20 +440,18 @@ class ProblemIndex:
         item = self.nearest(problem)
         return (item, "nearest") if item is not None else None
 
-    def nearest(self, problem: Problem) -> Any:
+    def nearest(self, problem: Any) -> Any:
         """The closest item of the family whose config passes its kernel's stored-config rules
-        for ``problem`` (:func:`shape_distance`); None when none does."""
-        buckets = self._families.get(problem_family(problem), {})
-        # The sequence lengths' part of shape_distance: a lower bound for a whole bucket.
-        bounds = sorted((abs(math.log2(problem.q_len / q_len))
-                         + abs(math.log2(problem.kv_len / kv_len)), (q_len, kv_len))
-                        for q_len, kv_len in buckets)
+        for ``problem`` (its ``distance``); None when none does."""
+        buckets = self._families.get(problem.family(), {})
+        # The bucket axes' part of the distance: a lower bound for a whole bucket.
+        bounds = sorted((problem.axes_distance(axes), axes) for axes in buckets)
         best: tuple[float, int, Any] | None = None
-        for bound, lengths in bounds:
+        for bound, axes in bounds:
             if best is not None and bound > best[0]:
                 break
-            ranked = [(shape_distance(problem, item.problem), order, item)
-                      for order, item in buckets[lengths]]
+            ranked = [(problem.distance(item.problem), order, item)
+                      for order, item in buckets[axes]]
             heapq.heapify(ranked)
             while ranked and (best is None or ranked[0][:2] < best[:2]):
                 found = heapq.heappop(ranked)
@@ -492,7 +472,7 @@ class ProblemIndex:
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
                   kernel: str) -> TableEntry | None:
-    """The closest tuned problem of the same family (``problem_family``: dtype, head_dim,
+    """The closest tuned problem of the same family (``Problem.family``: dtype, head_dim,
     causality, mode, window, softcap or none, segment ids or none, alignment) whose config
     (one of kernel ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None
     when none does."""

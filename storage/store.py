@@ -26,7 +26,7 @@ from kernel import (
     get_kernel,
     kernel_names,
 )
-from kernel.table import KernelChoice, KernelTiming, nearest_entry, shape_distance
+from kernel.table import KernelChoice, KernelTiming, nearest_entry
 from storage.choices import (
     CHOICE_PROVENANCE,
     StoredChoice,
@@ -235,7 +235,7 @@ def _best(entries: Sequence[Entry]) -> Entry | None:
 
 
 class _Shape(NamedTuple):
-    """A candidate's sizes: what ``kernel.table.shape_distance`` reads, without building a
+    """A candidate's sizes: what ``Problem.distance`` reads, without building a
     validated Problem for every row of a family."""
 
     batch: int
@@ -253,7 +253,7 @@ class _Family:
     """The nearest-match candidates of one family (configs: same kernel, device, dtype,
     head_dim, causal, mode, window, segment ids, softcap or none; kernel choices: the same
     but any kernel), sorted by q_len. ``nearest`` visits them in order of the q_len term of
-    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound exceeds
+    ``Problem.distance`` (a lower bound of the whole distance) and stops once that bound exceeds
     the best legal distance found, so a lookup reads a few q_len neighbourhoods, not the
     family; legality is checked once per distinct kernel and config."""
 
@@ -285,7 +285,7 @@ class _Family:
                 break  # every row not yet visited is at least this far
             row_id, *sizes, kernel, config = self.rows[index]
             shape = _Shape(*sizes)
-            distance = shape_distance(problem, shape)  # type: ignore[arg-type]
+            distance = problem.distance(shape)
             if best is not None and (distance, row_id) >= best[:2]:
                 continue
             if (kernel, config) not in legal:
