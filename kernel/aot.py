@@ -46,6 +46,7 @@ def compile_for_target(
     device = topology_device(kernel.target(target).name)
     start = time.perf_counter()
     fn = kernel.build(problem, config, forward_only=forward_only)
-    jax.jit(fn).trace(*kernel.input_specs(problem, device)).lower().compile(
-        compiler_options=compiler_options)
+    with jax.default_device(device):  # Pallas reads the chip's facts from it when lowering
+        jax.jit(fn).trace(*kernel.input_specs(problem, device)).lower().compile(
+            compiler_options=compiler_options)
     return time.perf_counter() - start
