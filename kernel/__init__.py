@@ -5,8 +5,9 @@ Layers, each importing only those above it in this list: core types (``errors``,
 (``backends/``); the registry (``registry``); lookup tables (``table``), shapes files
 (``shapesfile``) and scoped tables (``table_scope``); resolution (``resolve``, then
 ``scoped_resolver`` inside ``kernel.tables`` blocks); misses (``misses``) and capture
-(``capture``); the public ``flash_attention`` (``attention``). Importing this package loads no
-jax (the backends load it when they run), so the service and storage use the rules freely.
+(``capture``); the public ``flash_attention`` (``attention``) and ``ragged_paged_attention``
+(``paged``). Importing this package loads no jax (the backends load it when they run), so the
+service and storage use the rules freely.
 Where no accelerator is attached, it keeps JAX off libtpu's TPU backend (``kernel.platforms``).
 """
 
@@ -25,6 +26,7 @@ from kernel.errors import (
     TableError,
 )
 from kernel.misses import Borrowed, Miss, borrowed, untuned
+from kernel.paged import ragged_paged_attention
 from kernel.platforms import skip_absent_tpu
 from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
@@ -32,16 +34,18 @@ from kernel.resolve import use_table
 from kernel.rules import Violation
 from kernel.table_scope import tables
 from kernel.scoped_resolver import resolution_sources
+from kernel.serving import ServingProblem
 from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
     "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Borrowed", "Capture", "ConfigError",
-    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "ShardingError",
-    "StrictMiss", "TableEntry", "TableError",
+    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "ServingProblem",
+    "ShardingError", "StrictMiss", "TableEntry", "TableError",
     "Target", "TunableKernel", "Violation", "borrowed", "capture", "device_target",
     "dot_product_attention", "flash_attention", "get_kernel", "get_target", "kernel_names",
-    "reference_attention", "resolution_sources", "tables", "untuned", "use_table",
+    "ragged_paged_attention", "reference_attention", "resolution_sources", "tables", "untuned",
+    "use_table",
 ]
 
 skip_absent_tpu()  # before the caller's first JAX computation starts the backends

@@ -3,8 +3,10 @@
 Pure Python (no jax): the service exports and imports the same format, and uses the same
 nearest-match rules, as the kernel wrapper reading a pinned table. Schema 2 added ``choices``
 (which kernel wins per problem on the table's device kind); schema 3 problems may carry a
-``window``, a ``softcap`` and ``segmented``, schema 4 ones ``bottom_right`` too. Older tables
-still load (their problems have none of what came after them).
+``window``, a ``softcap`` and ``segmented``, schema 4 ones ``bottom_right`` too; schema 5
+names the table's ``problem_type``: ``attention`` (``kernel.problem.Problem``, as every older
+table's) or ``serving`` (``kernel.serving.ServingProblem``, the entries of a serving kernel).
+Older tables still load (their problems have none of what came after them).
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ from typing import Any
 
 from kernel.errors import AutotuneError, TableError
 from kernel.problem import FEATURE_FIELDS, Problem, finite_float, shown_number
-from kernel.registry import KERNELS, get_kernel
+from kernel.registry import KERNELS, get_kernel, is_registered, registered_kernel
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
+from kernel.serving import ServingProblem
 
 MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
 # larger file is no table.
 MAX_TABLE_BYTES = 512 * MiB
-TABLE_SCHEMA_VERSION = 4
+TABLE_SCHEMA_VERSION = 5
 # 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented;
-# 4: and bottom_right
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# 4: and bottom_right; 5: a problem_type
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+# A table's problem_type, by the problem type of its kernel (TunableKernel.problem_type).
+PROBLEM_TYPES: dict[str, type] = {"attention": Problem, "serving": ServingProblem}
+PROBLEM_TYPE_SINCE = 5
 # The first schema whose problems may use each of FEATURE_FIELDS.
 FEATURE_SINCE = {"window": 3, "softcap": 3, "segmented": 3, "bottom_right": 4}
 assert set(FEATURE_SINCE) == set(FEATURE_FIELDS)
@@ -39,7 +45,7 @@ assert set(FEATURE_SINCE) == set(FEATURE_FIELDS)
 class TableEntry:
     """One tuned result: the problem, the winning config, and how it was measured."""
 
-    problem: Problem
+    problem: Any  # of the table kernel's problem type (``TunableKernel.problem_type``)
     config: Any  # a config of the table's kernel (``TunableKernel.config_type``)
     time_ms: float | None = None
     default_time_ms: float | None = None
@@ -53,14 +59,15 @@ class TableEntry:
 
     @classmethod
     def from_dict(cls, data: Any, kernel: str) -> TableEntry:
-        """An entry whose config is one of kernel ``kernel``'s."""
+        """An entry whose problem and config are kernel ``kernel``'s types."""
         if not isinstance(data, dict):
             raise TableError(f"an entry must be a JSON object, got {type(data).__name__}")
         for name in ("problem", "config"):
             if name not in data:
                 raise TableError(f"entry is missing {name!r}")
-        problem = Problem.from_dict(data["problem"])
-        config = get_kernel(kernel).config_from_dict(data["config"])
+        rules = registered_kernel(kernel)
+        problem = rules.problem_type.from_dict(data["problem"])
+        config = rules.config_from_dict(data["config"])
         numbers = {}
         for name in ("time_ms", "default_time_ms", "speedup"):
             numbers[name] = _milliseconds(name, data.get(name))
@@ -213,10 +220,15 @@ class LookupTable:
         """This table and its ``others``: the entries of each kernel it carries."""
         return (self, *self.others)
 
+    @property
+    def problem_type(self) -> str:
+        """``attention`` or ``serving``: what its kernel's problems are (:data:`PROBLEM_TYPES`)."""
+        return problem_type_name(registered_kernel(self.kernel).problem_type)
+
     def to_dict(self) -> dict[str, Any]:
-        table = dict(schema_version=self.schema_version, kernel=self.kernel,
-                     kernel_version=self.kernel_version, device_kind=self.device_kind,
-                     jax_version=self.jax_version,
+        table = dict(schema_version=self.schema_version, problem_type=self.problem_type,
+                     kernel=self.kernel, kernel_version=self.kernel_version,
+                     device_kind=self.device_kind, jax_version=self.jax_version,
                      entries=[entry.to_dict() for entry in self.entries],
                      choices=[choice.to_dict() for choice in self.choices])
         if self.others:
@@ -231,6 +243,7 @@ class LookupTable:
             raise TableError(f"a table must be a JSON object, got {type(data).__name__}")
         version = _schema_version(data.get("schema_version"))
         header, kernel = _header(data)
+        _check_problem_type(data, version, kernel)
         raw_entries = data.get("entries")
         if not isinstance(raw_entries, list):
             raise TableError("table field 'entries' must be a list")
@@ -272,6 +285,28 @@ class LookupTable:
         return find_choice(problem, self.choices)
 
 
+def problem_type_name(problem_type: type) -> str:
+    """The name a table gives ``problem_type`` (:data:`PROBLEM_TYPES`)."""
+    return next(name for name, known in PROBLEM_TYPES.items() if known is problem_type)
+
+
+def _check_problem_type(data: dict[str, Any], version: int, kernel: str) -> None:
+    """Raises unless the table's ``problem_type`` (``attention`` when absent) is its kernel's,
+    and a serving kernel's table is of a schema that names it."""
+    named = data.get("problem_type", "attention")
+    own = problem_type_name(registered_kernel(kernel).problem_type)
+    if named not in PROBLEM_TYPES:
+        raise TableError(f"table problem_type must be one of {', '.join(PROBLEM_TYPES)}, got "
+                         f"{named!r}")
+    if named != own:
+        raise TableError(f"table problem_type {named!r} is not that of kernel {kernel!r} "
+                         f"({own!r}); export the table again with `autotune export`")
+    if own != "attention" and version < PROBLEM_TYPE_SINCE:
+        raise TableError(f"kernel {kernel!r} tables came with schema_version "
+                         f"{PROBLEM_TYPE_SINCE} ({own} problems); a schema {version} table "
+                         "cannot hold them (export the table again with this build)")
+
+
 def _schema_version(version: Any) -> int:
     """A table's ``schema_version``, if this build reads it."""
     if (isinstance(version, int) and not isinstance(version, bool)
@@ -294,7 +329,7 @@ def _header(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
         if not isinstance(value, str) or not value:
             raise TableError(f"table field {name!r} must be a non-empty string")
     try:
-        kernel = get_kernel(header[_HEADER_TEXT[0]]).name
+        kernel = registered_kernel(header[_HEADER_TEXT[0]]).name
     except AutotuneError as error:
         raise TableError(f"table {error}") from None
     jax_version = data.get("jax_version")
@@ -463,9 +498,9 @@ class ProblemIndex:
     def _legal(self, problem: Problem, item: Any) -> bool:
         """Whether ``item``'s kernel is registered and its config legal for ``problem``."""
         name = self._kernel_of(item)
-        if name not in KERNELS:
+        if not is_registered(name):
             return False
-        rules = KERNELS[name]
+        rules = registered_kernel(name)
         return (isinstance(item.config, rules.config_type)
                 and not rules.stored_violations(problem, item.config))
 
