@@ -158,6 +158,12 @@ class ServingProblem:
                 + octaves(self.pages_per_seq, axes[1]))
 
 
+def jax_device_key(device_kind: str) -> str:
+    """JAX's key of a device kind in its ragged paged attention table: the kind's first two
+    words (``TPU v5``: the v5e, "TPU v5 lite", and the v5p share it)."""
+    return " ".join(device_kind.split()[:2])
+
+
 def _check_size(name: str, value: Any, limit: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProblemError(f"{name} must be an integer, got {value!r}")

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from kernel.config import IntConfig
 from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
 from kernel.rules import Violation, vmem_limit_violations, x64_violations
-from kernel.serving import ServingProblem
+from kernel.serving import ServingProblem, jax_device_key
 from kernel.targets import MiB, TPU_TARGETS, Target
 
 # The one head_dim upstream's kernel compiles: its strided K/V loads need a 128-lane last
@@ -111,12 +111,6 @@ def _powers_of_two_up_to(most: int) -> list[int]:
                    if 1 << exponent <= most} | {most})
 
 
-def jax_device_key(target: Target) -> str:
-    """JAX's key of a device in its table: the first two words of its kind (``TPU v5``: the
-    v5e and the v5p share it)."""
-    return " ".join(target.device_kind.split()[:2])
-
-
 @dataclass(frozen=True)
 class RpaKernel(TunableKernel):
     name: ClassVar[str] = "rpa"
@@ -206,7 +200,7 @@ class RpaKernel(TunableKernel):
         problem."""
         target = self.target(target)
         pages, queries = V4_FALLBACK if target.name == "v4" else FALLBACK
-        table = self.shipped.get(jax_device_key(target), {})
+        table = self.shipped.get(jax_device_key(target.device_kind), {})
         if self.simplify_key is not None and target.name != "v4":
             pages, queries = table.get(self.simplify_key(jax_key(problem)), (pages, queries))
         return RpaConfig(min(pages, problem.pages_per_seq),
