@@ -42,8 +42,26 @@ FEATURE_FIELDS = ("window", "softcap", "segmented", "bottom_right")
 DEFAULTS_FROM: dict[str, str] = {"kv_heads": "q_heads", "kv_len": "q_len"}
 
 
+class GroupedHeads:
+    """What a problem of ``q_heads``, ``kv_heads`` and a ``dtype`` derives from them (an
+    attention call's and a serving step's alike)."""
+
+    q_heads: int
+    kv_heads: int
+    dtype: str
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
 @dataclass(frozen=True)
-class Problem:
+class Problem(GroupedHeads):
     """Shapes and options of one attention call, layout ``[batch, heads, seq, head_dim]``.
 
     Hashable and JSON round-trippable (``to_dict`` / ``from_dict``). The one declaration of
@@ -131,15 +149,6 @@ class Problem:
         """The position of query 0 among the keys: ``kv_len - q_len`` when bottom-right
         aligned, else 0 (negative when more queries than keys: the first see none)."""
         return self.kv_len - self.q_len if self.bottom_right else 0
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per key/value head (1 for plain multi-head attention)."""
-        return self.q_heads // self.kv_heads
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,6 +21,7 @@ from kernel.problem import (
     MAX_HEAD_DIM,
     MAX_HEADS,
     MAX_SEQ_LEN,
+    GroupedHeads,
     checked_softcap,
     exact_text,
     octaves,
@@ -34,7 +35,7 @@ SERVING_INT_LIMITS: dict[str, int] = {
 
 
 @dataclass(frozen=True)
-class ServingProblem:
+class ServingProblem(GroupedHeads):
     """Shapes and options of one ragged paged attention step (the key of its tuned configs).
 
     Hashable and JSON round-trippable (``to_dict`` / ``from_dict``), with the protocol
@@ -82,15 +83,6 @@ class ServingProblem:
     @property
     def max_model_len(self) -> int:
         return self.page_size * self.pages_per_seq
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per key/value head."""
-        return self.q_heads // self.kv_heads
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
 
     @property
     def kv_itemsize(self) -> int:

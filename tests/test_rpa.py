@@ -215,3 +215,29 @@ def test_example_inputs_fill_the_token_budget_with_valid_sequences():
     assert [(x.shape, x.dtype) for x in inputs] == [(s.shape, s.dtype) for s in specs]
     upstream.dynamic_validate_inputs(*inputs)  # raises on a malformed batch
     assert int(inputs[4][inputs[5][0]]) == problem.max_num_batched_tokens
+
+
+# What JAX's TPU interpreter raises on the kernel's ``ref.reshape`` (0.10.2 and 0.12.0.1):
+# docs/serving.md, "What a CPU can check".
+INTERPRETER_GAP = "'ReshapeTransform' object has no attribute 'indices'"
+
+
+@pytest.mark.smoke
+def test_the_kernel_interpreted_matches_the_reference_where_jax_interprets_it():
+    """Upstream's kernel in TPU interpret mode on a tiny paged cache against the float32
+    reference. JAX's interpreter cannot run it yet: the test holds that reason (any other
+    failure fails it), and checks the numerics the day a JAX runs it."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    problem = ServingProblem(4, 2, 128, page_size=16, pages_per_seq=4, max_num_batched_tokens=32,
+                             max_num_seqs=3, dtype="float32", kv_dtype="float32")
+    inputs = RPA.example_inputs(problem, seed=1)
+    expected = RPA.reference(problem)(*inputs)
+    try:
+        with pltpu.force_tpu_interpret_mode():
+            out = RPA.attention(problem, lambda mode: RpaConfig(2, 8), problem.head_dim ** -0.5)(
+                *inputs)
+    except jax.errors.JaxRuntimeError as error:
+        assert INTERPRETER_GAP in str(error)
+        return
+    np.testing.assert_allclose(out[:expected.shape[0]], expected, rtol=1e-5, atol=1e-5)

@@ -18,24 +18,15 @@ from autotune.commands.db import (
     resolve_url,
 )
 from autotune.files import is_stdout, write_output
-from autotune.problem_options import (ShapesOption, given_problems, output_file,
+from autotune.problem_options import (ShapesOption, given_problems, kernel_option, output_file,
                                       problem_flags_given, with_problem_options)
-from kernel import AutotuneError, ConfigError, LookupTable, Problem, TableError, kernel_names
+from kernel import AutotuneError, LookupTable, Problem, TableError, kernel_names
 from kernel.registry import SERVING_KERNELS, registered_kernel
 from kernel.serving import jax_device_key
 from present.text import counted
 
 FORMATS = ("table", "maxtext", "jax-rpa")
-
-
-def known_table_kernel(name: str | None) -> str | None:
-    """``--kernel`` of ``export``: a registered kernel of either problem type."""
-    if name is None:
-        return None
-    try:
-        return registered_kernel(name).name
-    except ConfigError as error:
-        raise typer.BadParameter(str(error)) from None
+known_table_kernel = kernel_option(registered_kernel)  # a kernel of either problem type
 
 
 @with_problem_options
