@@ -15,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from api.cache import LOOKUP_PATH, LookupCache, LookupCacheMiddleware
 from api.metrics import Metrics, MetricsMiddleware
-from api.routers import choices, configs, health, pages, tables
+from api.routers import choices, configs, health, pages, serving, tables
 from api.settings import ApiSettings
 from kernel import AutotuneError
 from storage import DatabaseFullError, Store, WriteRefusedError
@@ -48,7 +48,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.store = store
     app.state.metrics = Metrics()
-    for router in (configs.router, choices.router, tables.router, health.router, pages.router):
+    for router in (configs.router, serving.router, choices.router, tables.router, health.router,
+                   pages.router):
         app.include_router(router)
 
     @app.exception_handler(AutotuneError)

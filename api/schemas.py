@@ -14,9 +14,11 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, create_model
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from kernel import DEFAULT_KERNEL, Problem, get_kernel
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, ServingProblem, get_kernel
 from kernel.problem import DEFAULTS_FROM, DTYPES, INT_LIMITS, MAX_SEQ_LEN, MODES, SOFTCAP_RANGE
+from kernel.registry import SERVING_KERNELS
 from kernel.resolve import VERSIONED_PACKAGES
+from kernel.serving import SERVING_INT_LIMITS
 from storage import (
     MAX_STORED_INT,
     METHODS,
@@ -29,7 +31,7 @@ from storage import (
 from storage.results import KEY_TEXT_FIELDS, TEXT_LIMITS
 
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
-# What a nearest match shares with the problem asked (kernel.table.problem_family), for misses.
+# What a nearest match shares with the problem asked (kernel.problem.Problem.family), for misses.
 NEAREST_FAMILY = ("with the same dtype, head_dim, causal, mode, window, segment ids or none, "
                   "alignment, and softcap (any value) or none")
 MAX_BATCH_KEYS = 100  # unauthenticated: bounds the work one request can ask for
@@ -414,6 +416,91 @@ class ConfigsWanted(_Strict):
     kernel: _KeyText["kernel"] | None = None
     versions: Annotated[dict[_KeyText["kernel"], _KeyText["kernel_version"]],
                         Field(max_length=MAX_ASKED_KERNELS)]
+
+
+# --- serving configs (kernel.serving.ServingProblem: docs/serving.md) ---------------------------
+
+SERVING_KERNEL = next(iter(SERVING_KERNELS))  # the one serving backend: a lookup's default
+# What a nearest serving match shares with the problem asked (ServingProblem.family).
+SERVING_NEAREST_FAMILY = ("with the same dtypes, head counts, head_dim, page_size, window, and "
+                          "softcap (any value) or none")
+_SERVING_HINTS = typing.get_type_hints(ServingProblem)
+
+
+def _serving_field(field: dataclasses.Field) -> tuple[Any, Any]:
+    """A request field for a ``ServingProblem`` field: its type and bounds from
+    ``kernel.serving``."""
+    if field.name in SERVING_INT_LIMITS:
+        return Annotated[int, Field(ge=1, le=SERVING_INT_LIMITS[field.name])], ...
+    if field.name == "window":
+        return Annotated[int, Field(ge=1, le=MAX_SEQ_LEN, description="Keys a query sees (a "
+                                    "sliding window); null: all.")] | None, None
+    if field.name == "softcap":
+        return _FEATURE_TYPES["softcap"], None
+    return _SERVING_HINTS[field.name], field.default
+
+
+class _ServingProblemModel(_Strict):
+    def to_problem(self) -> ServingProblem:
+        """Raises ProblemError (a 422) for cross-field rules, e.g. grouped-query heads."""
+        names = [f.name for f in dataclasses.fields(ServingProblem)]
+        return ServingProblem.from_dict({name: value for name in names
+                                         if (value := getattr(self, name)) is not None})
+
+
+# The serving problem, derived from kernel.serving.ServingProblem (its one declaration).
+ServingProblemFields = create_model(
+    "ServingProblemFields", __base__=_ServingProblemModel,
+    __doc__="A serving step: ragged paged attention over a paged KV cache.",
+    **{field.name: _serving_field(field) for field in dataclasses.fields(ServingProblem)})
+
+
+class ServingLookupKey(ServingProblemFields):
+    """A serving config to look up. ``kernel`` defaults to the serving kernel,
+    ``kernel_version`` to the server's installed one, ``platform`` to any."""
+
+    device_kind: _KeyText["device_kind"]
+    kernel: _KeyText["kernel"] = SERVING_KERNEL
+    kernel_version: _KeyText["kernel_version"] | None = None
+    platform: _KeyText["platform"] | None = None
+
+    def to_request(self) -> LookupRequest:
+        """Raises ConfigError (a 422) for a kernel that is not a serving one."""
+        if self.kernel not in SERVING_KERNELS:
+            raise ConfigError(f"kernel {self.kernel!r} is no serving kernel; serving configs "
+                              f"are {', '.join(SERVING_KERNELS)}'s (an attention kernel's are "
+                              "at /v1/configs/lookup)")
+        return LookupRequest(device_kind=self.device_kind, problem=self.to_problem(),
+                             kernel=self.kernel, kernel_version=self.kernel_version,
+                             platform=self.platform)
+
+
+class ServingLookupQuery(ServingLookupKey, QueryModel):
+    """A ``ServingLookupKey`` as query parameters."""
+
+    model_config = QueryModel.model_config
+
+
+ServingProblemOut = create_model("ServingProblemOut", **{
+    f.name: (_SERVING_HINTS[f.name], ...) for f in dataclasses.fields(ServingProblem)})
+ServingKeyOut = create_model("ServingKeyOut", __base__=ServingProblemOut,
+                             **{name: (str, ...) for name in KEY_TEXT_FIELDS})
+
+
+class ServingLookupResponse(LookupResponse):
+    key: ServingKeyOut = Field(description="The tuned key the config comes from.")
+
+
+class ServingBatchLookupRequest(_Strict):
+    keys: Annotated[list[ServingLookupKey], Field(min_length=1, max_length=MAX_BATCH_KEYS)]
+
+
+class ServingBatchLookupItem(BatchLookupItem):
+    key: ServingKeyOut | None = None
+
+
+class ServingBatchLookupResponse(BaseModel):
+    results: list[ServingBatchLookupItem]
 
 
 class BatchChoiceRequest(_Strict):

@@ -52,8 +52,7 @@ from autotune.timing import (
 )
 from autotune.trials import Measurement
 from kernel import Problem, TunableKernel
-from kernel.aot import example_inputs, input_specs
-from kernel.contract import gate_reference
+from kernel.contract import gate_reference, input_specs
 from kernel.tolerance import max_relative_error
 from kernel.tolerance import relative_error as output_error
 from present.text import first_line
@@ -326,11 +325,11 @@ class Measurer:
 
     def _gate_values(self) -> tuple[list[jax.Array], Any]:
         """The gate's inputs on the device (q, k, v, and a segmented problem's representative
-        packing: :func:`kernel.aot.example_inputs`) and the reference's outputs on them."""
+        packing: the kernel's ``example_inputs``) and the reference's outputs on them."""
         with refused_out_of_memory(self.problem, self.device,
                                    "computing the correctness gate's reference"):
             inputs = [jax.device_put(x, self.device)
-                      for x in example_inputs(self.problem, self.seed)]
+                      for x in self.kernel.example_inputs(self.problem, self.seed)]
             return inputs, jax.block_until_ready(
                 compiled_reference(self.problem, self.device)(*inputs))
 

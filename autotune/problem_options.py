@@ -97,13 +97,22 @@ def output_file(value: str) -> Path:
     return Path(value)
 
 
-def known_kernel(name: str | None) -> str | None:
-    if name is None:
-        return None
-    try:
-        return get_kernel(name).name
-    except ConfigError as error:
-        raise typer.BadParameter(str(error)) from None
+def kernel_option(lookup: Callable[[str], Any]) -> Callable[[str | None], str | None]:
+    """A ``--kernel`` callback: the name if ``lookup`` knows it, else its error as a bad
+    parameter."""
+
+    def known(name: str | None) -> str | None:
+        if name is None:
+            return None
+        try:
+            return lookup(name).name
+        except ConfigError as error:
+            raise typer.BadParameter(str(error)) from None
+
+    return known
+
+
+known_kernel = kernel_option(get_kernel)  # an attention kernel
 
 
 def known_kernels(names: str | None) -> list[str] | None:

@@ -39,7 +39,6 @@ from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, 
 from kernel.problem import shown_number
 from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
-from kernel.table import problem_family, shape_distance
 from storage import Entry, PublishOutcome, Store, TunedResult
 from storage.results import faster_beyond_noise
 from storage.studies import get_storage, refusing_study_writes
@@ -231,15 +230,15 @@ def kernel_space(kernel: TunableKernel, problem: Problem,
 def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
                base: Config, kernel: TunableKernel, target: Target) -> list[dict[str, Any]]:
     """The default first; then winners of the nearest tuned problems of its family
-    (``kernel.table.problem_family``) on the same device, the problem's own stored winner first
+    (``Problem.family``) on the same device, the problem's own stored winner first
     (a re-tune under new versions, a new study), at most :data:`MAX_WARM_SEEDS`; then the
     kernel's hand-set families (``TunableKernel.seed_configs``) for this device."""
     family = {"kernel": kernel.name, "device_kind": device_kind, "dtype": problem.dtype,
               "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
     entries, _ = store.list(family, limit=None)
     nearest = sorted((e.result for e in entries
-                      if problem_family(e.result.problem) == problem_family(problem)),
-                     key=lambda r: shape_distance(problem, r.problem))
+                      if e.result.problem.family() == problem.family()),
+                     key=lambda r: problem.distance(r.problem))
     warm = _legal_once(space, _params(space, [base] + [r.config for r in nearest]))
     families = _params(space, kernel.seed_configs(problem, target))
     return _legal_once(space, warm[:1 + MAX_WARM_SEEDS] + families)

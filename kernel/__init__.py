@@ -6,9 +6,9 @@ Layers, each importing only those above it in this list: core types (``errors``,
 (``shapesfile``) and scoped tables (``table_scope``); resolution (``resolve``, then
 ``scoped_resolver`` inside ``kernel.tables`` blocks); misses (``misses``) and capture
 (``capture``); context parallelism's plan (``context_parallel``); the public
-``flash_attention`` and ``context_parallel_attention`` (``attention``). Importing this package
-loads no jax (the backends load it when they run), so the service and storage use the rules
-freely.
+``flash_attention`` and ``context_parallel_attention`` (``attention``) and
+``ragged_paged_attention`` (``paged``). Importing this package loads no jax (the backends
+load it when they run), so the service and storage use the rules freely.
 Where no accelerator is attached, it keeps JAX off libtpu's TPU backend (``kernel.platforms``).
 """
 
@@ -28,6 +28,7 @@ from kernel.errors import (
     TableError,
 )
 from kernel.misses import Borrowed, Miss, borrowed, untuned
+from kernel.paged import ragged_paged_attention
 from kernel.platforms import skip_absent_tpu
 from kernel.problem import Problem
 from kernel.registry import DEFAULT_KERNEL, get_kernel, kernel_names
@@ -35,17 +36,18 @@ from kernel.resolve import use_table
 from kernel.rules import Violation
 from kernel.table_scope import tables
 from kernel.scoped_resolver import resolution_sources
+from kernel.serving import ServingProblem
 from kernel.table import LookupTable, TableEntry
 from kernel.targets import TARGETS, Target, device_target, get_target
 
 __all__ = [
     "DEFAULT_KERNEL", "TARGETS", "AutotuneError", "Borrowed", "Capture", "ConfigError",
-    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "ShardingError",
-    "StrictMiss", "TableEntry", "TableError",
+    "FlashConfig", "LookupTable", "Miss", "Problem", "ProblemError", "ServingProblem",
+    "ShardingError", "StrictMiss", "TableEntry", "TableError",
     "Target", "TunableKernel", "Violation", "borrowed", "capture", "context_parallel_attention",
     "device_target", "dot_product_attention", "flash_attention", "get_kernel", "get_target",
-    "kernel_names", "load_balanced_order",
-    "reference_attention", "resolution_sources", "tables", "untuned", "use_table",
+    "kernel_names", "load_balanced_order", "ragged_paged_attention", "reference_attention",
+    "resolution_sources", "tables", "untuned", "use_table",
 ]
 
 skip_absent_tpu()  # before the caller's first JAX computation starts the backends

@@ -152,6 +152,72 @@ def reference_attention(q: Any, k: Any, v: Any, q_segment_ids: Any = None,
                       preferred_element_type=probs.dtype).astype(q.dtype)
 
 
+def input_specs(problem: Problem, device: Any = None) -> list[Any]:
+    """Abstract q, k, v for ``problem`` (``jax.ShapeDtypeStruct``), and for a segmented one its
+    q and kv segment ids (int32), placed on ``device`` when given: what an attention backend's
+    :meth:`TunableKernel.input_specs` gives."""
+    import jax
+    import jax.numpy as jnp
+
+    sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+    dtype = jnp.dtype(problem.dtype)
+    q_shape = (problem.batch, problem.q_heads, problem.q_len, problem.head_dim)
+    kv_shape = (problem.batch, problem.kv_heads, problem.kv_len, problem.head_dim)
+    ids = [(problem.batch, problem.q_len), (problem.batch, problem.kv_len)]
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            for shape in (q_shape, kv_shape, kv_shape)] + [
+        jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+        for shape in (ids if problem.segmented else [])]
+
+
+# The packing a segmented problem is tuned and checked with: each batch row holds
+# DOCUMENTS_PER_ROW documents (ids 1, 2, ...) of lengths drawn from the row's seed (cut
+# points uniform without repetition), then a padding tail of PADDING_FRACTION of the row (id 0,
+# a segment of its own, as MaxText pads packed rows). The row is the keys' (kv_len); positions
+# are shared by queries and keys (top-left aligned, as causal is): q ids are the row's first
+# q_len, and queries past the last key continue its segment, so that every query's segment has
+# keys (a query that sees no key gets zeros from the reference, an average from some kernels,
+# which would fail their correctness gate).
+DOCUMENTS_PER_ROW = 4
+PADDING_FRACTION = 1 / 16
+
+
+def packed_segment_ids(problem: Problem, seed: int = 0) -> tuple[Any, Any]:
+    """The representative q and kv segment ids of ``problem`` (int32 numpy arrays
+    ``[batch, q_len]`` and ``[batch, kv_len]``), deterministic in ``seed``: see
+    :data:`DOCUMENTS_PER_ROW`."""
+    import numpy as np
+
+    length = problem.kv_len
+    padding = int(length * PADDING_FRACTION)
+    filled = length - padding
+    rows = []
+    for row in range(problem.batch):
+        rng = np.random.default_rng([seed, row])
+        cuts = rng.choice(np.arange(1, filled), min(DOCUMENTS_PER_ROW, filled) - 1,
+                          replace=False) if filled > 1 else np.array([], int)
+        documents = np.searchsorted(np.sort(cuts), np.arange(filled), side="right") + 1
+        rows.append(np.concatenate([documents, np.zeros(padding, int)]))
+    ids = np.asarray(rows, np.int32)
+    past_the_keys = np.repeat(ids[:, -1:], max(problem.q_len - length, 0), axis=1)
+    return np.concatenate([ids, past_the_keys], axis=1)[:, :problem.q_len], ids
+
+
+def example_inputs(problem: Problem, seed: int = 0) -> list[Any]:
+    """Concrete inputs of ``problem`` (:func:`input_specs`): standard normal q, k, v drawn
+    from ``seed``, and for a segmented problem :func:`packed_segment_ids`."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), 3)
+    specs = input_specs(problem)
+    arrays = [jax.random.normal(key, spec.shape, spec.dtype)
+              for key, spec in zip(keys, specs[:3], strict=True)]
+    if problem.segmented:
+        arrays += [jnp.asarray(ids) for ids in packed_segment_ids(problem, seed)]
+    return arrays
+
+
 class TunableKernel(ABC):
     """An attention backend the tuner can search and the wrapper can run.
 
@@ -187,12 +253,18 @@ class TunableKernel(ABC):
       - Optionally ``discover`` (facts only the installed JAX can tell), ``stored_violations``,
         ``compile_parts`` (kernels of a gradient program that compile separately) or ``build``
         (when the measured function needs more than ``attention``).
+      - A backend of another problem type (a serving step, ``kernel.serving``) sets
+        ``problem_type`` and overrides ``build``, ``reference``, ``input_specs`` and
+        ``example_inputs``; it registers in ``SERVING_KERNELS``, not ``KERNELS``.
       - Register it in ``kernel/registry.py`` and list it in docs/kernels.md. The common suite
         (``tests/test_kernel_contract.py``) then checks its numerics and rules with no change.
     """
 
     name: ClassVar[str]
     version: ClassVar[str]
+    # The problems it is tuned and called for: an attention call, or a serving step
+    # (kernel.serving.ServingProblem). The contract's methods take problems of this type.
+    problem_type: ClassVar[type] = Problem
     description: ClassVar[str]
     targets: ClassVar[tuple[str, ...]]
     platforms: ClassVar[tuple[str, ...]]
@@ -293,6 +365,16 @@ class TunableKernel(ABC):
         self.check(problem, config)
         return measured_fn(problem, by_mode(lambda mode: self.attention(
             problem, lambda config_mode: config, default_scale(problem))))
+
+    def input_specs(self, problem: Problem, device: Any = None) -> list[Any]:
+        """Abstract inputs of what :meth:`build` returns (``jax.ShapeDtypeStruct``), placed on
+        ``device`` when given: an attention call's (:func:`input_specs`) by default."""
+        return input_specs(problem, device)
+
+    def example_inputs(self, problem: Problem, seed: int = 0) -> list[Any]:
+        """Concrete inputs of :meth:`input_specs`, deterministic in ``seed``: an attention
+        call's (:func:`example_inputs`) by default."""
+        return example_inputs(problem, seed)
 
     def reference(self, problem: Problem) -> AttentionFn:
         """The XLA reference of what ``build`` computes: :func:`gate_reference`, the same for

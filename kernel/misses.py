@@ -118,10 +118,13 @@ def _each_once(kind: type[Record]) -> list[Record]:
 
 
 def record(path: str | os.PathLike[str]) -> int:
-    """Appends the misses' and the borrowers' problems to the shapes file ``path`` (each
-    borrower marked with what it borrowed from); how many were new there."""
-    lent = borrowed()
-    return append_shapes(path, [miss.problem for miss in untuned()]
+    """Appends the attention misses' and borrowers' problems to the shapes file ``path``
+    (each borrower marked with what it borrowed from); how many were new there. A serving
+    step's (``kernel.ragged_paged_attention``) are listed by :func:`untuned` and
+    :func:`borrowed` only: a shapes file holds attention problems."""
+    lent = [b for b in borrowed() if isinstance(b.problem, Problem)]
+    return append_shapes(path, [miss.problem for miss in untuned()
+                                if isinstance(miss.problem, Problem)]
                          + [b.problem for b in lent], {b.problem: b.note() for b in lent})
 
 

@@ -42,8 +42,26 @@ FEATURE_FIELDS = ("window", "softcap", "segmented", "bottom_right")
 DEFAULTS_FROM: dict[str, str] = {"kv_heads": "q_heads", "kv_len": "q_len"}
 
 
+class GroupedHeads:
+    """What a problem of ``q_heads``, ``kv_heads`` and a ``dtype`` derives from them (an
+    attention call's and a serving step's alike)."""
+
+    q_heads: int
+    kv_heads: int
+    dtype: str
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
 @dataclass(frozen=True)
-class Problem:
+class Problem(GroupedHeads):
     """Shapes and options of one attention call, layout ``[batch, heads, seq, head_dim]``.
 
     Hashable and JSON round-trippable (``to_dict`` / ``from_dict``). The one declaration of
@@ -98,7 +116,7 @@ class Problem:
         if self.window is not None:
             object.__setattr__(self, "window", self._normalised_window())
         if self.softcap is not None:
-            object.__setattr__(self, "softcap", _softcap(self.softcap))
+            object.__setattr__(self, "softcap", checked_softcap(self.softcap))
         masked = self.causal or self.window is not None
         object.__setattr__(self, "bottom_right",
                            self.bottom_right and masked and self.q_len != self.kv_len)
@@ -132,17 +150,33 @@ class Problem:
         aligned, else 0 (negative when more queries than keys: the first see none)."""
         return self.kv_len - self.q_len if self.bottom_right else 0
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per key/value head (1 for plain multi-head attention)."""
-        return self.q_heads // self.kv_heads
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def family(self) -> tuple[Any, ...]:
+        """What a nearest match must share with the problem: dtype, head_dim, causality, mode,
+        the window exactly (it decides which blocks are skipped: tiles tuned for another window
+        are no evidence), whether logits are soft-capped but not the cap (one elementwise tanh
+        per logit costs the same at any value), whether segment ids are given, and the
+        alignment (bottom-right skips other blocks than top-left)."""
+        return (self.dtype, self.head_dim, self.causal, self.mode, self.window,
+                self.softcap is not None, self.segmented, self.bottom_right)
+
+    def distance(self, other: Any) -> float:
+        """How far ``other`` (a problem of the family, or any object with its sizes) is from
+        this one, in octaves of their sizes."""
+        return (self.axes_distance((other.q_len, other.kv_len))
+                + 0.5 * octaves(self.batch * self.q_heads, other.batch * other.q_heads)
+                + 0.25 * octaves(self.group_size, other.group_size))
+
+    def nearest_axes(self) -> tuple[int, int]:
+        """The sizes a nearest-match index buckets problems by: ``(q_len, kv_len)``."""
+        return self.q_len, self.kv_len
+
+    def axes_distance(self, axes: tuple[int, ...]) -> float:
+        """The part of :meth:`distance` that :meth:`nearest_axes` ``axes`` decide: a lower
+        bound of the distance to any problem with those axes."""
+        return octaves(self.q_len, axes[0]) + octaves(self.kv_len, axes[1])
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Problem:
@@ -195,7 +229,7 @@ class Problem:
         if self.window is not None:
             out.append(f"window{self.window[0]},{self.window[1]}")
         if self.softcap is not None:
-            out.append(f"softcap{_exact_text(self.softcap)}")
+            out.append(f"softcap{exact_text(self.softcap)}")
         if self.segmented:
             out.append("segmented")
         if self.bottom_right:
@@ -203,7 +237,12 @@ class Problem:
         return out
 
 
-def _exact_text(number: float) -> str:
+def octaves(a: float, b: float) -> float:
+    """How many doublings apart two positive sizes are."""
+    return abs(math.log2(a / b))
+
+
+def exact_text(number: float) -> str:
     """``number`` in ``:g`` form where that is exact (``50``, ``1e+20``), else its shortest
     exact form (``50.0000001``): two problems' labels differ where their values do."""
     short = f"{number:g}"
@@ -256,7 +295,7 @@ def softcap_problem(name: str, softcap: Any) -> str:
             f"must lie from {low:g} to {high:g} (beyond, outputs or gradients are NaN)")
 
 
-def _softcap(softcap: Any) -> float:
+def checked_softcap(softcap: Any) -> float:
     """``softcap`` as a float in ``SOFTCAP_RANGE``; anything else raises naming the fix."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ProblemError(f"softcap must be a number, got {softcap!r}")

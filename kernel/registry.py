@@ -1,7 +1,9 @@
-"""Every registered backend by name: plain imports, one mapping (tokamax's IMPLEMENTATIONS).
+"""Every registered backend by name: plain imports, one mapping per problem type (tokamax's
+IMPLEMENTATIONS): :data:`KERNELS`, the attention backends ``flash_attention`` picks among, and
+:data:`SERVING_KERNELS`, those of a serving step (``kernel.serving.ServingProblem``).
 
 Pure Python at import (backends load jax only when run). Adding a backend: import it here and
-add it to :data:`KERNELS`; see the checklist in :class:`kernel.contract.TunableKernel`.
+add it to its problem type's mapping; see the checklist in :class:`kernel.contract.TunableKernel`.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from kernel.backends import flash, jax_tpu_flash, mosaic_gpu, pallas_gpu, splash, xla
+from kernel.backends import flash, jax_tpu_flash, mosaic_gpu, pallas_gpu, rpa, splash, xla
 from kernel.contract import TunableKernel
 from kernel.errors import ConfigError
 
@@ -20,14 +22,35 @@ KERNELS: Mapping[str, TunableKernel] = MappingProxyType({
     for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, pallas_gpu.KERNEL, splash.KERNEL,
                     xla.KERNEL, xla.CUDNN, mosaic_gpu.KERNEL)
 })
+SERVING_KERNELS: Mapping[str, TunableKernel] = MappingProxyType({rpa.KERNEL.name: rpa.KERNEL})
 
 
 def kernel_names() -> list[str]:
+    """The attention backends' names."""
     return list(KERNELS)
 
 
 def get_kernel(name: str) -> TunableKernel:
-    """The registered backend called ``name``; an unknown name lists the known ones."""
-    if name not in KERNELS:
-        raise ConfigError(f"unknown kernel {name!r}; choose one of {', '.join(KERNELS)}")
-    return KERNELS[name]
+    """The attention backend called ``name``; an unknown name lists the known ones, and a
+    serving backend's says what it runs."""
+    if name in SERVING_KERNELS:
+        raise ConfigError(f"kernel {name!r} runs a serving step (ragged paged attention over a "
+                          "paged KV cache), not an attention call; choose one of "
+                          f"{', '.join(KERNELS)}, or tune and look up {name!r} by its serving "
+                          "problem (docs/serving.md)")
+    return registered_kernel(name)
+
+
+def registered_kernel(name: str) -> TunableKernel:
+    """The registered backend called ``name``, of either problem type (what tables, storage
+    and the service read configs with); an unknown name lists the known ones."""
+    for kernels in (KERNELS, SERVING_KERNELS):
+        if name in kernels:
+            return kernels[name]
+    raise ConfigError(f"unknown kernel {name!r}; choose one of "
+                      f"{', '.join([*KERNELS, *SERVING_KERNELS])}")
+
+
+def is_registered(name: str) -> bool:
+    """Whether a backend of either problem type is called ``name``."""
+    return name in KERNELS or name in SERVING_KERNELS

@@ -37,7 +37,7 @@ from typing import Any
 from kernel.contract import TunableKernel
 from kernel.errors import ConfigError, StrictMiss, TableError
 from kernel.problem import MODES, Problem
-from kernel.registry import DEFAULT_KERNEL, KERNELS, get_kernel
+from kernel.registry import DEFAULT_KERNEL, KERNELS, registered_kernel
 from kernel.rules import x64_enabled
 from kernel.sharded import checked_vma
 from kernel.service import Answer, ServiceClient
@@ -277,9 +277,10 @@ class Resolver:
         return self.kernel(name)
 
     def kernel(self, name: str) -> TunableKernel:
-        """The registered backend ``name`` after ``discover`` (once per process)."""
+        """The registered backend ``name`` (of either problem type) after ``discover`` (once
+        per process)."""
         if name not in self._kernels:
-            self._kernels[name] = get_kernel(name).discover()
+            self._kernels[name] = registered_kernel(name).discover()
         return self._kernels[name]
 
     def _once(self, cache: dict[Any, Any], key: Any, compute: Callable[[], Any]) -> Any:

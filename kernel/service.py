@@ -31,11 +31,14 @@ from typing import Any
 from kernel.contract import TunableKernel
 from kernel.problem import MODES, Problem
 from kernel.registry import KERNELS
+from kernel.serving import ServingProblem
 from kernel.table import KernelChoice, read_provenance
 
 MAX_REPLY_BYTES = 64 * 1024  # a lookup answer is well under 1 KiB, two choices a few KiB
 CHOICES_PATH = "/v1/choices/lookup:batch"
-PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem))
+# Where a config is looked up, by the kernel's problem type (TunableKernel.problem_type).
+CONFIG_PATHS: dict[type, str] = {Problem: "/v1/configs/lookup",
+                                 ServingProblem: "/v1/serving/configs/lookup"}
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,9 @@ class ServiceClient:
         key = ("choice", device_kind, problem)
         return self._answer(key, lambda: self._ask_problem(device_kind, problem, kernel))
 
-    def config(self, device_kind: str, problem: Problem, kernel: TunableKernel) -> Answer:
-        """The service's :class:`ConfigAnswer` of ``kernel`` for ``problem``."""
+    def config(self, device_kind: str, problem: Any, kernel: TunableKernel) -> Answer:
+        """The service's :class:`ConfigAnswer` of ``kernel`` for ``problem`` (of its problem
+        type)."""
         key = ("config", kernel.name, kernel.version, device_kind, problem)
         return self._answer(key, lambda: self._ask_config(device_kind, problem, kernel))
 
@@ -150,7 +154,7 @@ class ServiceClient:
                 return
             self.answers_configs = False  # a service older than ``configs``
         choices = self._send("POST", CHOICES_PATH, {"keys": keys})
-        config = (self._send("GET", "/v1/configs/lookup",
+        config = (self._send("GET", CONFIG_PATHS[Problem],
                              _config_params(device_kind, problem, tuned))
                   if tuned is not None else None)
         self._keep_choices(choices, device_kind, problems)
@@ -170,8 +174,8 @@ class ServiceClient:
                 self._keep(("config", name, kernel.version, device_kind, choice_problem),
                            _parsed_config(item, kernel))
 
-    def _ask_config(self, device_kind: str, problem: Problem, kernel: TunableKernel) -> None:
-        reply = self._send("GET", "/v1/configs/lookup",
+    def _ask_config(self, device_kind: str, problem: Any, kernel: TunableKernel) -> None:
+        reply = self._send("GET", CONFIG_PATHS[kernel.problem_type],
                            _config_params(device_kind, problem, kernel))
         self._keep(("config", kernel.name, kernel.version, device_kind, problem),
                    self._config_answer(reply, kernel))
@@ -220,7 +224,8 @@ class ServiceClient:
 def _config_of(body: Any, kernel: TunableKernel) -> ConfigAnswer:
     """A found config's JSON body as a :class:`ConfigAnswer` of ``kernel``."""
     key = body.get("key")
-    origin = (Problem.from_dict({name: key[name] for name in PROBLEM_FIELDS if name in key})
+    fields = [field.name for field in dataclasses.fields(kernel.problem_type)]
+    origin = (kernel.problem_type.from_dict({name: key[name] for name in fields if name in key})
               if isinstance(key, dict) else None)
     return ConfigAnswer(kernel.config_from_dict(body["config"]), read_provenance(body),
                         body.get("match"), origin)
@@ -260,9 +265,9 @@ def _choice_answer(results: Any, index: int, failure: Answer) -> Answer:
         return Answer(why=f"lookup service sent a bad choice: {type(error).__name__}: {error}")
 
 
-def _config_params(device_kind: str, problem: Problem,
+def _config_params(device_kind: str, problem: Any,
                    kernel: TunableKernel) -> list[tuple[str, Any]]:
-    """The query of ``GET /v1/configs/lookup`` (``Problem.query_params``)."""
+    """The query of a config lookup (:data:`CONFIG_PATHS`; the problem's ``query_params``)."""
     return [*dict(kernel=kernel.name, kernel_version=kernel.version,
                   device_kind=device_kind).items(), *problem.query_params()]
 

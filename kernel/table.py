@@ -3,8 +3,10 @@
 Pure Python (no jax): the service exports and imports the same format, and uses the same
 nearest-match rules, as the kernel wrapper reading a pinned table. Schema 2 added ``choices``
 (which kernel wins per problem on the table's device kind); schema 3 problems may carry a
-``window``, a ``softcap`` and ``segmented``, schema 4 ones ``bottom_right`` too. Older tables
-still load (their problems have none of what came after them).
+``window``, a ``softcap`` and ``segmented``, schema 4 ones ``bottom_right`` too; schema 5
+names the table's ``problem_type``: ``attention`` (``kernel.problem.Problem``, as every older
+table's) or ``serving`` (``kernel.serving.ServingProblem``, the entries of a serving kernel).
+Older tables still load (their problems have none of what came after them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +21,21 @@ from typing import Any
 
 from kernel.errors import AutotuneError, TableError
 from kernel.problem import FEATURE_FIELDS, Problem, finite_float, shown_number
-from kernel.registry import KERNELS, get_kernel
+from kernel.registry import KERNELS, get_kernel, is_registered, registered_kernel
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
+from kernel.serving import ServingProblem
 
 MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
 # larger file is no table.
 MAX_TABLE_BYTES = 512 * MiB
-TABLE_SCHEMA_VERSION = 4
+TABLE_SCHEMA_VERSION = 5
 # 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented;
-# 4: and bottom_right
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# 4: and bottom_right; 5: a problem_type
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+# A table's problem_type, by the problem type of its kernel (TunableKernel.problem_type).
+PROBLEM_TYPES: dict[str, type] = {"attention": Problem, "serving": ServingProblem}
+PROBLEM_TYPE_SINCE = 5
 # The first schema whose problems may use each of FEATURE_FIELDS.
 FEATURE_SINCE = {"window": 3, "softcap": 3, "segmented": 3, "bottom_right": 4}
 assert set(FEATURE_SINCE) == set(FEATURE_FIELDS)
@@ -40,7 +45,7 @@ assert set(FEATURE_SINCE) == set(FEATURE_FIELDS)
 class TableEntry:
     """One tuned result: the problem, the winning config, and how it was measured."""
 
-    problem: Problem
+    problem: Any  # of the table kernel's problem type (``TunableKernel.problem_type``)
     config: Any  # a config of the table's kernel (``TunableKernel.config_type``)
     time_ms: float | None = None
     default_time_ms: float | None = None
@@ -54,14 +59,15 @@ class TableEntry:
 
     @classmethod
     def from_dict(cls, data: Any, kernel: str) -> TableEntry:
-        """An entry whose config is one of kernel ``kernel``'s."""
+        """An entry whose problem and config are kernel ``kernel``'s types."""
         if not isinstance(data, dict):
             raise TableError(f"an entry must be a JSON object, got {type(data).__name__}")
         for name in ("problem", "config"):
             if name not in data:
                 raise TableError(f"entry is missing {name!r}")
-        problem = Problem.from_dict(data["problem"])
-        config = get_kernel(kernel).config_from_dict(data["config"])
+        rules = registered_kernel(kernel)
+        problem = rules.problem_type.from_dict(data["problem"])
+        config = rules.config_from_dict(data["config"])
         numbers = {}
         for name in ("time_ms", "default_time_ms", "speedup"):
             numbers[name] = _milliseconds(name, data.get(name))
@@ -214,10 +220,15 @@ class LookupTable:
         """This table and its ``others``: the entries of each kernel it carries."""
         return (self, *self.others)
 
+    @property
+    def problem_type(self) -> str:
+        """``attention`` or ``serving``: what its kernel's problems are (:data:`PROBLEM_TYPES`)."""
+        return problem_type_name(registered_kernel(self.kernel).problem_type)
+
     def to_dict(self) -> dict[str, Any]:
-        table = dict(schema_version=self.schema_version, kernel=self.kernel,
-                     kernel_version=self.kernel_version, device_kind=self.device_kind,
-                     jax_version=self.jax_version,
+        table = dict(schema_version=self.schema_version, problem_type=self.problem_type,
+                     kernel=self.kernel, kernel_version=self.kernel_version,
+                     device_kind=self.device_kind, jax_version=self.jax_version,
                      entries=[entry.to_dict() for entry in self.entries],
                      choices=[choice.to_dict() for choice in self.choices])
         if self.others:
@@ -232,6 +243,7 @@ class LookupTable:
             raise TableError(f"a table must be a JSON object, got {type(data).__name__}")
         version = _schema_version(data.get("schema_version"))
         header, kernel = _header(data)
+        _check_problem_type(data, version, kernel)
         raw_entries = data.get("entries")
         if not isinstance(raw_entries, list):
             raise TableError("table field 'entries' must be a list")
@@ -273,6 +285,28 @@ class LookupTable:
         return find_choice(problem, self.choices)
 
 
+def problem_type_name(problem_type: type) -> str:
+    """The name a table gives ``problem_type`` (:data:`PROBLEM_TYPES`)."""
+    return next(name for name, known in PROBLEM_TYPES.items() if known is problem_type)
+
+
+def _check_problem_type(data: dict[str, Any], version: int, kernel: str) -> None:
+    """Raises unless the table's ``problem_type`` (``attention`` when absent) is its kernel's,
+    and a serving kernel's table is of a schema that names it."""
+    named = data.get("problem_type", "attention")
+    own = problem_type_name(registered_kernel(kernel).problem_type)
+    if named not in PROBLEM_TYPES:
+        raise TableError(f"table problem_type must be one of {', '.join(PROBLEM_TYPES)}, got "
+                         f"{named!r}")
+    if named != own:
+        raise TableError(f"table problem_type {named!r} is not that of kernel {kernel!r} "
+                         f"({own!r}); export the table again with `autotune export`")
+    if own != "attention" and version < PROBLEM_TYPE_SINCE:
+        raise TableError(f"kernel {kernel!r} tables came with schema_version "
+                         f"{PROBLEM_TYPE_SINCE} ({own} problems); a schema {version} table "
+                         "cannot hold them (export the table again with this build)")
+
+
 def _schema_version(version: Any) -> int:
     """A table's ``schema_version``, if this build reads it."""
     if (isinstance(version, int) and not isinstance(version, bool)
@@ -295,7 +329,7 @@ def _header(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
         if not isinstance(value, str) or not value:
             raise TableError(f"table field {name!r} must be a non-empty string")
     try:
-        kernel = get_kernel(header[_HEADER_TEXT[0]]).name
+        kernel = registered_kernel(header[_HEADER_TEXT[0]]).name
     except AutotuneError as error:
         raise TableError(f"table {error}") from None
     jax_version = data.get("jax_version")
@@ -404,13 +438,6 @@ def _parse_each(raw_items: list[Any], what: str, parse: Any) -> tuple[Any, ...]:
 _HEADER_TEXT = tuple(f.name for f in dataclasses.fields(LookupTable)[:3])
 
 
-def shape_distance(a: Problem, b: Problem) -> float:
-    """How far apart two problems are, in octaves of their sizes."""
-    return (abs(math.log2(a.q_len / b.q_len)) + abs(math.log2(a.kv_len / b.kv_len))
-            + 0.5 * abs(math.log2(a.batch * a.q_heads / (b.batch * b.q_heads)))
-            + 0.25 * abs(math.log2(a.group_size / b.group_size)))
-
-
 def find_entry(problem: Problem, entries: Sequence[TableEntry],
                kernel: str) -> tuple[TableEntry, str] | None:
     """``(entry, "exact")`` for ``problem``, else ``(entry, "nearest")``
@@ -424,33 +451,23 @@ def find_choice(problem: Problem,
     return ProblemIndex(choices, lambda choice: choice.kernel).find(problem)
 
 
-def problem_family(problem: Problem) -> tuple[Any, ...]:
-    """What a nearest match must share with the problem: dtype, head_dim, causality, mode,
-    the window exactly (it decides which blocks are skipped: tiles tuned for another window
-    are no evidence), whether logits are soft-capped but not the cap (one elementwise tanh per
-    logit costs the same at any value), whether segment ids are given, and the alignment
-    (bottom-right skips other blocks than top-left)."""
-    return (problem.dtype, problem.head_dim, problem.causal, problem.mode, problem.window,
-            problem.softcap is not None, problem.segmented, problem.bottom_right)
-
-
 class ProblemIndex:
     """Table entries or kernel choices indexed by problem: an exact lookup is one dict read;
-    a nearest one looks only at the problem's family (:func:`problem_family`), visits its
-    (q_len, kv_len) buckets closest first and stops once a bucket cannot hold anything closer
-    than the best legal item found, checking rules closest first. Earlier items win ties."""
+    a nearest one looks only at the problem's family (its ``family()``), visits its buckets
+    (``nearest_axes()``: an attention problem's (q_len, kv_len)) closest first and stops once a
+    bucket cannot hold anything closer than the best legal item found, checking rules closest
+    first. Earlier items win ties."""
 
     def __init__(self, items: Iterable[Any], kernel_of: Callable[[Any], str]) -> None:
         self._kernel_of = kernel_of
-        self._exact: dict[Problem, Any] = {}
-        self._families: dict[tuple[Any, ...], dict[tuple[int, int], list[Any]]] = {}
+        self._exact: dict[Any, Any] = {}
+        self._families: dict[tuple[Any, ...], dict[tuple[int, ...], list[Any]]] = {}
         for order, item in enumerate(items):
             self._exact.setdefault(item.problem, item)
-            lengths = (item.problem.q_len, item.problem.kv_len)
-            self._families.setdefault(problem_family(item.problem), {}).setdefault(
-                lengths, []).append((order, item))
+            self._families.setdefault(item.problem.family(), {}).setdefault(
+                item.problem.nearest_axes(), []).append((order, item))
 
-    def find(self, problem: Problem) -> tuple[Any, str] | None:
+    def find(self, problem: Any) -> tuple[Any, str] | None:
         """``(item, "exact")``, else ``(item, "nearest")``, else None."""
         exact = self._exact.get(problem)
         if exact is not None:
@@ -458,20 +475,18 @@ class ProblemIndex:
         item = self.nearest(problem)
         return (item, "nearest") if item is not None else None
 
-    def nearest(self, problem: Problem) -> Any:
+    def nearest(self, problem: Any) -> Any:
         """The closest item of the family whose config passes its kernel's stored-config rules
-        for ``problem`` (:func:`shape_distance`); None when none does."""
-        buckets = self._families.get(problem_family(problem), {})
-        # The sequence lengths' part of shape_distance: a lower bound for a whole bucket.
-        bounds = sorted((abs(math.log2(problem.q_len / q_len))
-                         + abs(math.log2(problem.kv_len / kv_len)), (q_len, kv_len))
-                        for q_len, kv_len in buckets)
+        for ``problem`` (its ``distance``); None when none does."""
+        buckets = self._families.get(problem.family(), {})
+        # The bucket axes' part of the distance: a lower bound for a whole bucket.
+        bounds = sorted((problem.axes_distance(axes), axes) for axes in buckets)
         best: tuple[float, int, Any] | None = None
-        for bound, lengths in bounds:
+        for bound, axes in bounds:
             if best is not None and bound > best[0]:
                 break
-            ranked = [(shape_distance(problem, item.problem), order, item)
-                      for order, item in buckets[lengths]]
+            ranked = [(problem.distance(item.problem), order, item)
+                      for order, item in buckets[axes]]
             heapq.heapify(ranked)
             while ranked and (best is None or ranked[0][:2] < best[:2]):
                 found = heapq.heappop(ranked)
@@ -483,16 +498,16 @@ class ProblemIndex:
     def _legal(self, problem: Problem, item: Any) -> bool:
         """Whether ``item``'s kernel is registered and its config legal for ``problem``."""
         name = self._kernel_of(item)
-        if name not in KERNELS:
+        if not is_registered(name):
             return False
-        rules = KERNELS[name]
+        rules = registered_kernel(name)
         return (isinstance(item.config, rules.config_type)
                 and not rules.stored_violations(problem, item.config))
 
 
 def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
                   kernel: str) -> TableEntry | None:
-    """The closest tuned problem of the same family (``problem_family``: dtype, head_dim,
+    """The closest tuned problem of the same family (``Problem.family``: dtype, head_dim,
     causality, mode, window, softcap or none, segment ids or none, alignment) whose config
     (one of kernel ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None
     when none does."""

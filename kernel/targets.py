@@ -24,13 +24,16 @@ class Target:
     device_kind: str  # as jax.Device.device_kind reports it
     scoped_vmem_bytes: int | None  # None: no VMEM (a GPU, or interpret mode on a CPU)
     topology: str | None = None  # deviceless topology name for ahead-of-time TPU compiles
+    # A core's whole VMEM, the most a kernel's vmem_limit_bytes may raise the scoped limit to
+    # (JAX's pallas.mosaic.tpu_info); None: no VMEM.
+    vmem_capacity_bytes: int | None = None
 
 
 TARGETS: dict[str, Target] = {
-    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1"),
-    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1"),
-    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1"),
-    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1"),
+    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1", 16 * MiB),
+    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1", 128 * MiB),
+    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1", 64 * MiB),
+    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1", 128 * MiB),
     "cpu": Target("cpu", "cpu", None),
 }
 TPU_TARGETS: tuple[str, ...] = tuple(TARGETS)  # v4 v5e v5p v6e cpu (interpret mode)

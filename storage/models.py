@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, UniqueConstraint, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from storage.results import KEY_FIELDS, NO_SOFTCAP, NO_WINDOW, TEXT_LIMITS
+from storage.results import KEY_FIELDS, NO_SOFTCAP, NO_WINDOW, SERVING_KEY_FIELDS, TEXT_LIMITS
 
 # The unique key, in index order: the columns shared by nearest-match candidates come first, so
 # the unique index also serves the nearest-match query.
@@ -27,17 +27,29 @@ assert sorted(KEY_COLUMNS) == sorted(KEY_FIELDS), "the unique key must be the st
 CHOICE_FAMILY_COLUMNS = ("device_kind", "dtype", "head_dim", "causal", "mode", *FEATURE_COLUMNS)
 CHOICE_KEY_COLUMNS = (*CHOICE_FAMILY_COLUMNS, "batch", "q_heads", "kv_heads", "q_len", "kv_len",
                       "softcap", "platform")
+# A serving config's key (kernel.serving.ServingProblem): what a nearest match shares first
+# (ServingProblem.family, less the softcap's value), then the sizes it is nearest in.
+SERVING_FAMILY_COLUMNS = ("kernel", "kernel_version", "device_kind", "dtype", "kv_dtype",
+                          "q_heads", "kv_heads", "head_dim", "page_size", "window")
+SERVING_KEY_COLUMNS = (*SERVING_FAMILY_COLUMNS, "max_num_batched_tokens", "pages_per_seq",
+                       "max_num_seqs", "softcap", "platform")
+assert sorted(SERVING_KEY_COLUMNS) == sorted(SERVING_KEY_FIELDS), "the serving key is stored"
 
 
 class Base(DeclarativeBase):
     pass
 
 
-class _ProblemColumns:
-    """The device and problem columns every table is keyed on."""
+class _DeviceColumns:
+    """The device columns every table is keyed on."""
 
     device_kind: Mapped[str] = mapped_column(String(TEXT_LIMITS["device_kind"]))
     platform: Mapped[str] = mapped_column(String(TEXT_LIMITS["platform"]))
+
+
+class _ProblemColumns(_DeviceColumns):
+    """The device and attention problem columns."""
+
     batch: Mapped[int] = mapped_column(Integer)
     q_heads: Mapped[int] = mapped_column(Integer)
     kv_heads: Mapped[int] = mapped_column(Integer)
@@ -66,8 +78,25 @@ class _ProvenanceColumns:
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-class _ResultColumns(_ProblemColumns, _ProvenanceColumns):
-    """The columns of a tuned result, shared by the live table and its history."""
+class _ServingProblemColumns(_DeviceColumns):
+    """The device and serving problem columns (kernel.serving.ServingProblem)."""
+
+    q_heads: Mapped[int] = mapped_column(Integer)
+    kv_heads: Mapped[int] = mapped_column(Integer)
+    head_dim: Mapped[int] = mapped_column(Integer)
+    page_size: Mapped[int] = mapped_column(Integer)
+    pages_per_seq: Mapped[int] = mapped_column(Integer)
+    max_num_batched_tokens: Mapped[int] = mapped_column(Integer)
+    max_num_seqs: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(16))
+    kv_dtype: Mapped[str] = mapped_column(String(16))
+    # No window, no softcap: NO_WINDOW, NO_SOFTCAP (storage.results.problem_columns).
+    window: Mapped[int] = mapped_column(Integer, server_default=str(NO_WINDOW))
+    softcap: Mapped[float] = mapped_column(Float, server_default=str(NO_SOFTCAP))
+
+
+class _MeasuredColumns(_ProvenanceColumns):
+    """A tuned result's kernel, config, timings and provenance."""
 
     kernel: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel"]))
     kernel_version: Mapped[str] = mapped_column(String(TEXT_LIMITS["kernel_version"]))
@@ -86,6 +115,14 @@ class _ResultColumns(_ProblemColumns, _ProvenanceColumns):
     kernel_median_ms: Mapped[float | None] = mapped_column(Float)
 
 
+class _ResultColumns(_ProblemColumns, _MeasuredColumns):
+    """The columns of a tuned result, shared by the live table and its history."""
+
+
+class _ServingResultColumns(_ServingProblemColumns, _MeasuredColumns):
+    """The columns of a tuned serving result, shared by the live table and its history."""
+
+
 class TunedConfigRow(_ResultColumns, Base):
     """The best known config per key."""
 
@@ -101,6 +138,27 @@ class TunedConfigHistoryRow(_ResultColumns, Base):
 
     __tablename__ = "autotune_config_history"
     __table_args__ = (Index("ix_autotune_config_history_key", *KEY_COLUMNS),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    reason: Mapped[str] = mapped_column(String(16))
+    archived_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ServingConfigRow(_ServingResultColumns, Base):
+    """The best known config per serving key (a serving kernel's: docs/serving.md)."""
+
+    __tablename__ = "autotune_serving_configs"
+    __table_args__ = (UniqueConstraint(*SERVING_KEY_COLUMNS,
+                                       name="uq_autotune_serving_configs_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+
+
+class ServingConfigHistoryRow(_ServingResultColumns, Base):
+    """Serving results that lost, as ``TunedConfigHistoryRow``'s."""
+
+    __tablename__ = "autotune_serving_config_history"
+    __table_args__ = (Index("ix_autotune_serving_config_history_key", *SERVING_KEY_COLUMNS),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     reason: Mapped[str] = mapped_column(String(16))

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from kernel import DEFAULT_KERNEL, AutotuneError, Problem, TableEntry, get_kernel
+from kernel import DEFAULT_KERNEL, AutotuneError, Problem, ServingProblem, TableEntry
+from kernel.registry import registered_kernel
 from kernel.resolve import RETIRED_TIMINGS, installed_versions, stale_versions
 
 METHODS: tuple[str, ...] = ("device", "interpret", "replay")
@@ -77,7 +78,7 @@ def default_platform(device_kind: str) -> str:
 
 def installed_kernel_version(kernel: str = DEFAULT_KERNEL) -> str:
     """The installed version of kernel ``kernel`` (the registry is jax-free to import)."""
-    return get_kernel(kernel).version
+    return registered_kernel(kernel).version
 
 
 # This process's jax, jaxlib and libtpu versions, read once (rendering a page asks per row).
@@ -92,7 +93,7 @@ class ConfigKey:
     kernel_version: str
     device_kind: str
     platform: str
-    problem: Problem
+    problem: Problem | ServingProblem  # the kernel's problem type
 
     def to_dict(self) -> dict[str, Any]:
         """Flat: the kernel and device fields, then the problem fields (``KEY_FIELDS``)."""
@@ -105,37 +106,55 @@ class ConfigKey:
                 **problem_columns(self.problem)}
 
 
-# A problem as stored: its fields, the window as two columns. "None" is stored as a value no
-# problem has (NO_WINDOW, NO_SOFTCAP), not as NULL: SQL unique keys treat NULLs as distinct, so
-# a nullable key column would let two rows hold the same key.
+# A problem as stored: its fields, an attention problem's window as two columns. "None" is
+# stored as a value no problem has (NO_WINDOW, NO_SOFTCAP), not as NULL: SQL unique keys treat
+# NULLs as distinct, so a nullable key column would let two rows hold the same key.
 WINDOW_COLUMNS = ("window_left", "window_right")
 NO_WINDOW = -1
 NO_SOFTCAP = 0.0
-PROBLEM_COLUMNS = tuple(column for f in dataclasses.fields(Problem)
-                        for column in (WINDOW_COLUMNS if f.name == "window" else (f.name,)))
 
 
-def problem_columns(problem: Problem) -> dict[str, Any]:
-    """A problem's column values (``PROBLEM_COLUMNS``), in their order."""
+def columns_of(problem_type: type) -> tuple[str, ...]:
+    """The columns a problem type is stored in: its fields, an attention window as two."""
+    return tuple(column for f in dataclasses.fields(problem_type)
+                 for column in (WINDOW_COLUMNS if (problem_type, f.name) == (Problem, "window")
+                                else (f.name,)))
+
+
+PROBLEM_COLUMNS = columns_of(Problem)
+SERVING_COLUMNS = columns_of(ServingProblem)
+
+
+def problem_columns(problem: Problem | ServingProblem) -> dict[str, Any]:
+    """A problem's column values (``columns_of`` its type), in their order."""
     values = problem.to_dict()
-    values.update(zip(WINDOW_COLUMNS, problem.window or (NO_WINDOW, NO_WINDOW), strict=True),
-                  softcap=NO_SOFTCAP if problem.softcap is None else problem.softcap)
-    return {name: values[name] for name in PROBLEM_COLUMNS}
+    if isinstance(problem, Problem):
+        values.update(zip(WINDOW_COLUMNS, problem.window or (NO_WINDOW, NO_WINDOW),
+                          strict=True))
+    elif problem.window is None:
+        values["window"] = NO_WINDOW
+    values["softcap"] = NO_SOFTCAP if problem.softcap is None else problem.softcap
+    return {name: values[name] for name in columns_of(type(problem))}
 
 
-def problem_from_columns(get: Callable[[str], Any]) -> Problem:
+def problem_from_columns(get: Callable[[str], Any],
+                         problem_type: type = Problem) -> Problem | ServingProblem:
     """The problem of a row, from its column getter (the inverse of ``problem_columns``)."""
-    values = {name: get(name) for name in PROBLEM_COLUMNS}
-    window = tuple(values.pop(name) for name in WINDOW_COLUMNS)
+    values = {name: get(name) for name in columns_of(problem_type)}
     softcap = values.pop("softcap")
-    return Problem(**values, window=None if window[0] == NO_WINDOW else window,
-                   softcap=None if softcap == NO_SOFTCAP else softcap)
+    if problem_type is Problem:
+        window = tuple(values.pop(name) for name in WINDOW_COLUMNS)
+    else:
+        window = values.pop("window")
+    return problem_type(**values, window=None if window in (NO_WINDOW, (NO_WINDOW,) * 2)
+                        else window, softcap=None if softcap == NO_SOFTCAP else softcap)
 
 
 # The key's own text fields (before its problem): with the problem's columns, the one
 # declaration of what a result is stored and looked up under.
 KEY_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(ConfigKey) if f.name != "problem")
 KEY_FIELDS = (*KEY_TEXT_FIELDS, *PROBLEM_COLUMNS)
+SERVING_KEY_FIELDS = (*KEY_TEXT_FIELDS, *SERVING_COLUMNS)
 
 
 # The longest value each text field may hold (the column sizes of storage.models).
@@ -215,7 +234,7 @@ class TunedResult:
     """
 
     device_kind: str
-    problem: Problem
+    problem: Problem | ServingProblem  # of ``kernel``'s problem type
     config: Any  # a config of ``kernel`` (its ``TunableKernel.config_type``)
     median_ms: float | None
     iqr_ms: float | None = None
@@ -240,15 +259,18 @@ class TunedResult:
 
     def __post_init__(self) -> None:
         check_text("kernel", self.kernel)
-        rules = get_kernel(self.kernel)
+        rules = registered_kernel(self.kernel)
         if not self.kernel_version:
             object.__setattr__(self, "kernel_version", rules.version)
         for name in ("kernel_version", "device_kind"):
             check_text(name, getattr(self, name))
         for name in ("jax_version", "jaxlib_version", "libtpu_version", "study"):
             check_text(name, getattr(self, name), optional=True)
-        if not isinstance(self.problem, Problem):
-            raise ResultError(f"problem must be a kernel.problem.Problem, got {self.problem!r}")
+        if not isinstance(self.problem, rules.problem_type):
+            raise ResultError(f"kernel {self.kernel!r} takes a "
+                              f"{rules.problem_type.__name__} as its problem, got "
+                              f"{self.problem!r}; store its results under a kernel of that "
+                              "problem type")
         if not isinstance(self.config, rules.config_type):
             raise ResultError(f"config of kernel {self.kernel!r} must be a "
                               f"{rules.config_type.__name__}, got {self.config!r}")
@@ -284,7 +306,7 @@ class TunedResult:
         implausible = implausible_time(self)
         if implausible:
             raise ResultError(implausible)
-        broken = get_kernel(self.kernel).stored_violations(self.problem, self.config)
+        broken = registered_kernel(self.kernel).stored_violations(self.problem, self.config)
         if broken:
             raise ResultError(f"config is illegal for {self.problem.label()}: "
                               + "; ".join(str(v) for v in broken))

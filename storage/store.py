@@ -22,11 +22,13 @@ from kernel import (
     AutotuneError,
     LookupTable,
     Problem,
+    ServingProblem,
     TableEntry,
     get_kernel,
     kernel_names,
 )
-from kernel.table import KernelChoice, KernelTiming, nearest_entry, shape_distance
+from kernel.registry import registered_kernel
+from kernel.table import KernelChoice, KernelTiming, nearest_entry
 from storage.choices import (
     CHOICE_PROVENANCE,
     StoredChoice,
@@ -50,7 +52,11 @@ from storage.models import (
     CHOICE_KEY_COLUMNS,
     FAMILY_COLUMNS,
     KEY_COLUMNS,
+    SERVING_FAMILY_COLUMNS,
+    SERVING_KEY_COLUMNS,
     KernelChoiceRow,
+    ServingConfigHistoryRow,
+    ServingConfigRow,
     TunedConfigHistoryRow,
     TunedConfigRow,
 )
@@ -76,11 +82,38 @@ from storage.unreadable import Rows, UnreadableRows
 Match = Literal["exact", "nearest"]
 _T = TypeVar("_T")
 FILTER_FIELDS = (*KEY_COLUMNS, "method", "study")
+SERVING_FILTER_FIELDS = (*SERVING_KEY_COLUMNS, "method", "study")
 CHOICE_FILTER_FIELDS = (*CHOICE_KEY_COLUMNS, "kernel", "method")
 FAMILY_CACHE_SIZE = 64  # families of nearest-match candidates kept (SQLite); full: cleared
 PUBLISH_ATTEMPTS = 3  # a concurrent first insert of the same key loses the race once, at most
 _TABLE = TunedConfigRow.__table__
 _CHOICES = KernelChoiceRow.__table__
+_SERVING = ServingConfigRow.__table__
+
+
+@dataclass(frozen=True)
+class _ResultTables:
+    """Where the results of one problem type live: the live table, its history, the key and
+    the family of nearest-match candidates, and the filters ``list`` takes."""
+
+    row: type
+    history: type
+    key: tuple[str, ...]
+    family: tuple[str, ...]
+    filters: tuple[str, ...]
+
+
+_RESULT_TABLES = {
+    Problem: _ResultTables(TunedConfigRow, TunedConfigHistoryRow, KEY_COLUMNS, FAMILY_COLUMNS,
+                           FILTER_FIELDS),
+    ServingProblem: _ResultTables(ServingConfigRow, ServingConfigHistoryRow, SERVING_KEY_COLUMNS,
+                                  SERVING_FAMILY_COLUMNS, SERVING_FILTER_FIELDS),
+}
+
+
+def _tables_of(kernel: str) -> _ResultTables:
+    """The tables of kernel ``kernel``'s results (by its problem type)."""
+    return _RESULT_TABLES[registered_kernel(kernel).problem_type]
 
 
 def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,),
@@ -92,7 +125,8 @@ def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,),
 
 _EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
 _EXACT_ON_PLATFORM = _select_where(KEY_COLUMNS)
-_BY_ID = {table.name: _select_where(("id",), (table,), table) for table in (_TABLE, _CHOICES)}
+_BY_ID = {table.name: _select_where(("id",), (table,), table)
+          for table in (_TABLE, _CHOICES, _SERVING)}
 
 
 def _candidate_columns(table: Any) -> list[Any]:
@@ -126,7 +160,7 @@ class LookupRequest:
     """One key to look up; ``platform`` None matches any platform of the device kind."""
 
     device_kind: str
-    problem: Problem
+    problem: Problem | ServingProblem  # of the kernel's problem type
     kernel: str = DEFAULT_KERNEL
     kernel_version: str | None = None  # None: the installed kernel's version
     platform: str | None = None
@@ -174,13 +208,14 @@ def _getter(row: Any) -> Callable[[str], Any]:
 
 
 def _result(row: Any) -> TunedResult:
-    """A result from a table row (ORM object or Core row mapping)."""
+    """A result from a table row (ORM object or Core row mapping) of any kernel."""
     get = _getter(row)
+    rules = registered_kernel(get("kernel"))
     return TunedResult(
         kernel=get("kernel"), kernel_version=get("kernel_version"),
         device_kind=get("device_kind"), platform=get("platform"),
-        problem=problem_from_columns(get),
-        config=get_kernel(get("kernel")).config_from_dict(get("config")),
+        problem=problem_from_columns(get, rules.problem_type),
+        config=rules.config_from_dict(get("config")),
         **{name: get(name) for name in (*MEASUREMENT_FIELDS, *PROVENANCE_FIELDS)})
 
 
@@ -235,7 +270,7 @@ def _best(entries: Sequence[Entry]) -> Entry | None:
 
 
 class _Shape(NamedTuple):
-    """A candidate's sizes: what ``kernel.table.shape_distance`` reads, without building a
+    """A candidate's sizes: what ``Problem.distance`` reads, without building a
     validated Problem for every row of a family."""
 
     batch: int
@@ -253,7 +288,7 @@ class _Family:
     """The nearest-match candidates of one family (configs: same kernel, device, dtype,
     head_dim, causal, mode, window, segment ids, softcap or none; kernel choices: the same
     but any kernel), sorted by q_len. ``nearest`` visits them in order of the q_len term of
-    ``shape_distance`` (a lower bound of the whole distance) and stops once that bound exceeds
+    ``Problem.distance`` (a lower bound of the whole distance) and stops once that bound exceeds
     the best legal distance found, so a lookup reads a few q_len neighbourhoods, not the
     family; legality is checked once per distinct kernel and config."""
 
@@ -285,7 +320,7 @@ class _Family:
                 break  # every row not yet visited is at least this far
             row_id, *sizes, kernel, config = self.rows[index]
             shape = _Shape(*sizes)
-            distance = shape_distance(problem, shape)  # type: ignore[arg-type]
+            distance = problem.distance(shape)
             if best is not None and (distance, row_id) >= best[:2]:
                 continue
             if (kernel, config) not in legal:
@@ -462,8 +497,8 @@ class Store:
             for choice in sorted(table.choices, key=lambda c: _lock_order(
                     choice_columns(table.device_kind, c), CHOICE_KEY_COLUMNS)):
                 self._publish_choice(session, table.device_kind, choice)
-            order = sorted(range(len(results)),
-                           key=lambda i: _lock_order(_columns(results[i]), KEY_COLUMNS))
+            order = sorted(range(len(results)), key=lambda i: _lock_order(
+                _columns(results[i]), _tables_of(results[i].kernel).key))
             outcomes = {i: self._publish(session, results[i], force) for i in order}
             return [outcomes[i] for i in range(len(results))]
 
@@ -507,12 +542,13 @@ class Store:
     def _publish(session: Session, result: TunedResult, force: bool,
                  beyond_noise: bool = False) -> PublishOutcome:
         now = datetime.now(UTC)
+        tables = _tables_of(result.kernel)
         key = LookupRequest(result.device_kind, result.problem, result.kernel,
-                            result.kernel_version, result.platform).params(KEY_COLUMNS)
-        row = session.scalars(_for_update(session, select(TunedConfigRow).filter_by(**key))) \
+                            result.kernel_version, result.platform).params(tables.key)
+        row = session.scalars(_for_update(session, select(tables.row).filter_by(**key))) \
             .one_or_none()
         if row is None:
-            row = TunedConfigRow(**_columns(result), created_at=now, updated_at=now)
+            row = tables.row(**_columns(result), created_at=now, updated_at=now)
             session.add(row)
             session.flush()
             return PublishOutcome("inserted", _entry(row))
@@ -521,7 +557,7 @@ class Store:
             return PublishOutcome("kept", _entry(row), previous)  # the same result: a no-op
         wins = result.beats(previous, beyond_noise)
         if wins or force:
-            session.add(TunedConfigHistoryRow(
+            session.add(tables.history(
                 **_columns(previous), created_at=row.created_at, updated_at=row.updated_at,
                 reason="replaced" if wins else "forced", archived_at=now))
             for name, value in _columns(result).items():
@@ -529,11 +565,10 @@ class Store:
             row.updated_at = now
             session.flush()
             return PublishOutcome("replaced", _entry(row), previous)
-        rejected = session.scalars(select(TunedConfigHistoryRow)
-                                   .filter_by(**key, reason="rejected"))
+        rejected = session.scalars(select(tables.history).filter_by(**key, reason="rejected"))
         if all(_columns(_result(old)) != _columns(result) for old in rejected):
             # once: a sync job importing the same slower table again adds nothing
-            session.add(TunedConfigHistoryRow(**_columns(result), created_at=now,
+            session.add(tables.history(**_columns(result), created_at=now,
                                               updated_at=now, reason="rejected", archived_at=now))
         return PublishOutcome("kept", _entry(row), previous)
 
@@ -542,14 +577,15 @@ class Store:
     def get(self, key: ConfigKey) -> Entry | None:
         request = LookupRequest(key.device_kind, key.problem, key.kernel, key.kernel_version,
                                 key.platform)
+        tables = _tables_of(key.kernel)
+        query = _select_where(tables.key, (tables.row.__table__,), tables.row.__table__)
         with self.engine.connect() as connection:
-            row = connection.execute(_EXACT_ON_PLATFORM, request.params(KEY_COLUMNS)) \
-                .mappings().one_or_none()
-        return self._read_entry(row) if row else None
+            row = connection.execute(query, request.params(tables.key)).mappings().one_or_none()
+        return self._read_entry(row, tables.row.__table__.name) if row else None
 
-    def _read_entry(self, row: Mapping[str, Any]) -> Entry | None:
+    def _read_entry(self, row: Mapping[str, Any], table: str = _TABLE.name) -> Entry | None:
         """The entry of a row, or None if this build cannot read it (``storage.unreadable``)."""
-        return self.unreadable.read(_TABLE.name, row["id"], lambda: _entry(row))
+        return self.unreadable.read(table, row["id"], lambda: _entry(row))
 
     def _read_choice(self, row: Mapping[str, Any]) -> StoredChoice | None:
         """As ``_read_entry``, for a kernel choice's row."""
@@ -572,6 +608,9 @@ class Store:
         families: dict[tuple[Any, ...], _Family] = {}
         with self.engine.connect() as connection:
             for request in requests:
+                if isinstance(request.problem, ServingProblem):
+                    out.append(self._lookup_serving(connection, request))
+                    continue
                 on_platform = request.platform is not None
                 exact_query = _EXACT_ON_PLATFORM if on_platform else _EXACT
                 names = KEY_COLUMNS if on_platform else KEY_COLUMNS[:-1]
@@ -588,6 +627,24 @@ class Store:
                 entry = None if row is None else self._read_entry(row)
                 out.append(None if entry is None else (entry, "nearest"))
         return out
+
+    def _lookup_serving(self, connection: Any,
+                        request: LookupRequest) -> tuple[Entry, Match] | None:
+        """A serving key's entry: its own, else the nearest of its family whose config passes
+        the kernel's stored-config rules for it (``kernel.table.ProblemIndex``, over the
+        family's rows: serving tables hold a grid, not a model's every shape)."""
+        names = SERVING_FAMILY_COLUMNS + (("platform",) if request.platform is not None else ())
+        query = _select_where(names, (_SERVING,), _SERVING).order_by(_SERVING.c.id)
+        rows = connection.execute(query, request.params(names)).mappings()
+        entries = [entry for row in rows if (entry := self._read_entry(row, _SERVING.name))]
+        exact = _best([entry for entry in entries if entry.result.problem == request.problem])
+        if exact is not None:
+            return exact, "exact"
+        found = nearest_entry(request.problem, [entry.result.to_table_entry()
+                                                for entry in entries], request.kernel)
+        return None if found is None else (
+            next(entry for entry in entries if entry.result.problem == found.problem),
+            "nearest")
 
     def _nearest_row(self, connection: Any, table: Any, query: Any, params: dict[str, Any],
                      problem: Problem, version: int | None,
@@ -630,18 +687,19 @@ class Store:
         """Results archived under ``key``, oldest first."""
         request = LookupRequest(key.device_kind, key.problem, key.kernel, key.kernel_version,
                                 key.platform)
-        query = select(TunedConfigHistoryRow).filter_by(**request.params(KEY_COLUMNS)) \
-            .order_by(TunedConfigHistoryRow.id)
+        tables = _tables_of(key.kernel)
+        query = select(tables.history).filter_by(**request.params(tables.key)) \
+            .order_by(tables.history.id)
         with Session(self.engine) as session:
             return [HistoryEntry(_result(row), row.reason, _utc(row.archived_at))
                     for row in session.scalars(query)]
 
     def device_kinds(self, kernel: str | None = DEFAULT_KERNEL) -> list[str]:
-        """The device kinds with tuned configs of ``kernel`` (None: of any kernel)."""
-        query = select(TunedConfigRow.device_kind).distinct().order_by(
-            TunedConfigRow.device_kind)
+        """The device kinds with tuned configs of ``kernel`` (None: of any attention kernel)."""
+        row = TunedConfigRow if kernel is None else _tables_of(kernel).row
+        query = select(row.device_kind).distinct().order_by(row.device_kind)
         if kernel is not None:
-            query = query.where(TunedConfigRow.kernel == kernel)
+            query = query.where(row.kernel == kernel)
         with self.engine.connect() as connection:
             return list(connection.scalars(query))
 
@@ -655,6 +713,8 @@ class Store:
         holds. ConfigError for a kernel not in this build (its table could not be imported)."""
         choices, _ = self.list_choices({"device_kind": device_kind}, limit=None)
         table = self._kernel_table(device_kind, kernel or DEFAULT_KERNEL, kernel_version)
+        if kernel is not None and _tables_of(kernel).row is not TunedConfigRow:
+            return table  # a serving kernel's: kernel choices are of attention problems
         if kernel is not None:
             return dataclasses.replace(table, choices=_choosing(table, choices))
         table = dataclasses.replace(table, choices=tuple(stored.choice for stored in choices))
@@ -666,21 +726,25 @@ class Store:
     def _kernel_table(self, device_kind: str, kernel: str,
                       kernel_version: str | None) -> LookupTable:
         """The entries of one kernel (version) on one device kind, as a table without choices."""
-        kernel = get_kernel(kernel).name
+        kernel = registered_kernel(kernel).name
         version = kernel_version or installed_kernel_version(kernel)
         entries, _ = self.list({"kernel": kernel, "kernel_version": version,
-                                "device_kind": device_kind}, limit=None)
+                                "device_kind": device_kind}, limit=None,
+                               problem_type=registered_kernel(kernel).problem_type)
         jax_versions = {entry.result.jax_version for entry in entries}
         return LookupTable(kernel=kernel, kernel_version=version, device_kind=device_kind,
                            entries=tuple(entry.result.to_table_entry() for entry in entries),
                            jax_version=jax_versions.pop() if len(jax_versions) == 1 else None)
 
     def list(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
-             limit: int | None = 100) -> tuple[Rows[Entry], int]:
-        """Entries matching ``filters`` (column = value; see FILTER_FIELDS) in insertion
-        order, a page of them, and how many rows match in all. The page leaves out the rows
-        this build cannot read (``Rows.skipped`` says why; see ``storage.unreadable``)."""
-        return self._page(_TABLE, FILTER_FIELDS, _entry, filters, offset, limit)
+             limit: int | None = 100,
+             problem_type: type = Problem) -> tuple[Rows[Entry], int]:
+        """Entries of ``problem_type`` matching ``filters`` (column = value; see FILTER_FIELDS,
+        SERVING_FILTER_FIELDS) in insertion order, a page of them, and how many rows match in
+        all. The page leaves out the rows this build cannot read (``Rows.skipped`` says why;
+        see ``storage.unreadable``)."""
+        tables = _RESULT_TABLES[problem_type]
+        return self._page(tables.row.__table__, tables.filters, _entry, filters, offset, limit)
 
     def list_choices(self, filters: Mapping[str, Any] | None = None, offset: int = 0,
                      limit: int | None = 100) -> tuple[Rows[StoredChoice], int]:

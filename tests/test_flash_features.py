@@ -209,7 +209,8 @@ def test_window_softcap_and_segment_kernels_compile_for_a_tpu_within_the_estimat
     cap and the segment-id blocks (deviceless, for v5e), both ways, under a scoped VMEM limit
     of the estimate (which counts the segment-id blocks)."""
 
-    from kernel.aot import input_specs, topology_device
+    from kernel.aot import topology_device
+    from kernel.contract import input_specs
 
     flash = KERNEL.discover()
     problem = Problem(batch=1, q_heads=2, kv_heads=1, q_len=4096, kv_len=4096, head_dim=128,

@@ -67,8 +67,8 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 # The bottom layer of kernel/: plain data and pure functions, importing only each other.
-CORE = {"kernel.errors", "kernel.problem", "kernel.config", "kernel.targets", "kernel.rules",
-        "kernel.tolerance"}
+CORE = {"kernel.errors", "kernel.problem", "kernel.serving", "kernel.config", "kernel.targets",
+        "kernel.rules", "kernel.tolerance"}
 GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
 
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from kernel import ConfigError, Problem, TunableKernel, device_target, get_kernel, kernel_names
-from kernel.aot import example_inputs, input_specs, packed_segment_ids, topology_device
+from kernel.aot import topology_device
+from kernel.contract import example_inputs, input_specs, packed_segment_ids
 from kernel.contract import AttentionFn, measured_fn
 from kernel.registry import KERNELS
 from kernel.targets import GPU_TARGET

@@ -107,7 +107,8 @@ def test_default_config_compiles_with_mosaic_for_v5e(head_dim):
     forward's). Its kernels are the instructions ``profile`` timing counts on a TPU, one per
     declared name (on a GPU, Triton's are all ``pallas_call.N``: see tests/data/h200_traces)."""
     from autotune.timing import kernel_op_matcher, op_names
-    from kernel.aot import input_specs, topology_device
+    from kernel.aot import topology_device
+    from kernel.contract import input_specs
 
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd", "q_len": 4096,
                          "kv_len": 4096, "head_dim": head_dim})

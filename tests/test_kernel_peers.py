@@ -52,7 +52,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernel import ConfigError, Problem, ProblemError, flash_attention, get_kernel, kernel_names
-from kernel.aot import input_specs
+from kernel.contract import input_specs
 from kernel.contract import attention_mask, reference_attention
 from kernel.registry import DEFAULT_KERNEL
 from kernel.tolerance import MAX_RELATIVE_ERROR, float64_attention, relative_error

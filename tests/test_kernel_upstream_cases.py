@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kernel import Problem, get_kernel, kernel_names
-from kernel.aot import input_specs
+from kernel.contract import input_specs
 
 FWD_TOLERANCE = dict(atol=3e-3, rtol=3e-3)
 BWD_TOLERANCE = dict(atol=2e-2, rtol=3e-2)

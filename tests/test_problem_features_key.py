@@ -25,7 +25,7 @@ from kernel import FlashConfig, get_kernel
 
 from kernel.errors import ProblemError, TableError
 from kernel.problem import FEATURE_FIELDS, SOFTCAP_RANGE, Problem
-from kernel.service import PROBLEM_FIELDS, ServiceClient, _config_params
+from kernel.service import ServiceClient, _config_params
 from kernel.shapesfile import save_shapes
 from kernel.table import (
     TABLE_SCHEMA_VERSION,
@@ -42,6 +42,7 @@ from storage.schema import alembic_config
 from tests.conftest import Server, problem_flags
 
 DEVICE = "TPU v5 lite"
+PROBLEM_FIELDS = tuple(field.name for field in dataclasses.fields(Problem))
 PLAIN = Problem(batch=1, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_dim=128,
                 causal=True)
 WINDOWED = dataclasses.replace(PLAIN, window=(256, 0))
@@ -434,7 +435,8 @@ def test_a_table_carries_the_features_and_older_schemas_still_load() -> None:
                                  TableEntry(PLAIN, XLA.default_config(PLAIN))),
                         choices=(xla_choice(featured),))
     exported = json.loads(json.dumps(table.to_dict()))
-    assert exported["schema_version"] == TABLE_SCHEMA_VERSION == 4
+    assert exported["schema_version"] == TABLE_SCHEMA_VERSION == 5
+    assert exported["problem_type"] == "attention"
     assert LookupTable.from_dict(exported) == table
     for version in (1, 2):  # written before the features: every problem is a plain one
         old = {**exported, "schema_version": version, "choices": [],
@@ -456,8 +458,8 @@ def test_a_table_carries_the_features_and_older_schemas_still_load() -> None:
     with pytest.raises(TableError, match="entry 0: problem field.s. bottom_right came with "
                                          "schema_version 4; a schema 3 table has none"):
         LookupTable.from_dict(schema_3)
-    with pytest.raises(TableError, match="schema_version 5 is newer than this build"):
-        LookupTable.from_dict({**exported, "schema_version": 5})
+    with pytest.raises(TableError, match="schema_version 6 is newer than this build"):
+        LookupTable.from_dict({**exported, "schema_version": 6})
 
 
 # --- pages ---

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kernel import Problem, get_kernel, reference_attention
-from kernel.aot import input_specs
+from kernel.contract import input_specs
 from kernel.reference import blockwise_reference
 
 GIB = 2**30

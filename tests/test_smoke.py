@@ -12,7 +12,8 @@ import jax
 import pytest
 
 from kernel import get_kernel, kernel_names
-from kernel.aot import compile_for_target, input_specs
+from kernel.aot import compile_for_target
+from kernel.contract import input_specs
 from tests.conftest import run_cli
 from tests.test_kernel_contract import (
     ON_CPU,

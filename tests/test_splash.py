@@ -271,7 +271,8 @@ def test_profile_names_are_the_kernels_of_a_v5e_compile(fused):
     import jax
 
     from autotune.timing import kernel_op_matcher, op_names
-    from kernel.aot import input_specs, topology_device
+    from kernel.aot import topology_device
+    from kernel.contract import input_specs
 
     counts = kernel_op_matcher((), SPLASH.profile_names)
     for mode in ("fwd", "fwd_bwd"):

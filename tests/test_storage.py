@@ -185,7 +185,6 @@ def test_nearest_lookup_agrees_with_the_table_rule(store: Store) -> None:
     import random
 
     from kernel.registry import get_kernel
-    from kernel.table import shape_distance
 
     rng = random.Random(7)
     entries = {}
@@ -212,8 +211,8 @@ def test_nearest_lookup_agrees_with_the_table_rule(store: Store) -> None:
                 continue
             assert found is not None and found[1] == expected[1], asked
             found_nearest += found[1] == "nearest"
-            assert shape_distance(asked, found[0].result.problem) == pytest.approx(
-                shape_distance(asked, expected[0].problem)), asked
+            assert asked.distance(found[0].result.problem) == pytest.approx(
+                asked.distance(expected[0].problem)), asked
             assert not get_kernel("flash").stored_violations(asked, found[0].result.config)
         if round_ == 0:  # a write between rounds: the next lookups see it
             newcomer = TableEntry(problem(1152, kv_len=1152), FlashConfig(block_q=128,

@@ -12,7 +12,8 @@ import jax
 import pytest
 
 from kernel import Problem, TunableKernel, get_kernel
-from kernel.aot import compile_for_target, input_specs
+from kernel.aot import compile_for_target
+from kernel.contract import input_specs
 from kernel.backends.jax_tpu_flash import JaxTpuFlashKernel
 from kernel.backends.pallas_gpu import PallasGpuKernel
 

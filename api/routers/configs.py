@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -68,12 +69,13 @@ def lookup_batch(body: BatchLookupRequest, store: StoreDep,
                         zip(requests, store.lookup_many(requests), strict=True)]}
 
 
-def lookup_item(request: LookupRequest, found: tuple[Entry, str] | None,
-                metrics: Metrics) -> dict[str, Any]:
+def lookup_item(request: LookupRequest, found: tuple[Entry, str] | None, metrics: Metrics,
+                miss_detail: Callable[[LookupRequest], str] = config_miss_detail,
+                ) -> dict[str, Any]:
     """A batch result (``BatchLookupItem``) of one looked-up key, counted in the metrics."""
     metrics.lookups.labels(found[1] if found else "miss").inc()
     return ({"found": True, **lookup_body(*found)} if found else
-            {"found": False, "detail": config_miss_detail(request)})
+            {"found": False, "detail": miss_detail(request)})
 
 
 @router.put("", response_model=PublishResponse, dependencies=[Writer],

@@ -18,10 +18,15 @@ from autotune.commands.db import (
     resolve_url,
 )
 from autotune.files import is_stdout, write_output
-from autotune.problem_options import (ShapesOption, given_problems, known_kernel,
-                                      output_file, problem_flags_given, with_problem_options)
+from autotune.problem_options import (ShapesOption, given_problems, kernel_option, output_file,
+                                      problem_flags_given, with_problem_options)
 from kernel import AutotuneError, LookupTable, Problem, TableError, kernel_names
+from kernel.registry import SERVING_KERNELS, registered_kernel
+from kernel.serving import jax_device_key
 from present.text import counted
+
+FORMATS = ("table", "maxtext", "jax-rpa")
+known_table_kernel = kernel_option(registered_kernel)  # a kernel of either problem type
 
 
 @with_problem_options
@@ -33,22 +38,28 @@ def export_table(
         help="Where to write the table, - for stdout (with --format maxtext: the flags; "
              "default: print them).")] = None,
     format_: Annotated[str, typer.Option(
-        "--format", help="table (a lookup table of every tuned shape) or maxtext (MaxText's "
+        "--format", help="table (a lookup table of every tuned shape), maxtext (MaxText's "
                          "sa_* flags of the splash config of the shape the problem flags or "
                          "--shapes give; of several shapes: the config best for them "
-                         "together).")] = "table",
+                         "together) or jax-rpa (JAX's TUNED_BLOCK_SIZES of ragged paged "
+                         "attention from the tuned serving configs: a Python module, -o, and "
+                         "the same as JSON beside it).")] = "table",
     shapes: ShapesOption = None,
     device_kind: Annotated[str | None, typer.Option(
         help="Device kind as JAX reports it, e.g. 'TPU v5 lite' (default: the only one stored).",
         show_default=False)] = None,
     kernel: Annotated[str | None, typer.Option(
-        callback=known_kernel, show_default=False,
+        callback=known_table_kernel, show_default=False,
         help="Only this kernel's configs, and a table that runs it wherever it was tuned "
              "(choices of other kernels left out). Default: the default kernel's configs, "
              "those of every kernel a stored choice names, and every choice.")] = None,
     kernel_version: Annotated[str | None, typer.Option(
         help="Kernel version of --kernel (default: the installed kernel's).",
         show_default=False)] = None,
+    jax_device_key_too: Annotated[bool, typer.Option(
+        "--jax-device-key", help="With --format jax-rpa: the entries under JAX's two-word "
+                                 "device key too (e.g. 'TPU v5', which the v5e and the v5p "
+                                 "share), besides the full device kind.")] = False,
     db: DbOption = None,
 ) -> None:
     """Write the tuned configs of one device kind, and its kernel choices, as a lookup table to
@@ -58,8 +69,8 @@ def export_table(
         _export_maxtext(given_problems(context, problem, shapes), output, device_kind, kernel,
                         kernel_version, db)
         return
-    if format_ != "table":
-        raise typer.BadParameter(f"{format_!r}: use table or maxtext", param_hint="--format")
+    if format_ not in FORMATS:
+        raise typer.BadParameter(f"{format_!r}: use {', '.join(FORMATS)}", param_hint="--format")
     given = [*problem_flags_given(context), *(["--shapes"] if shapes else [])]
     if given:
         raise typer.BadParameter(f"a table holds every tuned shape; {', '.join(given)} "
@@ -67,6 +78,9 @@ def export_table(
     if output is None:
         raise typer.BadParameter("give the file to write the table to (- for stdout)",
                                  param_hint="-o")
+    if format_ == "jax-rpa":
+        _export_jax_rpa(output, device_kind, kernel, kernel_version, jax_device_key_too, db)
+        return
     device_kind = _stored_device_kind(device_kind, kernel, db)
     with reading_store(db) as store:
         table = store.export_table(device_kind, kernel=kernel, kernel_version=kernel_version)
@@ -86,6 +100,45 @@ def export_table(
     counts = ", ".join(f"{len(t.entries)} {t.kernel}" for t in table.kernel_tables())
     typer.echo(f"wrote entries ({counts}) and {counted(len(table.choices), 'kernel choice')} for "
                f"{device_kind!r} to {output}", err=is_stdout(output))
+
+
+def _export_jax_rpa(output: Path, device_kind: str | None, kernel: str | None,
+                    kernel_version: str | None, jax_device_key_too: bool,
+                    db: str | None) -> None:
+    """Writes JAX's TUNED_BLOCK_SIZES of the tuned serving configs to ``output`` (a Python
+    module) and beside it as JSON (``autotune.jax_rpa``); what JAX's table cannot hold is
+    reported on stderr."""
+    from autotune.jax_rpa import jax_table
+
+    serving = next(iter(SERVING_KERNELS))
+    if kernel not in (None, serving):
+        raise typer.BadParameter(f"JAX's ragged paged attention table holds {serving!r} "
+                                 f"configs; leave --kernel out or give --kernel {serving}",
+                                 param_hint="--kernel")
+    if is_stdout(output) or output.suffix != ".py":
+        raise typer.BadParameter("give the Python module to write, e.g. "
+                                 "tuned_block_sizes_v5e.py (its JSON goes beside it)",
+                                 param_hint="-o")
+    device_kind = _stored_device_kind(device_kind, serving, db)
+    with reading_store(db) as store:
+        table = store.export_table(device_kind, kernel=serving, kernel_version=kernel_version)
+    converted = jax_table(table)
+    if not converted.entries:
+        typer.echo(f"error: no tuned {serving!r} config on {device_kind!r} JAX's table can hold"
+                   + "".join(f"\n  left out {why}" for why in converted.left_out), err=True)
+        raise typer.Exit(1)
+    keys = [device_kind, *([jax_device_key(device_kind)] if jax_device_key_too else [])]
+    written = output.with_suffix(".json")
+    try:
+        write_output(output, converted.module(keys).encode())
+        write_output(written, converted.json(keys).encode())
+    except OSError as error:
+        typer.echo(f"error: cannot write {error.filename}: {error.strerror}", err=True)
+        raise typer.Exit(1) from None
+    for why in converted.left_out:
+        typer.echo(f"note: left out {why}", err=True)
+    typer.echo(f"wrote {len(converted.entries)} JAX key(s) under {', '.join(map(repr, keys))} "
+               f"to {output} and {written}", err=True)
 
 
 def _stored_device_kind(device_kind: str | None, kernel: str | None, db: str | None) -> str:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from autotune.measure import same_bits
-from kernel.aot import example_inputs
+from kernel.contract import example_inputs
 from kernel.problem import Problem
 from kernel.registry import KERNELS
 from kernel.tolerance import relative_error

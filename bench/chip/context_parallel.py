@@ -32,7 +32,7 @@ import kernel  # noqa: E402
 from autotune.measure import Timing, interleaved  # noqa: E402
 from bench.chip import write_report  # noqa: E402
 from bench.chip.timing import back_to_back_ms, spread  # noqa: E402
-from kernel.aot import example_inputs  # noqa: E402
+from kernel.contract import example_inputs  # noqa: E402
 from kernel.contract import AttentionFn, measured_fn  # noqa: E402
 
 GOAL = 1.02  # the context-parallel step over the plain one, at most

@@ -327,7 +327,7 @@ def run_peers(problem: Any, args: argparse.Namespace) -> tuple[dict, list, dict]
     """Each peer asked for: contenders, rows of those that could not run, and their rows."""
     import jax
 
-    from kernel.aot import example_inputs
+    from kernel.contract import example_inputs
 
     inputs = [jax.device_put(x, jax.devices()[0]) for x in example_inputs(problem)]
     runners = {"tokamax": lambda saved: run_tokamax(problem, inputs, args, saved),

@@ -28,7 +28,7 @@ from autotune.measure import (GIB, check_fits, compiled_reference,  # noqa: E402
                               device_memory_bytes, reference_footprint, relative_error)
 from bench.chip import write_report  # noqa: E402
 from kernel import Problem, reference_attention  # noqa: E402
-from kernel.aot import example_inputs  # noqa: E402
+from kernel.contract import example_inputs  # noqa: E402
 from kernel.contract import measured_fn  # noqa: E402
 
 LLAMA_8K = Problem(batch=2, q_heads=32, kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,

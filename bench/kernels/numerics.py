@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from kernel import Problem, get_kernel, kernel_names
-from kernel.aot import input_specs
+from kernel.contract import input_specs
 from kernel.tolerance import float64_attention, relative_error
 
 MAGNITUDES = (1e-3, 1.0, 1e2, 1e4)

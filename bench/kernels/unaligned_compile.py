@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 import kernel
 from kernel import Problem
-from kernel.aot import input_specs, topology_device
+from kernel.aot import topology_device
+from kernel.contract import input_specs
 
 LENGTHS = [(200, 200), (200, 384), (384, 200), (1000, 1000), (136, 520)]
 FEATURES = {"plain": {}, "window": {"window": (64, 64)}, "softcap": {"logits_soft_cap": 30.0},

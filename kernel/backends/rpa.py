@@ -1,0 +1,311 @@
+"""JAX's ragged paged attention (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``):
+a serving step over a paged KV cache, mixed prefill and decode, its block sizes tuned per
+serving problem (:class:`kernel.serving.ServingProblem`; docs/serving.md).
+
+Tuned: ``num_kv_pages_per_block`` (pages of one sequence's K/V fetched per step, in
+``(0, pages_per_seq]``), ``num_queries_per_block`` (a power of two up to the token budget, or
+the whole budget) and the scoped VMEM limit. Heads per block are not tuned: upstream's
+``get_min_heads_per_blk`` fixes them (:func:`heads_per_block`, its port, for jax-free rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kernel.config import IntConfig
+from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
+from kernel.rules import Violation, vmem_limit_violations, x64_violations
+from kernel.serving import ServingProblem, jax_device_key
+from kernel.targets import MiB, TPU_TARGETS, Target
+
+# The one head_dim upstream's kernel compiles: its strided K/V loads need a 128-lane last
+# dimension (deviceless v5e, JAX 0.10.2: head_dim 256 fails Mosaic with "The last dim size is not
+# 128 in original base memref", 64 an assertion while lowering).
+HEAD_DIM = 128
+# JAX's block sizes where its table has no entry: (num_kv_pages_per_block,
+# num_queries_per_block), (32, 32) on a v4 ("only make sure there's no OOM in vmem").
+FALLBACK = (128, 32)
+V4_FALLBACK = (32, 32)
+# The scoped VMEM limits the search may set beyond the compiler's default (None).
+VMEM_LIMITS_MIB = (32, 64)
+# The estimate's terms, fitted (a linear program: the least upper bound) to the peak scoped VMEM of
+# 35 deviceless v5e compiles of four grid problems (libtpu 0.0.42.1,
+# bench/kernels/rpa_vmem_sizes.py; the points are in bench/kernels/data/rpa_vmem/v5e.jsonl): the K/V
+# double buffer 1.26x over (its f32 copies for the kv-length mask), the q block's bytes 12x (q and
+# the output double buffered, the f32 accumulator, the l and m scratch and the temporaries of a
+# query row), and 1.37 f32 logits tiles per K/V head of the block (the logits and their
+# exponentials), each rounded up.
+KV_BUFFER_FACTOR = 1.3
+Q_BLOCK_FACTOR = 12
+LOGITS_TILES = 1.4
+FIXED_BYTES = MiB // 8
+
+@dataclass(frozen=True)
+class RpaConfig(IntConfig):
+    """Upstream's tuning arguments; ``vmem_limit_mib`` is its ``vmem_limit_bytes`` in MiB
+    (None: the compiler's scoped default)."""
+
+    num_kv_pages_per_block: int = FALLBACK[0]
+    num_queries_per_block: int = FALLBACK[1]
+    vmem_limit_mib: int | None = None
+
+    def label(self, mode: str = "fwd") -> str:
+        limit = "" if self.vmem_limit_mib is None else f" vmem{self.vmem_limit_mib}MiB"
+        return f"kv_pages{self.num_kv_pages_per_block} q{self.num_queries_per_block}{limit}"
+
+
+def _packing(dtype: str) -> int:
+    """Elements per 32-bit word (upstream's ``get_dtype_packing``)."""
+    return 4 // {"bfloat16": 2, "float32": 4}[dtype]
+
+
+def _fully_tiled(count: int, packing: int) -> bool:
+    """Upstream's ``can_be_xla_fully_tiled``."""
+    return count % packing == 0 and (count // packing in (1, 2, 4, 8)
+                                     or (count // packing) % 8 == 0)
+
+
+def heads_per_block(problem: ServingProblem) -> tuple[int, int]:
+    """``(q heads, combined K/V heads)`` of one block, as upstream's ``get_min_heads_per_blk``
+    picks them (a problem :func:`heads_violations` refuses has none)."""
+    combined = 2 * problem.kv_heads
+    widest = 8 * _packing(problem.kv_dtype)
+    least_combined = widest if combined % widest == 0 else combined
+    least_q = least_combined // 2 * problem.group_size
+    if _fully_tiled(least_q, _packing(problem.dtype)):
+        return least_q, least_combined
+    return problem.q_heads, combined
+
+
+def heads_violations(problem: ServingProblem) -> list[Violation]:
+    """``heads_tiling``: K/V heads upstream cannot tile (its "can not be XLA fully tiled")."""
+    if _fully_tiled(2 * problem.kv_heads, _packing(problem.kv_dtype)):
+        return []
+    return [Violation("heads_tiling", f"kv_heads={problem.kv_heads} ({2 * problem.kv_heads} "
+                      f"combined K and V heads of {problem.kv_dtype}) cannot be tiled by the "
+                      "kernel: it takes 1, 2 or 4 K/V heads, or a multiple of 4 (bfloat16: "
+                      "1, 2, 4 or a multiple of 8); pad the K/V heads")]
+
+
+def vmem_estimate(problem: ServingProblem, config: RpaConfig) -> int:
+    """Estimated peak scoped VMEM bytes of the kernel, as the compiler allocates it (the fit
+    above): its K/V double buffer ``2 * num_kv_pages_per_block * page_size * combined heads *
+    head_dim``, the q block ``num_queries_per_block * q heads * head_dim`` and one f32 logits
+    tile ``(num_queries_per_block * group, num_kv_pages_per_block * page_size)`` per K/V head
+    of the block, each times its factor. Unpadded: the compiler lays small head counts out
+    without padding them to (8, 128) tiles."""
+    q_heads, combined = heads_per_block(problem)
+    kv_rows = config.num_kv_pages_per_block * problem.page_size
+    kv_buffers = 2 * kv_rows * combined * problem.head_dim * problem.kv_itemsize
+    q_block = config.num_queries_per_block * q_heads * problem.head_dim * problem.itemsize
+    logits = (combined // 2) * config.num_queries_per_block * problem.group_size * kv_rows * 4
+    return int(KV_BUFFER_FACTOR * kv_buffers + Q_BLOCK_FACTOR * q_block + LOGITS_TILES * logits
+               + FIXED_BYTES)
+
+
+def _powers_of_two_up_to(most: int) -> list[int]:
+    """1, 2, 4, ... up to ``most``, and ``most`` itself."""
+    return sorted({1 << exponent for exponent in range(most.bit_length())
+                   if 1 << exponent <= most} | {most})
+
+
+@dataclass(frozen=True)
+class RpaKernel(TunableKernel):
+    name: ClassVar[str] = "rpa"
+    version: ClassVar[str] = "1"
+    description: ClassVar[str] = ("JAX's ragged paged attention "
+                                  "(jax.experimental.pallas.ops.tpu.ragged_paged_attention): a "
+                                  "serving step over a paged KV cache, mixed prefill and decode")
+    problem_type: ClassVar[type] = ServingProblem
+    targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
+    platforms: ClassVar[tuple[str, ...]] = ("tpu",)
+    config_type: ClassVar[type[RpaConfig]] = RpaConfig
+    landscape_axes: ClassVar[tuple[str, ...]] = ("num_kv_pages_per_block",
+                                                 "num_queries_per_block", "vmem_limit_mib")
+    profile_names: ClassVar[tuple[str, ...]] = ("ragged_paged_attention_kernel",)
+    # JAX's shipped TUNED_BLOCK_SIZES and its simplify_key, read by ``discover``: without them
+    # (the service, storage) the default is JAX's fallback.
+    shipped: Mapping[str, Mapping[tuple[Any, ...], tuple[int, int]]] = field(
+        default_factory=dict, hash=False, compare=False)
+    simplify_key: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = field(
+        default=None, hash=False, compare=False)
+
+    def discover(self) -> RpaKernel:
+        """This backend with JAX's shipped table of block sizes and its key function."""
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+        return dataclasses.replace(self, shipped=tuned_block_sizes.TUNED_BLOCK_SIZES,
+                                   simplify_key=tuned_block_sizes.simplify_key)
+
+    def problem_violations(self, problem: ServingProblem) -> list[Violation]:
+        head_dim = [] if problem.head_dim == HEAD_DIM else [Violation(
+            "head_dim", f"head_dim={problem.head_dim}: the kernel compiles head_dim {HEAD_DIM} "
+            "only (its strided K/V loads need 128 lanes); run this model's attention with "
+            "kernel.flash_attention over the gathered pages")]
+        return head_dim + heads_violations(problem) + x64_violations()
+
+    def space_params(self, problem: ServingProblem) -> Params:
+        return {"num_kv_pages_per_block": _powers_of_two_up_to(problem.pages_per_seq),
+                "num_queries_per_block": _powers_of_two_up_to(problem.max_num_batched_tokens),
+                "vmem_limit_mib": [None, *VMEM_LIMITS_MIB]}
+
+    def violations(self, problem: ServingProblem, config: RpaConfig,
+                   target: Target | str = "cpu") -> list[Violation]:
+        target = self.target(target)
+        out = self.problem_violations(problem)
+        pages, queries = config.num_kv_pages_per_block, config.num_queries_per_block
+        tokens = problem.max_num_batched_tokens
+        if pages > problem.pages_per_seq:
+            out.append(Violation("kv_pages_range", f"num_kv_pages_per_block={pages} is over "
+                                 f"pages_per_seq={problem.pages_per_seq}; use at most "
+                                 f"{problem.pages_per_seq}"))
+        if queries > tokens:
+            out.append(Violation("queries_max", f"num_queries_per_block={queries} is over "
+                                 f"max_num_batched_tokens={tokens}; use at most {tokens}"))
+        elif queries & (queries - 1) and queries != tokens:
+            out.append(Violation("queries_pow2", f"num_queries_per_block={queries} must be a "
+                                 f"power of two or the whole token budget ({tokens})"))
+        if out or target.scoped_vmem_bytes is None:
+            return out
+        if config.vmem_limit_mib is None:
+            return vmem_limit_violations({"rpa": vmem_estimate(problem, config)}, target)
+        if config.vmem_limit_mib * MiB > target.vmem_capacity_bytes:
+            return [Violation("vmem_limit", f"vmem_limit_mib={config.vmem_limit_mib} is over "
+                              f"the {target.vmem_capacity_bytes // MiB} MiB of VMEM of "
+                              f"{target.name}; use at most that, or none")]
+        raised = dataclasses.replace(target, scoped_vmem_bytes=config.vmem_limit_mib * MiB)
+        return vmem_limit_violations({"rpa": vmem_estimate(problem, config)}, raised)
+
+    def default_config(self, problem: ServingProblem,
+                       target: Target | str = "cpu") -> RpaConfig:
+        """JAX's own choice (its shipped entry for the problem, else its fallback), clamped as
+        JAX clamps it, then halved (``num_kv_pages_per_block`` first; to the power of two below,
+        the search's values) until the VMEM estimate admits it: JAX's fallback overflows a
+        v5e's scoped VMEM on keys of the serving grid."""
+        target = self.target(target)
+        config = self.jax_config(problem, target)
+        while any(v.rule == "vmem" for v in self.violations(problem, config, target)):
+            pages, queries = config.num_kv_pages_per_block, config.num_queries_per_block
+            if pages == 1 and queries == 1:
+                break  # no block fits: its rule names why
+            config = (config.replace(num_kv_pages_per_block=_power_below(pages)) if pages > 1
+                      else config.replace(num_queries_per_block=_power_below(queries)))
+        return config
+
+    def jax_config(self, problem: ServingProblem, target: Target | str = "cpu") -> RpaConfig:
+        """What JAX's ``get_tuned_block_sizes`` picks for ``problem`` on ``target``, legal or
+        not (a named baseline): its shipped entry, else its fallback, clamped to the
+        problem."""
+        target = self.target(target)
+        pages, queries = V4_FALLBACK if target.name == "v4" else FALLBACK
+        table = self.shipped.get(jax_device_key(target.device_kind), {})
+        if self.simplify_key is not None and target.name != "v4":
+            pages, queries = table.get(self.simplify_key(jax_key(problem)), (pages, queries))
+        return RpaConfig(min(pages, problem.pages_per_seq),
+                         min(queries, problem.max_num_batched_tokens))
+
+    def seed_configs(self, problem: ServingProblem,
+                     target: Target | str = "cpu") -> list[RpaConfig]:
+        """JAX's own choice where the rules admit it (it is measured as a baseline)."""
+        shipped = self.jax_config(problem, target)
+        return [shipped] if not self.violations(problem, shipped, target) else []
+
+    def attention(self, problem: ServingProblem, config_for: ConfigFor,
+                  sm_scale: float) -> AttentionFn:
+        """``(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> out``: upstream's
+        kernel with ``config_for("fwd")``, compiled with Mosaic (it runs on a TPU only)."""
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention,
+        )
+
+        def attend(*inputs: Any) -> Any:
+            config = config_for("fwd")
+            limit = config.vmem_limit_mib
+            return ragged_paged_attention(
+                *inputs, sm_scale=sm_scale, sliding_window=problem.window,
+                soft_cap=problem.softcap, num_kv_pages_per_block=config.num_kv_pages_per_block,
+                num_queries_per_block=config.num_queries_per_block,
+                vmem_limit_bytes=None if limit is None else limit * MiB)
+
+        return attend
+
+    def reference(self, problem: ServingProblem) -> AttentionFn:
+        """Upstream's ``ref_ragged_paged_attention`` in float32 (eager: it loops over the
+        sequences in Python)."""
+        import jax.numpy as jnp
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ref_ragged_paged_attention,
+        )
+
+        def reference(q: Any, kv_pages: Any, *metadata: Any) -> Any:
+            return ref_ragged_paged_attention(
+                q.astype(jnp.float32), kv_pages.astype(jnp.float32), *metadata,
+                sm_scale=problem.head_dim ** -0.5, sliding_window=problem.window,
+                soft_cap=problem.softcap)
+
+        return reference
+
+    def input_specs(self, problem: ServingProblem, device: Any = None) -> list[Any]:
+        """Abstract ``q``, ``kv_pages`` (one sequence's pages per slot, ``max_num_seqs *
+        pages_per_seq`` pages), ``kv_lens``, ``page_indices``, ``cu_q_lens`` and ``num_seqs``."""
+        import jax
+        import jax.numpy as jnp
+
+        sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+        shapes = [((problem.max_num_batched_tokens, problem.q_heads, problem.head_dim),
+                   problem.dtype),
+                  ((problem.max_num_seqs * problem.pages_per_seq, problem.page_size,
+                    2 * problem.kv_heads, problem.head_dim), problem.kv_dtype),
+                  ((problem.max_num_seqs,), "int32"),
+                  ((problem.max_num_seqs, problem.pages_per_seq), "int32"),
+                  ((problem.max_num_seqs + 1,), "int32"), ((1,), "int32")]
+        return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+                for shape, dtype in shapes]
+
+    def example_inputs(self, problem: ServingProblem, seed: int = 0) -> list[Any]:
+        """Concrete inputs of one mixed batch, deterministic in ``seed``: the token budget
+        split among ``min(max_num_seqs, tokens)`` sequences (each of at least one token), each
+        with a cached length from its new tokens to ``max_model_len``, its pages shuffled over
+        the cache; standard normal q and K/V."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        tokens, seqs = problem.max_num_batched_tokens, problem.max_num_seqs
+        count = min(seqs, tokens)
+        cuts = np.sort(rng.choice(np.arange(1, tokens), count - 1, replace=False))
+        q_lens = np.diff(np.concatenate([[0], cuts, [tokens]]))
+        q_lens = np.minimum(q_lens, problem.max_model_len)
+        kv_lens = np.zeros(seqs, np.int32)
+        kv_lens[:count] = [rng.integers(q, problem.max_model_len + 1) for q in q_lens]
+        cu_q_lens = np.zeros(seqs + 1, np.int32)
+        cu_q_lens[1:count + 1] = np.cumsum(q_lens)
+        cu_q_lens[count + 1:] = cu_q_lens[count]
+        pages = rng.permutation(seqs * problem.pages_per_seq).astype(np.int32)
+        q_spec, kv_spec = self.input_specs(problem)[:2]
+        q_key, kv_key = jax.random.split(jax.random.key(seed))
+        return [jax.random.normal(q_key, q_spec.shape, q_spec.dtype),
+                jax.random.normal(kv_key, kv_spec.shape, kv_spec.dtype),
+                jnp.asarray(kv_lens), jnp.asarray(pages.reshape(seqs, -1)),
+                jnp.asarray(cu_q_lens), jnp.asarray([count], jnp.int32)]
+
+
+def jax_key(problem: ServingProblem) -> tuple[Any, ...]:
+    """JAX's raw key of ``problem`` in its table, before its ``simplify_key``: (q dtype, kv
+    dtype, q heads per block, K/V heads per block, head_dim, page_size,
+    max_num_batched_tokens, pages_per_seq)."""
+    q_heads, combined = heads_per_block(problem)
+    return (problem.dtype, problem.kv_dtype, q_heads, combined // 2, problem.head_dim,
+            problem.page_size, problem.max_num_batched_tokens, problem.pages_per_seq)
+
+
+def _power_below(value: int) -> int:
+    """The largest power of two below ``value`` (``value`` > 1)."""
+    return 1 << ((value - 1).bit_length() - 1)
+
+
+KERNEL = RpaKernel()

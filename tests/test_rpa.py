@@ -1,0 +1,243 @@
+"""The rpa backend (JAX's ragged paged attention) on a CPU: its legal space and every rule, the
+VMEM estimate against deviceless v5e compiles, a default legal on every key of issue 73's grid,
+upstream's heads per block and table read as JAX reads them, and its float32 reference against
+ours. The kernel itself runs on a TPU only (docs/serving.md, "What a CPU can check")."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+from kernel import ConfigError
+from kernel.backends.rpa import FALLBACK, RpaConfig, heads_per_block, jax_key, vmem_estimate
+from kernel.contract import reference_attention
+from kernel.registry import SERVING_KERNELS, get_kernel
+from kernel.serving import ServingProblem
+from kernel.targets import MiB
+
+RPA = SERVING_KERNELS["rpa"].discover()
+
+# Issue 73's grid, per chip: (q heads, kv heads, head_dim, window, softcap).
+MODELS = {"Llama-3-8B": (32, 8, 128, None, None), "Llama-3-70B TP8": (8, 1, 128, None, None),
+          "Qwen2-7B": (28, 4, 128, None, None), "Gemma-2-9B local": (16, 8, 256, 4096, 50.0),
+          "Mistral-7B": (32, 8, 128, 4096, None)}
+PAGE_SIZES = (16, 32, 64, 128)
+MAX_MODEL_LENS = (2048, 8192, 32768)
+TOKENS = (512, 2048, 8192)
+
+
+def _serving(model: str, page_size: int, max_model_len: int, tokens: int,
+             seqs: int = 64) -> ServingProblem:
+    q_heads, kv_heads, head_dim, window, softcap = MODELS[model]
+    return ServingProblem(q_heads, kv_heads, head_dim, page_size, max_model_len // page_size,
+                          tokens, seqs, window=window, softcap=softcap)
+
+
+GRID = [_serving(*key) for key in itertools.product(MODELS, PAGE_SIZES, MAX_MODEL_LENS, TOKENS)]
+LLAMA = _serving("Llama-3-8B", 16, 2048, 512)
+
+# Deviceless v5e compiles (kernel.aot.compile_for_target) of the Llama-3-8B key above, page 16,
+# 128 pages a sequence, 512 tokens, 64 sequences (docs/serving.md): whether each compiled.
+V5E_COMPILES = {(8, 32): True, (128, 32): False, (128, 256): False}
+# Peak scoped VMEM of configs of five grid problems, deviceless v5e (bench/kernels/rpa_vmem_sizes.py).
+V5E_PEAKS = Path(__file__).resolve().parent.parent / "bench/kernels/data/rpa_vmem/v5e.jsonl"
+
+
+def test_serving_backends_are_apart_from_the_attention_ones():
+    assert RPA.problem_type is ServingProblem
+    with pytest.raises(ConfigError, match="runs a serving step.*choose one of flash"):
+        get_kernel("rpa")
+
+
+def test_every_config_of_the_space_is_legal_or_names_its_rules():
+    problem = dataclasses.replace(LLAMA, pages_per_seq=100, max_num_batched_tokens=300)
+    params = RPA.space_params(problem)
+    assert params["num_kv_pages_per_block"][-1] == 100 and 64 in params["num_kv_pages_per_block"]
+    assert params["num_queries_per_block"][-1] == 300 and 256 in params["num_queries_per_block"]
+    legal = RPA.search_space(problem, "v5e")
+    assert legal and RPA.default_config(problem, "v5e") in legal
+    for values in itertools.product(*params.values()):
+        config = RpaConfig(*values)
+        rules = {v.rule for v in RPA.violations(problem, config, "v5e")}
+        assert (config in legal) == (not rules)
+        assert rules <= {"vmem"}, rules  # the space holds only sizes the other rules admit
+
+
+@pytest.mark.parametrize(("changes", "rule"), [
+    (dict(num_kv_pages_per_block=129), "kv_pages_range"),
+    (dict(num_queries_per_block=1024), "queries_max"),
+    (dict(num_queries_per_block=48), "queries_pow2"),
+    (dict(num_kv_pages_per_block=128), "vmem"),
+])
+def test_each_rule_refuses_and_names_the_fix(changes, rule):
+    config = RpaConfig(8, 32).replace(**changes)
+    broken = RPA.violations(LLAMA, config, "v5e")
+    assert [v.rule for v in broken] == [rule]
+    assert "use" in broken[0].message or "must" in broken[0].message
+
+
+def test_the_whole_token_budget_is_a_legal_query_block():
+    odd = dataclasses.replace(LLAMA, max_num_batched_tokens=100)
+    assert not RPA.violations(odd, RpaConfig(8, 100), "v5e")
+
+
+def test_heads_upstream_cannot_tile_are_a_problem_rule():
+    problem = dataclasses.replace(LLAMA, q_heads=30, kv_heads=6)  # 12 combined bf16 heads
+    assert [v.rule for v in RPA.problem_violations(problem)] == ["heads_tiling"]
+    with pytest.raises(ValueError, match="can not be XLA fully tiled"):
+        upstream.get_min_heads_per_blk(30, 12, jnp.bfloat16, jnp.bfloat16)
+    with pytest.raises(ConfigError, match="heads_tiling"):
+        RPA.check_problem(problem)
+
+
+def test_x64_is_refused_while_on():
+    with jax.enable_x64(True):
+        assert "x64" in {v.rule for v in RPA.violations(LLAMA, RpaConfig(8, 32), "v5e")}
+    assert not RPA.violations(LLAMA, RpaConfig(8, 32), "v5e")
+
+
+def test_a_vmem_limit_raises_what_the_estimate_is_checked_against():
+    config = RpaConfig(128, 32)
+    assert vmem_estimate(LLAMA, config) > 16 * MiB
+    assert [v.rule for v in RPA.violations(LLAMA, config, "v5e")] == ["vmem"]
+    assert not RPA.violations(LLAMA, config.replace(vmem_limit_mib=64), "v5e")
+    assert [v.rule for v in RPA.violations(LLAMA, config.replace(vmem_limit_mib=32),
+                                           "v4")] == ["vmem_limit"]  # a v4 core has 16 MiB
+    assert not RPA.violations(LLAMA, config, "cpu")  # interpreted: no VMEM
+
+
+@pytest.mark.parametrize(("blocks", "compiles"), V5E_COMPILES.items())
+def test_the_estimate_agrees_with_deviceless_v5e_compiles(blocks, compiles):
+    config = RpaConfig(*blocks)
+    assert RPA.is_legal(LLAMA, config, "v5e") == compiles, vmem_estimate(LLAMA, config) / MiB
+
+
+def test_the_estimate_bounds_every_measured_peak():
+    """Precision 1.0 (no config admitted that the compiler refuses, at any limit measured: the
+    estimate is at least each peak) and recall at the v5e's 16 MiB of at least 0.9."""
+    points = [json.loads(line) for line in V5E_PEAKS.read_text().splitlines()]
+    fitting = admitted = 0
+    for point in points:
+        problem, config = ServingProblem(**point["problem"]), RpaConfig(**point["config"])
+        assert vmem_estimate(problem, config) >= point["peak_bytes"], point
+        fitting += point["peak_bytes"] <= 16 * MiB
+        admitted += RPA.is_legal(problem, config, "v5e")
+    assert len(points) >= 30 and admitted >= 0.9 * fitting
+
+
+def test_heads_per_block_is_upstreams():
+    for problem in GRID[::len(PAGE_SIZES) * len(MAX_MODEL_LENS) * len(TOKENS)]:
+        for dtype, kv_dtype in itertools.product(("bfloat16", "float32"), repeat=2):
+            typed = dataclasses.replace(problem, dtype=dtype, kv_dtype=kv_dtype)
+            assert heads_per_block(typed) == upstream.get_min_heads_per_blk(
+                typed.q_heads, 2 * typed.kv_heads, jnp.dtype(dtype), jnp.dtype(kv_dtype))
+
+
+def test_jax_config_is_jaxs_table_entry_clamped_else_its_fallback():
+    v5 = tuned_block_sizes.TUNED_BLOCK_SIZES["TPU v5"]
+    found = 0
+    for problem in GRID:
+        key = tuned_block_sizes.simplify_key(jax_key(problem))
+        pages, queries = v5.get(key, FALLBACK)
+        found += key in v5
+        assert RPA.jax_config(problem, "v5e") == RpaConfig(
+            min(pages, problem.pages_per_seq), min(queries, problem.max_num_batched_tokens))
+    assert found  # the grid meets JAX's table
+    qwen = _serving("Qwen2-7B", 16, 2048, 512)  # 28/4 heads: looked up as 32/4, always a miss
+    assert RPA.jax_config(qwen, "v5e") == RpaConfig(*FALLBACK)
+    assert RPA.jax_config(LLAMA, "v4") == RpaConfig(32, 32)  # JAX's v4 fallback
+
+
+def test_head_dims_other_than_128_are_a_problem_rule():
+    """Gemma-2's head_dim 256 does not compile (deviceless v5e, JAX 0.10.2): no config can."""
+    gemma = _serving("Gemma-2-9B local", 16, 2048, 512)
+    assert [v.rule for v in RPA.problem_violations(gemma)] == ["head_dim"]
+    assert not RPA.search_space(gemma, "v5e")
+
+
+@pytest.mark.parametrize("target", ["v5e", "v5p", "v6e", "v4"])
+def test_the_default_is_legal_on_every_grid_key(target):
+    shrunk = 0
+    for problem in GRID:
+        if problem.head_dim != 128:  # Gemma-2: a problem rule (the test above)
+            continue
+        default = RPA.default_config(problem, target)
+        assert not RPA.violations(problem, default, target), (problem, default)
+        shrunk += default != RPA.jax_config(problem, target)
+        assert RPA.seed_configs(problem, target) in ([], [RPA.jax_config(problem, target)])
+    if target == "v5e":
+        assert shrunk  # JAX's own choice overflows some keys there
+
+
+def test_without_jaxs_table_the_default_starts_from_the_fallback():
+    bare = SERVING_KERNELS["rpa"]  # not discovered: the service's view
+    assert bare.jax_config(LLAMA, "v5e") == RpaConfig(*FALLBACK)
+    assert not bare.violations(LLAMA, bare.default_config(LLAMA, "v5e"), "v5e")
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
+def test_upstreams_reference_is_ours_per_sequence(window, softcap):
+    """The gate's reference (``RPA.reference``: upstream's ``ref_ragged_paged_attention`` in
+    float32) against ``kernel.contract.reference_attention`` per sequence, its queries the
+    last ``q_len`` of its ``kv_len`` keys."""
+    problem = ServingProblem(4, 2, 128, page_size=4, pages_per_seq=6, max_num_batched_tokens=12,
+                             max_num_seqs=3, dtype="float32", kv_dtype="float32", window=window,
+                             softcap=softcap)
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = RPA.example_inputs(problem, seed=3)
+    out = RPA.reference(problem)(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    assert out.shape == (int(cu_q_lens[num_seqs[0]]), problem.q_heads, problem.head_dim)
+    for seq in range(int(num_seqs[0])):
+        start, end, kv_len = int(cu_q_lens[seq]), int(cu_q_lens[seq + 1]), int(kv_lens[seq])
+        pages = kv_pages[page_indices[seq]].reshape(-1, 2 * problem.kv_heads, problem.head_dim)
+        k, v = (pages[:kv_len, side::2].transpose(1, 0, 2)[None] for side in (0, 1))
+        ours = reference_attention(
+            q[start:end].transpose(1, 0, 2)[None], k, v, causal=True,
+            window=None if window is None else (window - 1, 0), softcap=softcap,
+            query_offset=kv_len - (end - start))
+        np.testing.assert_allclose(out[start:end], ours[0].transpose(1, 0, 2),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_example_inputs_fill_the_token_budget_with_valid_sequences():
+    problem = dataclasses.replace(LLAMA, pages_per_seq=8, max_num_batched_tokens=64,
+                                  max_num_seqs=16)
+    inputs = RPA.example_inputs(problem, seed=1)
+    specs = RPA.input_specs(problem)
+    assert [(x.shape, x.dtype) for x in inputs] == [(s.shape, s.dtype) for s in specs]
+    upstream.dynamic_validate_inputs(*inputs)  # raises on a malformed batch
+    assert int(inputs[4][inputs[5][0]]) == problem.max_num_batched_tokens
+
+
+# What JAX's TPU interpreter raises on the kernel's ``ref.reshape`` (0.10.2 and 0.12.0.1):
+# docs/serving.md, "What a CPU can check".
+INTERPRETER_GAP = "'ReshapeTransform' object has no attribute 'indices'"
+
+
+@pytest.mark.smoke
+def test_the_kernel_interpreted_matches_the_reference_where_jax_interprets_it():
+    """Upstream's kernel in TPU interpret mode on a tiny paged cache against the float32
+    reference. JAX's interpreter cannot run it yet: the test holds that reason (any other
+    failure fails it), and checks the numerics the day a JAX runs it."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    problem = ServingProblem(4, 2, 128, page_size=16, pages_per_seq=4, max_num_batched_tokens=32,
+                             max_num_seqs=3, dtype="float32", kv_dtype="float32")
+    inputs = RPA.example_inputs(problem, seed=1)
+    expected = RPA.reference(problem)(*inputs)
+    try:
+        with pltpu.force_tpu_interpret_mode():
+            out = RPA.attention(problem, lambda mode: RpaConfig(2, 8), problem.head_dim ** -0.5)(
+                *inputs)
+    except jax.errors.JaxRuntimeError as error:
+        assert INTERPRETER_GAP in str(error)
+        return
+    np.testing.assert_allclose(out[:expected.shape[0]], expected, rtol=1e-5, atol=1e-5)
