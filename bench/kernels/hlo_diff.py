@@ -191,7 +191,7 @@ def mosaic_modules(args: argparse.Namespace, kernel_names: list[str], dtype: str
     from jaxlib.mlir.passmanager import PassManager
     from jaxlib.mosaic.python import tpu
 
-    from kernel.aot import input_specs
+    from kernel.contract import input_specs
 
     problem = kernel.Problem(args.batch, args.heads, args.kv_heads, args.seq, args.seq,
                              args.head_dim, dtype, True, "fwd_bwd")
