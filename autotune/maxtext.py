@@ -1,15 +1,17 @@
-"""MaxText's splash attention settings (the ``sa_*`` flags of its ``train.py``) from tuned
-splash configs: the stored entry of one shape, or the config best for several shapes that
-one set of settings must serve (a model's local and global attention layers: MaxText has no
-per-layer flags, so each shape's own best config, where it differs, is named as not
-expressed).
+"""MaxText's splash attention settings (the ``sa_*`` and ``local_sa_*`` flags of its
+``train.py``) from tuned splash configs: the stored entry of one shape, or, for several shapes,
+the config best for each layer type's shapes together. MaxText's local sliding-window layers
+(``AttentionType.LOCAL_SLIDING``: a problem with a window) read ``local_sa_*`` (each inherits
+its ``sa_*`` flag when unset; MaxText since 2026-06), every other attention layer ``sa_*``; a
+layer type's own shapes share one set, so each shape's own best config, where it differs, is
+named as not expressed.
 
-MaxText takes one ``BlockSizes`` per model, field for field (``block_q`` is ``sa_block_q``,
-...; a null dQ block of a fused backward is left out). For several shapes the candidates are
-the configs measured in every shape's study whose search times sum lowest, and each shape's
-stored winner; they are confirmed on this device as a tune confirms its winner
-(``Measurer.confirm``: interleaved rounds, with MaxText's default among them), shape by
-shape, and the one whose confirmed times sum lowest wins (each shape counted once) unless it
+MaxText takes one ``BlockSizes`` per layer type, field for field (``block_q`` is
+``sa_block_q``, ...; a null dQ block of a fused backward is left out). For a layer type's
+shapes the candidates are the configs measured in every shape's study whose search times sum
+lowest, and each shape's stored winner; they are confirmed on this device as a tune confirms
+its winner (``Measurer.confirm``: interleaved rounds, with MaxText's default among them), shape
+by shape, and the one whose confirmed times sum lowest wins (each shape counted once) unless it
 does not beat MaxText's default beyond the noise (``autotune.tune.choose_winner``). A single
 search trial is too noisy to choose by: a config one search timed fastest can be slower than
 the default when timed again.
@@ -33,6 +35,8 @@ from storage.studies import OK, get_storage, is_measurement, trial_status
 
 KERNEL = "splash"
 DEFAULT = "MaxText's default"  # the default's key among the confirmed candidates
+# The flags' prefix of each MaxText layer type, and its layers.
+LAYER_TYPES = {"sa_": "global attention layers", "local_sa_": "local sliding-window layers"}
 
 
 class MaxTextError(AutotuneError):
@@ -60,11 +64,36 @@ class SharedConfig:
         return sum(timing.median_ms for timing in self.confirmed[candidate].values())
 
 
-def sa_flags(config: Any) -> str:
-    """``config``'s fields as MaxText arguments: ``sa_block_q=512 ...``, nulls left out,
-    booleans as ``true``/``false``."""
-    return " ".join(f"sa_{name}={json.dumps(value) if isinstance(value, bool) else value}"
+def sa_flags(config: Any, prefix: str = "sa_") -> str:
+    """``config``'s fields as MaxText arguments: ``sa_block_q=512 ...`` (``prefix`` before each
+    field), nulls left out, booleans as ``true``/``false``."""
+    return " ".join(f"{prefix}{name}={json.dumps(value) if isinstance(value, bool) else value}"
                     for name, value in config.to_dict().items() if value is not None)
+
+
+def layer_types(problems: Sequence[Problem]) -> dict[str, list[Problem]]:
+    """``problems`` by the flags their MaxText layers read (``LAYER_TYPES``' prefixes): those
+    with a window ``local_sa_*``, the others ``sa_*``; a type without shapes left out."""
+    groups = {"sa_": [p for p in problems if p.window is None],
+              "local_sa_": [p for p in problems if p.window is not None]}
+    return {prefix: group for prefix, group in groups.items() if group}
+
+
+def maxtext_flags(store: Store, device_kind: str, problems: Sequence[Problem],
+                  kernel_version: str | None = None) -> tuple[str, list[str]]:
+    """MaxText's flags for ``problems`` and what to say of them: of one shape, its stored
+    entry's, as its layer type's flags; of several, each layer type's ``shared_config``, with
+    its confirmation lines."""
+    if len(problems) == 1:
+        [prefix] = layer_types(problems)
+        entry = stored_entry(store, device_kind, problems[0], kernel_version)
+        return sa_flags(entry.result.config, prefix), []
+    flags, lines = [], []
+    for prefix, group in layer_types(problems).items():
+        shared = shared_config(store, device_kind, group, kernel_version)
+        flags.append(sa_flags(shared.config, prefix))
+        lines += confirmation_lines(shared, prefix)
+    return " ".join(flags), lines
 
 
 def stored_entry(store: Store, device_kind: str, problem: Problem,
@@ -160,12 +189,14 @@ def _default_flags(kernel: TunableKernel, defaults: set[Any]) -> Any:
     return next(iter(defaults)) if len(defaults) == 1 else kernel.config_type()
 
 
-def confirmation_lines(shared: SharedConfig) -> list[str]:
-    """The confirmed figures: each candidate's median per shape and their sum, fastest first,
-    the chosen one marked, and why when MaxText's default stays."""
+def confirmation_lines(shared: SharedConfig, prefix: str) -> list[str]:
+    """The confirmed figures of the shapes of one layer type (the flags ``prefix`` names):
+    each candidate's median per shape and their sum, fastest first, the chosen one marked, why
+    when MaxText's default stays, and the shapes' own best configs the one set misses."""
     problems = shared.problems
-    lines = [f"confirmed on {shared.device_kind} against MaxText's default: the median ms of "
-             f"{shared.rounds} interleaved rounds a shape, timed by {shared.timing}",
+    lines = [f"{LAYER_TYPES[prefix]} ({prefix}*): confirmed on {shared.device_kind} against "
+             f"MaxText's default: the median ms of {shared.rounds} interleaved rounds a "
+             f"shape, timed by {shared.timing}",
              *(f"  shape {n}: {p.label()}" for n, p in enumerate(problems, 1)),
              "  " + "".join(f"{f'shape {n}':>9}" for n in range(1, len(problems) + 1))
              + f"{'sum':>8}  config"]
@@ -179,10 +210,11 @@ def confirmation_lines(shared: SharedConfig) -> list[str]:
     alone = [f"shape {n} {config.label(problem.mode)}"
              for n, (problem, config) in enumerate(shared.own.items(), 1)
              if config != shared.config]
-    if alone:
-        lines.append("not expressed: MaxText takes one set of sa_* flags for every attention "
-                     "layer, so a shape's own best config cannot be given to its layers alone "
-                     f"(tuned alone: {'; '.join(alone)}); the flags serve all shapes together")
+    if alone and len(problems) > 1:
+        lines.append(f"not expressed: MaxText takes one set of {prefix}* flags for all its "
+                     f"{LAYER_TYPES[prefix]}, so a shape's own best config cannot be given to "
+                     f"its layers alone (tuned alone: {'; '.join(alone)}); the flags serve "
+                     "these shapes together")
     return lines
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -458,14 +459,19 @@ GLOBAL = dataclasses.replace(LOCAL, window=None)
 def test_export_maxtext_prints_the_sa_flags_of_one_tuned_shape(
         sqlite_db_url: str, tmp_path: Path) -> None:
     """Issue 55 item 7: MaxText takes splash's BlockSizes as sa_* flags, which the README
-    printed with curl and jq; ``export --format maxtext`` prints them for the shape given."""
+    printed with curl and jq; ``export --format maxtext`` prints them for the shape given.
+    Issue 71 item 5: MaxText's local sliding-window layers read local_sa_* (a shape with a
+    window), the others sa_*."""
     _splash_study(sqlite_db_url, LOCAL, {128: 2.0, 256: 1.0, 512: 1.5})
     done = run_cli("export", "--format", "maxtext", *problem_flags(LOCAL), "--db",
                    sqlite_db_url)
     assert done.returncode == 0, done.stderr
     [line] = done.stdout.splitlines()
-    assert line.startswith("sa_block_q=512 sa_block_kv=512 sa_block_kv_compute=256 ")
-    assert "sa_use_fused_bwd_kernel=false" in line and "sa_q_layout=HEAD_DIM_MINOR" in line
+    assert line.startswith("local_sa_block_q=512 local_sa_block_kv=512 "
+                           "local_sa_block_kv_compute=256 ")
+    assert "local_sa_use_fused_bwd_kernel=false" in line
+    assert "local_sa_q_layout=HEAD_DIM_MINOR" in line
+    assert all(flag.startswith("local_sa_") for flag in line.split())
     assert "None" not in line and "null" not in line
     path = tmp_path / "flags.txt"
     done = run_cli("export", "--format", "maxtext", *problem_flags(LOCAL), "-o", str(path),
@@ -474,6 +480,11 @@ def test_export_maxtext_prints_the_sa_flags_of_one_tuned_shape(
     other = run_cli("export", "--format", "maxtext", *problem_flags(GLOBAL), "--db",
                     sqlite_db_url)
     assert_clean_failure(other, 1, "no tuned splash entry for", "autotune tune --kernel splash")
+    _splash_study(sqlite_db_url, GLOBAL, {128: 1.0, 512: 1.5})
+    other = run_cli("export", "--format", "maxtext", *problem_flags(GLOBAL), "--db",
+                    sqlite_db_url)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.startswith("sa_block_q=512 sa_block_kv=512 sa_block_kv_compute=128 ")
 
 
 # A model's local and global attention layers, tuned as two problems.
@@ -498,45 +509,116 @@ def _export_two_shapes(url: str, tmp_path: Path, local_times: dict[int, float],
 
 def test_export_maxtext_of_two_shapes_confirms_the_config_against_maxtext_s_default(
         sqlite_db_url: str, tmp_path: Path) -> None:
-    """Issue 62 item 9: a model with local and global layers runs one set of sa_* flags, which
-    were chosen by single search-trial times (a config one search timed fastest was slower than
-    the default when timed again). The candidates are now confirmed on this device against
-    MaxText's default, interleaved as a tune confirms, and the flags printed are those of the
-    config whose confirmed times sum lowest; the figures printed are the confirmed ones."""
+    """Issue 62 item 9: a model's sa_* flags were chosen by single search-trial times (a config
+    one search timed fastest was slower than the default when timed again). The candidates are
+    now confirmed on this device against MaxText's default, interleaved as a tune confirms,
+    and the flags printed are those of the config whose confirmed times sum lowest; the
+    figures printed are the confirmed ones. Issue 71 item 5: so for each layer type, the
+    global layer's config as sa_*, the local sliding-window layer's as local_sa_*."""
     from autotune.maxtext import sa_flags
     from kernel import get_kernel
 
     # The searches' single trials claim block_kv_compute=128 is far the fastest in both.
     done = _export_two_shapes(sqlite_db_url, tmp_path, {128: 0.001, 256: 1.0},
                               {128: 0.002, 256: 2.0})
-    assert "confirmed on cpu against MaxText's default: the median ms of 5 interleaved " \
-           "rounds a shape, timed by wallclock" in done.stderr
-    assert f"shape 1: {SMALL_LOCAL.label()}" in done.stderr
-    assert f"shape 2: {SMALL_GLOBAL.label()}" in done.stderr
-    rows = [line.split() for line in done.stderr.splitlines() if line.startswith("      ")]
-    assert len(rows) == 2  # the default, and the one candidate that is not the default
-    assert all(float(row[2]) == pytest.approx(float(row[0]) + float(row[1]), abs=2e-3)
-               and float(row[2]) > 0.1 for row in rows)  # the confirmed times, not the trials'
-    [chosen] = [row for row in rows if row[-1] == "chosen"]
-    default = get_kernel("splash").default_config(SMALL_LOCAL)
-    flags = default if chosen[3:5] == ["MaxText's", "default"] else \
-        default.replace(block_kv_compute=128)
-    assert done.stdout.strip() == sa_flags(flags)
-    assert chosen is rows[0] or "MaxText's default stays" in done.stderr
+    lines = done.stderr.splitlines()
+    heads = [n for n, line in enumerate(lines) if "confirmed on cpu against MaxText's default: "
+             "the median ms of 5 interleaved rounds a shape, timed by wallclock" in line]
+    assert [lines[n].split(":")[0] for n in heads] == [
+        "global attention layers (sa_*)", "local sliding-window layers (local_sa_*)"]
+    assert lines[heads[0] + 1] == f"  shape 1: {SMALL_GLOBAL.label()}"
+    assert lines[heads[1] + 1] == f"  shape 1: {SMALL_LOCAL.label()}"
+    flags = []
+    for head, end, problem, prefix in ((heads[0], heads[1], SMALL_GLOBAL, "sa_"),
+                                       (heads[1], len(lines), SMALL_LOCAL, "local_sa_")):
+        rows = [line.split() for line in lines[head:end] if line.startswith("      ")]
+        assert len(rows) == 2  # the default, and the one candidate that is not the default
+        assert all(float(row[1]) == float(row[0]) > 0.1 for row in rows)  # confirmed times
+        [chosen] = [row for row in rows if row[-1] == "chosen"]
+        default = get_kernel("splash").default_config(problem)
+        flags.append(sa_flags(default if chosen[2:4] == ["MaxText's", "default"] else
+                              default.replace(block_kv_compute=128), prefix))
+        assert chosen is rows[0] or "MaxText's default stays" in "".join(lines[head:end])
+    assert done.stdout.strip() == " ".join(flags)
+    assert "not expressed" not in done.stderr  # each layer type has its own flags
+
+
+def _fake_confirmation(monkeypatch: pytest.MonkeyPatch,
+                       times: dict[Problem, dict[int, float]]) -> None:
+    """The export's confirmation, in this process, timing each config of a problem at
+    ``times[problem][its block_kv_compute]`` ms every round (no device time)."""
+    import autotune.maxtext
+    from autotune.measure import Timing
+
+    class Timed:
+        def __init__(self, problem: Problem, *_: object, **__: object) -> None:
+            self.times = times[problem]
+
+        def confirm(self, configs: list, rounds: int) -> dict:
+            return {c: Timing((self.times[c.block_kv_compute],) * rounds) for c in configs}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(autotune.maxtext, "Measurer", Timed)
+
+
+def _export_in_process(url: str, tmp_path: Path, problems: list[Problem]) -> Any:
+    """``export --format maxtext --shapes`` of ``problems`` on ``url``, run in this process
+    (where ``_fake_confirmation`` reaches); it must succeed."""
+    from typer.testing import CliRunner
+
+    from autotune.cli import app
+
+    shapes = tmp_path / "model.yaml"
+    shapes.write_text(json.dumps([p.to_dict() for p in problems]))
+    done = CliRunner().invoke(app, ["export", "--format", "maxtext", "--shapes", str(shapes),
+                                    "--db", url], env={"COLUMNS": "250"})
+    assert done.exit_code == 0, (done.stdout, done.stderr)
+    return done
+
+
+def test_export_maxtext_gives_the_local_sliding_window_layers_their_own_flags(
+        sqlite_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 71 item 5: MaxText's local sliding-window layers read local_sa_* flags (since
+    2026-06; each inherits its sa_* flag when unset). A local layer faster at
+    block_kv_compute=128 and a global one at MaxText's default (256 at q256) get each its own:
+    sa_* the default, local_sa_* 128. Before: one sa_* set for both, the default (the two
+    shapes' sums tie)."""
+    from autotune.maxtext import sa_flags
+    from kernel import get_kernel
+
+    _splash_study(sqlite_db_url, SMALL_LOCAL, {128: 1.0, 256: 2.0}, device="cpu")
+    _splash_study(sqlite_db_url, SMALL_GLOBAL, {128: 2.0, 256: 1.0}, device="cpu")
+    _fake_confirmation(monkeypatch, {SMALL_LOCAL: {128: 1.0, 256: 2.0},
+                                     SMALL_GLOBAL: {128: 2.0, 256: 1.0}})
+    done = _export_in_process(sqlite_db_url, tmp_path, [SMALL_LOCAL, SMALL_GLOBAL])
+    splash = get_kernel("splash")
+    local = splash.default_config(SMALL_LOCAL).replace(block_kv_compute=128)
+    assert done.stdout.split() == [*sa_flags(splash.default_config(SMALL_GLOBAL)).split(),
+                                   *("local_" + flag for flag in sa_flags(local).split())]
+    chosen = [line for line in done.stderr.splitlines() if line.endswith("<- chosen")]
+    assert len(chosen) == 2 and "MaxText's default" in chosen[0], chosen
+    assert local.label(SMALL_LOCAL.mode) in chosen[1], chosen
 
 
 def test_export_maxtext_names_the_per_layer_configs_its_one_flag_set_cannot_express(
-        sqlite_db_url: str, tmp_path: Path) -> None:
-    """Issue 71 item 5: a model whose local and global layers were tuned as different
-    problems, with different winners: MaxText has one set of sa_* flags for every layer, so
-    the export says which shape's own best config the flags could not express, and why.
-    Before: one sa_* set, with no word of the per-layer configs."""
-    done = _export_two_shapes(sqlite_db_url, tmp_path, {128: 0.001, 256: 1.0},
-                              {128: 2.0, 256: 0.002})
+        sqlite_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 71 item 5: two global layers tuned as different problems, with different
+    winners: MaxText has one set of sa_* flags for all its global layers, so the export says
+    which shape's own best config the flags could not express, and why; no local_sa_* flags
+    (the model has no local layer)."""
+    other = dataclasses.replace(SMALL_GLOBAL, batch=2)
+    _splash_study(sqlite_db_url, SMALL_GLOBAL, {128: 1.0, 256: 3.0}, device="cpu")
+    _splash_study(sqlite_db_url, other, {128: 2.0, 256: 1.0}, device="cpu")
+    _fake_confirmation(monkeypatch, {SMALL_GLOBAL: {128: 1.0, 256: 3.0},
+                                     other: {128: 2.0, 256: 1.0}})
+    done = _export_in_process(sqlite_db_url, tmp_path, [SMALL_GLOBAL, other])
+    assert "sa_block_kv_compute=128" in done.stdout.split()  # 128 sums 3.0, the default 4.0
+    assert not any(flag.startswith("local_sa_") for flag in done.stdout.split())
     [line] = [line for line in done.stderr.splitlines() if line.startswith("not expressed")]
-    assert "one set of sa_* flags for every attention layer" in line
-    # The winners differ, so the one flag set misses at least one shape's own best config.
-    assert "shape 1 q256 kv256/128" in line or "shape 2 q256 kv256/256" in line
+    assert "one set of sa_* flags for all its global attention layers" in line
+    assert "(tuned alone: shape 2 q256 kv256/256 " in line
 
 
 def test_export_maxtext_of_two_shapes_measures_on_their_device_kind(

@@ -39,11 +39,12 @@ def export_table(
              "default: print them).")] = None,
     format_: Annotated[str, typer.Option(
         "--format", help="table (a lookup table of every tuned shape), maxtext (MaxText's "
-                         "sa_* flags of the splash config of the shape the problem flags or "
-                         "--shapes give; of several shapes: the config best for them "
-                         "together) or jax-rpa (JAX's TUNED_BLOCK_SIZES of ragged paged "
-                         "attention from the tuned serving configs: a Python module, -o, and "
-                         "the same as JSON beside it).")] = "table",
+                         "sa_* flags, local_sa_* for a shape with a window, of the splash "
+                         "config of the shape the problem flags or --shapes give; of several "
+                         "shapes: each layer type's config best for its shapes together) or "
+                         "jax-rpa (JAX's TUNED_BLOCK_SIZES of ragged paged attention from the "
+                         "tuned serving configs: a Python module, -o, and the same as JSON "
+                         "beside it).")] = "table",
     shapes: ShapesOption = None,
     device_kind: Annotated[str | None, typer.Option(
         help="Device kind as JAX reports it, e.g. 'TPU v5 lite' (default: the only one stored).",
@@ -63,8 +64,8 @@ def export_table(
     db: DbOption = None,
 ) -> None:
     """Write the tuned configs of one device kind, and its kernel choices, as a lookup table to
-    pin in a model build; or, with --format maxtext, MaxText's sa_* flags for one shape (or
-    for the shapes of --shapes together)."""
+    pin in a model build; or, with --format maxtext, MaxText's sa_* (and local_sa_*) flags
+    for one shape (or for the shapes of --shapes, each layer type's together)."""
     if format_ == "maxtext":
         _export_maxtext(given_problems(context, problem, shapes), output, device_kind, kernel,
                         kernel_version, db)
@@ -160,11 +161,11 @@ def _stored_device_kind(device_kind: str | None, kernel: str | None, db: str | N
 
 def _export_maxtext(problems: list[Problem], output: Path | None, device_kind: str | None,
                     kernel: str | None, kernel_version: str | None, db: str | None) -> None:
-    """Prints (or writes to ``output``) the sa_* flags of the splash config tuned for the one
-    problem, or of the config best for several together, confirmed here by measuring it
-    (its confirmed figures on stderr)."""
-    from autotune.maxtext import (KERNEL, confirmation_lines, sa_flags, shared_config,
-                                  stored_entry)
+    """Prints (or writes to ``output``) MaxText's flags of the splash config tuned for the one
+    problem, or, of several, sa_* of the config best for the global layers' shapes together
+    and local_sa_* of the local sliding-window layers', each confirmed here by measuring it
+    (the confirmed figures on stderr)."""
+    from autotune.maxtext import KERNEL, maxtext_flags
 
     if kernel not in (None, KERNEL):
         raise typer.BadParameter(f"MaxText's flags are splash's; leave --kernel out or give "
@@ -172,17 +173,12 @@ def _export_maxtext(problems: list[Problem], output: Path | None, device_kind: s
     device_kind = _stored_device_kind(device_kind, KERNEL, db)
     with reading_store(db) as store:
         try:
-            if len(problems) == 1:
-                config = stored_entry(store, device_kind, problems[0], kernel_version)\
-                    .result.config
-            else:
-                shared = shared_config(store, device_kind, problems, kernel_version)
-                config = shared.config
-                typer.echo("\n".join(confirmation_lines(shared)), err=True)
+            flags, lines = maxtext_flags(store, device_kind, problems, kernel_version)
         except AutotuneError as error:
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(1) from None
-    flags = sa_flags(config)
+    if lines:
+        typer.echo("\n".join(lines), err=True)
     if output is None:
         typer.echo(flags)
         return

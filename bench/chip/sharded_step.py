@@ -16,8 +16,9 @@ wrapper's ``resolution_sources()``); ``fallbacks``: each problem that did not ru
 its choice names (a next best, the platform's kernel, or no choice at all): any makes the exit
 status 1. ``export``: ``autotune export --format maxtext`` on the tuned database over the
 step's problems (a local and a global layer), run in this process as a user runs it: its exit
-code, the flags it prints (``flags``) and what it says on stderr (``lines``: the confirmation,
-and what it could not express).
+code, the flags it prints (``flags``: ``sa_*`` of the global layer's config, ``local_sa_*`` of
+the local one's) and what it says on stderr (``lines``: each layer type's confirmation, and
+what it could not express).
 
     python bench/chip/sharded_step.py --trials 8 --out sharded-step.json
     python bench/chip/sharded_step.py --interpret --out /tmp/step.json  # a CPU check: tiny, no figures
