@@ -295,7 +295,7 @@ def _check_problem_type(data: dict[str, Any], version: int, kernel: str) -> None
     and a serving kernel's table is of a schema that names it."""
     named = data.get("problem_type", "attention")
     own = problem_type_name(registered_kernel(kernel).problem_type)
-    if named not in PROBLEM_TYPES:
+    if not isinstance(named, str) or named not in PROBLEM_TYPES:
         raise TableError(f"table problem_type must be one of {', '.join(PROBLEM_TYPES)}, got "
                          f"{named!r}")
     if named != own:
