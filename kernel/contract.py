@@ -255,7 +255,8 @@ class TunableKernel(ABC):
         (when the measured function needs more than ``attention``).
       - A backend of another problem type (a serving step, ``kernel.serving``) sets
         ``problem_type`` and overrides ``build``, ``reference`` (jittable: the tuner compiles
-        it), ``input_specs``, ``example_inputs`` and ``compositions``; it registers in ``SERVING_KERNELS``, not ``KERNELS``.
+        it), ``input_specs``, ``example_inputs`` and ``compositions``; it registers in
+        ``SERVING_KERNELS``, not ``KERNELS``.
       - Register it in ``kernel/registry.py`` and list it in docs/kernels.md. The common suite
         (``tests/test_kernel_contract.py``) then checks its numerics and rules with no change.
     """

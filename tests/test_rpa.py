@@ -1,7 +1,9 @@
 """The rpa backend (JAX's ragged paged attention) on a CPU: its legal space and every rule, the
 VMEM estimate against deviceless v5e compiles, a default legal on every key of issue 73's grid,
-upstream's heads per block and table read as JAX reads them, and its float32 reference against
-ours. The kernel itself runs on a TPU only (docs/serving.md, "What a CPU can check")."""
+upstream's heads per block and table read as JAX reads them, the batch compositions a trial
+measures, the measured program traced on a deviceless v5e, and the gate's float32 reference
+against upstream's. The kernel itself runs on a TPU only (docs/serving.md, "What a CPU can
+check")."""
 
 from __future__ import annotations
 
