@@ -264,6 +264,8 @@ class EntryOut(BaseModel):
     study: str | None
     device_index: int | None
     kernel_median_ms: float | None
+    compositions: list[dict[str, Any]] | None = Field(
+        None, description="A serving step's batch compositions its trials ran.")
     created_at: datetime
     updated_at: datetime
 

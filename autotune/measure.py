@@ -51,8 +51,7 @@ from autotune.timing import (
     trace_runs,
 )
 from autotune.trials import Measurement
-from kernel import Problem, TunableKernel
-from kernel.contract import gate_reference, input_specs
+from kernel import DEFAULT_KERNEL, Problem, TunableKernel, get_kernel
 from kernel.tolerance import max_relative_error
 from kernel.tolerance import relative_error as output_error
 from present.text import first_line
@@ -128,27 +127,46 @@ class Footprint:
                 f"{temps} GiB")
 
 
-def least_footprint(problem: Problem) -> Footprint:
-    """What a measurement of ``problem`` holds at the least, from the shapes alone: its
-    inputs, and three sets of outputs (the attention output, or dq, dk and dv), the
-    reference's temporaries left out."""
-    q, k, *rest = [math.prod(spec.shape) * spec.dtype.itemsize for spec in input_specs(problem)]
-    return Footprint(q + k + sum(rest), q if problem.mode == "fwd" else q + 2 * k)
+def gated(kernel: TunableKernel | None) -> TunableKernel:
+    """The kernel whose gate (``reference`` and ``input_specs``) is asked: ``kernel`` where it
+    has a reference of its own (a serving step's), else the default kernel, so that every
+    attention backend shares one gate (:func:`kernel.contract.gate_reference`) and its
+    compile."""
+    own = kernel is not None and type(kernel).reference is not TunableKernel.reference
+    return kernel if own else get_kernel(DEFAULT_KERNEL)
+
+
+def least_footprint(problem: Problem, kernel: TunableKernel | None = None) -> Footprint:
+    """What a measurement of ``problem`` holds at the least, from the shapes alone: the
+    inputs of ``kernel``'s measured function, and the reference's outputs (the attention
+    output, or dq, dk and dv) three times over, the reference's temporaries left out."""
+    kernel = gated(kernel)
+    specs = kernel.input_specs(problem)
+    outputs = jax.tree.leaves(jax.eval_shape(kernel.reference(problem), *specs))
+    return Footprint(*(sum(math.prod(x.shape) * x.dtype.itemsize for x in arrays)
+                       for arrays in (specs, outputs)))
+
+
+def compiled_reference(problem: Problem, device: jax.Device,
+                       kernel: TunableKernel | None = None) -> Any:
+    """The gate's reference of ``problem`` (``kernel``'s, :func:`gated`) compiled for
+    ``device``: what :func:`check_fits` sizes and the measurer runs (one compile each)."""
+    return _compiled_reference(problem, device, gated(kernel))
 
 
 @functools.lru_cache(maxsize=2)
-def compiled_reference(problem: Problem, device: jax.Device) -> Any:
-    """The gate's reference (:func:`kernel.contract.gate_reference`) of ``problem`` compiled
-    for ``device``: what :func:`check_fits` sizes and the measurer runs (one compile each)."""
-    return jax.jit(gate_reference(problem)).lower(*input_specs(problem, device)).compile()
+def _compiled_reference(problem: Problem, device: jax.Device, kernel: TunableKernel) -> Any:
+    return jax.jit(kernel.reference(problem)).lower(
+        *kernel.input_specs(problem, device)).compile()
 
 
-def reference_footprint(problem: Problem, device: jax.Device) -> Footprint:
+def reference_footprint(problem: Problem, device: jax.Device,
+                        kernel: TunableKernel | None = None) -> Footprint:
     """What a measurement of ``problem`` holds on ``device``, from the compiler's memory
     analysis of the reference; :func:`least_footprint` where the compiler gives none."""
-    analysis = compiled_reference(problem, device).memory_analysis()
+    analysis = compiled_reference(problem, device, kernel).memory_analysis()
     if analysis is None:
-        return least_footprint(problem)
+        return least_footprint(problem, kernel)
     return Footprint(analysis.argument_size_in_bytes, analysis.output_size_in_bytes,
                      analysis.temp_size_in_bytes)
 
@@ -189,16 +207,18 @@ def claims_ahead(sampler_learns: bool, cores: int | None = None, memory: int | N
     return max(AHEAD, threads // workers - 1)
 
 
-def check_fits(problem: Problem, device: jax.Device, memory: int | None = None) -> None:
+def check_fits(problem: Problem, device: jax.Device, memory: int | None = None,
+               kernel: TunableKernel | None = None) -> None:
     """Raises ``ProblemTooLarge``, one line naming the sizes, when measuring ``problem`` needs
     more than ``memory`` bytes (default: ``device``'s, :func:`device_memory_bytes`), before
     anything is allocated: first by the shapes alone (:func:`least_footprint`), then, if that
-    fits, by the compiled reference's memory analysis (:func:`reference_footprint`)."""
+    fits, by the compiled reference's memory analysis (:func:`reference_footprint`), of
+    ``kernel``'s gate (:func:`gated`)."""
     memory = device_memory_bytes(device) if memory is None else memory
     if memory is None:
         return
-    for footprint in (lambda: least_footprint(problem),
-                      lambda: reference_footprint(problem, device)):
+    for footprint in (lambda: least_footprint(problem, kernel),
+                      lambda: reference_footprint(problem, device, kernel)):
         needed = footprint()
         if needed.total > memory:
             raise ProblemTooLarge(
@@ -319,7 +339,7 @@ class Measurer:
             # The bound the kernel tests hold every kernel to: a config less accurate than
             # that fails the gate, however fast.
             self.tolerance = max_relative_error(self.problem.dtype, self.device.platform)
-        check_fits(self.problem, self.device)
+        check_fits(self.problem, self.device, kernel=self.kernel)
         self.inputs, self.expected = self._gate_values()
         self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="compile")
 
@@ -331,7 +351,7 @@ class Measurer:
             inputs = [jax.device_put(x, self.device)
                       for x in self.kernel.example_inputs(self.problem, self.seed)]
             return inputs, jax.block_until_ready(
-                compiled_reference(self.problem, self.device)(*inputs))
+                compiled_reference(self.problem, self.device, self.kernel)(*inputs))
 
     def config(self, params: dict[str, Any]) -> Config:
         return self.base.replace(**params)

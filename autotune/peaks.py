@@ -71,8 +71,9 @@ def device_peaks(device: Any, dtype: str) -> Peaks | None:
 
 def device_roofline(device: Any, problem: Problem, time_ms: float) -> Roofline | None:
     """Where ``time_ms`` stands on ``device``'s roofline: None on a CPU (interpret-mode times
-    are no device figure), no fraction where the device's peaks are unknown."""
-    if device.platform == "cpu":
+    are no device figure) and for a serving step (its work depends on the batch compositions,
+    no problem field), no fraction where the device's peaks are unknown."""
+    if device.platform == "cpu" or not isinstance(problem, Problem):
         return None
     peaks = device_peaks(device, problem.dtype)
     measured = roofline(problem, time_ms, peaks)

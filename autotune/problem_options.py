@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
+from kernel.registry import registered_kernel
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
 from kernel.shapesfile import MAX_SHAPES_BYTES
 from kernel.problem import SOFTCAP_RANGE, softcap_problem
@@ -113,6 +114,7 @@ def kernel_option(lookup: Callable[[str], Any]) -> Callable[[str | None], str | 
 
 
 known_kernel = kernel_option(get_kernel)  # an attention kernel
+tunable_kernel = kernel_option(registered_kernel)  # an attention or a serving kernel
 
 
 def known_kernels(names: str | None) -> list[str] | None:
@@ -261,11 +263,13 @@ def _parse_shapes(path: Path) -> Any:
         loader.dispose()
 
 
-def load_shapes(path: Path, defaults: dict[str, Any] | None = None) -> list[Problem]:
-    """Problems from a YAML or JSON list of problem objects (a model's attention shapes), each
-    once, in the file's order: a repeat is left out, and said so once (tuned twice, it would
-    be published twice). ``defaults``: problem fields for the objects that omit them (the
-    problem flags given with the file); one that every object overrides is said so."""
+def load_shapes(path: Path, defaults: dict[str, Any] | None = None,
+                problem_type: type = Problem) -> list[Any]:
+    """Problems of ``problem_type`` from a YAML or JSON list of problem objects (a model's
+    attention shapes, or a server's serving problems), each once, in the file's order: a repeat
+    is left out, and said so once (tuned twice, it would be published twice). ``defaults``:
+    problem fields for the objects that omit them (the problem flags given with the file);
+    one that every object overrides is said so."""
     data = _parse_shapes(path)
     if not isinstance(data, list) or not data:
         raise _shapes_error(f"{path} must hold a non-empty list of problems")
@@ -278,7 +282,7 @@ def load_shapes(path: Path, defaults: dict[str, Any] | None = None) -> list[Prob
             used.update(defaults.keys() - item.keys())
             item = {**defaults, **item}
         try:
-            problem = Problem.from_dict(item)
+            problem = problem_type.from_dict(item)
         except ProblemError as error:
             raise _shapes_error(f"{path}, problem {index}: {_shortened(str(error))}") from None
         if problem in first:
@@ -295,13 +299,14 @@ def load_shapes(path: Path, defaults: dict[str, Any] | None = None) -> list[Prob
     return list(first)
 
 
-def given_problems(context: typer.Context, problem: Problem,
-                   shapes: Path | None) -> list[Problem]:
-    """The problems of the ``--shapes`` file, the problem flags given with it filling the
-    fields its problems omit, or else the one problem of the flags."""
+def given_problems(context: typer.Context, problem: Problem, shapes: Path | None,
+                   problem_type: type = Problem) -> list[Any]:
+    """The problems of the ``--shapes`` file (of ``problem_type``), the problem flags given
+    with it filling the fields its problems omit, or else the one problem of the flags."""
     if not shapes:
         return [problem]
-    return load_shapes(shapes, {name: context.params[name] for name in _given_names(context)})
+    return load_shapes(shapes, {name: context.params[name] for name in _given_names(context)},
+                       problem_type)
 
 
 def _flag_of(message: str) -> str | None:

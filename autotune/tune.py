@@ -34,9 +34,9 @@ from autotune.trials import (
     is_measurement,
     trial_status,
 )
-from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target, \
-    get_kernel
+from kernel import DEFAULT_KERNEL, ConfigError, Problem, Target, TunableKernel, device_target
 from kernel.problem import shown_number
+from kernel.registry import registered_kernel
 from kernel.resolve import installed_versions
 from kernel.roofline import Roofline
 from storage import Entry, PublishOutcome, Store, TunedResult
@@ -144,6 +144,9 @@ class TuneSummary:
     roofline: Roofline | None = None  # None on a CPU
     confirmation: dict[str, dict[str, Any]] = field(default_factory=dict)
     platform: str = ""  # JAX's platform of the device that measured it
+    # The kernel's named baselines (TunableKernel.baselines): each one's config and confirmed
+    # time with its ratio to the winner's, or why it did not run here.
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"problem": self.problem.to_dict(), "kernel": self.kernel,
@@ -155,7 +158,7 @@ class TuneSummary:
                 "speedup": self.speedup, "measured": self.measured, "failures": self.failures,
                 "winner_is_default": self.winner_is_default, "publish": self.publish,
                 "stop_reason": self.stop_reason, "patience": self.patience,
-                "device_index": self.device_index}
+                "device_index": self.device_index, "baselines": self.baselines}
 
 
 def result_roofline(roofline: Roofline | None) -> dict[str, Any]:
@@ -184,7 +187,7 @@ def finished_entry(store: Store, device_kind: str, problem: Problem, kernel_name
     config measured since and nothing left to measure (its budget reached, its space
     exhausted, or ``options.patience`` measured configs since its fastest), or of a kernel
     without fields. None with ``options.force``."""
-    kernel = get_kernel(kernel_name)
+    kernel = registered_kernel(kernel_name)
     found = None if options.force else store.lookup(kernel.name, device_kind, problem)
     if found is None or found[1] != "exact":
         return None
@@ -234,8 +237,8 @@ def warm_seeds(store: Store, problem: Problem, device_kind: str, space: Space,
     (a re-tune under new versions, a new study), at most :data:`MAX_WARM_SEEDS`; then the
     kernel's hand-set families (``TunableKernel.seed_configs``) for this device."""
     family = {"kernel": kernel.name, "device_kind": device_kind, "dtype": problem.dtype,
-              "head_dim": problem.head_dim, "causal": problem.causal, "mode": problem.mode}
-    entries, _ = store.list(family, limit=None)
+              "head_dim": problem.head_dim}  # columns of either problem type
+    entries, _ = store.list(family, limit=None, problem_type=kernel.problem_type)
     nearest = sorted((e.result for e in entries
                       if e.result.problem.family() == problem.family()),
                      key=lambda r: problem.distance(r.problem))
@@ -316,7 +319,7 @@ class TuneJob:
     def __init__(self, problem: Problem, store: Store, db_url: str | None,
                  options: TuneOptions = TuneOptions(), observer: TuneObserver | None = None,
                  kernel_name: str = DEFAULT_KERNEL) -> None:
-        self.kernel = kernel = get_kernel(kernel_name).discover()
+        self.kernel = kernel = registered_kernel(kernel_name).discover()
         self.device = jax.devices()[0]
         check_device_index(options, self.device.platform)
         self.target = target = device_target(self.device.platform, self.device.device_kind)
@@ -395,7 +398,9 @@ class TuneJob:
         study = (optuna.load_study(study_name=self.name, storage=self.storage)
                  if self.space else None)
         top = _top_configs(study, base, options.confirm_top) if study else []
-        timings = self.measurer.confirm([base, *top], rounds=options.confirm_rounds)
+        named = kernel.baselines(problem, self.target)
+        legal = [c for c in named.values() if kernel.is_legal(problem, c, self.target)]
+        timings = self.measurer.confirm([base, *legal, *top], rounds=options.confirm_rounds)
         failures = _failures(study) if study else {}
         if base not in timings and study and base in _top_configs(study, base, len(study.trials)):
             raise ChipStateCorrupted(
@@ -416,7 +421,8 @@ class TuneJob:
         confirmation = {c.label(): {"config": c.to_dict(), "samples_ms": list(t.samples_ms),
                                     "median_ms": t.median_ms, "iqr_ms": t.iqr_ms,
                                     "kernel_median_ms": t.kernel_median_ms,
-                                    "is_default": c == base, "is_winner": c == winner}
+                                    "is_default": c == base, "is_winner": c == winner,
+                                    "baselines": [n for n, b in named.items() if b == c]}
                         for c, t in timings.items()}
         # The study is complete before the entry names it: a kill in between leaves no entry
         # whose study lacks its confirmation.
@@ -432,6 +438,7 @@ class TuneJob:
             timing=self.measurer.timing, **result_roofline(roofline),
             study=self.name if study else None, device_index=options.device_index,
             kernel_median_ms=timings[winner].kernel_median_ms,
+            compositions=kernel.compositions(problem),
             **{f"{package}_version": version
                for package, version in installed_versions().items()}))
         if study:  # what a rerun compares: nothing measured since means nothing to confirm
@@ -451,7 +458,23 @@ class TuneJob:
             publish=outcome.status, stop_reason=result.stop_reason, patience=options.patience,
             device_index=options.device_index, timing=self.measurer.timing,
             timing_note=self.measurer.timing_note, roofline=roofline,
-            confirmation=confirmation, platform=device.platform)
+            confirmation=confirmation, platform=device.platform,
+            baselines={name: self._baseline(config, timings, winner_ms)
+                       for name, config in named.items()})
+
+    def _baseline(self, config: Config, timings: Mapping[Config, Timing],
+                  winner_ms: float) -> dict[str, Any]:
+        """A named baseline in the summary: its confirmed time and the winner's speedup over
+        it, or why it has none (the rules refuse it here, or it failed)."""
+        out: dict[str, Any] = {"config": config.to_dict()}
+        broken = self.kernel.violations(self.problem, config, self.target)
+        if broken:
+            return {**out, "refused": "; ".join(map(str, broken))}
+        if config not in timings:
+            return {**out, "refused": "failed to compile, run or pass the gate here"}
+        ms = timings[config].median_ms
+        return {**out, "median_ms": ms, "iqr_ms": timings[config].iqr_ms,
+                "speedup": ms / winner_ms}
 
     def _publish(self, result: TunedResult) -> PublishOutcome:
         """Publishes ``result`` if it beats the stored entry beyond the noise of both. With

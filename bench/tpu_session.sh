@@ -59,6 +59,21 @@
 #                                            with no fallback, and the maxtext export of its
 #                                            layer types (flags: bench/chip/sharded_step.py's):
 #                                            $OUT/sharded-step.json (issue 71, items 4 and 5)
+#   bash bench/tpu_session.sh serve_tune MODELS TRIALS [flags]  # the rpa serving keys of the
+#                                            decode loop's MODELS (e.g. llama3-8b,qwen2-7b; flags:
+#                                            bench/chip/serve_step.py's key flags, e.g. --seqs
+#                                            32,256 --tokens 2048) tuned over their batch
+#                                            compositions, resuming the study of SERVE_DB (a
+#                                            serve.db an earlier call returned): $OUT/serve.db,
+#                                            serve-tune.jsonl (each key's baselines.jax: JAX's
+#                                            own choice beside the winner), serve-table.json and
+#                                            tuned_block_sizes_v5e.py/.json (issue 73, items 2-4)
+#   bash bench/tpu_session.sh serve_step MODEL SEQS TABLE [flags]  # the decode loop's tokens/s
+#                                            under TABLE (a serve-table.json an earlier call
+#                                            returned), JAX's block sizes and the default, each
+#                                            checked against the reference (flags:
+#                                            bench/chip/serve_step.py's): $OUT/serve-step-MODEL-
+#                                            SEQS.json (issue 73, item 5)
 # KERNEL "choice" tunes the default kernel choice. Results land in $OUT (default ./chip-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -183,4 +198,26 @@ for style, row in report["styles"].items():
     for key, why in row["ran"].items():
         print("  ", key, "<-", why)
 print("export", json.dumps(report["export"], indent=1))' "$OUT/sharded-step.json" ;;
+serve_tune)  # MODELS TRIALS [serve_step.py key flags]
+    db=/tmp/serve.db; [ -n "${SERVE_DB:-}" ] && cp "$SERVE_DB" "$db"
+    python3 bench/chip/serve_step.py --write-shapes "$OUT/serve-shapes.yaml" --models "$2" \
+        "${@:4}" || exit 1
+    python3 -m autotune tune --kernel rpa --shapes "$OUT/serve-shapes.yaml" --trials "$3" \
+        --db "sqlite:///$db" --json > "$OUT/serve-tune.jsonl" 2> "$OUT/serve-tune.err"
+    echo "tune exit $?"; tail -n 5 "$OUT/serve-tune.err"
+    python3 -m autotune export --kernel rpa --db "sqlite:///$db" -o "$OUT/serve-table.json"
+    python3 -m autotune export --kernel rpa --format jax-rpa --jax-device-key \
+        --db "sqlite:///$db" -o "$OUT/tuned_block_sizes_v5e.py"
+    cp "$db" "$OUT/"
+    python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    if row.get("summary"):
+        print(row["problem"], row["best_config"], row["best_time_ms"], row["speedup"],
+              json.dumps(row["baselines"]))' "$OUT/serve-tune.jsonl" ;;
+serve_step)  # MODEL SEQS TABLE [flags]
+    name=serve-step-$2-$3
+    python3 bench/chip/serve_step.py --model "$2" --seqs "$3" --table "$4" "${@:5}" \
+        --out "$OUT/$name.json" 2> "$OUT/$name.err" | tail -n 60
+    tail -n 5 "$OUT/$name.err" ;;
 esac

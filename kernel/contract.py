@@ -254,8 +254,9 @@ class TunableKernel(ABC):
         ``compile_parts`` (kernels of a gradient program that compile separately) or ``build``
         (when the measured function needs more than ``attention``).
       - A backend of another problem type (a serving step, ``kernel.serving``) sets
-        ``problem_type`` and overrides ``build``, ``reference``, ``input_specs`` and
-        ``example_inputs``; it registers in ``SERVING_KERNELS``, not ``KERNELS``.
+        ``problem_type`` and overrides ``build``, ``reference`` (jittable: the tuner compiles
+        it), ``input_specs``, ``example_inputs`` and ``compositions``; it registers in
+        ``SERVING_KERNELS``, not ``KERNELS``.
       - Register it in ``kernel/registry.py`` and list it in docs/kernels.md. The common suite
         (``tests/test_kernel_contract.py``) then checks its numerics and rules with no change.
     """
@@ -326,6 +327,12 @@ class TunableKernel(ABC):
                 out.append(config)
         return out
 
+    def baselines(self, problem: Problem, target: Target | str = "cpu") -> dict[str, Any]:
+        """Named configs a tune confirms beside the default and its best measured ones (a
+        library's own choice for the problem), so that its summary says how the winner
+        compares with each; {} by default."""
+        return {}
+
     def problem_violations(self, problem: Problem) -> list[Violation]:
         """Rules the problem itself breaks (no config can run it); part of ``violations``."""
         return []
@@ -356,6 +363,12 @@ class TunableKernel(ABC):
         return measured_fn(problem, self.attention(problem, lambda mode: config,
                                                    default_scale(problem)),
                            forward_only=forward_only)
+
+    def compositions(self, problem: Problem) -> list[dict[str, Any]] | None:
+        """The batch compositions :meth:`build` runs, recorded in a tuned result's provenance
+        (``compositions``): a serving step's; None for an attention call, which runs its one
+        problem."""
+        return None
 
     def as_called(self, problem: Problem, config: Any) -> AttentionFn:
         """What ``kernel.flash_attention`` runs when it picks this backend with ``config``

@@ -113,6 +113,7 @@ class _MeasuredColumns(_ProvenanceColumns):
     study: Mapped[str | None] = mapped_column(String(TEXT_LIMITS["study"]))
     device_index: Mapped[int | None] = mapped_column(Integer)
     kernel_median_ms: Mapped[float | None] = mapped_column(Float)
+    compositions: Mapped[list[Any] | None] = mapped_column(JSON)  # a serving step's batches
 
 
 class _ResultColumns(_ProblemColumns, _MeasuredColumns):

@@ -8,7 +8,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -52,7 +52,7 @@ MEASUREMENT_FIELDS = tuple(MEASUREMENT_RANGES)
 # The names a lookup table gives them (kernel.table.TableEntry), said in errors.
 TABLE_NAMES = {"median_ms": "time_ms", "default_median_ms": "default_time_ms"}
 PROVENANCE_FIELDS = ("trials", "method", "timing", "roofline_bound", "jax_version",
-                     "jaxlib_version", "libtpu_version", "study", "device_index")
+                     "jaxlib_version", "libtpu_version", "study", "device_index", "compositions")
 # What a lookup table's entry carries besides its timings (kernel.table.TableEntry.provenance).
 TABLE_PROVENANCE = ("platform", "iqr_ms", "achieved_tflops", "roofline_fraction",
                     "kernel_median_ms",
@@ -253,6 +253,8 @@ class TunedResult:
     study: str | None = None
     device_index: int | None = None  # which local device measured it (tune --devices)
     kernel_median_ms: float | None = None  # of median_ms, the named kernels' part
+    # The batches a serving step's trials ran (TunableKernel.compositions); None: one call.
+    compositions: list[dict[str, Any]] | None = field(default=None, hash=False)
     kernel: str = DEFAULT_KERNEL
     kernel_version: str = ""  # empty: the installed version of ``kernel``
     platform: str = ""  # empty: derived from device_kind
@@ -279,6 +281,11 @@ class TunedResult:
             if value is not None and not _measurement_in(value, positive, most):
                 table = f" (a table entry's {TABLE_NAMES[name]})" if name in TABLE_NAMES else ""
                 raise ResultError(f"{name}{table} must be {wanted}, got {value!r}")
+        if self.compositions is not None and not (
+                isinstance(self.compositions, list) and self.compositions
+                and all(isinstance(c, dict) for c in self.compositions)):
+            raise ResultError(f"compositions must be a non-empty list of JSON objects (the "
+                              f"batches measured) or None, got {self.compositions!r}")
         for name in ("trials", "device_index"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

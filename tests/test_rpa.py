@@ -1,7 +1,9 @@
 """The rpa backend (JAX's ragged paged attention) on a CPU: its legal space and every rule, the
 VMEM estimate against deviceless v5e compiles, a default legal on every key of issue 73's grid,
-upstream's heads per block and table read as JAX reads them, and its float32 reference against
-ours. The kernel itself runs on a TPU only (docs/serving.md, "What a CPU can check")."""
+upstream's heads per block and table read as JAX reads them, the batch compositions a trial
+measures, the measured program traced on a deviceless v5e, and the gate's float32 reference
+against upstream's. The kernel itself runs on a TPU only (docs/serving.md, "What a CPU can
+check")."""
 
 from __future__ import annotations
 
@@ -18,8 +20,16 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 
 from kernel import ConfigError
-from kernel.backends.rpa import FALLBACK, RpaConfig, heads_per_block, jax_key, vmem_estimate
-from kernel.contract import reference_attention
+from kernel.aot import topology_device
+from kernel.backends.rpa import (
+    FALLBACK,
+    RpaConfig,
+    batch_compositions,
+    batch_inputs,
+    heads_per_block,
+    jax_key,
+    vmem_estimate,
+)
 from kernel.registry import SERVING_KERNELS, get_kernel
 from kernel.serving import ServingProblem
 from kernel.targets import MiB
@@ -184,37 +194,80 @@ def test_without_jaxs_table_the_default_starts_from_the_fallback():
     assert not bare.violations(LLAMA, bare.default_config(LLAMA, "v5e"), "v5e")
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 20.0)])
-def test_upstreams_reference_is_ours_per_sequence(window, softcap):
-    """The gate's reference (``RPA.reference``: upstream's ``ref_ragged_paged_attention`` in
-    float32) against ``kernel.contract.reference_attention`` per sequence, its queries the
-    last ``q_len`` of its ``kv_len`` keys."""
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, 20.0)])
+def test_the_gates_reference_is_upstreams_on_every_batch(window, softcap):
+    """The gate's reference (``RPA.reference``: ours, jitted, per batch composition) against
+    upstream's eager ``ref_ragged_paged_attention`` in float32 on each batch; rows past a
+    batch's tokens are zero."""
     problem = ServingProblem(4, 2, 128, page_size=4, pages_per_seq=6, max_num_batched_tokens=12,
                              max_num_seqs=3, dtype="float32", kv_dtype="float32", window=window,
                              softcap=softcap)
-    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = RPA.example_inputs(problem, seed=3)
-    out = RPA.reference(problem)(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    assert out.shape == (int(cu_q_lens[num_seqs[0]]), problem.q_heads, problem.head_dim)
-    for seq in range(int(num_seqs[0])):
-        start, end, kv_len = int(cu_q_lens[seq]), int(cu_q_lens[seq + 1]), int(kv_lens[seq])
-        pages = kv_pages[page_indices[seq]].reshape(-1, 2 * problem.kv_heads, problem.head_dim)
-        k, v = (pages[:kv_len, side::2].transpose(1, 0, 2)[None] for side in (0, 1))
-        ours = reference_attention(
-            q[start:end].transpose(1, 0, 2)[None], k, v, causal=True,
-            window=None if window is None else (window - 1, 0), softcap=softcap,
-            query_offset=kv_len - (end - start))
-        np.testing.assert_allclose(out[start:end], ours[0].transpose(1, 0, 2),
-                                   rtol=1e-5, atol=1e-5)
+    inputs = RPA.example_inputs(problem, seed=3)
+    outputs = jax.jit(RPA.reference(problem))(*inputs)
+    assert len(outputs) == len(batch_compositions(problem)) == 4
+    for index, out in enumerate(outputs):
+        batch = batch_inputs(inputs, index)
+        want = upstream.ref_ragged_paged_attention(*batch, sm_scale=problem.head_dim ** -0.5,
+                                                   sliding_window=window, soft_cap=softcap)
+        used = want.shape[0]
+        assert out.shape == (12, 4, 128) and out.dtype == jnp.float32
+        np.testing.assert_allclose(out[:used], want, rtol=1e-5, atol=1e-5)
+        assert not np.asarray(out[used:]).any()
 
 
-def test_example_inputs_fill_the_token_budget_with_valid_sequences():
+SERVING_CASES = [LLAMA, _serving("Llama-3-8B", 16, 2048, 8192, seqs=256),
+                 _serving("Llama-3-70B TP8", 64, 32768, 2048, seqs=32),
+                 _serving("Qwen2-7B", 128, 8192, 512, seqs=1)]
+
+
+@pytest.mark.parametrize("problem", SERVING_CASES, ids=lambda p: p.label())
+def test_the_batch_compositions_fill_the_budget_within_the_problems_limits(problem):
+    """Decode at a short and at the full length, prefill chunks and a mixed batch, a pure
+    function of the problem: every sequence's queries within its kv_len within max_model_len,
+    at most max_num_seqs of them, the prefill and mixed batches filling the token budget."""
+    compositions = batch_compositions(problem)
+    assert compositions == batch_compositions(dataclasses.replace(problem))
+    by_name = {c.name: c for c in compositions}
+    assert list(by_name) == ["decode_short", "decode_long", "prefill", "mixed"]
+    tokens, seqs, longest = (problem.max_num_batched_tokens, problem.max_num_seqs,
+                             problem.max_model_len)
+    for composition in compositions:
+        assert 1 <= composition.seqs <= seqs and composition.tokens <= tokens
+        assert all(1 <= q_len <= kv_len <= longest for q_len, kv_len in composition.lengths())
+    decoding = min(seqs, tokens)
+    assert by_name["decode_short"].groups == ((decoding, 1, longest // 16),)
+    assert by_name["decode_long"].groups == ((decoding, 1, longest),)
+    for name in ("prefill", "mixed"):
+        assert by_name[name].tokens == min(tokens, seqs * longest)
+    assert {q_len for q_len, _ in by_name["mixed"].lengths()} > {1} or seqs == 1
+    assert RPA.compositions(problem) == [c.to_dict() for c in compositions]
+    json.dumps(RPA.compositions(problem))  # stored as JSON
+
+
+def test_the_measured_inputs_hold_each_batch_as_upstream_validates_it():
     problem = dataclasses.replace(LLAMA, pages_per_seq=8, max_num_batched_tokens=64,
                                   max_num_seqs=16)
     inputs = RPA.example_inputs(problem, seed=1)
     specs = RPA.input_specs(problem)
     assert [(x.shape, x.dtype) for x in inputs] == [(s.shape, s.dtype) for s in specs]
-    upstream.dynamic_validate_inputs(*inputs)  # raises on a malformed batch
-    assert int(inputs[4][inputs[5][0]]) == problem.max_num_batched_tokens
+    call = [(s.shape, s.dtype) for s in RPA.call_specs(problem)]
+    for index, composition in enumerate(batch_compositions(problem)):
+        batch = batch_inputs(inputs, index)
+        assert [(x.shape, x.dtype) for x in batch] == call
+        upstream.dynamic_validate_inputs(*batch)  # raises on a malformed batch
+        assert int(batch[4][batch[5][0]]) == composition.tokens
+
+
+def test_the_measured_program_runs_the_kernel_once_per_batch_on_a_v5e():
+    """``build`` traced abstractly on a deviceless v5e: one output per batch composition, in
+    the kernel's layout and dtype; a config the chip refuses is refused before it traces."""
+    device = topology_device("v5e")
+    with jax.default_device(device):
+        outputs = jax.eval_shape(RPA.build(LLAMA, RpaConfig(8, 32)),
+                                 *RPA.input_specs(LLAMA, device))
+    assert [(o.shape, o.dtype) for o in outputs] == [((512, 32, 128), jnp.bfloat16)] * 4
+    with pytest.raises(ConfigError, match="kv_pages_range"):
+        RPA.build(LLAMA, RpaConfig(256, 32))
 
 
 # What JAX's TPU interpreter raises on the kernel's ``ref.reshape`` (0.10.2 and 0.12.0.1):
@@ -232,12 +285,20 @@ def test_the_kernel_interpreted_matches_the_reference_where_jax_interprets_it():
     problem = ServingProblem(4, 2, 128, page_size=16, pages_per_seq=4, max_num_batched_tokens=32,
                              max_num_seqs=3, dtype="float32", kv_dtype="float32")
     inputs = RPA.example_inputs(problem, seed=1)
-    expected = RPA.reference(problem)(*inputs)
+    expected = jax.jit(RPA.reference(problem))(*inputs)
     try:
         with pltpu.force_tpu_interpret_mode():
-            out = RPA.attention(problem, lambda mode: RpaConfig(2, 8), problem.head_dim ** -0.5)(
-                *inputs)
+            outputs = RPA.build(problem, RpaConfig(2, 8))(*inputs)  # every batch composition
     except jax.errors.JaxRuntimeError as error:
         assert INTERPRETER_GAP in str(error)
         return
-    np.testing.assert_allclose(out[:expected.shape[0]], expected, rtol=1e-5, atol=1e-5)
+    for out, want in zip(outputs, expected, strict=True):
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_jaxs_choice_is_the_named_baseline_legal_or_not():
+    """JAX's fallback at the Llama key overflows a v5e's VMEM: still the baseline a tune names
+    (reported as refused there), while the default is legal."""
+    assert RPA.baselines(LLAMA, "v5e") == {"jax": RpaConfig(*FALLBACK)}
+    assert not RPA.is_legal(LLAMA, RpaConfig(*FALLBACK), "v5e")
+    assert RPA.is_legal(LLAMA, RPA.default_config(LLAMA, "v5e"), "v5e")

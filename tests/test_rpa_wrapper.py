@@ -15,7 +15,7 @@ import pytest
 import kernel
 from kernel import ConfigError, LookupTable, ServingProblem, TableEntry, TableError
 from kernel.aot import topology_device
-from kernel.backends.rpa import RpaConfig
+from kernel.backends.rpa import RpaConfig, batch_inputs
 from kernel.registry import SERVING_KERNELS
 from kernel.resolve import ResolverSettings, reset_resolver
 
@@ -47,9 +47,15 @@ def _traced(problem: ServingProblem, **options) -> jax.ShapeDtypeStruct:
     """The output of the wrapper traced abstractly on a deviceless v5e."""
     device = topology_device("v5e")
     with jax.default_device(device):
-        specs = RPA.input_specs(problem, device)
+        specs = RPA.call_specs(problem, device)
         return jax.eval_shape(lambda *inputs: kernel.ragged_paged_attention(*inputs, **options),
                               *specs)
+
+
+def _one_batch() -> list[jax.Array]:
+    """A tiny mixed batch's inputs of one call."""
+    tiny = dataclasses.replace(LLAMA, pages_per_seq=4, max_num_seqs=4, max_num_batched_tokens=8)
+    return batch_inputs(RPA.example_inputs(tiny), -1)
 
 
 def _source(problem: ServingProblem) -> str:
@@ -121,14 +127,12 @@ def test_an_explicit_config_is_checked_against_the_chip(pinned):
     (lambda x: [x[0][None]] + x[1:], r"q must have rank 3"),
 ])
 def test_bad_inputs_are_named(change, message):
-    inputs = RPA.example_inputs(dataclasses.replace(LLAMA, pages_per_seq=4, max_num_seqs=4,
-                                                    max_num_batched_tokens=8))
+    inputs = _one_batch()
     with pytest.raises((TypeError, ValueError), match=message):
         kernel.ragged_paged_attention(*change(inputs))
 
 
 def test_off_a_tpu_it_says_where_it_runs():
-    inputs = RPA.example_inputs(dataclasses.replace(LLAMA, pages_per_seq=4, max_num_seqs=4,
-                                                    max_num_batched_tokens=8))
+    inputs = _one_batch()
     with pytest.raises(NotImplementedError, match="runs on a TPU"):
         kernel.ragged_paged_attention(*inputs)

@@ -10,8 +10,8 @@ import typer
 
 from autotune.commands.db import (DbOption, database_errors, ensure_schema, open_store,
                                   resolve_url)
-from autotune.problem_options import (ShapesOption, given_problems, known_kernel, known_kernels,
-                                      problem_flags_given, with_problem_options)
+from autotune.problem_options import (ShapesOption, given_problems, known_kernels,
+                                      problem_flags_given, tunable_kernel, with_problem_options)
 from kernel import Problem
 from present.text import INTERPRET_NOTE
 
@@ -35,8 +35,9 @@ def tune(
                     "faster one (default: off, all --trials measured; docs/tuning.md).")]
     = None,
     kernel: Annotated[str | None, typer.Option(
-        "--kernel", callback=known_kernel,
-        help="Tune this one registered kernel only (no kernel choice).")] = None,
+        "--kernel", callback=tunable_kernel,
+        help="Tune this one registered kernel only (no kernel choice). A serving kernel "
+             "(rpa) tunes the serving problems of a --shapes file (docs/serving.md).")] = None,
     kernels: Annotated[str | None, typer.Option(
         help="Comma-separated kernels to tune, confirm against each other and choose among "
              "(default: every registered kernel with rules for this device).")] = None,
@@ -99,8 +100,9 @@ def tune(
         candidates = [kernel] if kernel else known_kernels(kernels)
     except typer.BadParameter as error:
         raise typer.BadParameter(error.message, param_hint="--kernels") from None
+    problem_type = _problem_type(context, kernel, shapes, from_function, selection)
     problems = _problems(context, problem, shapes, from_function, args,
-                         host_only=selection != 1)
+                         host_only=selection != 1, problem_type=problem_type)
     if study and len(problems) > 1:
         raise typer.BadParameter("--study names one study; leave it out with --shapes",
                                  param_hint="--study")
@@ -183,10 +185,31 @@ def tune(
         raise typer.Exit(1)
 
 
+def _problem_type(context: typer.Context, kernel: str | None, shapes: Path | None,
+                  from_function: str | None, selection: Any) -> type:
+    """The type of the problems ``kernel`` tunes (an attention call's without one); a serving
+    kernel's come from a --shapes file only, on one device."""
+    from kernel.registry import registered_kernel
+
+    problem_type = registered_kernel(kernel).problem_type if kernel else Problem
+    if problem_type is Problem:
+        return problem_type
+    other = [*problem_flags_given(context), *(["--from"] if from_function else []),
+             *(["--devices"] if selection != 1 else [])]
+    if other or not shapes:
+        raise typer.BadParameter(
+            f"kernel {kernel!r} tunes serving problems: give them in a --shapes file (a list "
+            f"of {problem_type.__name__} objects, docs/serving.md), on one device"
+            + (f"; not {', '.join(other)}" if other else ""), param_hint="--kernel")
+    return problem_type
+
+
 def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
-              from_function: str | None, args: str | None, host_only: bool) -> list[Problem]:
-    """What to tune: the problems of a shapes file, of a function's trace, or of the flags
-    (one source only). ``host_only``: the devices are the workers'; trace on the CPU."""
+              from_function: str | None, args: str | None, host_only: bool,
+              problem_type: type = Problem) -> list[Any]:
+    """What to tune: the problems of a shapes file (of ``problem_type``), of a function's
+    trace, or of the flags (one source only). ``host_only``: the devices are the workers';
+    trace on the CPU."""
     given = [*problem_flags_given(context), *(["--shapes"] if shapes else [])]
     if from_function and given:
         raise typer.BadParameter("give --from, --shapes or the problem flags, one of them "
@@ -209,7 +232,7 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
             return captured_problems(function, *arguments)
         except TraceError as error:
             raise typer.BadParameter(str(error), param_hint="--from") from None
-    problems = given_problems(context, problem, shapes)
+    problems = given_problems(context, problem, shapes, problem_type)
     if shapes:
         _note_borrowed(shapes)
     return problems
@@ -326,10 +349,11 @@ def _print_tune(summary: dict[str, Any], note: bool) -> None:
 
     from autotune.progress import output_console
     from autotune.trials import NOTHING_TO_SEARCH
-    from kernel import get_kernel
+    from kernel.registry import registered_kernel
 
-    problem = Problem.from_dict(summary["problem"])
-    best = get_kernel(summary["kernel"]).config_from_dict(summary["best_config"])
+    tuned = registered_kernel(summary["kernel"])
+    problem = tuned.problem_type.from_dict(summary["problem"])
+    best = tuned.config_from_dict(summary["best_config"])
     tflops, fraction = summary["achieved_tflops"], summary["roofline_fraction"]
     roofline = ("no roofline (CPU)" if tflops is None
                 else f"{tflops:.1f} TFLOP/s, " + ("no peaks known for this device"

@@ -42,6 +42,10 @@ KV_BUFFER_FACTOR = 1.3
 Q_BLOCK_FACTOR = 12
 LOGITS_TILES = 1.4
 FIXED_BYTES = MiB // 8
+# A trial's batches (batch_compositions): decode at max_model_len / 16 as its short kv_len, and
+# prefill chunks over at least this many sequences.
+DECODE_SHORT_FRACTION = 16
+PREFILL_SEQS = 4
 
 @dataclass(frozen=True)
 class RpaConfig(IntConfig):
@@ -213,6 +217,12 @@ class RpaKernel(TunableKernel):
         shipped = self.jax_config(problem, target)
         return [shipped] if not self.violations(problem, shipped, target) else []
 
+    def baselines(self, problem: ServingProblem,
+                  target: Target | str = "cpu") -> dict[str, RpaConfig]:
+        """JAX's own choice (:meth:`jax_config`: its shipped entry, else its fallback), legal
+        or not: issue 73 holds every tuned key to at least its speed."""
+        return {"jax": self.jax_config(problem, target)}
+
     def attention(self, problem: ServingProblem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
         """``(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> out``: upstream's
@@ -232,29 +242,28 @@ class RpaKernel(TunableKernel):
 
         return attend
 
+    def compositions(self, problem: ServingProblem) -> list[dict[str, Any]]:
+        """The batches :meth:`build` runs (:func:`batch_compositions`), as stored."""
+        return [composition.to_dict() for composition in batch_compositions(problem)]
+
+    def build(self, problem: ServingProblem, config: RpaConfig, *,
+              forward_only: bool = False) -> AttentionFn:
+        """The measured step (issue 73 item 2): the kernel with ``config`` over every batch of
+        :func:`batch_compositions` in one program, taking :meth:`input_specs`; each output's
+        rows past its batch's tokens zeroed. Its time is the whole program's."""
+        self.check(problem, config)
+        return over_compositions(problem, lambda composition: self.attention(
+            problem, lambda mode: config, problem.head_dim ** -0.5))
+
     def reference(self, problem: ServingProblem) -> AttentionFn:
-        """Upstream's ``ref_ragged_paged_attention`` in float32 (eager: it loops over the
-        sequences in Python)."""
-        import jax.numpy as jnp
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-            ref_ragged_paged_attention,
-        )
+        """What :meth:`build` computes, in float32 (:func:`paged_reference` per batch)."""
+        return over_compositions(problem, lambda composition: paged_reference(
+            problem, composition.longest))
 
-        def reference(q: Any, kv_pages: Any, *metadata: Any) -> Any:
-            return ref_ragged_paged_attention(
-                q.astype(jnp.float32), kv_pages.astype(jnp.float32), *metadata,
-                sm_scale=problem.head_dim ** -0.5, sliding_window=problem.window,
-                soft_cap=problem.softcap)
-
-        return reference
-
-    def input_specs(self, problem: ServingProblem, device: Any = None) -> list[Any]:
-        """Abstract ``q``, ``kv_pages`` (one sequence's pages per slot, ``max_num_seqs *
-        pages_per_seq`` pages), ``kv_lens``, ``page_indices``, ``cu_q_lens`` and ``num_seqs``."""
-        import jax
-        import jax.numpy as jnp
-
-        sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+    def call_specs(self, problem: ServingProblem, device: Any = None) -> list[Any]:
+        """Abstract inputs of one call: ``q``, ``kv_pages`` (one sequence's pages per slot,
+        ``max_num_seqs * pages_per_seq`` pages), ``kv_lens``, ``page_indices``, ``cu_q_lens``
+        and ``num_seqs``."""
         shapes = [((problem.max_num_batched_tokens, problem.q_heads, problem.head_dim),
                    problem.dtype),
                   ((problem.max_num_seqs * problem.pages_per_seq, problem.page_size,
@@ -262,36 +271,188 @@ class RpaKernel(TunableKernel):
                   ((problem.max_num_seqs,), "int32"),
                   ((problem.max_num_seqs, problem.pages_per_seq), "int32"),
                   ((problem.max_num_seqs + 1,), "int32"), ((1,), "int32")]
-        return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-                for shape, dtype in shapes]
+        return _specs(shapes, device)
+
+    def input_specs(self, problem: ServingProblem, device: Any = None) -> list[Any]:
+        """Abstract inputs of :meth:`build`: :meth:`call_specs` with ``kv_lens``,
+        ``cu_q_lens`` and ``num_seqs`` stacked per batch composition (``page_indices``, the
+        cache's layout, is shared)."""
+        count = len(batch_compositions(problem))
+        specs = self.call_specs(problem)
+        shapes = [(tuple(spec.shape) if index in (0, 1, 3) else (count, *spec.shape),
+                   spec.dtype.name) for index, spec in enumerate(specs)]
+        return _specs(shapes, device)
 
     def example_inputs(self, problem: ServingProblem, seed: int = 0) -> list[Any]:
-        """Concrete inputs of one mixed batch, deterministic in ``seed``: the token budget
-        split among ``min(max_num_seqs, tokens)`` sequences (each of at least one token), each
-        with a cached length from its new tokens to ``max_model_len``, its pages shuffled over
-        the cache; standard normal q and K/V."""
+        """Concrete :meth:`input_specs`, deterministic in ``seed``: standard normal q and
+        K/V, each slot's pages shuffled over the cache, and each composition's lengths
+        (:func:`composition_metadata`)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
 
-        rng = np.random.default_rng(seed)
-        tokens, seqs = problem.max_num_batched_tokens, problem.max_num_seqs
-        count = min(seqs, tokens)
-        cuts = np.sort(rng.choice(np.arange(1, tokens), count - 1, replace=False))
-        q_lens = np.diff(np.concatenate([[0], cuts, [tokens]]))
-        q_lens = np.minimum(q_lens, problem.max_model_len)
-        kv_lens = np.zeros(seqs, np.int32)
-        kv_lens[:count] = [rng.integers(q, problem.max_model_len + 1) for q in q_lens]
-        cu_q_lens = np.zeros(seqs + 1, np.int32)
-        cu_q_lens[1:count + 1] = np.cumsum(q_lens)
-        cu_q_lens[count + 1:] = cu_q_lens[count]
-        pages = rng.permutation(seqs * problem.pages_per_seq).astype(np.int32)
-        q_spec, kv_spec = self.input_specs(problem)[:2]
+        q_spec, kv_spec = self.call_specs(problem)[:2]
         q_key, kv_key = jax.random.split(jax.random.key(seed))
+        pages = np.random.default_rng(seed).permutation(problem.max_num_seqs
+                                                        * problem.pages_per_seq)
+        metadata = [composition_metadata(problem, c) for c in batch_compositions(problem)]
+        kv_lens, cu_q_lens, num_seqs = (jnp.asarray(np.stack(arrays))
+                                        for arrays in zip(*metadata, strict=True))
         return [jax.random.normal(q_key, q_spec.shape, q_spec.dtype),
-                jax.random.normal(kv_key, kv_spec.shape, kv_spec.dtype),
-                jnp.asarray(kv_lens), jnp.asarray(pages.reshape(seqs, -1)),
-                jnp.asarray(cu_q_lens), jnp.asarray([count], jnp.int32)]
+                jax.random.normal(kv_key, kv_spec.shape, kv_spec.dtype), kv_lens,
+                jnp.asarray(pages.reshape(problem.max_num_seqs, -1), jnp.int32), cu_q_lens,
+                num_seqs]
+
+
+@dataclass(frozen=True)
+class Composition:
+    """One batch of a serving step: ``groups`` of ``(sequences, q_len, kv_len)``, their tokens
+    one after the other in that order (each sequence's queries the last ``q_len`` of its
+    ``kv_len`` tokens)."""
+
+    name: str
+    groups: tuple[tuple[int, int, int], ...]
+
+    @property
+    def seqs(self) -> int:
+        return sum(count for count, _, _ in self.groups)
+
+    @property
+    def tokens(self) -> int:
+        return sum(count * q_len for count, q_len, _ in self.groups)
+
+    @property
+    def longest(self) -> int:
+        """The most queries of one sequence."""
+        return max(q_len for _, q_len, _ in self.groups)
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """``(q_len, kv_len)`` of each sequence, in order."""
+        return [(q_len, kv_len) for count, q_len, kv_len in self.groups for _ in range(count)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "groups": [list(group) for group in self.groups],
+                "seqs": self.seqs, "tokens": self.tokens}
+
+
+def batch_compositions(problem: ServingProblem) -> tuple[Composition, ...]:
+    """The batches a trial of ``problem`` runs, a pure function of it: decode only (one token
+    per sequence, as many sequences as the budget and ``max_num_seqs`` allow) at a short
+    (``max_model_len / 16``) and at the full ``kv_len``; prefill chunks (the budget over at
+    least :data:`PREFILL_SEQS` sequences, each chunk ending halfway into its prompt); and a
+    mixed batch (decode sequences, half short and half long, as many as leave the prefill
+    chunks their sequences, at most half the budget; the rest prefill chunks). Each fills the
+    token budget as far as ``max_num_seqs`` and ``max_model_len`` allow."""
+    tokens, seqs, longest = (problem.max_num_batched_tokens, problem.max_num_seqs,
+                             problem.max_model_len)
+    short, decoding = max(1, longest // DECODE_SHORT_FRACTION), min(seqs, tokens)
+    mixed_decode = max(0, min(tokens // 2, seqs - -(-tokens // longest)))
+    mixed = tuple(group for group in ((mixed_decode - mixed_decode // 2, 1, short),
+                                      (mixed_decode // 2, 1, longest)) if group[0])
+    return (Composition("decode_short", ((decoding, 1, short),)),
+            Composition("decode_long", ((decoding, 1, longest),)),
+            Composition("prefill", _chunks(tokens, seqs, PREFILL_SEQS, longest)),
+            Composition("mixed", mixed + _chunks(tokens - mixed_decode, seqs - mixed_decode,
+                                                 1, longest)))
+
+
+def _chunks(tokens: int, seqs: int, pieces: int, longest: int) -> tuple[tuple[int, int, int], ...]:
+    """Prefill groups: ``tokens`` in ``pieces`` near-equal chunks (more where a chunk would
+    pass ``longest``; at most ``seqs``, each of at most ``longest`` tokens), each chunk ending
+    halfway into a prompt of ``longest`` tokens (or at its own end, if later)."""
+    count = min(seqs, tokens, max(pieces, -(-tokens // longest)))
+    size, extra = divmod(min(tokens, count * longest), count)
+    return tuple((number, q_len, min(longest, max(q_len, longest // 2)))
+                 for number, q_len in ((count - extra, size), (extra, size + 1)) if number)
+
+
+def composition_metadata(problem: ServingProblem, composition: Composition) -> tuple[Any, ...]:
+    """``kv_lens`` ``[max_num_seqs]``, ``cu_q_lens`` ``[max_num_seqs + 1]`` and ``num_seqs``
+    ``[1]`` (int32 numpy arrays) of ``composition``; unused slots hold no tokens."""
+    import numpy as np
+
+    lengths = composition.lengths()
+    kv_lens = np.zeros(problem.max_num_seqs, np.int32)
+    kv_lens[:len(lengths)] = [kv_len for _, kv_len in lengths]
+    cu_q_lens = np.zeros(problem.max_num_seqs + 1, np.int32)
+    cu_q_lens[1:len(lengths) + 1] = np.cumsum([q_len for q_len, _ in lengths])
+    cu_q_lens[len(lengths) + 1:] = composition.tokens
+    return kv_lens, cu_q_lens, np.asarray([len(lengths)], np.int32)
+
+
+def batch_inputs(inputs: list[Any], index: int) -> list[Any]:
+    """The inputs of one call (:meth:`RpaKernel.call_specs`): batch ``index`` of the measured
+    program's (:meth:`RpaKernel.input_specs`)."""
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = inputs
+    return [q, kv_pages, kv_lens[index], page_indices, cu_q_lens[index], num_seqs[index]]
+
+
+def over_compositions(problem: ServingProblem,
+                      call_for: Callable[[Composition], AttentionFn]) -> AttentionFn:
+    """The program over every batch composition of ``problem``: ``call_for(composition)``
+    (one call's function) on each batch of the stacked inputs, a tuple of outputs with the
+    rows past each batch's tokens zeroed."""
+    import jax.numpy as jnp
+
+    def program(*inputs: Any) -> tuple[Any, ...]:
+        outputs = []
+        for index, composition in enumerate(batch_compositions(problem)):
+            batch = batch_inputs(list(inputs), index)
+            out = call_for(composition)(*batch)
+            used = batch[4][batch[5][0]]
+            rows = jnp.arange(out.shape[0])[:, None, None]
+            outputs.append(jnp.where(rows < used, out, jnp.zeros((), out.dtype)))
+        return tuple(outputs)
+
+    return program
+
+
+def paged_reference(problem: ServingProblem, longest: int) -> AttentionFn:
+    """One call's attention in float32 at ``highest`` precision, jittable, for batches of at
+    most ``longest`` queries a sequence: each sequence's queries against its pages
+    (:func:`kernel.reference.blockwise_reference`, bottom-right aligned), one sequence at a
+    time; rows past the batch's tokens are zero. Upstream's ``ref_ragged_paged_attention``
+    computes the same eagerly (tests/test_rpa.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernel.reference import blockwise_reference
+
+    window = None if problem.window is None else (problem.window - 1, 0)
+
+    def reference(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q_lens: Any,
+                  num_seqs: Any) -> Any:
+        tokens, heads, dim = q.shape
+        padded = jnp.pad(q.astype(jnp.float32), ((0, longest), (0, 0), (0, 0)))
+        cache = kv_pages.astype(jnp.float32)
+
+        def sequence(seq: Any, out: Any) -> Any:
+            start, q_len = cu_q_lens[seq], cu_q_lens[seq + 1] - cu_q_lens[seq]
+            rows = jax.lax.dynamic_slice_in_dim(padded, start, longest).transpose(1, 0, 2)
+            pages = cache[page_indices[seq]].reshape(-1, *cache.shape[2:])
+            k, v = (pages[:, side::2].transpose(1, 0, 2)[None] for side in (0, 1))
+            attended = blockwise_reference(
+                rows[None], k, v, causal=True, sm_scale=dim ** -0.5, window=window,
+                softcap=problem.softcap, query_offset=kv_lens[seq] - q_len)[0]
+            valid = (jnp.arange(longest) < q_len)[:, None, None]
+            attended = jnp.where(valid, attended.transpose(1, 0, 2), 0.0)
+            return jax.lax.dynamic_update_slice_in_dim(out, attended, start, 0)
+
+        out = jax.lax.fori_loop(0, num_seqs[0], sequence,
+                                jnp.zeros((tokens + longest, heads, dim), jnp.float32))
+        return out[:tokens]
+
+    return reference
+
+
+def _specs(shapes: list[tuple[tuple[int, ...], str]], device: Any) -> list[Any]:
+    """``jax.ShapeDtypeStruct`` of each ``(shape, dtype)``, placed on ``device`` if given."""
+    import jax
+    import jax.numpy as jnp
+
+    sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+            for shape, dtype in shapes]
 
 
 def jax_key(problem: ServingProblem) -> tuple[Any, ...]:
