@@ -15,7 +15,8 @@ from typing import Any
 from kernel.capture import Call, note_unplaced, observe
 from kernel.context_parallel import sharded_attention
 from kernel.contract import ConfigFor, TunableKernel, by_mode, default_device
-from kernel.problem import DTYPES, Problem, finite_float, shown_number, softcap_problem
+from kernel.problem import (DTYPES, Problem, dtype_name, finite_float, shown_number,
+                            softcap_problem)
 from kernel.resolve import NO_TUNABLE_FIELDS
 from kernel.scoped_resolver import active_resolver
 from kernel.sharded import check_per_device, explicit_specs, unplaced
@@ -111,20 +112,14 @@ def flash_attention(q: Any, k: Any, v: Any, *, causal: bool = False,
     """
     if unsupported:
         raise TypeError(_unsupported_message(unsupported))
-    if layout not in (None, *LAYOUTS):
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    _check_layout(layout)
     if alignment not in (None, *ALIGNMENTS):
         raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}, got {alignment!r}")
     if layout == "BSHD":
-        import jax.numpy as jnp
-
-        _check_arrays(q, k, v, layout)
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
-                              logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
-                              config=config, layout="BHSD", alignment=alignment,
-                              kv_lengths=kv_lengths)
-        return jnp.swapaxes(out, 1, 2)
+        return _in_bhsd(functools.partial(
+            flash_attention, causal=causal, sm_scale=sm_scale, window=window,
+            logits_soft_cap=logits_soft_cap, segment_ids=segment_ids, config=config,
+            layout="BHSD", alignment=alignment, kv_lengths=kv_lengths), q, k, v)
     problem = _problem(q, k, v, causal, checked=layout == "BHSD")
     _check_alignment(problem, window, alignment, kv_lengths is not None)
     if sm_scale is None:
@@ -203,17 +198,12 @@ def context_parallel_attention(q: Any, k: Any, v: Any, *, axis_name: Any, causal
     :func:`flash_attention`'s; ``kv_lengths`` and a query length other than the keys' are
     not taken (self-attention over one sequence). On one device it is the plain call.
     docs/sharded-training.md#context-parallelism."""
-    if layout not in (None, *LAYOUTS):
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    _check_layout(layout)
     if layout == "BSHD":
-        import jax.numpy as jnp
-
-        _check_arrays(q, k, v, layout)
-        out = context_parallel_attention(
-            *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), axis_name=axis_name, causal=causal,
-            sm_scale=sm_scale, window=window, logits_soft_cap=logits_soft_cap,
-            segment_ids=segment_ids, config=config, layout="BHSD", load_balanced=load_balanced)
-        return jnp.swapaxes(out, 1, 2)
+        return _in_bhsd(functools.partial(
+            context_parallel_attention, axis_name=axis_name, causal=causal, sm_scale=sm_scale,
+            window=window, logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
+            config=config, layout="BHSD", load_balanced=load_balanced), q, k, v)
     problem = _problem(q, k, v, causal, checked=layout == "BHSD")
     _check_context_parallel(problem, axis_name, load_balanced)
     attention = functools.partial(flash_attention, sm_scale=sm_scale,
@@ -346,7 +336,7 @@ def _segment_ids(segment_ids: Any, problem: Problem) -> tuple[Any, ...]:
                              f"got {tuple(ids.shape)}")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"segment_ids: {name} must be integers (one id per document), got "
-                            f"dtype {_dtype(ids)}; cast them")
+                            f"dtype {dtype_name(ids)}; cast them")
         _check_int32_range(name, ids)
     return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
 
@@ -387,7 +377,7 @@ def _checked_lengths(kv_lengths: Any, problem: Problem) -> Any:
                          f"{tuple(kv_lengths.shape)}")
     if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
         raise TypeError(f"kv_lengths must be integers (valid keys per row), got dtype "
-                        f"{_dtype(kv_lengths)}; cast them")
+                        f"{dtype_name(kv_lengths)}; cast them")
     if not isinstance(kv_lengths, jax.core.Tracer):
         values = np.asarray(kv_lengths)
         low, high = values.min(), values.max()
@@ -409,7 +399,7 @@ def _check_int32_range(name: str, ids: Any) -> None:
         return
     if isinstance(ids, jax.core.Tracer):
         if np.dtype(ids.dtype).itemsize > 4:  # an unsigned 32-bit id casts one-to-one
-            raise TypeError(f"segment_ids: {name} is a traced {_dtype(ids)} array "
+            raise TypeError(f"segment_ids: {name} is a traced {dtype_name(ids)} array "
                             "(jax_enable_x64 is on), whose ids cannot be checked against "
                             "int32, which the kernels compare (cast, 0 and 2**32 would be one "
                             "segment); pass int32 ids (ids.astype(jnp.int32) where they fit)")
@@ -475,6 +465,21 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     return out if batched else out[0]
 
 
+def _check_layout(layout: str | None) -> None:
+    if layout not in (None, *LAYOUTS):
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+def _in_bhsd(attention: Any, q: Any, k: Any, v: Any) -> Any:
+    """``attention(q, k, v)`` (its other arguments bound, ``layout="BHSD"``) of BSHD arrays:
+    each transposed to BHSD, and the output back to BSHD."""
+    import jax.numpy as jnp
+
+    _check_arrays(q, k, v, "BSHD")
+    out = attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)))
+    return jnp.swapaxes(out, 1, 2)
+
+
 def _check_arrays(q: Any, k: Any, v: Any, layout: str) -> None:
     """Raises naming the fix unless q, k and v are rank-4 arrays of a supported dtype."""
     axes = "[batch, heads, seq, head_dim]" if layout == "BHSD" else "[batch, seq, heads, head_dim]"
@@ -516,12 +521,12 @@ def _problem(q: Any, k: Any, v: Any, causal: Any, checked: bool = False) -> Prob
                          "layout='BSHD' or call kernel.dot_product_attention; if the shapes "
                          "are meant, pass layout='BHSD'")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if _dtype(x) not in DTYPES:
-            raise TypeError(f"{name} has dtype {_dtype(x)}; flash_attention supports "
+        if dtype_name(x) not in DTYPES:
+            raise TypeError(f"{name} has dtype {dtype_name(x)}; flash_attention supports "
                             f"{' and '.join(DTYPES)} (cast the inputs)")
-    if not _dtype(q) == _dtype(k) == _dtype(v):
-        raise TypeError(f"q, k and v must share one dtype, got {_dtype(q)}, {_dtype(k)}, "
-                        f"{_dtype(v)}")
+    if not dtype_name(q) == dtype_name(k) == dtype_name(v):
+        raise TypeError(f"q, k and v must share one dtype, got {dtype_name(q)}, {dtype_name(k)}, "
+                        f"{dtype_name(v)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
@@ -535,12 +540,10 @@ def _problem(q: Any, k: Any, v: Any, causal: Any, checked: bool = False) -> Prob
                          "for grouped-query attention")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a Python bool (static), got {causal!r}")
-    return Problem(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype=_dtype(q),
+    return Problem(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype=dtype_name(q),
                    causal=causal)
 
 
-def _dtype(x: Any) -> str:
-    return getattr(x.dtype, "name", str(x.dtype))
 
 
 def _default_device() -> tuple[str, str]:

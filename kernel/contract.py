@@ -156,18 +156,23 @@ def input_specs(problem: Problem, device: Any = None) -> list[Any]:
     """Abstract q, k, v for ``problem`` (``jax.ShapeDtypeStruct``), and for a segmented one its
     q and kv segment ids (int32), placed on ``device`` when given: what an attention backend's
     :meth:`TunableKernel.input_specs` gives."""
+    q_shape = (problem.batch, problem.q_heads, problem.q_len, problem.head_dim)
+    kv_shape = (problem.batch, problem.kv_heads, problem.kv_len, problem.head_dim)
+    ids = [(problem.batch, problem.q_len), (problem.batch, problem.kv_len)]
+    return abstract_arrays([(shape, problem.dtype) for shape in (q_shape, kv_shape, kv_shape)]
+                           + [(shape, "int32") for shape in (ids if problem.segmented else [])],
+                           device)
+
+
+def abstract_arrays(shapes: list[tuple[tuple[int, ...], str]], device: Any = None) -> list[Any]:
+    """``jax.ShapeDtypeStruct`` of each ``(shape, dtype name)``, placed on ``device`` when
+    given: the abstract inputs a backend's :meth:`TunableKernel.input_specs` gives."""
     import jax
     import jax.numpy as jnp
 
     sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
-    dtype = jnp.dtype(problem.dtype)
-    q_shape = (problem.batch, problem.q_heads, problem.q_len, problem.head_dim)
-    kv_shape = (problem.batch, problem.kv_heads, problem.kv_len, problem.head_dim)
-    ids = [(problem.batch, problem.q_len), (problem.batch, problem.kv_len)]
-    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            for shape in (q_shape, kv_shape, kv_shape)] + [
-        jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-        for shape in (ids if problem.segmented else [])]
+    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+            for shape, dtype in shapes]
 
 
 # The packing a segmented problem is tuned and checked with: each batch row holds

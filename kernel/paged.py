@@ -13,7 +13,7 @@ from typing import Any
 
 from kernel.contract import default_device
 from kernel.misses import note as note_miss
-from kernel.problem import DTYPES, finite_float, shown_number, softcap_problem
+from kernel.problem import DTYPES, dtype_name, finite_float, shown_number, softcap_problem
 from kernel.registry import SERVING_KERNELS
 from kernel.scoped_resolver import active_resolver
 from kernel.serving import ServingProblem
@@ -65,8 +65,8 @@ def ragged_paged_attention(q: Any, kv_pages: Any, kv_lens: Any, page_indices: An
         resolution = resolver.resolve(problem, device.device_kind, SERVING_KERNEL, target)
         config, origin = resolution.config, resolution.origin
         nearest = origin if resolution.match == "nearest" else None
-        note_miss((SERVING_KERNEL, problem), problem, SERVING_KERNEL, resolution.source, resolution.detail,
-                  True, nearest)
+        note_miss((SERVING_KERNEL, problem), problem, SERVING_KERNEL, resolution.source,
+                  resolution.detail, True, nearest)
     elif not isinstance(config, backend.config_type):
         name = backend.config_type.__name__
         raise TypeError(f"config must be a {name} or None, got {type(config).__name__}; build "
@@ -85,15 +85,15 @@ def serving_problem(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q
     for name, x, rank in (("q", q, 3), ("kv_pages", kv_pages, 4)):
         _check_array(name, x, rank, "[max_num_batched_tokens, q_heads, head_dim]" if rank == 3
                      else "[total_pages, page_size, 2 * kv_heads, head_dim]")
-        if _dtype(x) not in DTYPES:
-            raise TypeError(f"{name} has dtype {_dtype(x)}; ragged_paged_attention supports "
+        if dtype_name(x) not in DTYPES:
+            raise TypeError(f"{name} has dtype {dtype_name(x)}; ragged_paged_attention supports "
                             f"{' and '.join(DTYPES)} (cast it)")
     arrays = dict(kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu_q_lens,
                   num_seqs=num_seqs)
     for name, (rank, axes) in METADATA.items():
         _check_array(name, arrays[name], rank, axes)
-        if _dtype(arrays[name]) != "int32":
-            raise TypeError(f"{name} must be int32, got {_dtype(arrays[name])}; cast it")
+        if dtype_name(arrays[name]) != "int32":
+            raise TypeError(f"{name} must be int32, got {dtype_name(arrays[name])}; cast it")
     tokens, q_heads, head_dim = q.shape
     _, page_size, combined, kv_dim = kv_pages.shape
     seqs, pages_per_seq = page_indices.shape
@@ -115,7 +115,7 @@ def serving_problem(q: Any, kv_pages: Any, kv_lens: Any, page_indices: Any, cu_q
         raise ValueError(f"sliding_window must be a positive Python int (keys a query sees), "
                          f"got {sliding_window!r}; leave it out for none")
     return ServingProblem(q_heads, combined // 2, head_dim, page_size, pages_per_seq, tokens,
-                          seqs, dtype=_dtype(q), kv_dtype=_dtype(kv_pages),
+                          seqs, dtype=dtype_name(q), kv_dtype=dtype_name(kv_pages),
                           window=sliding_window, softcap=soft_cap)
 
 
@@ -135,8 +135,3 @@ def _positive(name: str, value: Any) -> float:
         raise ValueError(f"{name} must be a positive finite Python number, got "
                          f"{shown_number(value)}")
     return number
-
-
-def _dtype(x: Any) -> str:
-    return getattr(x.dtype, "name", str(x.dtype))
-

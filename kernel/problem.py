@@ -264,6 +264,11 @@ def checked_window(window: Any, causal: bool) -> tuple[int, int]:
     return (left, 0 if causal else right)
 
 
+def dtype_name(x: Any) -> str:
+    """The name of an array's dtype (``"bfloat16"``), as problems and errors say it."""
+    return getattr(x.dtype, "name", str(x.dtype))
+
+
 def finite_float(value: Any) -> float | None:
     """``value`` as a float if it is an int or a float (not a bool) that a finite float holds
     (an integer past the float range overflows), else None."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kernel.config import IntConfig
-from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel
+from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, abstract_arrays
 from kernel.rules import Violation, vmem_limit_violations, x64_violations
 from kernel.serving import ServingProblem, jax_device_key
 from kernel.targets import MiB, TPU_TARGETS, Target
@@ -46,6 +46,7 @@ FIXED_BYTES = MiB // 8
 # prefill chunks over at least this many sequences.
 DECODE_SHORT_FRACTION = 16
 PREFILL_SEQS = 4
+
 
 @dataclass(frozen=True)
 class RpaConfig(IntConfig):
@@ -271,7 +272,7 @@ class RpaKernel(TunableKernel):
                   ((problem.max_num_seqs,), "int32"),
                   ((problem.max_num_seqs, problem.pages_per_seq), "int32"),
                   ((problem.max_num_seqs + 1,), "int32"), ((1,), "int32")]
-        return _specs(shapes, device)
+        return abstract_arrays(shapes, device)
 
     def input_specs(self, problem: ServingProblem, device: Any = None) -> list[Any]:
         """Abstract inputs of :meth:`build`: :meth:`call_specs` with ``kv_lens``,
@@ -281,7 +282,7 @@ class RpaKernel(TunableKernel):
         specs = self.call_specs(problem)
         shapes = [(tuple(spec.shape) if index in (0, 1, 3) else (count, *spec.shape),
                    spec.dtype.name) for index, spec in enumerate(specs)]
-        return _specs(shapes, device)
+        return abstract_arrays(shapes, device)
 
     def example_inputs(self, problem: ServingProblem, seed: int = 0) -> list[Any]:
         """Concrete :meth:`input_specs`, deterministic in ``seed``: standard normal q and
@@ -443,16 +444,6 @@ def paged_reference(problem: ServingProblem, longest: int) -> AttentionFn:
         return out[:tokens]
 
     return reference
-
-
-def _specs(shapes: list[tuple[tuple[int, ...], str]], device: Any) -> list[Any]:
-    """``jax.ShapeDtypeStruct`` of each ``(shape, dtype)``, placed on ``device`` if given."""
-    import jax
-    import jax.numpy as jnp
-
-    sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
-    return [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-            for shape, dtype in shapes]
 
 
 def jax_key(problem: ServingProblem) -> tuple[Any, ...]:
