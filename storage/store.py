@@ -125,6 +125,13 @@ def _select_where(names: Iterable[str], columns: Sequence[Any] = (_TABLE,),
 
 _EXACT = _select_where(KEY_COLUMNS[:-1])  # any platform
 _EXACT_ON_PLATFORM = _select_where(KEY_COLUMNS)
+# A key's row in each live results table (on its platform): what Store.get reads.
+_KEY_ROW = {TunedConfigRow: _EXACT_ON_PLATFORM,
+            ServingConfigRow: _select_where(SERVING_KEY_COLUMNS, (_SERVING,), _SERVING)}
+# A serving key's family, in the order rows were stored (per: on a given platform).
+_SERVING_FAMILY = {on_platform: _select_where(
+    SERVING_FAMILY_COLUMNS + (("platform",) if on_platform else ()), (_SERVING,), _SERVING)
+    .order_by(_SERVING.c.id) for on_platform in (False, True)}
 _BY_ID = {table.name: _select_where(("id",), (table,), table)
           for table in (_TABLE, _CHOICES, _SERVING)}
 
@@ -578,9 +585,9 @@ class Store:
         request = LookupRequest(key.device_kind, key.problem, key.kernel, key.kernel_version,
                                 key.platform)
         tables = _tables_of(key.kernel)
-        query = _select_where(tables.key, (tables.row.__table__,), tables.row.__table__)
         with self.engine.connect() as connection:
-            row = connection.execute(query, request.params(tables.key)).mappings().one_or_none()
+            row = connection.execute(_KEY_ROW[tables.row],
+                                     request.params(tables.key)).mappings().one_or_none()
         return self._read_entry(row, tables.row.__table__.name) if row else None
 
     def _read_entry(self, row: Mapping[str, Any], table: str = _TABLE.name) -> Entry | None:
@@ -633,9 +640,9 @@ class Store:
         """A serving key's entry: its own, else the nearest of its family whose config passes
         the kernel's stored-config rules for it (``kernel.table.ProblemIndex``, over the
         family's rows: serving tables hold a grid, not a model's every shape)."""
-        names = SERVING_FAMILY_COLUMNS + (("platform",) if request.platform is not None else ())
-        query = _select_where(names, (_SERVING,), _SERVING).order_by(_SERVING.c.id)
-        rows = connection.execute(query, request.params(names)).mappings()
+        on_platform = request.platform is not None
+        names = SERVING_FAMILY_COLUMNS + (("platform",) if on_platform else ())
+        rows = connection.execute(_SERVING_FAMILY[on_platform], request.params(names)).mappings()
         entries = [entry for row in rows if (entry := self._read_entry(row, _SERVING.name))]
         exact = _best([entry for entry in entries if entry.result.problem == request.problem])
         if exact is not None:
