@@ -67,7 +67,9 @@
 #                                            serve.db an earlier call returned): $OUT/serve.db,
 #                                            serve-tune.jsonl (each key's baselines.jax: JAX's
 #                                            own choice beside the winner), serve-table.json and
-#                                            tuned_block_sizes_v5e.py/.json (issue 73, items 2-4)
+#                                            tuned_block_sizes_v5e.py/.json (issue 73, items 2-4);
+#                                            SERVE_TUNE_S caps the tune's seconds (what finished
+#                                            is exported)
 #   bash bench/tpu_session.sh serve_step MODEL SEQS TABLE [flags]  # the decode loop's tokens/s
 #                                            under TABLE (a serve-table.json an earlier call
 #                                            returned), JAX's block sizes and the default, each
@@ -202,8 +204,8 @@ serve_tune)  # MODELS TRIALS [serve_step.py key flags]
     db=/tmp/serve.db; [ -n "${SERVE_DB:-}" ] && cp "$SERVE_DB" "$db"
     python3 bench/chip/serve_step.py --write-shapes "$OUT/serve-shapes.yaml" --models "$2" \
         "${@:4}" || exit 1
-    python3 -m autotune tune --kernel rpa --shapes "$OUT/serve-shapes.yaml" --trials "$3" \
-        --db "sqlite:///$db" --json > "$OUT/serve-tune.jsonl" 2> "$OUT/serve-tune.err"
+    timeout "${SERVE_TUNE_S:-0}" python3 -m autotune tune --kernel rpa \
+        --shapes "$OUT/serve-shapes.yaml" --trials "$3" --db "sqlite:///$db" --json > "$OUT/serve-tune.jsonl" 2> "$OUT/serve-tune.err"
     echo "tune exit $?"; tail -n 5 "$OUT/serve-tune.err"
     python3 -m autotune export --kernel rpa --db "sqlite:///$db" -o "$OUT/serve-table.json"
     python3 -m autotune export --kernel rpa --format jax-rpa --jax-device-key \

@@ -299,6 +299,18 @@ def test_the_kernel_interpreted_matches_the_reference_where_jax_interprets_it():
 def test_jaxs_choice_is_the_named_baseline_legal_or_not():
     """JAX's fallback at the Llama key overflows a v5e's VMEM: still the baseline a tune names
     (reported as refused there), while the default is legal."""
-    assert RPA.baselines(LLAMA, "v5e") == {"jax": RpaConfig(*FALLBACK)}
+    baselines = RPA.baselines(LLAMA, "v5e")
+    assert baselines["jax"] == RpaConfig(*FALLBACK)
     assert not RPA.is_legal(LLAMA, RpaConfig(*FALLBACK), "v5e")
     assert RPA.is_legal(LLAMA, RPA.default_config(LLAMA, "v5e"), "v5e")
+    # ... and beside it JAX's blocks under the smallest raised VMEM limit that admits them
+    assert baselines["jax_vmem"] == RpaConfig(*FALLBACK, vmem_limit_mib=64)
+    assert not RPA.is_legal(LLAMA, RpaConfig(*FALLBACK, vmem_limit_mib=32), "v5e")
+    assert RPA.is_legal(LLAMA, baselines["jax_vmem"], "v5e")
+
+
+def test_a_jax_choice_that_fits_has_no_raised_vmem_baseline():
+    """No VMEM to raise where JAX's own call compiles (the v4's fallback), or where more than
+    the VMEM refuses it (a CPU has no scoped limit: nothing refuses there)."""
+    assert RPA.baselines(LLAMA, "v4") == {"jax": RPA.jax_config(LLAMA, "v4")}
+    assert RPA.baselines(LLAMA, "cpu") == {"jax": RPA.jax_config(LLAMA, "cpu")}

@@ -221,8 +221,17 @@ class RpaKernel(TunableKernel):
     def baselines(self, problem: ServingProblem,
                   target: Target | str = "cpu") -> dict[str, RpaConfig]:
         """JAX's own choice (:meth:`jax_config`: its shipped entry, else its fallback), legal
-        or not: issue 73 holds every tuned key to at least its speed."""
-        return {"jax": self.jax_config(problem, target)}
+        or not: issue 73 holds every tuned key to at least its speed. Where only its VMEM
+        refuses it, also ``jax_vmem``: its blocks under the smallest raised limit of the search
+        that admits them, as a serving stack that passes ``vmem_limit_bytes`` runs them (JAX's
+        own call, with none, fails to compile there)."""
+        shipped = self.jax_config(problem, target)
+        out = {"jax": shipped}
+        if {v.rule for v in self.violations(problem, shipped, target)} == {"vmem"}:
+            raised = (shipped.replace(vmem_limit_mib=limit) for limit in VMEM_LIMITS_MIB)
+            fitted = next((c for c in raised if self.is_legal(problem, c, target)), None)
+            out |= {"jax_vmem": fitted} if fitted else {}
+        return out
 
     def attention(self, problem: ServingProblem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
