@@ -79,7 +79,11 @@ def test_every_config_of_the_space_is_legal_or_names_its_rules():
         config = RpaConfig(*values)
         rules = {v.rule for v in RPA.violations(problem, config, "v5e")}
         assert (config in legal) == (not rules)
-        assert rules <= {"vmem"}, rules  # the space holds only sizes the other rules admit
+        assert rules <= {"vmem", "vmem_limit_unneeded"}, rules  # sizes the other rules admit
+    # one VMEM limit per block pair, the smallest that holds it: no two trials of one kernel
+    blocks = [(c.num_kv_pages_per_block, c.num_queries_per_block) for c in legal]
+    assert len(blocks) == len(set(blocks))
+    assert {c.vmem_limit_mib for c in legal} == {None, 32, 64}
 
 
 @pytest.mark.parametrize(("changes", "rule"), [
@@ -87,6 +91,7 @@ def test_every_config_of_the_space_is_legal_or_names_its_rules():
     (dict(num_queries_per_block=1024), "queries_max"),
     (dict(num_queries_per_block=48), "queries_pow2"),
     (dict(num_kv_pages_per_block=128), "vmem"),
+    (dict(vmem_limit_mib=64), "vmem_limit_unneeded"),
 ])
 def test_each_rule_refuses_and_names_the_fix(changes, rule):
     config = RpaConfig(8, 32).replace(**changes)

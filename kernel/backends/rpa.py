@@ -175,14 +175,32 @@ class RpaKernel(TunableKernel):
                                  f"power of two or the whole token budget ({tokens})"))
         if out or target.scoped_vmem_bytes is None:
             return out
-        if config.vmem_limit_mib is None:
-            return vmem_limit_violations({"rpa": vmem_estimate(problem, config)}, target)
-        if config.vmem_limit_mib * MiB > target.vmem_capacity_bytes:
-            return [Violation("vmem_limit", f"vmem_limit_mib={config.vmem_limit_mib} is over "
-                              f"the {target.vmem_capacity_bytes // MiB} MiB of VMEM of "
+        limit = config.vmem_limit_mib
+        if limit is not None and limit * MiB > target.vmem_capacity_bytes:
+            return [Violation("vmem_limit", f"vmem_limit_mib={limit} is over the "
+                              f"{target.vmem_capacity_bytes // MiB} MiB of VMEM of "
                               f"{target.name}; use at most that, or none")]
-        raised = dataclasses.replace(target, scoped_vmem_bytes=config.vmem_limit_mib * MiB)
-        return vmem_limit_violations({"rpa": vmem_estimate(problem, config)}, raised)
+        fits = self._fitting_limits(problem, config, target)
+        if limit not in fits:
+            return vmem_limit_violations({"rpa": vmem_estimate(problem, config)},
+                                         _raised(target, limit))
+        if limit != fits[0]:
+            # A raised limit changes nothing once the blocks fit: on a v5e (2026-12-07) kv_pages16
+            # q16 took 1.929 ms at the default and 1.931 at 64 MiB, kv_pages128 q4 2.777 and
+            # 2.776 at 32 MiB; so a larger limit than needed is the same kernel, a wasted trial.
+            need = "the default" if fits[0] is None else f"{fits[0]} MiB"
+            return [Violation("vmem_limit_unneeded", f"vmem_limit_mib={limit} is more than "
+                              f"these blocks need ({need} holds them); use vmem_limit_mib="
+                              f"{fits[0]}")]
+        return []
+
+    def _fitting_limits(self, problem: ServingProblem, config: RpaConfig,
+                        target: Target) -> list[int | None]:
+        """The limits of the search (None: the scoped default) under which the VMEM estimate
+        admits ``config``'s blocks, smallest first."""
+        need = {"rpa": vmem_estimate(problem, config)}
+        return [limit for limit in (None, *VMEM_LIMITS_MIB)
+                if not vmem_limit_violations(need, _raised(target, limit))]
 
     def default_config(self, problem: ServingProblem,
                        target: Target | str = "cpu") -> RpaConfig:
@@ -228,9 +246,8 @@ class RpaKernel(TunableKernel):
         shipped = self.jax_config(problem, target)
         out = {"jax": shipped}
         if {v.rule for v in self.violations(problem, shipped, target)} == {"vmem"}:
-            raised = (shipped.replace(vmem_limit_mib=limit) for limit in VMEM_LIMITS_MIB)
-            fitted = next((c for c in raised if self.is_legal(problem, c, target)), None)
-            out |= {"jax_vmem": fitted} if fitted else {}
+            fits = self._fitting_limits(problem, shipped, self.target(target))
+            out |= {"jax_vmem": shipped.replace(vmem_limit_mib=fits[0])} if fits else {}
         return out
 
     def attention(self, problem: ServingProblem, config_for: ConfigFor,
@@ -470,3 +487,9 @@ def _power_below(value: int) -> int:
 
 
 KERNEL = RpaKernel()
+
+
+def _raised(target: Target, limit_mib: int | None) -> Target:
+    """``target`` with its scoped VMEM limit at ``limit_mib`` (None: as it is)."""
+    return target if limit_mib is None else dataclasses.replace(
+        target, scoped_vmem_bytes=limit_mib * MiB)
