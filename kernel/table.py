@@ -23,7 +23,7 @@ from kernel.errors import AutotuneError, TableError
 from kernel.problem import FEATURE_FIELDS, Problem, finite_float, shown_number
 from kernel.registry import KERNELS, get_kernel, is_registered, registered_kernel
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
-from kernel.serving import ServingProblem
+from kernel.serving import PROBLEM_TYPES
 
 MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
@@ -33,8 +33,8 @@ TABLE_SCHEMA_VERSION = 5
 # 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented;
 # 4: and bottom_right; 5: a problem_type
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
-# A table's problem_type, by the problem type of its kernel (TunableKernel.problem_type).
-PROBLEM_TYPES: dict[str, type] = {"attention": Problem, "serving": ServingProblem}
+# A table names its problem_type (PROBLEM_TYPES: by the problem type of its kernel,
+# TunableKernel.problem_type) since this schema.
 PROBLEM_TYPE_SINCE = 5
 # The first schema whose problems may use each of FEATURE_FIELDS.
 FEATURE_SINCE = {"window": 3, "softcap": 3, "segmented": 3, "bottom_right": 4}
