@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.cache import LOOKUP_PATH, LookupCache, LookupCacheMiddleware
+from api.cache import CACHED_PATHS, LookupCache, LookupCacheMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routers import choices, configs, health, pages, serving, tables
 from api.settings import ApiSettings
@@ -90,8 +90,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                       "internal error; the server log has the details")
 
     app.state.cache = LookupCache(store, settings.lookup_cache_size)
-    lookup_route = next(r for r in configs.router.routes if r.path == LOOKUP_PATH)
+    lookup_routes = {r.path: r for router in (configs.router, serving.router)
+                     for r in router.routes if r.path in CACHED_PATHS}
+    assert sorted(lookup_routes) == sorted(CACHED_PATHS), "every cached path is routed"
     app.add_middleware(LookupCacheMiddleware, cache=app.state.cache, metrics=app.state.metrics,
-                       route=lookup_route)
+                       routes=lookup_routes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)  # outermost: sees all
     return app

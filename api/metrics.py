@@ -13,7 +13,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 
 class Metrics:
-    """Request counts and latency per route, and lookups by match kind."""
+    """Request counts and latency per route, lookups by match kind, and lookup cache hits."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -26,6 +26,9 @@ class Metrics:
                                "(exact, nearest, miss).", ("match",), registry=self.registry)
         for match in ("exact", "nearest", "miss"):
             self.lookups.labels(match)  # export zeros, so a rate is defined from the start
+        self.cache_hits = Counter("autotune_lookup_cache_hits", "GET lookups answered from "
+                                  "the response cache (api.cache), by route.", ("route",),
+                                  registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

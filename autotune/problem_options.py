@@ -13,7 +13,9 @@ from typing import Annotated, Any
 import typer
 
 from kernel import ConfigError, Problem, ProblemError, get_kernel, kernel_names
-from kernel.registry import registered_kernel
+from kernel.registry import SERVING_KERNELS, registered_kernel
+from kernel.serving import problem_type_of
+from kernel.table import problem_type_name
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
 from kernel.shapesfile import MAX_SHAPES_BYTES
 from kernel.problem import SOFTCAP_RANGE, softcap_problem
@@ -277,14 +279,21 @@ def load_shapes(path: Path, defaults: dict[str, Any] | None = None,
     used: set[str] = set()  # defaults some object omits
     first: dict[Problem, int] = {}  # each problem's first index
     repeats: list[str] = []
+    others: dict[type, int] = {}  # problems of another type (AUTOTUNE_RECORD_MISSES): how many
     for index, item in enumerate(data):
+        given = item
         if isinstance(item, dict):
-            used.update(defaults.keys() - item.keys())
             item = {**defaults, **item}
         try:
             problem = problem_type.from_dict(item)
         except ProblemError as error:
+            other = problem_type_of(given)
+            if other is not None and other is not problem_type:
+                others[other] = others.get(other, 0) + 1
+                continue
             raise _shapes_error(f"{path}, problem {index}: {_shortened(str(error))}") from None
+        if isinstance(given, dict):
+            used.update(defaults.keys() - given.keys())
         if problem in first:
             repeats.append(f"{index} (= {first[problem]})")
         else:
@@ -292,11 +301,26 @@ def load_shapes(path: Path, defaults: dict[str, Any] | None = None,
     if repeats:
         typer.echo(f"note: {path}: problem(s) {', '.join(repeats)} repeat earlier ones; each "
                    "problem is tuned once", err=True)
+    left_out = [f"{count} {problem_type_name(other)} problem(s) ({_tune_command(other, path)} "
+                "tunes them)" for other, count in others.items()]
+    if not first:
+        raise _shapes_error(f"{path} holds no {problem_type_name(problem_type)} problems, only "
+                            f"{'; '.join(left_out)}")
+    if left_out:
+        typer.echo(f"note: {path}: left out {'; '.join(left_out)}", err=True)
     unused = [_flag(name) for name in defaults if name not in used]
     if unused:
         typer.echo(f"note: {path}: {', '.join(unused)} not used: every problem gives its "
                    "own", err=True)
     return list(first)
+
+
+def _tune_command(problem_type: type, path: Path) -> str:
+    """The command that tunes the problems of ``problem_type`` in the shapes file ``path``."""
+    if problem_type is Problem:
+        return f"`autotune tune --shapes {path}`"
+    kernel = next(k for k in SERVING_KERNELS.values() if k.problem_type is problem_type)
+    return f"`autotune tune --kernel {kernel.name} --shapes {path}`"
 
 
 def given_problems(context: typer.Context, problem: Problem, shapes: Path | None,

@@ -2,13 +2,14 @@
 ran on a config borrowed from the nearest tuned problem (a table's or the service's nearest
 entry), which have no config of their own either.
 
-The wrapper reports each call's resolution per mode (:func:`note`, through
-:func:`kernel.capture.observe`). A call that ran differentiated is a ``fwd_bwd`` problem even
-where its primal was traced first (``lax.scan``, ``jax.checkpoint``): only the mode a call
-finally ran counts. :func:`untuned` lists the misses, :func:`borrowed` the borrowers;
-``AUTOTUNE_RECORD_MISSES=path`` appends both to a shapes file at exit, each borrower's line
-marked with the problem it borrowed from (``autotune tune --shapes path`` tunes them all),
-safely when several processes write the same file.
+The wrappers report each call's resolution per mode (:func:`note`, through
+:func:`kernel.capture.observe`; ``kernel.ragged_paged_attention`` its serving step's). A call
+that ran differentiated is a ``fwd_bwd`` problem even where its primal was traced first
+(``lax.scan``, ``jax.checkpoint``): only the mode a call finally ran counts. :func:`untuned`
+lists the misses, :func:`borrowed` the borrowers; ``AUTOTUNE_RECORD_MISSES=path`` appends both
+to a shapes file at exit, each borrower's line marked with the problem it borrowed from
+(``autotune tune --shapes path`` tunes the attention calls, ``autotune tune --kernel rpa
+--shapes path`` the serving steps), safely when several processes write the same file.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kernel.problem import Problem
+from kernel.serving import ServingProblem
 from kernel.shapesfile import append_shapes
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class Miss:
     ``illegal here`` (the tuned config breaks a rule on this device); ``detail`` is the
     resolver's full account."""
 
-    problem: Problem
+    problem: Problem | ServingProblem
     kernel: str
     reason: str
     detail: str
@@ -47,10 +49,10 @@ class Borrowed:
     """A problem that ran ``kernel`` on the config tuned for another problem, ``origin``: the
     nearest entry ``source`` (``table`` or ``service``) had. Tuning it gives it its own."""
 
-    problem: Problem
+    problem: Problem | ServingProblem
     kernel: str
     source: str
-    origin: Problem
+    origin: Problem | ServingProblem
 
     def note(self) -> str:
         """Its mark in a shapes file."""
@@ -76,8 +78,8 @@ _calls: dict[Any, dict[str, Miss | Borrowed | None]] = {}
 _exit_hook = False
 
 
-def note(call: Any, problem: Problem, kernel: str, source: str, detail: str,
-         tunable: bool, origin: Problem | None = None) -> None:
+def note(call: Any, problem: Problem | ServingProblem, kernel: str, source: str, detail: str,
+         tunable: bool, origin: Problem | ServingProblem | None = None) -> None:
     """Records how ``call`` resolved ``problem`` (its mode included) with ``kernel``;
     ``origin``: the tuned problem whose config it borrowed, when its source's entry was the
     nearest, not its own."""
@@ -109,7 +111,7 @@ def _each_once(kind: type[Record]) -> list[Record]:
     """The calls' records of ``kind`` in the mode each call ran, each problem once."""
     with _lock:
         calls = [dict(modes) for modes in _calls.values()]
-    out: dict[Problem, Record] = {}
+    out: dict[Problem | ServingProblem, Record] = {}
     for modes in calls:
         found = modes.get("fwd_bwd", modes.get("fwd"))
         if isinstance(found, kind):
@@ -118,13 +120,13 @@ def _each_once(kind: type[Record]) -> list[Record]:
 
 
 def record(path: str | os.PathLike[str]) -> int:
-    """Appends the attention misses' and borrowers' problems to the shapes file ``path``
-    (each borrower marked with what it borrowed from); how many were new there. A serving
-    step's (``kernel.ragged_paged_attention``) are listed by :func:`untuned` and
-    :func:`borrowed` only: a shapes file holds attention problems."""
-    lent = [b for b in borrowed() if isinstance(b.problem, Problem)]
-    return append_shapes(path, [miss.problem for miss in untuned()
-                                if isinstance(miss.problem, Problem)]
+    """Appends the misses' and borrowers' problems to the shapes file ``path`` (each borrower
+    marked with what it borrowed from); how many were new there. A serving step's
+    (``kernel.ragged_paged_attention``) are recorded as an attention call's are: ``autotune
+    tune --kernel rpa --shapes path`` tunes them, ``autotune tune --shapes path`` the
+    attention calls."""
+    lent = borrowed()
+    return append_shapes(path, [miss.problem for miss in untuned()]
                          + [b.problem for b in lent], {b.problem: b.note() for b in lent})
 
 

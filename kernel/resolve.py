@@ -41,7 +41,7 @@ from kernel.registry import DEFAULT_KERNEL, KERNELS, registered_kernel
 from kernel.rules import x64_enabled
 from kernel.sharded import checked_vma
 from kernel.service import Answer, ServiceClient
-from kernel.table import KernelChoice, LookupTable, ProblemIndex
+from kernel.table import KernelChoice, LookupTable, ProblemIndex, legal_on
 from kernel.table_scope import retrace_all
 from kernel.targets import GPU_PLATFORMS, Target
 
@@ -504,7 +504,8 @@ class Resolver:
         reasons, retry_at = [], 0.0
         chosen = self._choice_configs.get((kernel.name, device_kind, problem))
         candidates = [("choice", lambda: (chosen, ""))] if chosen is not None else []
-        candidates += [("table", lambda: self._from_tables(problem, device_kind, kernel))]
+        candidates += [("table", lambda: self._from_tables(problem, device_kind, kernel,
+                                                           target))]
         if not self.settings.strict:  # a strict build never asks a server
             candidates += [("service", lambda: self._from_service(problem, device_kind, kernel))]
         for source, find in candidates:
@@ -527,10 +528,12 @@ class Resolver:
                         detail)
         return Resolution(config, "default", detail, retry_at=retry_at)
 
-    def _from_tables(self, problem: Problem, device_kind: str,
-                     kernel: TunableKernel) -> tuple[Resolution | None, str]:
-        """An exact entry of any pinned table, else the nearest across them (the first
-        table's on a tie), among the tables of this kernel's installed version."""
+    def _from_tables(self, problem: Problem, device_kind: str, kernel: TunableKernel,
+                     target: Target) -> tuple[Resolution | None, str]:
+        """An exact entry of any pinned table, else the nearest across them whose config is
+        legal on ``target`` (the first table's on a tie; an entry illegal here, over the chip's
+        VMEM say, gives way to the next nearest), among the tables of this kernel's installed
+        version."""
         if not self._tables:
             return None, "no table pinned"
         tables = [t for pinned in self._tables.values() for t in pinned.kernel_tables()
@@ -540,9 +543,12 @@ class Resolver:
                           f"kernel version {tables[0].kernel_version!r}, but version "
                           f"{kernel.version!r} is installed, whose configs mean something "
                           "else; export a table tuned with this version")
-        found = self._index(("entries", kernel.name, device_kind), lambda: [
+        index = self._index(("entries", kernel.name, device_kind), lambda: [
             e for t in tables if t.kernel_version == kernel.version for e in t.entries],
-            lambda entry: kernel.name).find(problem)
+            lambda entry: kernel.name)
+        # None legal here: the nearest by the stored rules, which the caller refuses, naming
+        # the rule (a miss "illegal here", not "no entry").
+        found = index.find(problem, legal_on(kernel, problem, target)) or index.find(problem)
         if found is None:
             return None, f"no pinned table entry for {kernel.name} on {device_kind!r}"
         entry, match = found

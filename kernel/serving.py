@@ -22,6 +22,7 @@ from kernel.problem import (
     MAX_HEADS,
     MAX_SEQ_LEN,
     GroupedHeads,
+    Problem,
     checked_softcap,
     exact_text,
     octaves,
@@ -148,6 +149,22 @@ class ServingProblem(GroupedHeads):
         """The part of :meth:`distance` that :meth:`nearest_axes` ``axes`` decide."""
         return (octaves(self.max_num_batched_tokens, axes[0])
                 + octaves(self.pages_per_seq, axes[1]))
+
+
+# The problem types a kernel tunes, by the name tables and shapes files give them.
+PROBLEM_TYPES: dict[str, type] = {"attention": Problem, "serving": ServingProblem}
+
+
+def problem_type_of(data: Any) -> type | None:
+    """The problem type whose ``from_dict`` takes ``data`` (a problem's JSON object), or None
+    when none does: an attention call's and a serving step's fields tell them apart."""
+    for problem_type in PROBLEM_TYPES.values():
+        try:
+            problem_type.from_dict(data)
+        except (ProblemError, TypeError, ValueError):
+            continue
+        return problem_type
+    return None
 
 
 def jax_device_key(device_kind: str) -> str:

@@ -16,35 +16,54 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from kernel.problem import FEATURE_FIELDS, Problem
+from kernel.serving import ServingProblem, problem_type_of
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular
 
-HEADER = "# attention problems for `autotune tune --shapes FILE`\n"
+# A file may hold attention calls and serving steps (kernel.misses records both); each tune
+# takes the problems of its kernel's type (problem_type_of tells a line's).
+HEADER = ("# problems for `autotune tune --shapes FILE` (attention calls) and `autotune tune "
+          "--kernel rpa --shapes FILE` (serving steps)\n")
 # A shapes file of 16k problems is 3 MiB; a file past this is no shapes file.
 MAX_SHAPES_BYTES = 64 << 20
 NOTE = "  # "  # what starts a line's note
 
 
-def problem_line(problem: Problem) -> str:
-    """A problem's line; features not in use are left out (as in files written before them)."""
+def problem_line(problem: Problem | ServingProblem) -> str:
+    """A problem's line (an attention call's or a serving step's); features not in use are
+    left out (as in files written before them)."""
     fields = {name: value for name, value in problem.to_dict().items()
               if name not in FEATURE_FIELDS or value not in (None, False)}
     return f"- {json.dumps(fields)}\n"
 
 
-def save_shapes(path: str | os.PathLike[str], problems: Iterable[Problem]) -> None:
+def save_shapes(path: str | os.PathLike[str],
+                problems: Iterable[Problem | ServingProblem]) -> None:
     """Writes ``problems`` (each once, in order) to ``path``, replacing the file."""
     lines = [problem_line(p) for p in dict.fromkeys(problems)]
     Path(path).write_text(HEADER + "".join(lines), encoding="utf-8")
 
 
-def notes(text: str) -> list[str]:
-    """The notes the problem lines of a shapes file's ``text`` end in."""
-    return [line.split(NOTE, 1)[1] for line in text.splitlines()
-            if line.startswith("- ") and NOTE in line]
+def notes(text: str, problem_type: type | None = None) -> list[str]:
+    """The notes the problem lines of a shapes file's ``text`` end in; with ``problem_type``,
+    but those of lines that are a problem of another type."""
+    out = []
+    for line in text.splitlines():
+        if not (line.startswith("- ") and NOTE in line):
+            continue
+        body, note = line[2:].split(NOTE, 1)
+        if problem_type is not None:
+            try:
+                kind = problem_type_of(json.loads(body))
+            except ValueError:  # a line written otherwise: no type to tell
+                kind = None
+            if kind not in (None, problem_type):
+                continue
+        out.append(note)
+    return out
 
 
-def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem],
-                  noted: Mapping[Problem, str] | None = None) -> int:
+def append_shapes(path: str | os.PathLike[str], problems: Iterable[Problem | ServingProblem],
+                  noted: Mapping[Problem | ServingProblem, str] | None = None) -> int:
     """Appends the problems not in ``path`` yet (created if missing), a problem of ``noted``
     with its note; how many were added. Only a regular file is read, up to MAX_SHAPES_BYTES
     (a device or a FIFO is written to, and a write that would block fails); a larger file

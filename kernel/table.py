@@ -23,7 +23,7 @@ from kernel.errors import AutotuneError, TableError
 from kernel.problem import FEATURE_FIELDS, Problem, finite_float, shown_number
 from kernel.registry import KERNELS, get_kernel, is_registered, registered_kernel
 from kernel.regular_file import FileTooLarge, NotARegularFile, read_regular_file
-from kernel.serving import ServingProblem
+from kernel.serving import PROBLEM_TYPES
 
 MiB = 1 << 20
 # An export of 100k configs and 100k kernel choices, with provenance, is about 200 MiB; a
@@ -33,8 +33,8 @@ TABLE_SCHEMA_VERSION = 5
 # 1: configs only; 2: configs and kernel choices; 3: problems with window, softcap, segmented;
 # 4: and bottom_right; 5: a problem_type
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
-# A table's problem_type, by the problem type of its kernel (TunableKernel.problem_type).
-PROBLEM_TYPES: dict[str, type] = {"attention": Problem, "serving": ServingProblem}
+# A table names its problem_type (PROBLEM_TYPES: by the problem type of its kernel,
+# TunableKernel.problem_type) since this schema.
 PROBLEM_TYPE_SINCE = 5
 # The first schema whose problems may use each of FEATURE_FIELDS.
 FEATURE_SINCE = {"window": 3, "softcap": 3, "segmented": 3, "bottom_right": 4}
@@ -467,17 +467,20 @@ class ProblemIndex:
             self._families.setdefault(item.problem.family(), {}).setdefault(
                 item.problem.nearest_axes(), []).append((order, item))
 
-    def find(self, problem: Any) -> tuple[Any, str] | None:
+    def find(self, problem: Any,
+             legal: Callable[[Any], bool] | None = None) -> tuple[Any, str] | None:
         """``(item, "exact")``, else ``(item, "nearest")``, else None."""
         exact = self._exact.get(problem)
         if exact is not None:
             return exact, "exact"
-        item = self.nearest(problem)
+        item = self.nearest(problem, legal)
         return (item, "nearest") if item is not None else None
 
-    def nearest(self, problem: Any) -> Any:
+    def nearest(self, problem: Any, legal: Callable[[Any], bool] | None = None) -> Any:
         """The closest item of the family whose config passes its kernel's stored-config rules
-        for ``problem`` (its ``distance``); None when none does."""
+        for ``problem`` (its ``distance``), or ``legal(item)`` where given (a device's rules:
+        :func:`legal_on`); None when none does."""
+        legal = legal or (lambda item: self._legal(problem, item))
         buckets = self._families.get(problem.family(), {})
         # The bucket axes' part of the distance: a lower bound for a whole bucket.
         bounds = sorted((problem.axes_distance(axes), axes) for axes in buckets)
@@ -490,7 +493,7 @@ class ProblemIndex:
             heapq.heapify(ranked)
             while ranked and (best is None or ranked[0][:2] < best[:2]):
                 found = heapq.heappop(ranked)
-                if self._legal(problem, found[2]):
+                if legal(found[2]):
                     best = found
                     break
         return best[2] if best is not None else None
@@ -512,3 +515,11 @@ def nearest_entry(problem: Problem, entries: Iterable[TableEntry],
     (one of kernel ``kernel``'s) passes that kernel's stored-config rules for ``problem``; None
     when none does."""
     return ProblemIndex(entries, lambda entry: kernel).nearest(problem)
+
+
+def legal_on(kernel: Any, problem: Any, target: Any) -> Callable[[Any], bool]:
+    """Whether an item's config (a ``TunableKernel`` ``kernel``'s) passes every rule of
+    ``kernel`` for ``problem`` on ``target`` (a ``Target`` or its name), its VMEM included: the
+    nearest entry a device may run (``ProblemIndex.nearest``'s ``legal``)."""
+    return lambda item: (isinstance(item.config, kernel.config_type)
+                         and not kernel.violations(problem, item.config, target))

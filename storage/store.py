@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from kernel import (
     DEFAULT_KERNEL,
     AutotuneError,
+    ConfigError,
     LookupTable,
     Problem,
     ServingProblem,
@@ -28,7 +29,7 @@ from kernel import (
     kernel_names,
 )
 from kernel.registry import registered_kernel
-from kernel.table import KernelChoice, KernelTiming, nearest_entry
+from kernel.table import KernelChoice, KernelTiming, ProblemIndex, legal_on, nearest_entry
 from storage.choices import (
     CHOICE_PROVENANCE,
     StoredChoice,
@@ -345,6 +346,34 @@ class _Family:
         return decoded is not None and nearest_entry(problem, [candidate], kernel) is not None
 
 
+class _ServingFamily:
+    """The stored entries of one serving family (``SERVING_FAMILY_COLUMNS``), decoded once:
+    a grid's worth of rows, indexed as a pinned table's are."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        self.entries = entries
+        self.index = ProblemIndex([entry.result for entry in entries],
+                                  lambda result: result.kernel)
+        self.by_problem: dict[ServingProblem, list[Entry]] = {}
+        for entry in entries:
+            self.by_problem.setdefault(entry.result.problem, []).append(entry)
+
+    def find(self, request: LookupRequest) -> tuple[Entry, Match] | None:
+        """``request``'s entry (the fastest platform's), else the nearest legal for it, on its
+        device kind's chip where that is a known target."""
+        exact = _best(self.by_problem.get(request.problem, []))
+        if exact is not None:
+            return exact, "exact"
+        rules = registered_kernel(request.kernel)
+        try:
+            legal = legal_on(rules, request.problem, rules.target(request.device_kind))
+        except ConfigError:  # a device kind no target of the kernel: its portable rules
+            legal = None
+        found = self.index.nearest(request.problem, legal)
+        return None if found is None else (
+            next(entry for entry in self.entries if entry.result is found), "nearest")
+
+
 class Store:
     """Tuned configs in a SQL database (SQLite file or PostgreSQL), one live row per key.
 
@@ -360,7 +389,7 @@ class Store:
         self._watcher: sqlite3.Connection | None = None
         self._watcher_lock = threading.Lock()
         # family key -> (data version, nearest-match candidates); see lookup_many
-        self._families: dict[tuple[Any, ...], tuple[int, _Family]] = {}
+        self._families: dict[tuple[Any, ...], tuple[int, _Family | _ServingFamily]] = {}
         self._checked_version: tuple[Any, ...] | None = None  # what passed quick_check
         self.unreadable = UnreadableRows()  # rows met that this build cannot read
 
@@ -616,7 +645,7 @@ class Store:
         with self.engine.connect() as connection:
             for request in requests:
                 if isinstance(request.problem, ServingProblem):
-                    out.append(self._lookup_serving(connection, request))
+                    out.append(self._lookup_serving(connection, request, version))
                     continue
                 on_platform = request.platform is not None
                 exact_query = _EXACT_ON_PLATFORM if on_platform else _EXACT
@@ -635,23 +664,25 @@ class Store:
                 out.append(None if entry is None else (entry, "nearest"))
         return out
 
-    def _lookup_serving(self, connection: Any,
-                        request: LookupRequest) -> tuple[Entry, Match] | None:
+    def _lookup_serving(self, connection: Any, request: LookupRequest,
+                        version: int | None) -> tuple[Entry, Match] | None:
         """A serving key's entry: its own, else the nearest of its family whose config passes
-        the kernel's stored-config rules for it (``kernel.table.ProblemIndex``, over the
-        family's rows: serving tables hold a grid, not a model's every shape)."""
+        the kernel's rules for it (``kernel.table.ProblemIndex``, over the family's rows:
+        serving tables hold a grid, not a model's every shape), on the device kind's chip where
+        it is a known one (its VMEM: a config over it would not compile there). The family is
+        read once and on SQLite kept until the next commit (``version``), as ``_nearest_row``
+        keeps an attention family."""
         on_platform = request.platform is not None
         names = SERVING_FAMILY_COLUMNS + (("platform",) if on_platform else ())
-        rows = connection.execute(_SERVING_FAMILY[on_platform], request.params(names)).mappings()
-        entries = [entry for row in rows if (entry := self._read_entry(row, _SERVING.name))]
-        exact = _best([entry for entry in entries if entry.result.problem == request.problem])
-        if exact is not None:
-            return exact, "exact"
-        found = nearest_entry(request.problem, [entry.result.to_table_entry()
-                                                for entry in entries], request.kernel)
-        return None if found is None else (
-            next(entry for entry in entries if entry.result.problem == found.problem),
-            "nearest")
+        params = request.params(names)
+        key = (_SERVING.name, *params.values())
+        family = self._cached_family(key, version)
+        if family is None:
+            rows = connection.execute(_SERVING_FAMILY[on_platform], params).mappings()
+            family = _ServingFamily([entry for row in rows
+                                     if (entry := self._read_entry(row, _SERVING.name))])
+            self._cache_family(key, version, family)
+        return family.find(request)
 
     def _nearest_row(self, connection: Any, table: Any, query: Any, params: dict[str, Any],
                      problem: Problem, version: int | None,

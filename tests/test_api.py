@@ -403,6 +403,28 @@ def test_metrics_count_lookups_by_match_kind(server: Server) -> None:
     assert "autotune_http_request_duration_seconds_bucket" in text_metrics
 
 
+def test_a_repeated_lookup_is_a_cache_hit_until_the_next_write(server: Server) -> None:
+    """The lookup cache answers a repeated ``GET /v1/configs/lookup`` (counted by route in
+    ``autotune_lookup_cache_hits_total``, and by match kind as any lookup); a publish makes the
+    next one a fresh answer."""
+    kind = device()
+    route = "/v1/configs/lookup"
+
+    def hits() -> float:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        return float(re.search(r'^autotune_lookup_cache_hits_total\{route="/v1/configs/lookup"'
+                               r'\} (\S+)$', metrics, re.M).group(1))
+
+    publish(server, body(kind))
+    before = hits()
+    for _ in range(3):
+        assert httpx.get(f"{server.url}{route}", params=lookup_params(kind)).status_code == 200
+    assert hits() == before + 2
+    publish(server, body(kind, 0.5, config={"block_q": 512}))
+    found = httpx.get(f"{server.url}{route}", params=lookup_params(kind)).json()
+    assert found["config"]["block_q"] == 512 and hits() == before + 2
+
+
 def test_metrics_labels_stay_bounded_under_random_methods_and_paths(server: Server) -> None:
     """Unknown methods and unmatched paths fold into one label value each (random method
     names grew /metrics without bound)."""
@@ -603,8 +625,9 @@ def test_the_lookup_cache_skips_padded_query_strings(tmp_path) -> None:
         cache = LookupCache(store, max_entries=10)
         plain, padded = b"device_kind=x&batch=1", b"device_kind=x&batch=1" + b"&" * 2000
         for query in (plain, padded):
-            cache.put(query, cache.version(), 200, b"{}", "exact")
-        assert cache.get(plain) == (200, b"{}", "exact") and cache.get(padded) is None
+            cache.put("/v1/configs/lookup", query, cache.version(), 200, b"{}", "exact")
+        assert cache.get("/v1/configs/lookup", plain) == (200, b"{}", "exact")
+        assert cache.get("/v1/configs/lookup", padded) is None
 
 
 def test_a_422_names_each_problem_without_echoing_the_body(server: Server) -> None:

@@ -106,6 +106,25 @@ def test_a_nearest_entry_illegal_here_falls_back_to_the_legal_default(tmp_path):
         reset_resolver(ResolverSettings())
 
 
+def test_a_nearest_entry_illegal_here_gives_way_to_the_next_nearest_legal_one(tmp_path):
+    """Issue 73: a key not in the table resolves to the nearest entry legal for its shape on
+    the chip, VMEM included. The nearest, (128, 32), is over a v5e's scoped VMEM; a farther
+    one, (8, 32), fits: it runs (borrowed, as flash's nearest entries are), not the default."""
+    path = tmp_path / "mixed.json"
+    near = dataclasses.replace(LLAMA, max_num_seqs=128)
+    path.write_text(json.dumps(_table(TableEntry(LLAMA, RpaConfig(128, 32)),
+                                      TableEntry(FAR, RpaConfig(8, 32))).to_dict()))
+    assert near.distance(LLAMA) < near.distance(FAR)
+    reset_resolver(ResolverSettings(table_paths=(str(path),)))
+    try:
+        _traced(near)
+        assert _source(near) == f"table, nearest (from {FAR.label()}), config kv_pages8 q32"
+        assert [b.origin for b in kernel.borrowed() if b.problem == near] == [FAR]
+        assert not [m for m in kernel.untuned() if m.problem == near]
+    finally:
+        reset_resolver(ResolverSettings())
+
+
 def test_a_miss_runs_the_default_and_is_recorded(pinned):
     other = dataclasses.replace(LLAMA, page_size=32, pages_per_seq=64)  # no entry of its family
     _traced(other)

@@ -6,6 +6,7 @@ the wrapper's resolver asking it."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 from typing import Any
 
@@ -140,3 +141,125 @@ def test_the_resolver_asks_the_service_for_a_serving_config(server: Server):
     assert (resolution.source, resolution.match, resolution.config) == (
         "service", "exact", RpaConfig(4, 16))
     resolver.close()
+
+
+SERVING_LOOKUP = "/v1/serving/configs/lookup"
+
+
+def _cache_hits(server: Server, route: str) -> float:
+    """``autotune_lookup_cache_hits_total`` of ``route`` on the server's /metrics."""
+    metrics = httpx.get(f"{server.url}/metrics").text
+    found = re.search(rf'^autotune_lookup_cache_hits_total\{{route="{re.escape(route)}"\}} '
+                      r'(\S+)$', metrics, re.M)
+    assert found, f"no cache hit counter of {route}"
+    return float(found.group(1))
+
+
+def test_serving_lookups_are_cached_until_the_next_write(server: Server):
+    """A repeated serving lookup is answered from the service's lookup cache, as an attention
+    lookup is (a hit on /metrics), and a config imported, or published straight into the
+    database, is seen by the next lookup, single or batched: the cache follows the database's
+    data version."""
+    kind = _device()
+    hits = _cache_hits(server, SERVING_LOOKUP)
+    for _ in range(2):
+        assert _lookup(server, kind, LLAMA).status_code == 404
+    assert _cache_hits(server, SERVING_LOOKUP) == hits + 1  # the miss, cached
+
+    table = LookupTable(RPA.name, RPA.version, kind,
+                        (TableEntry(LLAMA, RpaConfig(8, 32), time_ms=2.0),))
+    imported = httpx.post(f"{server.url}/v1/tables", json=table.to_dict(), headers=server.auth)
+    assert imported.status_code == 200, imported.text
+    for _ in range(2):
+        assert _lookup(server, kind, LLAMA).json()["config"] == RpaConfig(8, 32).to_dict()
+    assert _cache_hits(server, SERVING_LOOKUP) == hits + 2
+
+    near = dataclasses.replace(LLAMA, max_num_seqs=128)
+    batch = {"keys": [{"device_kind": kind, **p.to_dict()} for p in (LLAMA, near)]}
+    with Store(server.db_url) as store:  # as a tuner writes: not through the service
+        store.publish(_result(kind, LLAMA, RpaConfig(16, 32), 1.0))
+        assert _lookup(server, kind, LLAMA).json()["config"] == RpaConfig(16, 32).to_dict()
+        found = httpx.post(f"{server.url}{SERVING_LOOKUP}:batch", json=batch).json()["results"]
+        assert [(r["match"], r["config"]) for r in found] == [
+            ("exact", RpaConfig(16, 32).to_dict()), ("nearest", RpaConfig(16, 32).to_dict())]
+        store.publish(_result(kind, near, RpaConfig(4, 16), 1.0))
+        found = httpx.post(f"{server.url}{SERVING_LOOKUP}:batch", json=batch).json()["results"]
+        assert [(r["match"], r["config"]) for r in found] == [
+            ("exact", RpaConfig(16, 32).to_dict()), ("exact", RpaConfig(4, 16).to_dict())]
+    assert _cache_hits(server, SERVING_LOOKUP) == hits + 2
+
+
+def test_serving_lookups_read_a_family_once_until_the_next_write(sqlite_db_url):
+    """The store keeps a serving family's entries until the next commit, as it keeps an
+    attention family's nearest-match candidates: a batch of lookups asked again runs no query
+    (``lookup:batch`` of a server's keys at every start), and a publish is seen at once."""
+    from sqlalchemy import event
+
+    from storage import LookupRequest
+
+    kind = "TPU v5 lite"
+    near = dataclasses.replace(LLAMA, max_num_seqs=128)
+    requests = [LookupRequest(kind, LLAMA, RPA.name), LookupRequest(kind, near, RPA.name),
+                LookupRequest(kind, WINDOWED, RPA.name)]
+    with Store(sqlite_db_url) as store:
+        store.publish(_result(kind, LLAMA, RpaConfig(8, 32), 2.0))
+        statements: list[str] = []
+        event.listen(store.engine, "before_cursor_execute",
+                     lambda _c, _cursor, statement, *_: statements.append(statement))
+
+        def looked_up() -> list[Any]:
+            return [found and (found[1], found[0].result.config)
+                    for found in store.lookup_many(requests)]
+
+        assert looked_up() == [("exact", RpaConfig(8, 32)), ("nearest", RpaConfig(8, 32)), None]
+        read = len(statements)
+        assert read >= 1
+        assert looked_up() == [("exact", RpaConfig(8, 32)), ("nearest", RpaConfig(8, 32)), None]
+        assert len(statements) == read, statements[read:]
+        store.publish(_result(kind, LLAMA, RpaConfig(16, 32), 1.0))
+        assert looked_up() == [("exact", RpaConfig(16, 32)), ("nearest", RpaConfig(16, 32)),
+                               None]
+
+
+# Page 32: a family no other test of the session's server publishes on a v5e.
+PAGE32 = dataclasses.replace(LLAMA, page_size=32, pages_per_seq=64)
+PAGE32_FAR = dataclasses.replace(PAGE32, max_num_batched_tokens=8192)
+
+
+def test_the_nearest_serving_entry_is_legal_on_the_device_kinds_chip(sqlite_db_url):
+    """Issue 73: a key not stored resolves to the nearest entry legal for its shape, VMEM
+    included: (64, 32) at the nearest key needs about 35 MiB of scoped VMEM, over a v5e's 16
+    (it would not compile there), so the farther (4, 32) answers. A device kind that is no
+    known chip has no VMEM to check: its nearest is the nearest by the stored rules."""
+    near = dataclasses.replace(PAGE32, max_num_seqs=128)
+    assert RPA.violations(near, RpaConfig(64, 32), "v5e")[0].rule == "vmem"
+    with Store(sqlite_db_url) as store:
+        for kind in ("TPU v5 lite", "TPU test chip"):
+            store.publish(_result(kind, PAGE32, RpaConfig(64, 32), 1.0))
+            store.publish(_result(kind, PAGE32_FAR, RpaConfig(4, 32), 1.0))
+        found, match = store.lookup(RPA.name, "TPU v5 lite", near)
+        assert (match, found.result.problem, found.result.config) == (
+            "nearest", PAGE32_FAR, RpaConfig(4, 32))
+        found, match = store.lookup(RPA.name, "TPU test chip", near)
+        assert (match, found.result.problem, found.result.config) == (
+            "nearest", PAGE32, RpaConfig(64, 32))
+        # An exact entry is the key's own, whatever it holds.
+        assert store.lookup(RPA.name, "TPU v5 lite", PAGE32)[1] == "exact"
+
+
+def test_the_resolver_borrows_the_services_nearest_entry_legal_on_the_chip(server: Server):
+    """The service path of the rule above, end to end: the wrapper's resolver asks the real
+    service for a key it does not hold and runs the nearest entry legal on a v5e, not the
+    default."""
+    kind = "TPU v5 lite"
+    near = dataclasses.replace(PAGE32, max_num_seqs=128)
+    with Store(server.db_url) as store:
+        store.publish(_result(kind, PAGE32, RpaConfig(64, 32), 1.0))
+        store.publish(_result(kind, PAGE32_FAR, RpaConfig(4, 32), 1.0))
+    resolver = Resolver(ResolverSettings(url=server.url, timeout_s=5.0))
+    try:
+        resolution = resolver.resolve(near, kind, RPA.name, get_target("v5e"))
+    finally:
+        resolver.close()
+    assert (resolution.source, resolution.match, resolution.origin, resolution.config) == (
+        "service", "nearest", PAGE32_FAR, RpaConfig(4, 32))

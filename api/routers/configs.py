@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import JSONResponse
 
+from api.cache import LookupCache
 from api.deps import CacheDep, MetricsDep, StoreDep, Writer, batch_requests
 from api.schemas import (
     NEAREST_FAMILY,
@@ -24,7 +25,7 @@ from api.schemas import (
 )
 from api.strict_json import StrictJsonRoute
 from api.metrics import Metrics
-from storage import Entry, LookupRequest
+from storage import Entry, LookupRequest, Store
 
 router = APIRouter(prefix="/v1/configs", tags=["configs"],
                    route_class=StrictJsonRoute)
@@ -43,19 +44,26 @@ def lookup(key: Annotated[LookupQuery, Query()], request: Request, store: StoreD
            metrics: MetricsDep, cache: CacheDep) -> Response:
     """The config tuned for exactly this key, else the nearest tuned problem's (same kernel,
     device kind, dtype, head_dim, causal, mode) whose config is legal for this shape."""
+    return cached_lookup(request, key.to_request(), store, metrics, cache, config_miss_detail)
+
+
+def cached_lookup(request: Request, lookup_request: LookupRequest, store: Store,
+                  metrics: Metrics, cache: LookupCache,
+                  miss_detail: Callable[[LookupRequest], str]) -> Response:
+    """A GET lookup's answer (a 404 naming the key for a miss), counted in the metrics and
+    kept in the response cache (``api.cache``) until the next write to the database."""
     version = cache.version()  # before reading, so a write during the read is not masked
-    lookup_request = key.to_request()
     found = store.lookup_many([lookup_request])[0]
     if found is None:
-        response = JSONResponse({"detail": config_miss_detail(lookup_request)},
+        response = JSONResponse({"detail": miss_detail(lookup_request)},
                                 status_code=status.HTTP_404_NOT_FOUND)
         match = "miss"
     else:
         entry, match = found
         response = JSONResponse(lookup_body(entry, match))
     metrics.lookups.labels(match).inc()
-    cache.put(request.scope["query_string"], version, response.status_code, response.body,
-              match)
+    cache.put(request.scope["path"], request.scope["query_string"], version,
+              response.status_code, response.body, match)
     return response
 
 

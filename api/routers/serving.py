@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response, status
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Query, Request, Response
 
-from api.deps import MetricsDep, StoreDep, batch_requests
-from api.routers.configs import lookup_item
+from api.deps import CacheDep, MetricsDep, StoreDep, batch_requests
+from api.routers.configs import cached_lookup, lookup_item
 from api.schemas import (
     SERVING_NEAREST_FAMILY,
     ErrorResponse,
@@ -19,7 +18,6 @@ from api.schemas import (
     ServingBatchLookupResponse,
     ServingLookupQuery,
     ServingLookupResponse,
-    lookup_body,
 )
 from api.strict_json import StrictJsonRoute
 from storage import LookupRequest
@@ -35,17 +33,12 @@ def serving_miss_detail(request: LookupRequest) -> str:
 
 @router.get("/lookup", response_model=ServingLookupResponse,
             responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
-def lookup(key: Annotated[ServingLookupQuery, Query()], store: StoreDep,
-           metrics: MetricsDep) -> Response:
+def lookup(key: Annotated[ServingLookupQuery, Query()], request: Request, store: StoreDep,
+           metrics: MetricsDep, cache: CacheDep) -> Response:
     """The config tuned for exactly this serving key, else the nearest tuned problem's of its
-    family whose config is legal for this one."""
-    request = key.to_request()
-    found = store.lookup_many([request])[0]
-    metrics.lookups.labels(found[1] if found else "miss").inc()
-    if found is None:
-        return JSONResponse({"detail": serving_miss_detail(request)},
-                            status_code=status.HTTP_404_NOT_FOUND)
-    return JSONResponse(lookup_body(*found))
+    family whose config is legal for this one (on the device kind's chip, where it is a known
+    one: its VMEM too)."""
+    return cached_lookup(request, key.to_request(), store, metrics, cache, serving_miss_detail)
 
 
 @router.post("/lookup:batch", response_model=ServingBatchLookupResponse,

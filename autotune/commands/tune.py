@@ -234,17 +234,18 @@ def _problems(context: typer.Context, problem: Problem, shapes: Path | None,
             raise typer.BadParameter(str(error), param_hint="--from") from None
     problems = given_problems(context, problem, shapes, problem_type)
     if shapes:
-        _note_borrowed(shapes)
+        _note_borrowed(shapes, problem_type)
     return problems
 
 
-def _note_borrowed(shapes: Path) -> None:
-    """Says which problems of ``shapes`` ran on a config borrowed from the nearest tuned
-    problem (an ``AUTOTUNE_RECORD_MISSES`` file marks them): they are tuned with the misses."""
+def _note_borrowed(shapes: Path, problem_type: type) -> None:
+    """Says which problems of ``shapes`` (of ``problem_type``) ran on a config borrowed from
+    the nearest tuned problem (an ``AUTOTUNE_RECORD_MISSES`` file marks them): they are tuned
+    with the misses."""
     from kernel.misses import BORROWED_FROM
     from kernel.shapesfile import notes
 
-    lent = [note for note in notes(shapes.read_text(encoding="utf-8"))
+    lent = [note for note in notes(shapes.read_text(encoding="utf-8"), problem_type)
             if note.startswith(BORROWED_FROM)]
     if lent:
         typer.echo(f"note: {shapes}: {len(lent)} problem(s) ran on a config borrowed from the "
