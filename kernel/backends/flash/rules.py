@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kernel.backends.flash.config import DEPTH_FIELDS, FlashConfig
+from kernel.backends.flash.config import DEPTH_FIELDS, DQ_FIELDS, FlashConfig
 from kernel.errors import ConfigError
 from kernel.problem import Problem
 from kernel.rules import (
@@ -24,7 +24,7 @@ from kernel.rules import (
     tile_bytes,
     vmem_limit_violations,
 )
-from kernel.targets import Target
+from kernel.targets import GiB, Target
 
 # The pipeline depths (VMEM buffers per operand a kernel streams through ``stream_ahead``'s
 # ring) every supported JAX lowers for TPU (probed with jax 0.10.2 and 0.12);
@@ -44,13 +44,17 @@ def static_violations(
     problem: Problem, config: FlashConfig, depths: Iterable[int] = DEFAULT_DEPTHS
 ) -> list[Violation]:
     """Every static rule ``config`` breaks for ``problem`` (empty when legal)."""
-    out: list[Violation] = []
+    out = dq_violations(config)
+    if out:  # unset fields the kernels would read: nothing else to check
+        return out
     checks = [("block_q", problem.q_len, "q_len"), ("block_kv", problem.kv_len, "kv_len"),
               ("block_kv_compute", problem.kv_len, "kv_len")]
     if problem.mode == "fwd_bwd":
         checks += [("block_q_dkv", problem.q_len, "q_len"), ("block_kv_dkv", problem.kv_len,
-                   "kv_len"), ("block_q_dq", problem.q_len, "q_len"),
-                   ("block_kv_dq", problem.kv_len, "kv_len")]
+                   "kv_len")]
+        if not config.fused_bwd:
+            checks += [("block_q_dq", problem.q_len, "q_len"),
+                       ("block_kv_dq", problem.kv_len, "kv_len")]
     for field, dim, dim_name in checks:
         out += block_violations(field, getattr(config, field), dim, dim_name)
     if config.block_kv % config.block_kv_compute:
@@ -60,7 +64,8 @@ def static_violations(
         out.append(Violation("compute_max", f"block_kv_compute={config.block_kv_compute} "
                              f"exceeds {MAX_COMPUTE_BLOCK}; split the kv block further"))
     depths = tuple(depths)
-    depth_fields = DEPTH_FIELDS if problem.mode == "fwd_bwd" else DEPTH_FIELDS[:1]
+    depth_fields = (DEPTH_FIELDS[:1] if problem.mode == "fwd" else
+                    DEPTH_FIELDS[:2] if config.fused_bwd else DEPTH_FIELDS)
     for field in depth_fields:
         depth = getattr(config, field)
         if depth not in depths:
@@ -68,6 +73,20 @@ def static_violations(
                                  f"installed JAX (pl.Buffered({depth}) in an in-kernel "
                                  f"pipeline does not lower for TPU); use one of {list(depths)}"))
     return out
+
+
+def dq_violations(config: FlashConfig) -> list[Violation]:
+    """``dq_unused``: the fused backward runs no dQ kernel, so its fields are None there, and
+    only there (as splash's ``BlockSizes`` refuses dQ blocks with its fused kernel): a config
+    is stored one way, and a search measures it once (``FlashKernel.canonical_params``)."""
+    unset = [f for f in DQ_FIELDS if getattr(config, f) is None]
+    if config.fused_bwd and len(unset) < len(DQ_FIELDS):
+        return [Violation("dq_unused", "with fused_bwd the dQ kernel does not run; set "
+                          f"{', '.join(DQ_FIELDS)} to null")]
+    if not config.fused_bwd and unset:
+        return [Violation("dq_unused", f"{', '.join(unset)} unset, but the unfused backward "
+                          "runs the dQ kernel; set them, or fused_bwd=true")]
+    return []
 
 
 # Mosaic's internal scratch: the f32 temporaries of one compute step (logits, probabilities,
@@ -112,6 +131,13 @@ DKV_STAT_COLUMNS = {"bfloat16": 2, "float32": 4}
 WINDOW_SPILL_TILES = 0.25
 SEGMENT_SPILL_TILES = 0.25
 SOFTCAP_SPILL_TILES = 1.0
+
+
+# The fused backward's dK/dV kernel (issue 74) writes each step's f32 dQ partial, (block_q,
+# head_dim), to HBM from a ring of two VMEM buffers (one filled while the other's copy is in
+# flight), and its MXU product dS K is one more f32 value of that size, spilled like dK/dV's.
+FUSED_DQ_BUFFERS = 2
+FUSED_DQ_PRODUCT = 1.0
 
 
 def _feature_tiles(problem: Problem) -> float:
@@ -203,6 +229,10 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
             + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
+        if config.fused_bwd:  # dQ's f32 partials, written from a ring of FUSED_DQ_BUFFERS
+            estimate["dkv"] += int((FUSED_DQ_BUFFERS + FUSED_DQ_PRODUCT)
+                                   * tile_bytes(qk, d, 4))
+            return estimate
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
             2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
@@ -223,6 +253,33 @@ def vmem_violations(problem: Problem, config: FlashConfig, target: Target) -> li
     return vmem_limit_violations(vmem_estimate(problem, config), target)
 
 
+def fused_dq_bytes(problem: Problem, config: FlashConfig) -> int:
+    """HBM of the fused backward's dQ partials: one f32 dQ per kv block of dK/dV (0 unfused)."""
+    if problem.mode == "fwd" or not config.fused_bwd:
+        return 0
+    partials = problem.kv_len // config.block_kv_dkv
+    return partials * problem.batch * problem.q_heads * problem.q_len * problem.head_dim * 4
+
+
+def hbm_violations(problem: Problem, config: FlashConfig, target: Target) -> list[Violation]:
+    """``hbm``: the fused backward's dQ partials (:func:`fused_dq_bytes`) on top of the
+    step's own arrays (q, k, v, dO and their gradients, the output) over the chip's HBM. The
+    partials are kv_len / block_kv_dkv times dQ's size in f32: at short blocks over long
+    sequences, more than the chip holds."""
+    extra = fused_dq_bytes(problem, config)
+    if not extra or target.hbm_bytes is None:
+        return []
+    q = problem.batch * problem.q_heads * problem.q_len * problem.head_dim * problem.itemsize
+    kv = problem.batch * problem.kv_heads * problem.kv_len * problem.head_dim * problem.itemsize
+    need = extra + 4 * q + 4 * kv  # q, out, dO, dq; k, v, dk, dv
+    if need <= target.hbm_bytes:
+        return []
+    return [Violation("hbm", f"the fused backward's dQ partials take {extra / GiB:.1f} GiB of "
+                      f"HBM, {need / GiB:.1f} GiB with the step's arrays, over the "
+                      f"{target.hbm_bytes / GiB:.0f} GiB of {target.name}; use a larger "
+                      "block_kv_dkv or the unfused backward")]
+
+
 def violations(
     problem: Problem,
     config: FlashConfig,
@@ -231,8 +288,11 @@ def violations(
 ) -> list[Violation]:
     """All rules (problem, static and VMEM) that ``config`` breaks for ``problem`` on
     ``target``."""
-    return (problem_violations(problem) + static_violations(problem, config, depths)
-            + vmem_violations(problem, config, target))
+    static = static_violations(problem, config, depths)
+    if any(v.rule == "dq_unused" for v in static):  # unset blocks the kernels would run
+        return problem_violations(problem) + static
+    return (problem_violations(problem) + static + vmem_violations(problem, config, target)
+            + hbm_violations(problem, config, target))
 
 
 def space_params(
@@ -240,7 +300,9 @@ def space_params(
 ) -> dict[str, list[int]]:
     """The declared values of each tunable field (before cross-field and VMEM rules).
 
-    In ``fwd`` mode the backward fields are not tunable and keep the default's values.
+    In ``fwd`` mode the backward fields are not tunable and keep the default's values. In
+    ``fwd_bwd`` the dQ fields also take None, their value when ``fused_bwd`` leaves them
+    unused (``FlashKernel.canonical_params`` sets it).
     """
     q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
     params: dict[str, list[int]] = {
@@ -251,8 +313,10 @@ def space_params(
     }
     if problem.mode == "fwd_bwd":
         params.update(block_q_dkv=q_values, block_kv_dkv=kv_values,
-                      pipeline_depth_dkv=params["pipeline_depth"], block_q_dq=q_values,
-                      block_kv_dq=kv_values, pipeline_depth_dq=params["pipeline_depth"])
+                      pipeline_depth_dkv=params["pipeline_depth"],
+                      fused_bwd=FlashConfig.choices("fused_bwd"), block_q_dq=[None, *q_values],
+                      block_kv_dq=[None, *kv_values],
+                      pipeline_depth_dq=[None, *params["pipeline_depth"]])
     return params
 
 
