@@ -14,7 +14,6 @@ from kernel.errors import ConfigError
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -28,16 +27,13 @@ class Target:
     # A core's whole VMEM, the most a kernel's vmem_limit_bytes may raise the scoped limit to
     # (JAX's pallas.mosaic.tpu_info); None: no VMEM.
     vmem_capacity_bytes: int | None = None
-    # A chip's HBM, for rules on what a kernel adds to it (the flash kernel's fused backward
-    # writes f32 dQ partials); None: not a TPU.
-    hbm_bytes: int | None = None
 
 
 TARGETS: dict[str, Target] = {
-    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1", 16 * MiB, 32 * GiB),
-    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1", 128 * MiB, 16 * GiB),
-    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1", 64 * MiB, 95 * GiB),
-    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1", 128 * MiB, 32 * GiB),
+    "v4": Target("v4", "TPU v4", 16 * MiB, "v4:1x1x1", 16 * MiB),
+    "v5e": Target("v5e", "TPU v5 lite", 16 * MiB, "v5e:1x1", 128 * MiB),
+    "v5p": Target("v5p", "TPU v5", 16 * MiB, "v5p:1x1x1", 64 * MiB),
+    "v6e": Target("v6e", "TPU v6 lite", 32 * MiB, "v6e:1x1", 128 * MiB),
     "cpu": Target("cpu", "cpu", None),
 }
 TPU_TARGETS: tuple[str, ...] = tuple(TARGETS)  # v4 v5e v5p v6e cpu (interpret mode)

@@ -28,10 +28,9 @@ class FlashConfig(IntConfig):
     loads with them at the default.
 
     ``fused_bwd`` (issue 74): the dK/dV kernel computes dQ too, as splash's
-    ``use_fused_bwd_kernel``: each of its steps writes its (query block, kv block) share of dQ
-    to an f32 partial per kv block, which XLA sums; the dQ kernel does not run, and its fields
-    are unused: None (then and only then). A config stored before the flag existed loads
-    unfused.
+    ``use_fused_bwd_kernel``, summing it over its kv blocks in VMEM (the whole sequence's dQ of
+    a kv head's group: for short sequences); the dQ kernel does not run, and its fields are
+    unused: None (then and only then). A config stored before the flag existed loads unfused.
     """
 
     block_q: int = 128

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -543,69 +542,48 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else None)
 
 
-# The fused dK/dV kernel's dQ partials leave VMEM through this many buffers: a step fills one
-# while the copy of the step before drains the other.
-DQ_SLOTS = 2
-
-
-def _dq_out_scratch(block_q: int, head_dim: int) -> list:
-    """The scratch of the fused dK/dV kernel's dQ partials: ``DQ_SLOTS`` f32 (block_q,
-    head_dim) VMEM buffers, their copies' DMA semaphores, and the count of copies started in
-    the current (batch, kv head)'s run of grid steps (SMEM)."""
-    return [pltpu.VMEM((DQ_SLOTS, block_q, head_dim), jnp.float32),
-            pltpu.SemaphoreType.DMA((DQ_SLOTS,)), pltpu.SMEM((1,), jnp.int32)]
-
-
 def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
                 segmented: bool, group: int, block_q: int, depth: int, fused: bool):
     (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, *refs) = _segment_refs(refs, segmented)
-    dq_hbm, *refs = refs if fused else (None, *refs)
+    dq_ref, *refs = refs if fused else (None, *refs)
     dk_acc, dv_acc, *refs = refs
-    (dq_buffers, dq_sems, dq_started), ring = (refs[:3], refs[3:]) if fused else ((None,) * 3,
-                                                                                  refs)
+    dq_acc, ring = (refs[0], refs[1:]) if fused else (None, refs)
     block_kv = k_ref.shape[0]
     kv_block = pl.program_id(2)
     k0 = kv_block * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    if fused:  # dQ of the group's queries, summed over this (batch, kv head)'s kv blocks
+        @pl.when(kv_block == 0)
+        def _():
+            dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
     # Only the run of query blocks that see a kv block is streamed (none above the causal
     # diagonal or outside the window is fetched), for each query head of its group in turn.
     seen_by = logits.reach.transposed()
+    q_len = q_hbm.shape[2]
 
     def run_of(kv_block):
-        return seen_by.kv_blocks(kv_block * block_kv, block_kv, block_q,
-                                 q_hbm.shape[2] // block_q, _TRACED_OPS)
+        return seen_by.kv_blocks(kv_block * block_kv, block_kv, block_q, q_len // block_q,
+                                 _TRACED_OPS)
 
     first, count = run_of(kv_block)
     batch, head0 = pl.program_id(0), pl.program_id(1) * group
 
-    def place(kv_block, t):  # (query head, first query) of step t of kv_block's run
+    def place(kv_block, t):  # (head of the group, first query) of step t of kv_block's run
         first, count = run_of(kv_block)
-        return head0 + _div(t, count), (first + _rem(t, count)) * block_q
+        return _div(t, count), (first + _rem(t, count)) * block_q
 
     def windows(kv_block, t):  # Q, dO, statistics, delta (and q ids) of step t of its run
         head, start = place(kv_block, t)
+        head += head0
         views = [(q_hbm.at[batch, head], 0), (do_hbm.at[batch, head], 0),
                  (stats_hbm.at[batch, head], 1), (delta_hbm.at[batch, head], 1)]
         if segmented:
             views.append((q_ids_hbm.at[batch], 0))
         return [window(view, axis, start, block_q) for view, axis in views]
 
-    def dq_copy(slot, head=head0, start=0):  # to its place in this kv block's dQ partial
-        target = window(dq_hbm.at[kv_block, batch, head], 0, start, block_q)
-        return pltpu.make_async_copy(dq_buffers.at[slot], target, dq_sems.at[slot])
-
-    if fused:  # each (batch, kv head)'s run of grid steps starts with no copy in flight
-        @pl.when(kv_block == 0)
-        def _():
-            dq_started[0] = 0
-
     def step(t, q_ref, do_ref, stats_ref, delta_ref, q_ids_ref=None):
         head, q0 = place(kv_block, t)
-        if fused:  # the slot's copy from two steps ago must land before the slot is refilled
-            started = dq_started[0]
-            slot = _rem(started, DQ_SLOTS)
-            pl.when(started >= DQ_SLOTS)(lambda: dq_copy(slot).wait())
 
         def run():
             # P and dS as the forward and the dQ kernel compute them (queries x keys), then
@@ -624,116 +602,67 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                            preferred_element_type=jnp.float32)
             dk_acc[...] += _ds_dot(ds, q, _TN)
-            if fused:  # this block pair's share of dQ (scaled once summed, in XLA); P holds
-                dq_buffers[slot] = _ds_dot(ds, k)  # 1 / l, so dS does too
+            if fused:  # this block pair's share of dQ (P holds 1 / l, so dS does too)
+                rows = window(dq_acc.at[head], 0, q0, block_q)
+                rows[...] += _ds_dot(ds, k)
 
         # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
-        seen = seen_by.sees(k0, block_kv, q0, block_q)
-        _when_seen(seen, run, logits.reach)
-        if fused:  # every step of the run writes its place: a skipped one zeros
-            if logits.reach.masks:
-                @pl.when(jnp.logical_not(seen))
-                def _():
-                    dq_buffers[slot] = jnp.zeros(dq_buffers.shape[1:], jnp.float32)
-            dq_copy(slot, head, q0).start()
-            dq_started[0] = started + 1
+        _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
 
     stream_ahead(step, windows, lambda kv_block: group * run_of(kv_block)[1], ring, depth)
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-    if fused:  # the run's last grid step: its copies in flight land before the kernel ends
+    if fused:  # the last kv block: dQ to its output block, written back once per kv head
         @pl.when(kv_block == pl.num_programs(2) - 1)
         def _():
-            started = dq_started[0]
-            for back in range(1, DQ_SLOTS + 1):
-                pl.when(started >= back)(
-                    lambda back=back: dq_copy(_rem(started - back, DQ_SLOTS)).wait())
+            def scale_block(i, carry):  # a query block at a time: bounded temporaries
+                head, start = _div(i, q_len // block_q), _rem(i, q_len // block_q) * block_q
+                rows = window(dq_acc.at[head], 0, start, block_q)
+                window(dq_ref.at[head], 0, start, block_q)[...] = (
+                    rows[...] * logits.sm_scale).astype(dq_ref.dtype)
+                return carry
+
+            lax.fori_loop(0, group * (q_len // block_q), scale_block, 0)
 
 
 def _backward_dkv(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
                   logits: Logits):
     """(dK, dV, dQ or None): one grid step per kv block, its Q/dO pipeline summing over the
     query heads of its group and over the query blocks, in a VMEM accumulator. Fused
-    (``config.fused_bwd``), each step also writes its block pair's dQ to an f32 partial of its
-    kv block in HBM, [kv_len / block_kv_dkv, *q.shape], whose sum is dQ (as splash's fused
-    kernel: a query block's dQ sums over every kv block, which run in different grid steps)."""
+    (``config.fused_bwd``), dQ too: a query block's dQ sums over every kv block, which run in
+    different grid steps, so the dQ of all the group's queries stays in an f32 VMEM accumulator
+    across the kv blocks of its (batch, kv head), written out once after the last (splash's
+    fused kernel writes a partial dQ per kv block to HBM instead, which XLA sums: kv_len /
+    block_kv_dkv times dQ's bytes each way, for short sequences the larger cost)."""
     batch, kv_heads, kv_len, head_dim = k.shape
+    q_heads, q_len = q.shape[1:3]
     bq, bkv, segmented = config.block_q_dkv, config.block_kv_dkv, segments is not None
-    fused = config.fused_bwd
+    group, fused = q_heads // kv_heads, config.fused_bwd
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
-    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segmented,
-                               group=q.shape[1] // kv_heads, block_q=bq,
-                               depth=config.pipeline_depth_dkv, fused=fused)
+    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segmented, group=group,
+                               block_q=bq, depth=config.pipeline_depth_dkv, fused=fused)
     kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
     streamed = [((bq, head_dim), q.dtype), ((bq, head_dim), d_out.dtype),
                 ((_stat_rows(q.dtype), bq), jnp.float32), ((1, bq), jnp.float32),
                 ((bq, LANES), jnp.int32)]
-    out_shape = [varying_struct(k.shape, k.dtype, q, k, v, d_out),
-                 varying_struct(v.shape, v.dtype, q, k, v, d_out)]
-    if fused:  # the dQ partials, written by the kernel's own copies
-        out_shape.append(varying_struct((kv_len // bkv, *q.shape), jnp.float32, q, k, v, d_out))
-    dk, dv, *partials = _pallas_call(
+    # fused: the group's dQ, one block over every kv block of a (batch, kv head)
+    dq_spec = pl.BlockSpec((None, group, q_len, head_dim), lambda b, h, j: (b, h, 0, 0))
+    dk, dv, *dq = _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
         in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
                   *_segment_specs(_IN_HBM, kv_ids_spec, segmented)],
-        out_specs=[kv_spec, kv_spec, *[_IN_HBM] * fused],
-        out_shape=out_shape,
+        out_specs=[kv_spec, kv_spec, *[dq_spec] * fused],
+        out_shape=[varying_struct(x.shape, x.dtype, q, k, v, d_out)
+                   for x in (k, v, *[q] * fused)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32),
-                        *(_dq_out_scratch(bq, head_dim) if fused else []),
+                        *[pltpu.VMEM((group, q_len, head_dim), jnp.float32)] * fused,
                         *ring_scratch(streamed[:4 + segmented], config.pipeline_depth_dkv)],
         semantics=STREAMS_AHEAD,
         name="flash_bwd_dkv",
     )(q, d_out, stats, delta, k, v, *_segment_layouts(segments))
-    if not fused:
-        return dk, dv, None
-    return dk, dv, _summed_dq(partials[0], logits, bq, bkv).astype(q.dtype)
-
-
-def _summed_dq(partials: jax.Array, logits: Logits, block_q: int, block_kv: int) -> jax.Array:
-    """dQ (f32) from the fused dK/dV kernel's partials, one per kv block: their sum (one XLA
-    reduction), scaled by ``sm_scale`` as the dQ kernel scales it. A kv block writes only the
-    run of query blocks it streams (``Reach.kv_blocks``, transposed; zeros where it skipped the
-    compute): the rest of its partial is never written, and left out of the sum."""
-    reach = logits.reach
-    if reach.masks:
-        q_len = partials.shape[3]
-        written = np.zeros((partials.shape[0], q_len), bool)
-        for kv_block in range(partials.shape[0]):
-            first, count = reach.transposed().kv_blocks(kv_block * block_kv, block_kv, block_q,
-                                                        q_len // block_q)
-            written[kv_block, first * block_q:(first + count) * block_q] = True
-        partials = jnp.where(written[:, None, None, :, None], partials, 0.0)
-    return jnp.sum(partials, axis=0) * logits.sm_scale
-
-
-def _dq_kernel(q_ref, do_ref, stats_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
-               segmented: bool, group: int, block_kv: int, depth: int):
-    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, *ring) = _segment_refs(refs, segmented)
-    block_q = q_ref.shape[0]
-    q0 = pl.program_id(2) * block_q
-    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    def step(k_ref, v_ref, kv_ids_ref, kv_block):
-        def run():
-            # With m and 1 / l, dS l (no 1 / l per logit): dQ = (1 / l) sum over keys of
-            # dS l K, multiplied once below.
-            k = k_ref[...]
-            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(stats_ref),
-                                  None, _column(delta_ref), logits, q0, kv_block * block_kv,
-                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
-            dq_acc[...] += _ds_dot(ds, k)
-
-        _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
-                   logits.reach)
-
-    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, ring, logits.reach, group=group,
-               block_q=block_q, block_kv=block_kv, depth=depth)
-    scale = logits.sm_scale
-    if _saves_m_and_inv_l(q_ref.dtype):
-        scale = _column(stats_ref, INV_L_ROW) * scale
-    dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+    return dk, dv, (dq[0] if fused else None)
 
 
 def _backward_dq(q, k, v, d_out, stats, delta, segments, config: FlashConfig,

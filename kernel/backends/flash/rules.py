@@ -24,7 +24,7 @@ from kernel.rules import (
     tile_bytes,
     vmem_limit_violations,
 )
-from kernel.targets import GiB, Target
+from kernel.targets import Target
 
 # The pipeline depths (VMEM buffers per operand a kernel streams through ``stream_ahead``'s
 # ring) every supported JAX lowers for TPU (probed with jax 0.10.2 and 0.12);
@@ -133,11 +133,11 @@ SEGMENT_SPILL_TILES = 0.25
 SOFTCAP_SPILL_TILES = 1.0
 
 
-# The fused backward's dK/dV kernel (issue 74) writes each step's f32 dQ partial, (block_q,
-# head_dim), to HBM from a ring of two VMEM buffers (one filled while the other's copy is in
-# flight), and its MXU product dS K is one more f32 value of that size, spilled like dK/dV's.
-FUSED_DQ_BUFFERS = 2
-FUSED_DQ_PRODUCT = 1.0
+# The fused backward's dK/dV kernel (issue 74) keeps the dQ of its group's whole sequence in
+# VMEM across its kv blocks: an f32 accumulator, and the output block it is written to once
+# (double buffered, the input dtype), both counted whole; and each step's MXU product dS K, an
+# f32 (block_q, head_dim) value added to its rows of the accumulator, in those tiles.
+FUSED_DQ_STEP = 1.0
 
 
 def _feature_tiles(problem: Problem) -> float:
@@ -229,9 +229,11 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
             + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
-        if config.fused_bwd:  # dQ's f32 partials, written from a ring of FUSED_DQ_BUFFERS
-            estimate["dkv"] += int((FUSED_DQ_BUFFERS + FUSED_DQ_PRODUCT)
-                                   * tile_bytes(qk, d, 4))
+        if config.fused_bwd:  # dQ of the whole sequence, and of the step (see FUSED_DQ_STEP)
+            rows = problem.q_len
+            estimate["dkv"] += (problem.q_heads // problem.kv_heads * (
+                2 * tile_bytes(rows, d, isz) + tile_bytes(rows, d, 4))  # output, accumulator
+                + int(FUSED_DQ_STEP * tile_bytes(qk, d, 4)))
             return estimate
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
@@ -253,33 +255,6 @@ def vmem_violations(problem: Problem, config: FlashConfig, target: Target) -> li
     return vmem_limit_violations(vmem_estimate(problem, config), target)
 
 
-def fused_dq_bytes(problem: Problem, config: FlashConfig) -> int:
-    """HBM of the fused backward's dQ partials: one f32 dQ per kv block of dK/dV (0 unfused)."""
-    if problem.mode == "fwd" or not config.fused_bwd:
-        return 0
-    partials = problem.kv_len // config.block_kv_dkv
-    return partials * problem.batch * problem.q_heads * problem.q_len * problem.head_dim * 4
-
-
-def hbm_violations(problem: Problem, config: FlashConfig, target: Target) -> list[Violation]:
-    """``hbm``: the fused backward's dQ partials (:func:`fused_dq_bytes`) on top of the
-    step's own arrays (q, k, v, dO and their gradients, the output) over the chip's HBM. The
-    partials are kv_len / block_kv_dkv times dQ's size in f32: at short blocks over long
-    sequences, more than the chip holds."""
-    extra = fused_dq_bytes(problem, config)
-    if not extra or target.hbm_bytes is None:
-        return []
-    q = problem.batch * problem.q_heads * problem.q_len * problem.head_dim * problem.itemsize
-    kv = problem.batch * problem.kv_heads * problem.kv_len * problem.head_dim * problem.itemsize
-    need = extra + 4 * q + 4 * kv  # q, out, dO, dq; k, v, dk, dv
-    if need <= target.hbm_bytes:
-        return []
-    return [Violation("hbm", f"the fused backward's dQ partials take {extra / GiB:.1f} GiB of "
-                      f"HBM, {need / GiB:.1f} GiB with the step's arrays, over the "
-                      f"{target.hbm_bytes / GiB:.0f} GiB of {target.name}; use a larger "
-                      "block_kv_dkv or the unfused backward")]
-
-
 def violations(
     problem: Problem,
     config: FlashConfig,
@@ -291,8 +266,7 @@ def violations(
     static = static_violations(problem, config, depths)
     if any(v.rule == "dq_unused" for v in static):  # unset blocks the kernels would run
         return problem_violations(problem) + static
-    return (problem_violations(problem) + static + vmem_violations(problem, config, target)
-            + hbm_violations(problem, config, target))
+    return problem_violations(problem) + static + vmem_violations(problem, config, target)
 
 
 def space_params(
