@@ -665,6 +665,34 @@ def _backward_dkv(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
     return dk, dv, (dq[0] if fused else None)
 
 
+def _dq_kernel(q_ref, do_ref, stats_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,
+               segmented: bool, group: int, block_kv: int, depth: int):
+    (q_ids_ref, kv_ids_hbm), (dq_ref, dq_acc, *ring) = _segment_refs(refs, segmented)
+    block_q = q_ref.shape[0]
+    q0 = pl.program_id(2) * block_q
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    def step(k_ref, v_ref, kv_ids_ref, kv_block):
+        def run():
+            # With m and 1 / l, dS l (no 1 / l per logit): dQ = (1 / l) sum over keys of
+            # dS l K, multiplied once below.
+            k = k_ref[...]
+            _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], _column(stats_ref),
+                                  None, _column(delta_ref), logits, q0, kv_block * block_kv,
+                                  _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
+            dq_acc[...] += _ds_dot(ds, k)
+
+        _when_seen(logits.reach.sees(q0, block_q, kv_block * block_kv, block_kv), run,
+                   logits.reach)
+
+    _stream_kv(step, k_hbm, v_hbm, kv_ids_hbm, ring, logits.reach, group=group,
+               block_q=block_q, block_kv=block_kv, depth=depth)
+    scale = logits.sm_scale
+    if _saves_m_and_inv_l(q_ref.dtype):
+        scale = _column(stats_ref, INV_L_ROW) * scale
+    dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+
+
 def _backward_dq(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
                  logits: Logits):
     """dQ: the forward's grid and K/V pipeline, with its own block sizes and depth."""
