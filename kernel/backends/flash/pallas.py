@@ -613,16 +613,24 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
     if fused:  # the last kv block: dQ to its output block, written back once per kv head
-        @pl.when(kv_block == pl.num_programs(2) - 1)
-        def _():
-            def scale_block(i, carry):  # a query block at a time: bounded temporaries
-                head, start = _div(i, q_len // block_q), _rem(i, q_len // block_q) * block_q
-                rows = window(dq_acc.at[head], 0, start, block_q)
-                window(dq_ref.at[head], 0, start, block_q)[...] = (
-                    rows[...] * logits.sm_scale).astype(dq_ref.dtype)
-                return carry
+        pl.when(kv_block == pl.num_programs(2) - 1)(
+            lambda: _scaled_copy(dq_acc, dq_ref, logits.sm_scale, block_q))
 
-            lax.fori_loop(0, group * (q_len // block_q), scale_block, 0)
+
+@_in_32_bits
+def _scaled_copy(source, target, scale: float, block: int) -> None:
+    """``target = source * scale`` (cast to its dtype) for (heads, rows, columns) refs, one
+    (head, ``block`` rows) tile at a time: a whole sequence at once would unroll into one
+    straight run of vector ops, its temporaries that large."""
+    blocks = source.shape[1] // block
+
+    def copy(i, carry):
+        head, start = _div(i, blocks), _rem(i, blocks) * block
+        window(target.at[head], 0, start, block)[...] = (
+            window(source.at[head], 0, start, block)[...] * scale).astype(target.dtype)
+        return carry
+
+    lax.fori_loop(0, source.shape[0] * blocks, copy, 0)
 
 
 def _backward_dkv(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
