@@ -37,6 +37,7 @@ from autotune.precheck import candidates
 from autotune.tune import kernel_space
 from kernel import FlashConfig, Problem, get_target
 from kernel.backends.flash import KERNEL
+from kernel.backends.flash.blocks import block_counts
 from kernel.backends.flash.config import DQ_FIELDS
 from kernel.backends.flash.rules import vmem_estimate
 from kernel.rules import tile_bytes
@@ -80,6 +81,7 @@ def test_fused_runs_no_dq_kernel():
     attend = KERNEL.attention(problem, lambda mode: MIXED.fused(), 0.125)
     text = str(jax.make_jaxpr(lambda *args: jax.vjp(attend, *args)[1](d_out))(q, k, v))
     assert "flash_bwd_dkv" in text and "flash_bwd_dq" not in text
+    assert set(block_counts(problem, MIXED.fused())) == {"fwd", "dkv"}
 
 
 # --- rules, space, seeds, stored configs ----------------------------------------------------

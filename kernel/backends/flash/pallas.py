@@ -553,7 +553,10 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
     k0 = kv_block * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-    if fused:  # dQ of the group's queries, summed over this (batch, kv head)'s kv blocks
+    # Fused: dQ of the group's queries, summed over this (batch, kv head)'s kv blocks, which
+    # run in order on one core (the grid's last axis is "arbitrary", as the ring's state needs):
+    # the first zeroes it, the last writes it out.
+    if fused:
         @pl.when(kv_block == 0)
         def _():
             dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)

@@ -178,7 +178,8 @@ def _stat_row_bytes(block: int) -> int:
 
 
 def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
-    """Estimated peak VMEM bytes of each kernel the problem runs (``fwd``, ``dkv``, ``dq``).
+    """Estimated peak VMEM bytes of each kernel the problem runs (``fwd``, ``dkv``, ``dq``; no
+    ``dq`` with ``fused_bwd``, whose ``dkv`` computes dQ too).
 
     Each kernel holds the windows of its outer grid (two buffers each), the buffers of the
     operands it streams through its inner pipeline (its pipeline depth times their tile bytes),
