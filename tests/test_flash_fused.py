@@ -28,7 +28,6 @@ from test_flash_features import (
     _flash,
     _float64_reference,
     _inputs,
-    _packed,
     _problem,
 )
 from test_flash_pipeline import LEAK, _depths
