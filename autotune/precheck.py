@@ -128,7 +128,10 @@ def candidates(problem: Problem, target: Target, kernel: TunableKernel, *,
         params = kernel.space_params(problem)
         for part in backward:
             for values in itertools.product(*(params[f] for f in part)):  # incl. the default
-                config = base.replace(**dict(zip(part, values)))
+                # canonical: a flag in one part may leave another part's fields unused (the
+                # fused backward's dQ fields), which then take their unused value
+                config = base.replace(**kernel.canonical_params(
+                    {**base.to_dict(), **dict(zip(part, values))}))
                 if all(v.rule == "vmem" for v in kernel.violations(problem, config, target)):
                     configs[config] = False
     out = [Candidate(c, not kernel.violations(problem, c, target), forward_only)

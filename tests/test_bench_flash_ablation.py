@@ -38,3 +38,18 @@ def test_a_missing_variant_file_is_refused_in_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         f"--variant gone={tmp_path / 'gone.py'}: no such file; write it with git show "
         "REV:kernel/backends/flash/pallas.py > PATH"]
+
+
+def test_unmasked_fused_rows_for_flash_and_splash(tmp_path: Path) -> None:
+    """Issue 74: ``--full --fused both --splash-fused both`` times each backward both ways,
+    over the fastest splash row."""
+    out = tmp_path / "ablation.json"
+    done = _python(SCRIPT, "--variant", f"now={KERNEL_FILE}", *TINY, "--full", "--fused", "both",
+                   "--splash-fused", "both", "--out", str(out), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert list(rows) == ["now", "now fused", "splash", "splash fused"]
+    assert "causal" not in report["problem"] and "fused" in report["flash_config"]
+    assert all(row["max_error"] <= max_relative_error("bfloat16") for row in rows.values()), rows
+    assert min(rows["splash"]["vs_splash"], rows["splash fused"]["vs_splash"]) == 1.0

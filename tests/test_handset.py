@@ -15,7 +15,8 @@ def test_the_handset_baselines_are_maxtext_s_and_the_kernels_defaults() -> None:
     long = Problem(1, 2, 2, 2048, 2048, 128, "float32", True, "fwd_bwd")
     contenders, refused = handset(long, interpret=True)
     assert {MAXTEXT, "splash every block 1024", "splash every block 2048",
-            "flash default", "xla default"} <= contenders.keys()
+            "flash default", "flash default, fused", "xla default"} <= contenders.keys()
+    assert contenders["flash default, fused"][1].fused_bwd
     assert any(name.startswith("splash recipe") for name in contenders)
     short = Problem(1, 2, 2, 256, 256, 128, "float32", True, "fwd_bwd")
     contenders, refused = handset(short, interpret=True)

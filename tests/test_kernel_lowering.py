@@ -43,6 +43,11 @@ def _attention(problem: Problem, config: FlashConfig):
     return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
 
+# The kernels of a gradient, by fused_bwd.
+_KERNELS = {False: ["flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"],
+            True: ["flash_bwd_dkv", "flash_fwd"]}
+
+
 def _tpu_kernels(problem: Problem, config: FlashConfig) -> list[str]:
     """Names of the Mosaic kernels in the StableHLO exported for TPU."""
     exported = jax.export.export(jax.jit(_attention(problem, config)),
@@ -72,7 +77,8 @@ def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
     """The fwd_bwd space is the product of three kernels' tiles; lowering a subset that
     contains every distinct tiling of each kernel covers all of it. Every tiling at depth 2,
     and every depth at the default tiles (a depth changes only the buffer count of the
-    pipelines: test_each_kernel_buffers_its_streamed_operands_with_its_own_depth)."""
+    pipelines: test_each_kernel_buffers_its_streamed_operands_with_its_own_depth). A fused
+    config (``fused_bwd``) runs no dQ kernel: its dK/dV kernel computes dQ too."""
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
     default = FLASH.default_config(problem, "v5e")
     space = dataclasses.replace(FLASH, depths=(2,)).search_space(problem, "v5e") + [
@@ -83,21 +89,23 @@ def test_every_kernel_of_the_fwd_bwd_space_lowers_for_tpu():
         if _kernel_keys(config) <= covered:
             continue
         covered |= _kernel_keys(config)
-        assert sorted(_tpu_kernels(problem, config)) == [
-            "flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"], config.label()
+        assert sorted(_tpu_kernels(problem, config)) == _KERNELS[config.fused_bwd], config.label()
     assert covered == needed
+    assert {key[-1] for key in needed if key[0] == "block_q_dkv"} == {False, True}  # fused
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("depth", [1, MAX_PROBED_DEPTH])
-def test_every_kernel_lowers_for_tpu_under_x64(depth):
+def test_every_kernel_lowers_for_tpu_under_x64(depth, fused):
     """jax_enable_x64 makes a Python int index int64: the in-kernel DMAs' semaphore indices
-    must stay int32 beside the grid's, or Mosaic rejects the kernel."""
+    must stay int32 beside the grid's, or Mosaic rejects the kernel (the fused backward's
+    copies of its dQ partials too)."""
     problem = Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"})
     config = FLASH.default_config(problem, "v5e").replace(
         **dict.fromkeys(DEPTH_FIELDS, depth))
+    config = config.fused() if fused else config
     with jax.enable_x64(True):
-        assert sorted(_tpu_kernels(problem, config)) == [
-            "flash_bwd_dkv", "flash_bwd_dq", "flash_fwd"]
+        assert sorted(_tpu_kernels(problem, config)) == _KERNELS[fused]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -176,7 +184,9 @@ def test_supported_pipeline_depths_are_exactly_those_that_lower():
         assert not pipeline_depth_lowers(len(depths) + 1)
     assert {c.pipeline_depth for c in FLASH.search_space(PROBLEM, "v5e")} == set(depths)
     params = FLASH.space_params(Problem(**{**PROBLEM.to_dict(), "mode": "fwd_bwd"}))
-    assert all(params[field] == list(depths) for field in DEPTH_FIELDS)
+    # the dQ kernel's depth is None too where the fused backward leaves it unused
+    assert all([d for d in params[field] if d is not None] == list(depths)
+               for field in DEPTH_FIELDS)
 
 
 def test_depth_probe_lowers_for_real_inside_forced_interpret_mode():

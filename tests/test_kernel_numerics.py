@@ -2,7 +2,7 @@
 forward output and all three gradients, over GQA/MQA, causal, q_len != kv_len, both dtypes
 and configs that exercise several q/kv blocks, compute sub-blocks and every pipeline depth
 (1 to 4) in each of the three kernels (ids: ``depths<fwd>/<dkv>/<dq>``), with f32 and bf16,
-causal or not, grouped-query."""
+causal or not, grouped-query; and the fused backward (``fused_bwd``: no dQ kernel)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ CASES = [
                              block_q_dkv=256, block_kv_dkv=128, block_q_dq=256, block_kv_dq=128,
                              pipeline_depth=4, pipeline_depth_dkv=2, pipeline_depth_dq=4),
                  None, id="gqa-bf16-full-q>kv-depths4/2/4"),
+    # issue 74: dQ fused into dK/dV (f32 partials per kv block, summed in XLA)
+    pytest.param((2, 4, 2, 256, 512, 128), "bfloat16", False,
+                 FlashConfig(block_q=128, block_kv=256, block_kv_compute=128,
+                             block_q_dkv=128, block_kv_dkv=256, pipeline_depth_dkv=3).fused(),
+                 None, id="gqa-bf16-full-q<kv-fused-depth3"),
 ]
 
 

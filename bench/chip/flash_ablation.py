@@ -13,6 +13,14 @@ kernels run in interpret mode: errors only, the times mean nothing::
 
     python bench/chip/flash_ablation.py --variant before=.ablation/before.py \\
         --variant rows=.ablation/rows.py [--out F.json]
+
+The problem is causal unless ``--full``. ``--fused both`` runs each variant's backward unfused
+(row ``NAME``) and fused (``fused_bwd``, row ``NAME fused``: a variant from before the flag
+cannot), ``--splash-fused both`` splash's likewise (``splash``, ``splash fused``); each row's
+``vs_splash`` is over the fastest splash row (issue 74)::
+
+    python bench/chip/flash_ablation.py --variant now=kernel/backends/flash/pallas.py --full \\
+        --fused both --splash-fused both --batch 32 --seq 512 --head-dim 64
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from autotune.measure import Timing, interleaved  # noqa: E402
 from bench.chip import OUTPUTS, Bench, write_report  # noqa: E402
 from bench.chip.timing import back_to_back_ms, spread  # noqa: E402
 from kernel import FlashConfig, Problem, get_kernel  # noqa: E402
+from kernel.backends.splash import fused as splash_fused  # noqa: E402
 from kernel.backends.flash.blocks import Reach  # noqa: E402
 from kernel.contract import AttentionFn, default_scale, measured_fn  # noqa: E402
 from kernel.tolerance import relative_error  # noqa: E402
@@ -92,26 +101,38 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=512, help="flash's every block")
     parser.add_argument("--depth", type=int, default=2, help="flash's every pipeline depth")
     parser.add_argument("--splash-block", type=int, default=1024, help="splash's every block")
+    parser.add_argument("--full", action="store_true", help="unmasked (default: causal)")
+    both = ("no", "yes", "both")
+    parser.add_argument("--fused", choices=both, default="no",
+                        help="flash's fused backward: each variant unfused, fused or both")
+    parser.add_argument("--splash-fused", choices=both, default="no",
+                        help="splash's use_fused_bwd_kernel: unfused, fused or both")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     problem = Problem(batch=args.batch, q_heads=args.heads, kv_heads=args.heads,
                       q_len=args.seq, kv_len=args.seq, head_dim=args.head_dim,
-                      dtype=args.dtype, causal=True, mode="fwd_bwd")
+                      dtype=args.dtype, causal=not args.full, mode="fwd_bwd")
     flash, splash = get_kernel("flash"), get_kernel("splash")
-    flash_config = FlashConfig(**dict.fromkeys(FLASH_BLOCKS, args.block)).replace(
+    unfused = FlashConfig(**dict.fromkeys(FLASH_BLOCKS, args.block)).replace(
         pipeline_depth=args.depth, pipeline_depth_dkv=args.depth, pipeline_depth_dq=args.depth)
-    splash_config = splash.default_config(problem, "v5e").replace(
+    splash_unfused = splash.default_config(problem, "v5e").replace(
         **dict.fromkeys(SPLASH_BLOCKS, args.splash_block))
-    flash.check(problem, flash_config)
-    splash.check(problem, splash_config)
+    flash_configs = fused_choices(args.fused, unfused, unfused.fused())
+    splash_configs = fused_choices(args.splash_fused, splash_unfused,
+                                   splash_fused(splash_unfused))
+    for kernel, configs in ((flash, flash_configs), (splash, splash_configs)):
+        for config in configs.values():
+            kernel.check(problem, config)
     modules = {name: load_variant(name, path) for name, path in args.variant}
-    bench = Bench.of(problem, "splash", splash_config)  # inputs, float32 reference
-    attends = {name: variant_attention(module, problem, flash_config)
-               for name, module in modules.items()}
-    attends["splash"] = splash.attention(problem, lambda mode: splash_config,
-                                         default_scale(problem))
+    # inputs, float32 reference
+    bench = Bench.of(problem, "splash", next(iter(splash_configs.values())))
+    attends = {f"{name}{suffix}": variant_attention(module, problem, config)
+               for name, module in modules.items() for suffix, config in flash_configs.items()}
+    attends.update({f"splash{suffix}": splash.attention(problem, lambda mode, c=config: c,
+                                                        default_scale(problem))
+                    for suffix, config in splash_configs.items()})
     rows, timers = {}, {}
     for name, attend in attends.items():
         step, errors = measure(bench, attend)
@@ -122,11 +143,19 @@ def main() -> None:
         rows[name].update(median_ms=round(timing.median_ms, 3),
                           spread=round(spread(list(timing.samples_ms)), 3)
                           if len(timing.samples_ms) > 1 else 0.0)
+    fastest_splash = min(rows[f"splash{suffix}"]["median_ms"] for suffix in splash_configs)
     for row in rows.values():
-        row["vs_splash"] = round(row["median_ms"] / rows["splash"]["median_ms"], 3)
-    write_report({"problem": problem.label(), "flash_config": flash_config.label(),
-                  "splash_config": splash_config.label(), "rounds": args.rounds,
-                  "calls": args.calls, "rows": rows}, args.out)
+        row["vs_splash"] = round(row["median_ms"] / fastest_splash, 3)
+    write_report({"problem": problem.label(),
+                  "flash_config": " | ".join(c.label() for c in flash_configs.values()),
+                  "splash_config": " | ".join(c.label() for c in splash_configs.values()),
+                  "rounds": args.rounds, "calls": args.calls, "rows": rows}, args.out)
+
+
+def fused_choices(choice: str, unfused: Any, fused: Any) -> dict[str, Any]:
+    """Row-name suffix -> config for ``--fused``/``--splash-fused`` ``choice``."""
+    return {"no": {"": unfused}, "yes": {" fused": fused},
+            "both": {"": unfused, " fused": fused}}[choice]
 
 
 if __name__ == "__main__":

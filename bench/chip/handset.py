@@ -5,7 +5,8 @@ one run (device time, the tuner's own timing).
 
 The hand-set baselines: splash at MaxText's default, splash with every block 1024 and 2048
 where legal, every block 512 and 1024 with the fused backward, MaxText's two recipes, our
-flash's default, ``jax_tpu_flash``'s default and XLA.
+flash's default (in fwd_bwd also with its fused backward, issue 74), ``jax_tpu_flash``'s
+default and XLA.
 Per problem: each contender's median and its ratio to the tuned; ``tuned_vs_fastest_handset``
 (the fastest hand-set's time over the tuned's: goal 1 wants at least 1.00), ``over_maxtext``
 (MaxText's default over the tuned), ``tuned_same_as`` (the hand-set contenders that run the
@@ -20,7 +21,9 @@ The grid (bfloat16, head_dim 128, 16 heads, batch x sequence = 16k tokens): caus
 2048, 4096 and 8192; full fwd_bwd at 4096; causal fwd at 4096; GQA 32/8 heads causal fwd_bwd at
 8192; then the long problems users train (issue 60): GQA 32/8 causal fwd_bwd at 32768 tokens
 (batch 1), and a Gemma-2-style local layer (GQA 16/8, 8192 tokens, a 4096-key causal window,
-soft cap 50). ``--problems 1,3`` runs some of them (a chip session runs a part)::
+soft cap 50); then issue 74's short unmasked problems (encoders, ViT): b32 at 512 tokens
+(``--head-dim 64`` as the issue has it) and b8 at 2048. ``--problems 1,3`` runs some of them
+(a chip session runs a part)::
 
     python bench/chip/handset.py --problems 1 --trials 30 --out handset-1.json
     python bench/chip/handset.py --interpret     # a CPU check with tiny shapes, no device figures
@@ -46,6 +49,8 @@ GRID = [  # (batch, q_heads, kv_heads, seq, causal, mode[, window, softcap])
     (2, 32, 8, 8192, True, "fwd_bwd"),
     (1, 32, 8, 32768, True, "fwd_bwd"),
     (2, 16, 8, 8192, True, "fwd_bwd", (4095, 0), 50.0),
+    (32, 16, 16, 512, False, "fwd_bwd"),
+    (8, 16, 16, 2048, False, "fwd_bwd"),
 ]
 INTERPRET_GRID = [(1, 2, 2, 256, True, "fwd_bwd"), (1, 4, 2, 256, True, "fwd"),
                   (1, 2, 1, 256, True, "fwd_bwd", (127, 0), 50.0)]
@@ -62,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--kernels", default=None,
                         help="the tune's candidates, a,b (default: every kernel that runs here)")
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="head_dim of every problem run (default 128)")
     parser.add_argument("--interpret", action="store_true",
                         help="a CPU check: tiny shapes, the kernels in interpret mode")
     parser.add_argument("--out", type=Path)
@@ -72,7 +79,7 @@ def problems(args: argparse.Namespace) -> list[Any]:
     from kernel import Problem
 
     grid, dtype, head_dim = ((INTERPRET_GRID, "float32", 128) if args.interpret
-                             else (GRID, "bfloat16", 128))
+                             else (GRID, "bfloat16", args.head_dim))
     chosen = (range(len(grid)) if args.problems is None
               else [int(i) for i in args.problems.split(",")])
     return [Problem(b, hq, hkv, seq, seq, head_dim, dtype, causal, mode, *features)
@@ -103,6 +110,10 @@ def handset(problem: Any, interpret: bool) -> tuple[dict[str, tuple[Any, Any]],
         kernel = get_kernel(name).discover()
         configs[f"{name} default"] = lambda kernel=kernel: (
             kernel, kernel.default_config(problem, target_here(kernel)))
+    if problem.mode == "fwd_bwd":  # issue 74: dQ fused into our dK/dV kernel
+        flash = get_kernel("flash").discover()
+        configs["flash default, fused"] = lambda: (
+            flash, flash.default_config(problem, target_here(flash)).fused())
     contenders, refused = {}, []
     for name, make in configs.items():
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kernel.backends.flash import rules
 from kernel.backends.flash.config import DKV_FIELDS, DQ_FIELDS, FORWARD_FIELDS, FlashConfig
@@ -33,7 +33,8 @@ class FlashKernel(TunableKernel):
                                   "sliding-window (blocks outside it skipped), soft-capped, "
                                   "segmented (packed sequences); "
                                   "tiled forward, dK/dV and dQ kernels, each streaming its "
-                                  "operands through a 1-4 deep in-kernel pipeline")
+                                  "operands through a 1-4 deep in-kernel pipeline; dQ fused "
+                                  "into dK/dV where the tuner finds it faster")
     targets: ClassVar[tuple[str, ...]] = TPU_TARGETS
     platforms: ClassVar[tuple[str, ...]] = ("tpu",)
     config_type: ClassVar[type[FlashConfig]] = FlashConfig
@@ -47,12 +48,30 @@ class FlashKernel(TunableKernel):
     def space_params(self, problem: Problem) -> Params:
         return rules.space_params(problem, self.depths)
 
+    def canonical_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The fused backward runs no dQ kernel: its dQ fields are None, whatever was drawn
+        (``dq_unused``)."""
+        if params.get("fused_bwd"):
+            return {**params, **{field: None for field in DQ_FIELDS if field in params}}
+        return params
+
     def violations(self, problem: Problem, config: FlashConfig,
                    target: Target | str = "cpu") -> list[Violation]:
         return rules.violations(problem, config, self.target(target), self.depths)
 
     def default_config(self, problem: Problem, target: Target | str = "cpu") -> FlashConfig:
         return rules.default_config(problem, self.target(target), self.depths)
+
+    def seed_configs(self, problem: Problem, target: Target | str = "cpu") -> list[FlashConfig]:
+        """The uniform blocks (the contract's), then in fwd_bwd the default and each of them
+        with the fused backward (issue 74: on short unmasked problems splash's fused backward
+        beat our three kernels), where legal."""
+        uniform = super().seed_configs(problem, target)
+        if problem.mode == "fwd":
+            return uniform
+        fused = [config.fused() for config in [self.default_config(problem, target), *uniform]]
+        return [*uniform, *(config for config in fused
+                            if not self.violations(problem, config, target))]
 
     def stored_violations(self, problem: Problem, config: FlashConfig) -> list[Violation]:
         # Whichever JAX tuned it: any depth some supported JAX can lower is storable; the

@@ -90,11 +90,13 @@ def _pairs(reach: Reach, rows: int, cols: int, sub: int) -> tuple[int, int]:
 def block_counts(problem: Problem, config: FlashConfig) -> dict[str, dict[str, int]]:
     """Blocks each kernel loads and computes, over all batches and query heads: ``fwd`` (key
     blocks of ``block_kv`` loaded, compute sub-blocks of ``block_kv_compute``), and for
-    ``fwd_bwd`` ``dq`` and ``dkv`` (query blocks loaded and computed per key block)."""
+    ``fwd_bwd`` ``dq`` (unless ``fused_bwd``: dK/dV computes dQ) and ``dkv`` (query blocks
+    loaded and computed per key block)."""
     reach, heads = Reach.of(problem), problem.batch * problem.q_heads
     kernels = {"fwd": _pairs(reach, config.block_q, config.block_kv, config.block_kv_compute)}
-    if problem.mode == "fwd_bwd":
+    if problem.mode == "fwd_bwd" and not config.fused_bwd:
         kernels["dq"] = _pairs(reach, config.block_q_dq, config.block_kv_dq, config.block_kv_dq)
+    if problem.mode == "fwd_bwd":
         kernels["dkv"] = _pairs(reach.transposed(), config.block_kv_dkv, config.block_q_dkv,
                                 config.block_q_dkv)
     return {name: {"loaded": heads * loaded, "computed": heads * computed}

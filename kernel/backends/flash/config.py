@@ -1,4 +1,5 @@
-"""The flash kernel's config: block sizes and pipeline depths of its three kernels."""
+"""The flash kernel's config: block sizes and pipeline depths of its three kernels, and whether
+the backward fuses dQ into the dK/dV kernel."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ class FlashConfig(IntConfig):
     differ, and each kernel then compiles from its own fields alone (precheck's additive
     coverage of the gradient program). A config stored before the backward depths existed
     loads with them at the default.
+
+    ``fused_bwd`` (issue 74): the dK/dV kernel computes dQ too, as splash's
+    ``use_fused_bwd_kernel``, summing it over its kv blocks in VMEM (the whole sequence's dQ of
+    a kv head's group: for short sequences); the dQ kernel does not run, and its fields are
+    unused: None (then and only then). A config stored before the flag existed loads unfused.
     """
 
     block_q: int = 128
@@ -32,11 +38,12 @@ class FlashConfig(IntConfig):
     block_kv_compute: int = 128
     block_q_dkv: int = 128
     block_kv_dkv: int = 128
-    block_q_dq: int = 128
-    block_kv_dq: int = 128
+    block_q_dq: int | None = 128
+    block_kv_dq: int | None = 128
     pipeline_depth: int = 2
     pipeline_depth_dkv: int = 2
-    pipeline_depth_dq: int = 2
+    pipeline_depth_dq: int | None = 2
+    fused_bwd: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,12 +58,19 @@ class FlashConfig(IntConfig):
                   f"depth{self.pipeline_depth}"
         if mode == "fwd":
             return forward
+        dq = ("fused" if self.fused_bwd else
+              f"dq{self.block_q_dq}x{self.block_kv_dq}/depth{self.pipeline_depth_dq}")
         return (f"{forward} dkv{self.block_q_dkv}x{self.block_kv_dkv}/depth"
-                f"{self.pipeline_depth_dkv} dq{self.block_q_dq}x{self.block_kv_dq}/depth"
-                f"{self.pipeline_depth_dq}")
+                f"{self.pipeline_depth_dkv} {dq}")
+
+    def fused(self) -> FlashConfig:
+        """This config with the fused backward (dQ in the dK/dV kernel): no dQ fields."""
+        return self.replace(fused_bwd=True, **dict.fromkeys(DQ_FIELDS))
 
 
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "pipeline_depth")
-DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "pipeline_depth_dkv")
+# The fused flag belongs to the dK/dV kernel, which it changes (dQ added); the dQ kernel's
+# fields are then None.
+DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "pipeline_depth_dkv", "fused_bwd")
 DQ_FIELDS = ("block_q_dq", "block_kv_dq", "pipeline_depth_dq")
 DEPTH_FIELDS = ("pipeline_depth", "pipeline_depth_dkv", "pipeline_depth_dq")

@@ -77,8 +77,9 @@ def _flash_bwd(logits, config_for, residuals, d_out):
     # Row statistics [batch, heads, rows, q_len], queries on lanes (see _forward); the sum over
     # head_dim leaves delta in that layout (one row), with no relayout pass of its own.
     delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)[:, :, None, :]
-    dk, dv = _backward_dkv(q, k, v, d_out, stats, delta, segments, config, logits)
-    dq = _backward_dq(q, k, v, d_out, stats, delta, segments, config, logits)
+    dk, dv, dq = _backward_dkv(q, k, v, d_out, stats, delta, segments, config, logits)
+    if dq is None:  # unfused: dQ has a kernel of its own
+        dq = _backward_dq(q, k, v, d_out, stats, delta, segments, config, logits)
     # segment ids: integers, no cotangent
     return summed_as(dq, q), summed_as(dk, k), summed_as(dv, v), None
 
@@ -542,27 +543,42 @@ def _forward(q, k, v, segments, config: FlashConfig, logits: Logits, save_stats:
 
 
 def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits: Logits,
-                segmented: bool, group: int, block_q: int, depth: int):
-    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, dk_acc, dv_acc, *ring) = _segment_refs(
-        refs, segmented)
+                segmented: bool, group: int, block_q: int, depth: int, fused: bool):
+    (q_ids_hbm, kv_ids_ref), (dk_ref, dv_ref, *refs) = _segment_refs(refs, segmented)
+    dq_ref, *refs = refs if fused else (None, *refs)
+    dk_acc, dv_acc, *refs = refs
+    dq_acc, ring = (refs[0], refs[1:]) if fused else (None, refs)
     block_kv = k_ref.shape[0]
-    k0 = pl.program_id(2) * block_kv
+    kv_block = pl.program_id(2)
+    k0 = kv_block * block_kv
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+    # Fused: dQ of the group's queries, summed over this (batch, kv head)'s kv blocks, which
+    # run in order on one core (the grid's last axis is "arbitrary", as the ring's state needs):
+    # the first zeroes it, the last writes it out.
+    if fused:
+        @pl.when(kv_block == 0)
+        def _():
+            dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
     # Only the run of query blocks that see a kv block is streamed (none above the causal
     # diagonal or outside the window is fetched), for each query head of its group in turn.
     seen_by = logits.reach.transposed()
+    q_len = q_hbm.shape[2]
 
     def run_of(kv_block):
-        return seen_by.kv_blocks(kv_block * block_kv, block_kv, block_q,
-                                 q_hbm.shape[2] // block_q, _TRACED_OPS)
+        return seen_by.kv_blocks(kv_block * block_kv, block_kv, block_q, q_len // block_q,
+                                 _TRACED_OPS)
 
-    first, count = run_of(pl.program_id(2))
+    first, count = run_of(kv_block)
     batch, head0 = pl.program_id(0), pl.program_id(1) * group
 
-    def windows(kv_block, t):  # Q, dO, statistics, delta (and q ids) of step t of its run
+    def place(kv_block, t):  # (head of the group, first query) of step t of kv_block's run
         first, count = run_of(kv_block)
-        head, start = head0 + _div(t, count), (first + _rem(t, count)) * block_q
+        return _div(t, count), (first + _rem(t, count)) * block_q
+
+    def windows(kv_block, t):  # Q, dO, statistics, delta (and q ids) of step t of its run
+        head, start = place(kv_block, t)
+        head += head0
         views = [(q_hbm.at[batch, head], 0), (do_hbm.at[batch, head], 0),
                  (stats_hbm.at[batch, head], 1), (delta_hbm.at[batch, head], 1)]
         if segmented:
@@ -570,7 +586,7 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
         return [window(view, axis, start, block_q) for view, axis in views]
 
     def step(t, q_ref, do_ref, stats_ref, delta_ref, q_ids_ref=None):
-        q0 = (first + _rem(t, count)) * block_q
+        head, q0 = place(kv_block, t)
 
         def run():
             # P and dS as the forward and the dQ kernel compute them (queries x keys), then
@@ -581,14 +597,17 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
             # l: with few keys on a CPU, dV missed tokamax's tolerance (2.7e-5 off float64).
             # With m and 1 / l, P's 1 / l costs a multiply per logit here: dK and dV sum over
             # queries, so a query's 1 / l cannot wait until after the sum, as in dQ.
-            q, do = q_ref[...], do_ref[...]
+            q, do, k = q_ref[...], do_ref[...], k_ref[...]
             inv_l = _column(stats_ref, INV_L_ROW) if _saves_m_and_inv_l(q.dtype) else None
-            p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, _column(stats_ref), inv_l,
+            p, ds = _probs_and_ds(q, k, v_ref[...], do, _column(stats_ref), inv_l,
                                   _column(delta_ref), logits, q0, k0,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
             dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                            preferred_element_type=jnp.float32)
             dk_acc[...] += _ds_dot(ds, q, _TN)
+            if fused:  # this block pair's share of dQ (P holds 1 / l, so dS does too)
+                rows = window(dq_acc.at[head], 0, q0, block_q)
+                rows[...] += _ds_dot(ds, k)
 
         # A kv block no query sees (kv_len > q_len, causal) still gets one step: skip it.
         _when_seen(seen_by.sees(k0, block_kv, q0, block_q), run, logits.reach)
@@ -596,36 +615,65 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
     stream_ahead(step, windows, lambda kv_block: group * run_of(kv_block)[1], ring, depth)
     dk_ref[...] = (dk_acc[...] * logits.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+    if fused:  # the last kv block: dQ to its output block, written back once per kv head
+        pl.when(kv_block == pl.num_programs(2) - 1)(
+            lambda: _scaled_copy(dq_acc, dq_ref, logits.sm_scale, block_q))
+
+
+@_in_32_bits
+def _scaled_copy(source, target, scale: float, block: int) -> None:
+    """``target = source * scale`` (cast to its dtype) for (heads, rows, columns) refs, one
+    (head, ``block`` rows) tile at a time: a whole sequence at once would unroll into one
+    straight run of vector ops, its temporaries that large."""
+    blocks = source.shape[1] // block
+
+    def copy(i, carry):
+        head, start = _div(i, blocks), _rem(i, blocks) * block
+        window(target.at[head], 0, start, block)[...] = (
+            window(source.at[head], 0, start, block)[...] * scale).astype(target.dtype)
+        return carry
+
+    lax.fori_loop(0, source.shape[0] * blocks, copy, 0)
 
 
 def _backward_dkv(q, k, v, d_out, stats, delta, segments, config: FlashConfig,
                   logits: Logits):
-    """dK, dV: one grid step per kv block, its Q/dO pipeline summing over the query heads of
-    its group and over the query blocks, in a VMEM accumulator."""
+    """(dK, dV, dQ or None): one grid step per kv block, its Q/dO pipeline summing over the
+    query heads of its group and over the query blocks, in a VMEM accumulator. Fused
+    (``config.fused_bwd``), dQ too: a query block's dQ sums over every kv block, which run in
+    different grid steps, so the dQ of all the group's queries stays in an f32 VMEM accumulator
+    across the kv blocks of its (batch, kv head), written out once after the last (splash's
+    fused kernel writes a partial dQ per kv block to HBM instead, which XLA sums: kv_len /
+    block_kv_dkv times dQ's bytes each way, for short sequences the larger cost)."""
     batch, kv_heads, kv_len, head_dim = k.shape
+    q_heads, q_len = q.shape[1:3]
     bq, bkv, segmented = config.block_q_dkv, config.block_kv_dkv, segments is not None
+    group, fused = q_heads // kv_heads, config.fused_bwd
     kv_spec = pl.BlockSpec((None, None, bkv, head_dim), lambda b, h, j: (b, h, j, 0))
-    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segmented,
-                               group=q.shape[1] // kv_heads, block_q=bq,
-                               depth=config.pipeline_depth_dkv)
+    kernel = functools.partial(_dkv_kernel, logits=logits, segmented=segmented, group=group,
+                               block_q=bq, depth=config.pipeline_depth_dkv, fused=fused)
     kv_ids_spec = pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, j: (b, 0, j))
     streamed = [((bq, head_dim), q.dtype), ((bq, head_dim), d_out.dtype),
                 ((_stat_rows(q.dtype), bq), jnp.float32), ((1, bq), jnp.float32),
                 ((bq, LANES), jnp.int32)]
-    return _pallas_call(
+    # fused: the group's dQ, one block over every kv block of a (batch, kv head)
+    dq_spec = pl.BlockSpec((None, group, q_len, head_dim), lambda b, h, j: (b, h, 0, 0))
+    dk, dv, *dq = _pallas_call(
         kernel,
         grid=(batch, kv_heads, kv_len // bkv),
         in_specs=[_IN_HBM, _IN_HBM, _IN_HBM, _IN_HBM, kv_spec, kv_spec,
                   *_segment_specs(_IN_HBM, kv_ids_spec, segmented)],
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[varying_struct(k.shape, k.dtype, q, k, v, d_out),
-                   varying_struct(v.shape, v.dtype, q, k, v, d_out)],
+        out_specs=[kv_spec, kv_spec, *[dq_spec] * fused],
+        out_shape=[varying_struct(x.shape, x.dtype, q, k, v, d_out)
+                   for x in (k, v, *[q] * fused)],
         scratch_shapes=[pltpu.VMEM((bkv, head_dim), jnp.float32),
                         pltpu.VMEM((bkv, head_dim), jnp.float32),
+                        *[pltpu.VMEM((group, q_len, head_dim), jnp.float32)] * fused,
                         *ring_scratch(streamed[:4 + segmented], config.pipeline_depth_dkv)],
         semantics=STREAMS_AHEAD,
         name="flash_bwd_dkv",
     )(q, d_out, stats, delta, k, v, *_segment_layouts(segments))
+    return dk, dv, (dq[0] if fused else None)
 
 
 def _dq_kernel(q_ref, do_ref, stats_ref, delta_ref, k_hbm, v_hbm, *refs, logits: Logits,

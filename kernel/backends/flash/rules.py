@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kernel.backends.flash.config import DEPTH_FIELDS, FlashConfig
+from kernel.backends.flash.config import DEPTH_FIELDS, DQ_FIELDS, FlashConfig
 from kernel.errors import ConfigError
 from kernel.problem import Problem
 from kernel.rules import (
@@ -44,13 +44,17 @@ def static_violations(
     problem: Problem, config: FlashConfig, depths: Iterable[int] = DEFAULT_DEPTHS
 ) -> list[Violation]:
     """Every static rule ``config`` breaks for ``problem`` (empty when legal)."""
-    out: list[Violation] = []
+    out = dq_violations(config)
+    if out:  # unset fields the kernels would read: nothing else to check
+        return out
     checks = [("block_q", problem.q_len, "q_len"), ("block_kv", problem.kv_len, "kv_len"),
               ("block_kv_compute", problem.kv_len, "kv_len")]
     if problem.mode == "fwd_bwd":
         checks += [("block_q_dkv", problem.q_len, "q_len"), ("block_kv_dkv", problem.kv_len,
-                   "kv_len"), ("block_q_dq", problem.q_len, "q_len"),
-                   ("block_kv_dq", problem.kv_len, "kv_len")]
+                   "kv_len")]
+        if not config.fused_bwd:
+            checks += [("block_q_dq", problem.q_len, "q_len"),
+                       ("block_kv_dq", problem.kv_len, "kv_len")]
     for field, dim, dim_name in checks:
         out += block_violations(field, getattr(config, field), dim, dim_name)
     if config.block_kv % config.block_kv_compute:
@@ -60,7 +64,8 @@ def static_violations(
         out.append(Violation("compute_max", f"block_kv_compute={config.block_kv_compute} "
                              f"exceeds {MAX_COMPUTE_BLOCK}; split the kv block further"))
     depths = tuple(depths)
-    depth_fields = DEPTH_FIELDS if problem.mode == "fwd_bwd" else DEPTH_FIELDS[:1]
+    depth_fields = (DEPTH_FIELDS[:1] if problem.mode == "fwd" else
+                    DEPTH_FIELDS[:2] if config.fused_bwd else DEPTH_FIELDS)
     for field in depth_fields:
         depth = getattr(config, field)
         if depth not in depths:
@@ -68,6 +73,20 @@ def static_violations(
                                  f"installed JAX (pl.Buffered({depth}) in an in-kernel "
                                  f"pipeline does not lower for TPU); use one of {list(depths)}"))
     return out
+
+
+def dq_violations(config: FlashConfig) -> list[Violation]:
+    """``dq_unused``: the fused backward runs no dQ kernel, so its fields are None there, and
+    only there (as splash's ``BlockSizes`` refuses dQ blocks with its fused kernel): a config
+    is stored one way, and a search measures it once (``FlashKernel.canonical_params``)."""
+    unset = [f for f in DQ_FIELDS if getattr(config, f) is None]
+    if config.fused_bwd and len(unset) < len(DQ_FIELDS):
+        return [Violation("dq_unused", "with fused_bwd the dQ kernel does not run; set "
+                          f"{', '.join(DQ_FIELDS)} to null")]
+    if not config.fused_bwd and unset:
+        return [Violation("dq_unused", f"{', '.join(unset)} unset, but the unfused backward "
+                          "runs the dQ kernel; set them, or fused_bwd=true")]
+    return []
 
 
 # Mosaic's internal scratch: the f32 temporaries of one compute step (logits, probabilities,
@@ -114,6 +133,17 @@ SEGMENT_SPILL_TILES = 0.25
 SOFTCAP_SPILL_TILES = 1.0
 
 
+# The fused backward's dK/dV kernel (issue 74) keeps the dQ of its group's whole sequence in
+# VMEM across its kv blocks: an f32 accumulator, and the output block it is written to once
+# (double buffered, the input dtype), both counted whole; and each step's MXU product dS K, an
+# f32 (block_q, head_dim) value added to its rows of the accumulator, in those tiles. Measured
+# (v5e, libtpu deviceless, 27 fused dK/dV kernels: d 64-256, bf16 and f32, 512-4096 queries,
+# GQA 4/1, dK/dV 256x256 to 2048x512, depths 2-4: bench/kernels/data/flash_fused_vmem/):
+# every allocation within the estimate, the tightest 19.60 MiB of 21.88 (f32, 1024x1024), the
+# loosest at d64 (0.47-0.64 of it); 1.7 to 4.5 MiB more than the same kernel unfused.
+FUSED_DQ_STEP = 1.0
+
+
 def _feature_tiles(problem: Problem) -> float:
     """Logits tiles of step temporaries that a window, a soft cap or segment ids add."""
     two_sided = problem.window is not None and not problem.causal
@@ -148,7 +178,8 @@ def _stat_row_bytes(block: int) -> int:
 
 
 def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
-    """Estimated peak VMEM bytes of each kernel the problem runs (``fwd``, ``dkv``, ``dq``).
+    """Estimated peak VMEM bytes of each kernel the problem runs (``fwd``, ``dkv``, ``dq``; no
+    ``dq`` with ``fused_bwd``, whose ``dkv`` computes dQ too).
 
     Each kernel holds the windows of its outer grid (two buffers each), the buffers of the
     operands it streams through its inner pipeline (its pipeline depth times their tile bytes),
@@ -203,6 +234,12 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
             + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
         )
+        if config.fused_bwd:  # dQ of the whole sequence, and of the step (see FUSED_DQ_STEP)
+            rows = problem.q_len
+            estimate["dkv"] += (problem.q_heads // problem.kv_heads * (
+                2 * tile_bytes(rows, d, isz) + tile_bytes(rows, d, 4))  # output, accumulator
+                + int(FUSED_DQ_STEP * tile_bytes(qk, d, 4)))
+            return estimate
         qq, kq = config.block_q_dq, config.block_kv_dq
         estimate["dq"] = (
             2 * 2 * tile_bytes(qq, d, isz)  # q, do windows
@@ -231,8 +268,10 @@ def violations(
 ) -> list[Violation]:
     """All rules (problem, static and VMEM) that ``config`` breaks for ``problem`` on
     ``target``."""
-    return (problem_violations(problem) + static_violations(problem, config, depths)
-            + vmem_violations(problem, config, target))
+    static = static_violations(problem, config, depths)
+    if any(v.rule == "dq_unused" for v in static):  # unset blocks the kernels would run
+        return problem_violations(problem) + static
+    return problem_violations(problem) + static + vmem_violations(problem, config, target)
 
 
 def space_params(
@@ -240,7 +279,9 @@ def space_params(
 ) -> dict[str, list[int]]:
     """The declared values of each tunable field (before cross-field and VMEM rules).
 
-    In ``fwd`` mode the backward fields are not tunable and keep the default's values.
+    In ``fwd`` mode the backward fields are not tunable and keep the default's values. In
+    ``fwd_bwd`` the dQ fields also take None, their value when ``fused_bwd`` leaves them
+    unused (``FlashKernel.canonical_params`` sets it).
     """
     q_values, kv_values = block_values(problem.q_len), block_values(problem.kv_len)
     params: dict[str, list[int]] = {
@@ -251,8 +292,10 @@ def space_params(
     }
     if problem.mode == "fwd_bwd":
         params.update(block_q_dkv=q_values, block_kv_dkv=kv_values,
-                      pipeline_depth_dkv=params["pipeline_depth"], block_q_dq=q_values,
-                      block_kv_dq=kv_values, pipeline_depth_dq=params["pipeline_depth"])
+                      pipeline_depth_dkv=params["pipeline_depth"],
+                      fused_bwd=FlashConfig.choices("fused_bwd"), block_q_dq=[None, *q_values],
+                      block_kv_dq=[None, *kv_values],
+                      pipeline_depth_dq=[None, *params["pipeline_depth"]])
     return params
 
 
