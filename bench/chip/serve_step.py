@@ -45,6 +45,7 @@ import yaml  # noqa: E402
 
 import kernel  # noqa: E402
 from bench.chip import write_report  # noqa: E402
+from bench.chip.timing import spread  # noqa: E402
 from kernel import ConfigError, ServingProblem, device_target  # noqa: E402
 from kernel.backends.rpa import paged_reference  # noqa: E402
 from kernel.registry import SERVING_KERNELS  # noqa: E402
@@ -236,7 +237,7 @@ def measure(problem: ServingProblem, args: argparse.Namespace) -> dict[str, Any]
             seconds[name].append(time.perf_counter() - start)
     tokens = problem.max_num_seqs * args.steps
     for name, times in seconds.items():
-        rows[name] |= {"median_s": statistics.median(times),
+        rows[name] |= {"median_s": statistics.median(times), "spread": spread(times),
                        "tokens_per_s": tokens / statistics.median(times)}
     if runs:
         assert int(final[2][0]) == args.context + args.steps  # the loop ran every step
