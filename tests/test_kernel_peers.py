@@ -225,9 +225,10 @@ _FUSED_FIGURES = {
 }
 # On a TPU (not in interpret mode) Mosaic's default contract precision rounds float32 operands
 # to bf16, one MXU pass, as XLA's default precision does there: at q x 1e4 the logits are then
-# tens off. Precision.HIGHEST in the kernel's dots is the fix
-# (bench/chip/ablation/i74-f32-highest-precision.patch); its VMEM is not yet in the estimate
-# (d256 dK/dV 2048x256 allocates 27.8 MiB against 15.4), issue 74.
+# tens off (these figures). The kernel's float32 dots now ask for Precision.HIGHEST (``_mxu`` in
+# kernel/backends/flash/pallas.py; its VMEM in the estimate's F32_HIGHEST_TILES), issue 74; the
+# marker stays until the chip shows the fix (``bash bench/tpu_session.sh kernelpeers -k
+# large_logits``: then these two cases fail as "now meets", and the marker goes).
 _OURS_F32_ON_TPU = ("float32 on the chip at one bf16 MXU pass (Mosaic's default precision): {}"
                     " (TPU v5e, 2026-12-07)")
 _OURS_F32_ON_TPU_FIGURES = {

@@ -9,6 +9,10 @@ Failing compiles fail fast here because the scoped VMEM limit is lowered
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -23,8 +27,7 @@ from autotune.precheck import Agreement, PrecheckResult, candidates, precheck, v
 from kernel import FlashConfig, Problem, get_kernel, get_target
 from kernel.aot import compile_for_target
 from kernel.backends.flash.config import DKV_FIELDS, DQ_FIELDS
-from kernel.backends.flash.rules import DKV_STAT_COLUMNS, vmem_estimate, vmem_violations
-from kernel.rules import tile_bytes
+from kernel.backends.flash.rules import fp32_dot_bytes, vmem_estimate, vmem_violations
 
 FLASH = get_kernel("flash").discover()
 
@@ -263,20 +266,41 @@ def test_estimate_counts_the_statistics_columns_dkv_broadcasts():
     assert vmem_violations(problem, config, get_target("v5e"))
 
 
-def test_float32_estimate_counts_the_column_of_inverse_sums_dkv_broadcasts():
-    """Issue 74: a float32 forward saves m and 1 / l apart, and dK/dV broadcasts 1 / l along
-    the keys too, as one more lane-padded (block_q, 1) f32 column. Here (d256, dK/dV 2048x256
-    depth 1) it allocated 13.91 MiB against 13.02 with the logsumexp, which the estimate
-    without the column (13.38 MiB) no longer bounds; with it (15.38) it does."""
+def test_float32_estimate_counts_its_fp32_precision_dots():
+    """Issue 74: float32 dots run at fp32 contract precision (``Precision.HIGHEST``; Mosaic's
+    default rounds f32 operands to bf16), several MXU passes over bf16 parts of each operand. Here
+    (d256, dK/dV 2048x256 depth 1) dK/dV allocated 27.83 MiB, against 13.91 at the default
+    precision: the estimate without its float32 term (15.38 MiB, which counts the column of 1 / l
+    that float32's m and 1 / l add) no longer bounds it; with it (30.38) it does."""
     problem = Problem(1, 1, 1, 2048, 2048, 256, "float32", True, "fwd_bwd")
     config = FlashConfig(block_q=512, block_kv=512, block_kv_compute=512, block_q_dkv=2048,
                          block_kv_dkv=256, pipeline_depth_dkv=1)
     estimate = vmem_estimate(problem, config)["dkv"]
-    columns = DKV_STAT_COLUMNS["float32"] - DKV_STAT_COLUMNS["bfloat16"]
-    without = estimate - columns * tile_bytes(config.block_q_dkv, 1, 4)
+    without = estimate - fp32_dot_bytes(problem, "dkv", config.block_q_dkv, config.block_kv_dkv)
     assert compile_for_target(FLASH, problem, config, "v5e",
                               {"xla_tpu_scoped_vmem_limit_kib": estimate // 1024}) > 0
     with pytest.raises(Exception) as raised:
         compile_for_target(FLASH, problem, config, "v5e",
                            {"xla_tpu_scoped_vmem_limit_kib": without // 1024})
     assert classify_compile_error(str(raised.value)) == Status.VMEM_OOM, str(raised.value)
+
+
+BENCH = Path(__file__).parent.parent / "bench/kernels"
+FLASH_VMEM = BENCH / "data/flash_vmem"
+
+
+def test_float32_estimate_bounds_every_measured_allocation():
+    """Issue 74, with no compile: the float32 allocations measured deviceless (v5e), each kernel
+    alone (``flash_vmem_sizes.py``: 108 points, d 64-256) and whole sampled configs
+    (``vmem_sizes.py --dtype float32``: three sweeps, estimate-rejected configs included), are
+    within the estimate: no sampled config the compiler refuses is admitted."""
+    alone = subprocess.run([sys.executable, str(BENCH / "flash_vmem_sizes.py"), "--rescore",
+                            str(FLASH_VMEM / "v5e_float32.jsonl")], capture_output=True, text=True)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    assert len(re.findall(r"^\w+: \d+ points", alone.stdout, re.M)) == 3, alone.stdout
+    sweeps = sorted(FLASH_VMEM.glob("v5e_float32_*_sweep.jsonl"))
+    out = subprocess.run([sys.executable, str(BENCH / "vmem_sizes.py"), "--kernel", "flash",
+                          "--rescore", *map(str, sweeps)], capture_output=True, text=True,
+                         check=True)
+    precisions = re.findall(r"float32: .* precision (\S+),", out.stdout)
+    assert len(precisions) == len(sweeps) == 3 and set(precisions) == {"1.0"}, out.stdout

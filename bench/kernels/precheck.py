@@ -47,9 +47,10 @@ from kernel import DEFAULT_KERNEL, Problem, get_kernel, get_target
 HEADS = 8
 
 
-def problem(mode: str, seq_len: int, batch: int = 1, heads: int = HEADS) -> Problem:
+def problem(mode: str, seq_len: int, batch: int = 1, heads: int = HEADS, head_dim: int = 128,
+            dtype: str = "bfloat16") -> Problem:
     return Problem(batch=batch, q_heads=heads, kv_heads=heads, q_len=seq_len, kv_len=seq_len,
-                   head_dim=128, dtype="bfloat16", causal=True, mode=mode)
+                   head_dim=head_dim, dtype=dtype, causal=True, mode=mode)
 
 
 def timed_sweep(prob: Problem, target: str, kernel: str, *, include_rejected: bool, jobs: int,

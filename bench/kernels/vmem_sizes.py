@@ -10,15 +10,17 @@ kernel that fits a limit raised for another is not reported (it needs less). A c
 target when its largest allocation is within the target's limit.
 
     python bench/kernels/vmem_sizes.py --kernel splash --targets v5e v6e --seq-len 8192 \\
-        --sample-every 40 [--batch 1 --heads 8] [--modes fwd fwd_bwd] [--out sizes.jsonl]
+        --sample-every 40 [--batch 1 --heads 8] [--head-dim 128 --dtype bfloat16] \\
+        [--modes fwd fwd_bwd] [--out sizes.jsonl]
     python bench/kernels/vmem_sizes.py --kernel splash \\
         --rescore bench/kernels/data/splash_vmem/*.jsonl
 
 Prints one line per config (MiB measured per kernel, the estimate's verdict, the compiler's)
-and per (target, mode; batch and heads where not 1 and 8): sampled, fit, overflow, admitted,
-precision and recall. ``--rescore`` compiles nothing: it judges the current estimate against
-measurements saved with ``--out`` (``bench/kernels/data/`` keeps splash's), so a change to the
-estimate is checked in a second.
+and per (target, mode; batch and heads where not 1 and 8, head_dim and dtype where not 128 and
+bf16): sampled, fit, overflow, admitted, precision and recall. ``--rescore`` compiles nothing: it
+judges the current estimate against measurements saved with ``--out`` (``bench/kernels/data/``
+keeps splash's, and flash's float32 sweeps), so a change to the estimate is checked in a
+second.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def rescored(kernel: TunableKernel,
              paths: list[Path]) -> dict[tuple[str, Problem], list[PrecheckResult]]:
     """Saved measurements (``--out`` lines) judged by the current estimate, per (target,
     problem): fits when the largest allocation is within the target's limit. Lines without a
-    batch or heads field were measured at batch 1 and ``HEADS`` heads."""
+    batch, heads, head_dim or dtype field were measured at batch 1, ``HEADS`` heads, d128 bf16."""
     out: dict[tuple[str, Problem], list[PrecheckResult]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
@@ -81,7 +83,8 @@ def rescored(kernel: TunableKernel,
             target = get_target(row["target"])
             config = kernel.config_from_dict(row["config"])
             prob = problem(row["mode"], row["seq_len"], row.get("batch", 1),
-                           row.get("heads", HEADS))
+                           row.get("heads", HEADS), row.get("head_dim", 128),
+                           row.get("dtype", "bfloat16"))
             admitted = not kernel.violations(prob, config, target)
             out.setdefault((target.name, prob), []).append(PrecheckResult(
                 config, status(row["allocations"], target), 0.0, admitted))
@@ -93,6 +96,8 @@ def report(target_name: str, prob: Problem, results: list[PrecheckResult]) -> No
     agreement = Agreement.of(results)
     shape = "" if (prob.batch, prob.q_heads) == (1, HEADS) else (
         f" batch {prob.batch} heads {prob.q_heads}")
+    if (prob.head_dim, prob.dtype) != (128, "bfloat16"):
+        shape += f" d{prob.head_dim} {prob.dtype}"
     print(f"{target_name} {prob.mode} seq {prob.q_len}{shape}: {len(results)} sampled, "
           f"{agreement.compiled_ok} fit, {len(results) - agreement.compiled_ok} "
           f"overflow, {agreement.admitted} admitted, precision {agreement.precision}, "
@@ -107,6 +112,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096, help="query and key/value length")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=HEADS, help="query and key/value heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--sample-every", type=int, default=1,
                         help="measure every n-th candidate only (a deterministic sample)")
     parser.add_argument("--out", type=Path, help="append every measurement here (JSON lines)")
@@ -122,7 +129,7 @@ def main() -> None:
     for target_name in args.targets:
         target = get_target(target_name)
         for mode in args.modes:
-            prob = problem(mode, args.seq_len, args.batch, args.heads)
+            prob = problem(mode, args.seq_len, args.batch, args.heads, args.head_dim, args.dtype)
             todo = candidates(prob, target, kernel, include_rejected=True)[::args.sample_every]
             results = []
             for candidate in todo:
@@ -140,6 +147,7 @@ def main() -> None:
                         out.write(json.dumps({"target": target_name, "mode": mode,
                                               "seq_len": args.seq_len, "batch": args.batch,
                                               "heads": args.heads,
+                                              "head_dim": args.head_dim, "dtype": args.dtype,
                                               "forward_only": candidate.forward_only,
                                               "allocations": sizes,
                                               **results[-1].to_dict()}) + "\n")

@@ -43,6 +43,17 @@ M_ROW, INV_L_ROW = 0, 1
 STATS_ROWS = 2
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b: Mosaic transposes a on the XLU, then one matmul
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def _mxu(a: jax.Array, b: jax.Array, dims=_NN) -> jax.Array:
+    """``dot_general(a, b, dims)`` on the MXU, accumulated in f32. Mosaic's default contract
+    precision rounds float32 operands to bf16 (one pass), so float32 inputs ask for fp32
+    (``Precision.HIGHEST``: several bf16 passes): at logits near 1e4 one pass put the output
+    0.8 off on a TPU v5e (2026-12-07), where the CPU's interpret mode is exact. Other dtypes
+    leave the default, so their Mosaic modules are unchanged."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 # --- custom VJP: Pallas forward, Pallas dK/dV + dQ backward ----------------------------------
@@ -134,7 +145,7 @@ class Logits:
     def of(self, q: jax.Array, k: jax.Array) -> jax.Array:
         """The (soft-capped) f32 logits of a q block against a k block, on the MXU; the scale
         is applied in f32, not to bf16 q."""
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * self.sm_scale
+        s = _mxu(q, k, _NT) * self.sm_scale
         if self.softcap is None:
             return s
         return self.softcap * jnp.tanh(s / self.softcap)
@@ -171,13 +182,13 @@ def _lanes(x: jax.Array, n: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
-def _ds_dot(ds: jax.Array, y: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
+def _ds_dot(ds: jax.Array, y: jax.Array, dims=_NN) -> jax.Array:
     """``dot_general(ds, y, dims)`` (default ``ds @ y``) for the f32 logit gradients dS: dS
     rounded to ``y``'s dtype, one MXU pass, as splash does. Two bf16 passes (dS's rounding and
     its remainder) made fwd_bwd 1.11x slower on a TPU v5e (s4096 causal, default and tuned
     configs) for no smaller largest error over out, dq, dk and dv (5.2e-3 either way; splash
     7.8e-3): bench/results/tpu-v5e-2026-12-06/backward.json."""
-    return lax.dot_general(ds.astype(y.dtype), y, dims, preferred_element_type=jnp.float32)
+    return _mxu(ds.astype(y.dtype), y, dims)
 
 
 def _saves_m_and_inv_l(dtype) -> bool:
@@ -217,7 +228,7 @@ def _probs_and_ds(q, k, v, do, shift, inv_l, delta, logits: Logits, q0, k0,
     mask = logits.visible(p.shape, q0, k0, same_segment)
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    dp = _mxu(do, v, _NT)
     return p, logits.capped_grad(s, p * (dp - delta))
 
 
@@ -438,7 +449,7 @@ def _forward_kernel(q_ref, k_hbm, v_hbm, *refs, logits: Logits, segmented: bool,
             p = jnp.exp(s - _lanes(m_next, block_kv_compute))
             l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
             m_ref[...] = m_next
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = _mxu(p.astype(v.dtype), v)
             acc_ref[...] = acc_ref[...] * _lanes(alpha, head_dim) + pv
 
         def sub_block(sub, carry):
@@ -602,8 +613,7 @@ def _dkv_kernel(q_hbm, do_hbm, stats_hbm, delta_hbm, k_ref, v_ref, *refs, logits
             p, ds = _probs_and_ds(q, k, v_ref[...], do, _column(stats_ref), inv_l,
                                   _column(delta_ref), logits, q0, k0,
                                   _same_segment(q_ids_ref, kv_ids_ref, 0, block_kv))
-            dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
-                                           preferred_element_type=jnp.float32)
+            dv_acc[...] += _mxu(p.astype(do.dtype), do, _TN)
             dk_acc[...] += _ds_dot(ds, q, _TN)
             if fused:  # this block pair's share of dQ (P holds 1 / l, so dS does too)
                 rows = window(dq_acc.at[head], 0, q0, block_q)

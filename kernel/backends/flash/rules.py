@@ -131,6 +131,19 @@ DKV_STAT_COLUMNS = {"bfloat16": 2, "float32": 4}
 WINDOW_SPILL_TILES = 0.25
 SEGMENT_SPILL_TILES = 0.25
 SOFTCAP_SPILL_TILES = 1.0
+# Float32 dots run at fp32 contract precision (``Precision.HIGHEST``, issue 74: Mosaic's default
+# rounds f32 operands to bf16 for one MXU pass; fp32 takes several passes over bf16 parts of each
+# operand), which allocates far more than the terms above (v5e, d256 f32 dK/dV 2048x256 depth 1:
+# 27.83 MiB, 13.91 at the default precision, 15.38 counted). Per kernel, bytes per byte of: its
+# (query block, head_dim) f32 tile, its (kv block, head_dim) f32 tile, and its f32 logits tile
+# once per 128 lanes of head_dim. Fitted to 108 deviceless v5e compiles, each kernel alone
+# (libtpu 0.0.42.1, d 64-256, query blocks 128-4096, kv blocks 128-1024, depths 1-3;
+# bench/kernels/data/flash_vmem/v5e_float32.jsonl, bench/kernels/flash_vmem_sizes.py): the
+# smallest coefficients that bound every point, rounded up to quarters. Every point is within
+# its estimate, at 1.01x to 2.75x (medians 1.24x forward, 1.10x dK/dV, 1.24x dQ); three sampled
+# sweeps of whole configs, precision 1.0 (docs/flash-vmem-statistics.md).
+F32_HIGHEST_TILES = {"fwd": (0.75, 0.0, 1.25), "dkv": (5.0, 0.0, 1.25),
+                     "dq": (1.25, 3.0, 0.25)}
 
 
 # The fused backward's dK/dV kernel (issue 74) keeps the dQ of its group's whole sequence in
@@ -170,6 +183,17 @@ def _spill_bytes(rows: int, cols: int, tiles: float = SPILL_TILES, extra: int = 
     return int(tiles * (tile_bytes(rows, cols, 4) + extra)) + SPILL_FLOOR
 
 
+def fp32_dot_bytes(problem: Problem, kernel: str, rows: int, cols: int) -> int:
+    """What float32's fp32-precision dots add to ``kernel``'s VMEM for a (rows, cols) logits
+    tile (``F32_HIGHEST_TILES``); 0 for other dtypes, whose dots keep the default precision."""
+    if problem.dtype != "float32":
+        return 0
+    d = problem.head_dim
+    tiles = (tile_bytes(rows, d, 4), tile_bytes(cols, d, 4),
+             tile_bytes(rows, cols, 4) * -(-d // LANES))
+    return int(sum(c * t for c, t in zip(F32_HIGHEST_TILES[kernel], tiles, strict=True)))
+
+
 def _stat_row_bytes(block: int) -> int:
     """VMEM of one buffer of row statistics (the logsumexp, m and 1 / l, or delta of ``block``
     queries): the kernels keep them lane-dense, a (1, block) or (2, block) f32 row block, padded
@@ -204,6 +228,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
         + _spill_bytes(bq, bkc, spill_tiles,
                        extra=tile_bytes(bq, d, 4) + int(features * tile_bytes(bq, bkc, 4)))
         + _segment_bytes(problem, bq, bkv, depth, streamed="kv")
+        + fp32_dot_bytes(problem, "fwd", bq, bkc)
     )
     if problem.mode == "fwd_bwd":
         fwd += 2 * _stat_row_bytes(bq)  # statistics output window (rows), for the backward
@@ -233,6 +258,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + 2 * tile_bytes(kk, d, 4)  # dk, dv accumulators
             + _spill_bytes(qk, kk, bwd_tiles)  # logits, their gradients, their transposes
             + _segment_bytes(problem, qk, kk, depth_dkv, streamed="q")
+            + fp32_dot_bytes(problem, "dkv", qk, kk)
         )
         if config.fused_bwd:  # dQ of the whole sequence, and of the step (see FUSED_DQ_STEP)
             rows = problem.q_len
@@ -251,6 +277,7 @@ def vmem_estimate(problem: Problem, config: FlashConfig) -> dict[str, int]:
             + tile_bytes(qq, d, 4)  # dq accumulator
             + _spill_bytes(qq, kq, bwd_tiles)  # logits and their gradients
             + _segment_bytes(problem, qq, kq, config.pipeline_depth_dq, streamed="kv")
+            + fp32_dot_bytes(problem, "dq", qq, kq)
         )
     return estimate
 
