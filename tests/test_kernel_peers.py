@@ -223,17 +223,6 @@ _FUSED_FIGURES = {
                                             "pallas_gpu": (2.42, 2.51)},
     "jax-fused-bwd-b2-s128-h2-d32": {"jax_tpu_flash": (2.09, 1.74), "pallas_gpu": (2.55, 1.82)},
 }
-# On a TPU (not in interpret mode) Mosaic's default contract precision rounds float32 operands
-# to bf16, one MXU pass, as XLA's default precision does there: at q x 1e4 the logits are then
-# tens off (these figures). The kernel's float32 dots now ask for Precision.HIGHEST (``_mxu`` in
-# kernel/backends/flash/pallas.py; its VMEM in the estimate's F32_HIGHEST_TILES), issue 74; the
-# marker stays until the chip shows the fix (``bash bench/tpu_session.sh kernelpeers -k
-# large_logits``: then these two cases fail as "now meets", and the marker goes).
-_OURS_F32_ON_TPU = ("float32 on the chip at one bf16 MXU pass (Mosaic's default precision): {}"
-                    " (TPU v5e, 2026-12-07)")
-_OURS_F32_ON_TPU_FIGURES = {
-    "large-logits-full": "out 0.82, dq 1.5, dk 1.8, dv 0.12 off against XLA's 5.7e-5 to 1.4e-3",
-    "large-logits-causal": "out 1.1, dq 1.0, dk 1.0, dv 0.09 off against XLA's 2.9e-6 to 6.4e-4"}
 KNOWN_LIMITS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{(case_id, name): (_FUSED_BF16.format(*(f"{x:.2f}x" for x in figures)), ("dq", "dk"))
        for case_id, kernels in _FUSED_FIGURES.items() for name, figures in kernels.items()},
@@ -245,9 +234,6 @@ KNOWN_LIMITS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
         "at q x 1e4 its dv is 2.1e-3 off float64 against XLA's 4.9e-5", ("dv",)),
     ("large-logits-causal", "pallas_gpu"): (
         "at q x 1e4 its dv is 1.4e-3 off float64 against XLA's 2.1e-5", ("dv",)),
-    **({(case_id, "flash"): (_OURS_F32_ON_TPU.format(figures), TENSORS)
-        for case_id, figures in _OURS_F32_ON_TPU_FIGURES.items()}
-       if jax.default_backend() == "tpu" else {}),
 }
 # Upstream's index arithmetic mixes int32 and int64 under jax_enable_x64 (a TypeError from
 # inside it, lax.select and lax.div): these refuse x64 problems instead (rule "x64").
@@ -418,7 +404,9 @@ def test_large_logits_are_as_accurate_as_xla(causal, kernel_name):
     """q x 1e4, f32: each of out, dq, dk, dv within 2x XLA's error against float64 (the
     gradients were 1e3x worse when the backward recomputed P from one saved logsumexp, and dV
     still 2.9x XLA's error from one rounded to the ulp of the row max: in float32 ours saves m
-    and 1 / l apart, issue 74)."""
+    and 1 / l apart, issue 74). On a TPU the float32 dots need fp32 precision too: at one bf16
+    MXU pass, Mosaic's default, out was 0.82 off (causal 1.1); with ``Precision.HIGHEST`` every
+    tensor passed on a v5e (2026-12-07, bench/results/tpu-v5e-2026-12-07d)."""
     kernel = get_kernel(kernel_name)
     problem = Problem(1, 2, 2, 256, 256, 64, "float32", causal, "fwd_bwd")
     if broken := kernel.problem_violations(problem):
