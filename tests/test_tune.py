@@ -329,9 +329,13 @@ def test_a_rerun_that_keeps_the_stored_entry_keeps_its_study_confirmation(
     db = sqlite_copy(tuned_pair[0], tmp_path)
     flags = [*TINY_TUNE_FLAGS, "--db", db]
     summary = _tiny_summary(tuned_pair)
-    with Store(db) as store:  # the entry as if its run had timed it far faster
+    with Store(db) as store:  # the entry as if its run had timed it far faster, no spread
         (entry, _), = [store.lookup("flash", "cpu", TINY)]
-        store.publish(dataclasses.replace(entry.result, median_ms=MIN_TIME_MS), force=True)
+        # With the first run's IQR kept, the rerun (3 trials to 2) won as better measured
+        # whenever its median fell inside that IQR with a tighter one of its own: a first run
+        # timed on a loaded CPU (IQR of milliseconds) and a quieter rerun replaced the entry.
+        store.publish(dataclasses.replace(entry.result, median_ms=MIN_TIME_MS, iqr_ms=0.0),
+                      force=True)
     study = optuna.load_study(study_name=summary["study"], storage=db)
     confirmed = study.user_attrs["confirmation"]
     rerun = run_cli(*flags, "--trials", "3", timeout=300)
