@@ -328,19 +328,27 @@ def test_every_mask_under_every_sharding_style_matches_the_unsharded_call() -> N
             return jax.shard_map(lambda *args: jax.lax.psum(loss(*args), "data"), mesh=mesh,
                                  in_specs=(P("data"),) * 4, out_specs=P(), check_vma=check_vma)
 
-        with_grads = lambda loss: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        # One jit per set of inputs, each mask's loss and gradients in it (five kernels to a
+        # compile, not one: the compiles were most of this test's time).
+        every_mask = lambda wrap: lambda *args: {
+            mask: jax.value_and_grad(wrap(loss_of(mask)), argnums=(0, 1, 2))(*args)
+            for mask in masks}
+        plain = lambda loss: loss
         placed = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v, ids)]
+        want = jax.jit(every_mask(plain))(q, k, v, ids)
+        with jax.set_mesh(mesh):
+            bare = jax.jit(every_mask(plain))(*(jax.device_put(x, P("data"))
+                                                for x in (q, k, v, ids)))
+        styles = {"jit": plain, "shard_map": lambda loss: in_shard_map(loss, True),
+                  "shard_map_unchecked": lambda loss: in_shard_map(loss, False)}
+        got = jax.jit(lambda *args: {style: every_mask(wrap)(*args)
+                                     for style, wrap in styles.items()})(*placed)
         errors = {}
-        for mask in masks:
-            loss = loss_of(mask)
-            want, want_grads = with_grads(loss)(q, k, v, ids)
-            with jax.set_mesh(mesh):
-                bare = with_grads(loss)(*(jax.device_put(x, P("data")) for x in (q, k, v, ids)))
-            styles = {"jit": with_grads(loss)(*placed), "set_mesh": bare,
-                      "shard_map": with_grads(in_shard_map(loss, True))(*placed),
-                      "shard_map_unchecked": with_grads(in_shard_map(loss, False))(*placed)}
-            for style, (got, grads) in styles.items():
-                errors[f"{mask} {style}"] = max(largest_error(got, want) / float(want),
+        for style, results in {**got, "set_mesh": bare}.items():
+            for mask, (value, grads) in results.items():
+                want_value, want_grads = want[mask]
+                errors[f"{mask} {style}"] = max(largest_error(value, want_value)
+                                                / float(want_value),
                                                 *map(largest_error, grads, want_grads))
         print(json.dumps(errors))
     """)
