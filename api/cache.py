@@ -2,10 +2,9 @@
 ``/v1/serving/configs/lookup``), in front of FastAPI's parameter parsing.
 
 Keyed by the path and the raw query string (a resolver sends the same bytes for the same key)
-and tagged
-with ``Store.data_version()``: an answer is served only while no process has committed to the
-database since it was computed, so a publish, an import or a tuner writing directly to the
-database is visible on the next request. Where the database offers no such signal
+and tagged with ``Store.data_version()``: an answer is served only while no process has
+committed to the database since it was computed, so a publish, an import or a tuner writing
+directly to the database is visible on the next request. Where the database offers no such signal
 (PostgreSQL), nothing is cached. Bounded: full means cleared, so odd query strings cannot grow
 memory.
 """

@@ -180,10 +180,10 @@ class RpaKernel(TunableKernel):
             return [Violation("vmem_limit", f"vmem_limit_mib={limit} is over the "
                               f"{target.vmem_capacity_bytes // MiB} MiB of VMEM of "
                               f"{target.name}; use at most that, or none")]
-        fits = self._fitting_limits(problem, config, target)
+        need = {"rpa": vmem_estimate(problem, config)}
+        fits = _fitting_limits(need, target)
         if limit not in fits:
-            return vmem_limit_violations({"rpa": vmem_estimate(problem, config)},
-                                         _raised(target, limit))
+            return vmem_limit_violations(need, _raised(target, limit))
         if limit != fits[0]:
             # A raised limit changes nothing once the blocks fit: on a v5e (2026-12-07) kv_pages16
             # q16 took 1.929 ms at the default and 1.931 at 64 MiB, kv_pages128 q4 2.777 and
@@ -193,14 +193,6 @@ class RpaKernel(TunableKernel):
                               f"these blocks need ({need} holds them); use vmem_limit_mib="
                               f"{fits[0]}")]
         return []
-
-    def _fitting_limits(self, problem: ServingProblem, config: RpaConfig,
-                        target: Target) -> list[int | None]:
-        """The limits of the search (None: the scoped default) under which the VMEM estimate
-        admits ``config``'s blocks, smallest first."""
-        need = {"rpa": vmem_estimate(problem, config)}
-        return [limit for limit in (None, *VMEM_LIMITS_MIB)
-                if not vmem_limit_violations(need, _raised(target, limit))]
 
     def default_config(self, problem: ServingProblem,
                        target: Target | str = "cpu") -> RpaConfig:
@@ -246,7 +238,8 @@ class RpaKernel(TunableKernel):
         shipped = self.jax_config(problem, target)
         out = {"jax": shipped}
         if {v.rule for v in self.violations(problem, shipped, target)} == {"vmem"}:
-            fits = self._fitting_limits(problem, shipped, self.target(target))
+            fits = _fitting_limits({"rpa": vmem_estimate(problem, shipped)},
+                                   self.target(target))
             out |= {"jax_vmem": shipped.replace(vmem_limit_mib=fits[0])} if fits else {}
         return out
 
@@ -487,6 +480,13 @@ def _power_below(value: int) -> int:
 
 
 KERNEL = RpaKernel()
+
+
+def _fitting_limits(need: dict[str, int], target: Target) -> list[int | None]:
+    """The limits of the search (None: the scoped default) under which ``need`` (the VMEM
+    estimate of a config's blocks) fits on ``target``, smallest first."""
+    return [limit for limit in (None, *VMEM_LIMITS_MIB)
+            if not vmem_limit_violations(need, _raised(target, limit))]
 
 
 def _raised(target: Target, limit_mib: int | None) -> Target:
