@@ -3,7 +3,8 @@
 (and capture) the problem each device computes.
 
 The device count is fixed when jax starts, so each case runs in a fresh Python process with
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (this process keeps its one device),
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (this process keeps its one device;
+XLA's CPU backend at -O0 there, see ``_run``),
 as the first JAX computation there (the pipeline-depth probe runs inside the sharded trace).
 """
 
@@ -44,8 +45,14 @@ def per_device_problems():
 def _run(devices: int, body: str) -> Any:
     """Runs ``body`` (after SETUP) on ``devices`` forced CPU devices in a new process; returns
     the JSON object it prints last."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    # -O0: XLA's CPU backend without LLVM's optimizations. These cases check what the sharded
+    # programs compute, resolve and refuse, not how fast they run, and their compiles were most
+    # of this file's time: at -O0 a compile is a fifth to a third shorter, a run of these small
+    # problems a third to a half longer, the file 15% less CPU (issue 75 item 2). Not for the
+    # whole suite: tests/test_bench_model_step.py's profile of a CPU step then no longer ranks
+    # its matmuls among the ten slowest ops.
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("AUTOTUNE_")}
     done = subprocess.run([sys.executable, "-c", SETUP + textwrap.dedent(body)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
