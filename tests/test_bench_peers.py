@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.chip import peers
+from bench.chip import handset, peers
 from kernel import Problem, get_kernel
 
 
@@ -75,3 +75,11 @@ def test_a_tokamax_sample_spans_its_space_evenly():
     assert sample == configs[::12] and len(sample) == 48
     assert peers.sampled(configs[:18], 48) == configs[:18]  # a small space runs whole
     assert peers.sampled(configs, None) == configs
+
+
+def test_the_chip_grid_s_problems_are_built_at_the_head_dim_asked():
+    """A chip call (not --interpret) builds the grid's problems: the stage ran into an
+    AttributeError there once --head-dim was handset's flag only."""
+    chosen = handset.problems(peers.parse_args(["--problems", "9", "--head-dim", "64"]))
+    assert [(p.batch, p.q_len, p.head_dim, p.causal) for p in chosen] == [(8, 2048, 64, False)]
+    assert handset.problems(peers.parse_args(["--problems", "0"]))[0].head_dim == 128

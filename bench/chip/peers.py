@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-compare", action="store_true",
                         help="tune only: time no winner (their results stay in --results)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="head_dim of every problem run (default 128)")
     parser.add_argument("--interpret", action="store_true",
                         help="a CPU check: tiny shapes, the kernels in interpret mode")
     parser.add_argument("--out", type=Path)
