@@ -5,6 +5,7 @@ as failed, not as a win."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -83,3 +84,17 @@ def test_the_chip_grid_s_problems_are_built_at_the_head_dim_asked():
     chosen = handset.problems(peers.parse_args(["--problems", "9", "--head-dim", "64"]))
     assert [(p.batch, p.q_len, p.head_dim, p.causal) for p in chosen] == [(8, 2048, 64, False)]
     assert handset.problems(peers.parse_args(["--problems", "0"]))[0].head_dim == 128
+
+
+def test_tune_jax_s_grid_holds_no_block_longer_than_the_sequence():
+    """At s512 every sample of the full grid failed to compile on the chip (2026-12-07): a user
+    writes no block longer than the sequence."""
+    short = Problem(32, 16, 16, 512, 512, 128, "bfloat16", False, "fwd_bwd")
+    grid = peers.tune_jax_grid(short, interpret=False)
+    assert grid["sa_block_q"] == [256, 512] and grid["sa_block_kv"] == [512]
+    assert grid["sa_use_fused_bwd_kernel"] == [False, True]
+    forward = peers.tune_jax_grid(dataclasses.replace(short, mode="fwd"), interpret=False)
+    assert forward == {"sa_block_q": [256, 512], "sa_block_kv": [512],
+                       "sa_block_kv_compute": [128, 256, 512]}
+    long = Problem(2, 16, 16, 8192, 8192, 128, "bfloat16", True, "fwd_bwd")
+    assert peers.tune_jax_grid(long, interpret=False) == peers.TUNE_JAX_GRID

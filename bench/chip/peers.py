@@ -266,11 +266,20 @@ def splash_config(base: Any, settings: dict[str, Any]) -> Any:
 
 
 def tune_jax_grid(problem: Any, interpret: bool) -> dict[str, list[Any]]:
-    """The grid tune-jax searches for ``problem``: the forward's settings alone in fwd mode."""
+    """The grid tune-jax searches for ``problem``, as a user writes it for that sequence: no
+    block longer than the sequence (at s512 every sample of the full grid failed to compile);
+    the forward's settings alone in fwd mode."""
     grid = INTERPRET_GRID if interpret else TUNE_JAX_GRID
-    if problem.mode == "fwd":
-        return {name: grid[name] for name in FORWARD_SETTINGS if name in grid}
-    return grid
+    names = FORWARD_SETTINGS if problem.mode == "fwd" else grid
+    return {name: fitting(grid[name], min(problem.q_len, problem.kv_len))
+            for name in names if name in grid}
+
+
+def fitting(values: list[Any], seq: int) -> list[Any]:
+    """``values`` no longer than ``seq`` (flags kept), the smallest kept if none is."""
+    if isinstance(values[0], bool):
+        return values
+    return [v for v in values if v <= seq] or [min(values)]
 
 
 def run_tune_jax(problem: Any, inputs: list[Any], args: argparse.Namespace,
