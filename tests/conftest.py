@@ -111,7 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def share_compiled_programs(config: pytest.Config) -> None:
     """One JAX compilation cache for the run (a new folder, removed at its end), which the
     workers and every ``autotune`` subprocess inherit: the suite compiles the same small
-    programs in many processes (the suite on 3 workers, 2 cores: 1,281 -> 1,040 s, 2026-12-07).
+    programs in many processes (the suite on 3 workers, 2 cores: 1,281 -> 1,040 s one run after the other, 2026-12-07).
     JAX keys each entry by the program, its options and the jax/jaxlib versions; a cache
     the user already set is kept."""
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
