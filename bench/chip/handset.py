@@ -61,18 +61,25 @@ UNIFORM = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_d
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--problems", default=None,
-                        help="comma-separated indices into the grid (default: all)")
+    add_problem_arguments(parser)
     parser.add_argument("--trials", type=int, default=30, help="configs measured per kernel")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--kernels", default=None,
                         help="the tune's candidates, a,b (default: every kernel that runs here)")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args()
+
+
+def add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags :func:`problems` reads (``--problems``, ``--head-dim``, ``--interpret``), for
+    this bench's parser and every other over the same grid (``peers.py``)."""
+    parser.add_argument("--problems", default=None,
+                        help="comma-separated indices into bench/chip/handset.py's grid "
+                             "(default: all)")
     parser.add_argument("--head-dim", type=int, default=128,
                         help="head_dim of every problem run (default 128)")
     parser.add_argument("--interpret", action="store_true",
                         help="a CPU check: tiny shapes, the kernels in interpret mode")
-    parser.add_argument("--out", type=Path)
-    return parser.parse_args()
 
 
 def problems(args: argparse.Namespace) -> list[Any]:

@@ -64,9 +64,7 @@ INTERPRET_GRID = {"sa_block_q": [128, 256], "sa_block_kv": [128, 256],
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--problems", default=None,
-                        help="comma-separated indices into bench/chip/handset.py's grid (default: "
-                             "all)")
+    handset.add_problem_arguments(parser)
     parser.add_argument("--trials", type=int, default=30,
                         help="our configs measured per kernel (the tune's default)")
     parser.add_argument("--kernels", default=None,
@@ -90,10 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-compare", action="store_true",
                         help="tune only: time no winner (their results stay in --results)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--head-dim", type=int, default=128,
-                        help="head_dim of every problem run (default 128)")
-    parser.add_argument("--interpret", action="store_true",
-                        help="a CPU check: tiny shapes, the kernels in interpret mode")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     unknown = set(args.peers.split(",")) - set(PEERS)
