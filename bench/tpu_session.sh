@@ -60,7 +60,8 @@
 #                                            layer types (flags: bench/chip/sharded_step.py's):
 #                                            $OUT/sharded-step.json (issue 71, items 4 and 5)
 #   bash bench/tpu_session.sh serve_tune MODELS TRIALS [flags]  # the rpa serving keys of the
-#                                            decode loop's MODELS (e.g. llama3-8b,qwen2-7b; flags:
+#                                            decode loop's MODELS (e.g. llama3-8b,qwen2-7b, or a
+#                                            shapes file of serving problems; flags:
 #                                            bench/chip/serve_step.py's key flags, e.g. --seqs
 #                                            32,256 --tokens 2048) tuned over their batch
 #                                            compositions, resuming the study of SERVE_DB (a
@@ -202,8 +203,9 @@ for style, row in report["styles"].items():
 print("export", json.dumps(report["export"], indent=1))' "$OUT/sharded-step.json" ;;
 serve_tune)  # MODELS TRIALS [serve_step.py key flags]
     db=/tmp/serve.db; [ -n "${SERVE_DB:-}" ] && cp "$SERVE_DB" "$db"
-    python3 bench/chip/serve_step.py --write-shapes "$OUT/serve-shapes.yaml" --models "$2" \
-        "${@:4}" || exit 1
+    if [ -f "$2" ]; then cp "$2" "$OUT/serve-shapes.yaml"  # a shapes file of its own keys
+    else python3 bench/chip/serve_step.py --write-shapes "$OUT/serve-shapes.yaml" --models "$2" \
+        "${@:4}" || exit 1; fi
     timeout "${SERVE_TUNE_S:-0}" python3 -m autotune tune --kernel rpa \
         --shapes "$OUT/serve-shapes.yaml" --trials "$3" --db "sqlite:///$db" --json > "$OUT/serve-tune.jsonl" 2> "$OUT/serve-tune.err"
     echo "tune exit $?"; tail -n 5 "$OUT/serve-tune.err"
