@@ -188,7 +188,10 @@ def test_the_default_is_legal_on_every_grid_key(target):
         default = RPA.default_config(problem, target)
         assert not RPA.violations(problem, default, target), (problem, default)
         shrunk += default != RPA.jax_config(problem, target)
-        assert RPA.seed_configs(problem, target) in ([], [RPA.jax_config(problem, target)])
+        known = {RPA.jax_config(problem, target), RPA.table_entry(problem, target)}
+        seeds = RPA.seed_configs(problem, target)
+        assert set(seeds) <= known and len(seeds) == len(set(seeds))
+        assert all(RPA.is_legal(problem, seed, target) for seed in seeds)
     if target == "v5e":
         assert shrunk  # JAX's own choice overflows some keys there
 
@@ -312,6 +315,22 @@ def test_jaxs_choice_is_the_named_baseline_legal_or_not():
     assert baselines["jax_vmem"] == RpaConfig(*FALLBACK, vmem_limit_mib=64)
     assert not RPA.is_legal(LLAMA, RpaConfig(*FALLBACK, vmem_limit_mib=32), "v5e")
     assert RPA.is_legal(LLAMA, baselines["jax_vmem"], "v5e")
+
+
+def test_the_table_s_own_entry_is_a_baseline_beside_jax_s_lookup():
+    """JAX's lookup misses the Llama key (its simplify_key looks up page_size * pages_per_seq
+    last, 2048 here), while its table holds an entry under the key as written (128 pages
+    per sequence): a baseline and a seed of its own. A key the table lacks has none."""
+    raw = jax_key(LLAMA)
+    entry = tuned_block_sizes.TUNED_BLOCK_SIZES["TPU v5"][raw]
+    assert tuned_block_sizes.simplify_key(raw) not in tuned_block_sizes.TUNED_BLOCK_SIZES["TPU v5"]
+    baselines = RPA.baselines(LLAMA, "v5e")
+    assert baselines["jax_entry"] == RpaConfig(*entry) != baselines["jax"]
+    assert baselines["jax_entry"] in RPA.seed_configs(LLAMA, "v5e")
+    assert RPA.table_entry(LLAMA, "v4") is None  # JAX gives the v4 no table
+    absent = dataclasses.replace(LLAMA, max_num_batched_tokens=8192)
+    assert RPA.table_entry(absent, "v5e") is None
+    assert "jax_entry" not in RPA.baselines(absent, "v5e")
 
 
 def test_a_jax_choice_that_fits_has_no_raised_vmem_baseline():

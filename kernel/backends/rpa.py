@@ -216,32 +216,60 @@ class RpaKernel(TunableKernel):
         problem."""
         target = self.target(target)
         pages, queries = V4_FALLBACK if target.name == "v4" else FALLBACK
-        table = self.shipped.get(jax_device_key(target.device_kind), {})
         if self.simplify_key is not None and target.name != "v4":
-            pages, queries = table.get(self.simplify_key(jax_key(problem)), (pages, queries))
-        return RpaConfig(min(pages, problem.pages_per_seq),
-                         min(queries, problem.max_num_batched_tokens))
+            pages, queries = self._table(target).get(self.simplify_key(jax_key(problem)),
+                                                     (pages, queries))
+        return _clamped(problem, pages, queries)
+
+    def table_entry(self, problem: ServingProblem,
+                    target: Target | str = "cpu") -> RpaConfig | None:
+        """The entry JAX's shipped table holds under ``problem``'s raw key (:func:`jax_key`,
+        ``pages_per_seq`` last), clamped as JAX clamps: what a serving stack that reads the
+        table by hand runs. JAX's own lookup never reaches it at the serving grid's keys: its
+        ``simplify_key`` rounds the heads to powers of two and looks up ``page_size *
+        pages_per_seq`` last, while the table's last elements read as pages per sequence
+        (page 16: 64 to 256; page 256: 1,024 to 4,096). None: no such entry (or a v4, which
+        JAX gives no table)."""
+        target = self.target(target)
+        entry = None if target.name == "v4" else self._table(target).get(jax_key(problem))
+        return None if entry is None else _clamped(problem, *entry)
+
+    def _table(self, target: Target) -> Mapping[tuple[Any, ...], tuple[int, int]]:
+        return self.shipped.get(jax_device_key(target.device_kind), {})
 
     def seed_configs(self, problem: ServingProblem,
                      target: Target | str = "cpu") -> list[RpaConfig]:
-        """JAX's own choice where the rules admit it (it is measured as a baseline)."""
-        shipped = self.jax_config(problem, target)
-        return [shipped] if not self.violations(problem, shipped, target) else []
+        """JAX's own choice and its table's entry (:meth:`table_entry`) where the rules admit
+        them (both are measured as baselines too)."""
+        known = [self.jax_config(problem, target), self.table_entry(problem, target)]
+        return [config for config in dict.fromkeys(known)
+                if config is not None and not self.violations(problem, config, target)]
 
     def baselines(self, problem: ServingProblem,
                   target: Target | str = "cpu") -> dict[str, RpaConfig]:
         """JAX's own choice (:meth:`jax_config`: its shipped entry, else its fallback), legal
-        or not: issue 73 holds every tuned key to at least its speed. Where only its VMEM
-        refuses it, also ``jax_vmem``: its blocks under the smallest raised limit of the search
-        that admits them, as a serving stack that passes ``vmem_limit_bytes`` runs them (JAX's
-        own call, with none, fails to compile there)."""
+        or not: issue 73 holds every tuned key to at least its speed. Beside it, where it
+        differs, ``jax_entry``: the table's entry for the key as the table is written
+        (:meth:`table_entry`), which JAX's lookup misses. Where only its VMEM refuses one,
+        also ``jax_vmem`` (``jax_entry_vmem``): its blocks under the smallest raised limit of
+        the search that admits them, as a serving stack that passes ``vmem_limit_bytes`` runs
+        them (JAX's own call, with none, fails to compile there)."""
         shipped = self.jax_config(problem, target)
-        out = {"jax": shipped}
-        if {v.rule for v in self.violations(problem, shipped, target)} == {"vmem"}:
-            fits = _fitting_limits({"rpa": vmem_estimate(problem, shipped)},
-                                   self.target(target))
-            out |= {"jax_vmem": shipped.replace(vmem_limit_mib=fits[0])} if fits else {}
+        out = {"jax": shipped, **self._vmem_raised("jax_vmem", problem, shipped, target)}
+        entry = self.table_entry(problem, target)
+        if entry is not None and entry != shipped:
+            out |= {"jax_entry": entry,
+                    **self._vmem_raised("jax_entry_vmem", problem, entry, target)}
         return out
+
+    def _vmem_raised(self, name: str, problem: ServingProblem, config: RpaConfig,
+                     target: Target | str) -> dict[str, RpaConfig]:
+        """``{name: config under the smallest raised VMEM limit that admits it}`` where only
+        its VMEM refuses ``config``; else nothing."""
+        if {v.rule for v in self.violations(problem, config, target)} != {"vmem"}:
+            return {}
+        fits = _fitting_limits({"rpa": vmem_estimate(problem, config)}, self.target(target))
+        return {name: config.replace(vmem_limit_mib=fits[0])} if fits else {}
 
     def attention(self, problem: ServingProblem, config_for: ConfigFor,
                   sm_scale: float) -> AttentionFn:
@@ -472,6 +500,13 @@ def jax_key(problem: ServingProblem) -> tuple[Any, ...]:
     q_heads, combined = heads_per_block(problem)
     return (problem.dtype, problem.kv_dtype, q_heads, combined // 2, problem.head_dim,
             problem.page_size, problem.max_num_batched_tokens, problem.pages_per_seq)
+
+
+def _clamped(problem: ServingProblem, pages: int, queries: int) -> RpaConfig:
+    """JAX's block sizes clamped as its lookup clamps them: to ``pages_per_seq`` and the token
+    budget."""
+    return RpaConfig(min(pages, problem.pages_per_seq),
+                     min(queries, problem.max_num_batched_tokens))
 
 
 def _power_below(value: int) -> int:
