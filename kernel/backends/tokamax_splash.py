@@ -140,8 +140,10 @@ def _dq_reduction_violations(problem: Problem, config: TokamaxConfig) -> list[Vi
 # The VMEM model: JAX's splash model (kernel/backends/splash.py) rewritten for the buffers
 # tokamax's kernels declare, its temporaries fitted to the scoped allocations a deviceless v5e
 # compile reports for them (bench/kernels/data/tokamax_vmem/: configs of tokamax's own v5e run
-# and a random sample, at b4 h16 s4096 d128 bf16). It is an upper bound on each of those, by
-# 0 to 1.4 MiB; not yet checked on a chip, nor fitted on another generation (UNFITTED_MARGINS).
+# and a random sample, at b4 h16 s4096 d128 bf16, full attention). It is an upper bound on each
+# of those, within 10% and 1 MiB; not yet checked on a chip, nor with a causal or window mask
+# or segment ids (their int32 blocks are counted as declared, double-buffered), nor fitted on
+# another generation (UNFITTED_MARGINS).
 # What differs from JAX's splash: the forward's m, l and accumulator are scratch, not outputs;
 # its residuals are logsumexp and max_logits, each (rows, 128) f32; the only backward is the
 # fused dK/dV/dQ kernel, whose dQ output block is f32 when it is written per key block and
@@ -165,6 +167,8 @@ def vmem_estimate(problem: Problem, config: TokamaxConfig) -> dict[str, int]:
         return 2 * tile_bytes(rows, d, itemsize)
 
     row_stat = tile_bytes(c.block_q, LANES, 4)  # one (rows, 128) f32 row statistic
+    masked = problem.causal or problem.window is not None  # query positions, for the mask
+    q_ids = (masked + problem.segmented) * 2  # (rows, 128) or (8, rows) int32 blocks, doubled
     residuals = 2 if problem.mode == "fwd_bwd" else 0  # logsumexp, max_logits outputs
     steps = min(c.block_kv // c.block_kv_compute, FWD_MAX_STEPS)
     logits = tile_bytes(c.block_q, c.block_kv_compute, 4)
@@ -173,7 +177,8 @@ def vmem_estimate(problem: Problem, config: TokamaxConfig) -> dict[str, int]:
     fwd = (2 * io(c.block_q) + 2 * io(c.block_kv)  # q, out; k, v
            + (2 + 2 * residuals) * row_stat + tile_bytes(c.block_q, d, 4)  # m, l, acc; outputs
            + (FWD_LOGIT_TILES + FWD_TILES_PER_STEP * (steps - 1)) * logits
-           + row_temporaries * row_stat)
+           + row_temporaries * row_stat
+           + q_ids * row_stat + problem.segmented * 2 * tile_bytes(SUBLANES, c.block_kv, 4))
     estimate = {"fwd": int(fwd)}
     if problem.mode == "fwd_bwd":
         qd, kd, kc = c.block_q_dkv, c.block_kv_dkv, c.block_kv_dkv_compute
@@ -184,7 +189,8 @@ def vmem_estimate(problem: Problem, config: TokamaxConfig) -> dict[str, int]:
             + io(qd, dq_itemsize) * (2 if c.dq_reduction_steps else 1)  # dq (and its alias)
             + 2 * tile_bytes(kd, d, 4)  # f32 dk, dv scratch
             + (tile_bytes(qd, d, 4) if kc < kd else 0)  # f32 dq scratch
-            + 2 * 2 * tile_bytes(SUBLANES, qd, 4)  # logsumexp, di: (8, rows)
+            + (2 * 2 + q_ids) * tile_bytes(SUBLANES, qd, 4)  # logsumexp, di, ids: (8, rows)
+            + problem.segmented * 2 * tile_bytes(kd, LANES, 4)  # kv segment ids
             + DKV_LOGIT_TILES * tile_bytes(kc, qd, 4))
     return estimate
 
