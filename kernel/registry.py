@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from kernel.backends import flash, jax_tpu_flash, mosaic_gpu, pallas_gpu, rpa, splash, xla
+from kernel.backends import (flash, jax_tpu_flash, mosaic_gpu, pallas_gpu, rpa, splash,
+                             tokamax_splash, xla)
 from kernel.contract import TunableKernel
 from kernel.errors import ConfigError
 
@@ -20,7 +21,7 @@ DEFAULT_KERNEL = flash.KERNEL.name
 KERNELS: Mapping[str, TunableKernel] = MappingProxyType({
     backend.name: backend
     for backend in (flash.KERNEL, jax_tpu_flash.KERNEL, pallas_gpu.KERNEL, splash.KERNEL,
-                    xla.KERNEL, xla.CUDNN, mosaic_gpu.KERNEL)
+                    tokamax_splash.KERNEL, xla.KERNEL, xla.CUDNN, mosaic_gpu.KERNEL)
 })
 SERVING_KERNELS: Mapping[str, TunableKernel] = MappingProxyType({rpa.KERNEL.name: rpa.KERNEL})
 

@@ -81,6 +81,28 @@ def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Vi
     return out
 
 
+def splash_block_violations(problem: Problem, config: object, axes: tuple[tuple[str, str], ...],
+                            compute_of: tuple[tuple[str, str], ...]) -> list[Violation]:
+    """The block rules of a splash kernel (JAX's or tokamax's) for ``config``: each
+    ``(field, axis)`` block in ``axes`` tiles its sequence axis (:func:`block_violations`),
+    each ``(compute, block)`` of ``compute_of`` divides (``compute_divides_block``: the kernel
+    loops over the block's keys), and key blocks fill whole lanes (``block_lanes``)."""
+    out = []
+    for field, axis in axes:
+        out += block_violations(field, getattr(config, field), getattr(problem, axis), axis)
+    for compute, block in compute_of:
+        small, large = getattr(config, compute), getattr(config, block)
+        if large % small:
+            out.append(Violation("compute_divides_block", f"{compute}={small} must divide "
+                                 f"{block}={large}"))
+    for field, axis in axes:
+        value = getattr(config, field)
+        if axis == "kv_len" and value % LANES:
+            out.append(Violation("block_lanes", f"{field}={value} must be a multiple of "
+                                 f"{LANES} (splash's key blocks fill whole lanes)"))
+    return out
+
+
 def tile_bytes(rows: int, cols: int, itemsize: int) -> int:
     """VMEM bytes of a (rows, cols) tile, padded to whole (8 or 16, 128) tiles."""
     sublanes = SUBLANES * (4 // itemsize)  # bf16 packs two rows per sublane

@@ -80,6 +80,24 @@ def plain_sources(sources: dict[Any, str]) -> dict[Any, str]:
             for key, value in sources.items()}
 
 
+def unavailable(name: str) -> str:
+    """Why the registered backend ``name`` runs nothing here whatever the problem: an optional
+    package it needs is not installed (its ``*_missing`` rule, e.g. ``tokamax_missing``),
+    naming the extra; '' when it can run."""
+    from kernel import Problem, get_kernel
+
+    problem = Problem(1, 1, 1, 128, 128, 128, "float32", False, "fwd")
+    return "; ".join(str(v) for v in get_kernel(name).problem_violations(problem)
+                     if v.rule.endswith("_missing"))
+
+
+def installed(name: str) -> Any:
+    """``name`` as a test parameter, skipped naming the extra to install where the backend's
+    optional package is missing (:func:`unavailable`; CI installs every one)."""
+    why = unavailable(name)
+    return pytest.param(name, marks=pytest.mark.skip(reason=why)) if why else name
+
+
 def problem_flags(problem: Problem) -> list[str]:
     """The ``autotune`` problem flags (``--batch ... --mode``) that select ``problem``."""
     fields = problem.to_dict()

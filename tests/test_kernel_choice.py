@@ -510,7 +510,7 @@ def test_the_cpu_s_default_candidates_leave_the_gpu_kernels_out(tmp_path: Path) 
     from autotune.choice import local_kernels
 
     assert jax.devices()[0].platform == "cpu"
-    assert local_kernels() == ["flash", "jax_tpu_flash", "splash", "xla"]
+    assert local_kernels() == ["flash", "jax_tpu_flash", "splash", "tokamax", "xla"]
     done = run_cli("tune", "--kernel", "pallas_gpu", *problem_flags(SMALL), "--trials", "1",
                    "--db", f"sqlite:///{tmp_path / 'gpu.db'}", "--json", timeout=300)
     assert done.returncode == 0, done.stderr

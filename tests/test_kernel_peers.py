@@ -25,8 +25,9 @@ caps, with windows of 0 and wider than the sequence) run on every CPU-capable ke
 claims the feature (its ``problem_violations`` accept it), against float64
 ``reference_attention``; ours has more in ``tests/test_flash_features.py``. As tokamax
 does, a query that sees no key is left out of the comparison (its output and cotangent
-multiplied by 0 in the kernel and the truth alike): splash and upstream's TPU kernel give it an
-average of the values where the reference gives zeros (``MASKED_AVERAGE``, tested apart).
+multiplied by 0 in the kernel and the truth alike): splash (JAX's and tokamax's) and upstream's
+TPU kernel give it an average of the values where the reference gives zeros
+(``MASKED_AVERAGE``, tested apart).
 
 Sampled for CI time (about 3 minutes on two loaded cores), deterministically: every case of
 the peers' single tests, and two in three of each product parameterization (``PRODUCTS``),
@@ -564,7 +565,7 @@ def test_ours_xla_and_splash_claim_every_feature_case():
 # What a query that sees no key gets, per kernel (as docs/models.md says): zeros, as the
 # reference, or an average of the values (a softmax over logits that are all the kernel's mask
 # value). The feature cases leave such queries out of their comparison.
-MASKED_AVERAGE = {"splash", "jax_tpu_flash"}
+MASKED_AVERAGE = {"splash", "tokamax", "jax_tpu_flash"}
 UNSEEN = {  # the second half of the queries sees no key
     "ids": (Problem(1, 2, 2, 256, 256, 64, "float32", segmented=True),
             (np.repeat(np.asarray([[0, 7]], np.int32), 128, axis=1), np.zeros((1, 256), np.int32))),

@@ -21,10 +21,11 @@ import pytest
 
 from kernel import Problem, get_kernel, kernel_names
 from kernel.contract import input_specs
+from conftest import installed
 
 FWD_TOLERANCE = dict(atol=3e-3, rtol=3e-3)
 BWD_TOLERANCE = dict(atol=2e-2, rtol=3e-2)
-ON_CPU = [name for name in kernel_names() if "cpu" in get_kernel(name).targets]
+ON_CPU = [installed(name) for name in kernel_names() if "cpu" in get_kernel(name).targets]
 
 # (mode, q_heads, kv_heads, q_len, kv_len, dtype, causal)
 PROBLEMS = [("fwd", 4, 1, 256, 256, "float32", True),

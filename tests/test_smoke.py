@@ -14,7 +14,7 @@ import pytest
 from kernel import get_kernel, kernel_names
 from kernel.aot import compile_for_target
 from kernel.contract import input_specs
-from tests.conftest import run_cli
+from tests.conftest import installed, run_cli
 from tests.test_kernel_contract import (
     ON_CPU,
     TOLERANCE,
@@ -27,7 +27,7 @@ from tests.test_kernel_contract import (
 
 pytestmark = pytest.mark.smoke
 
-TPU_KERNELS = [name for name in kernel_names() if "v5e" in get_kernel(name).targets]
+TPU_KERNELS = [installed(name) for name in kernel_names() if "v5e" in get_kernel(name).targets]
 TPU_PROBLEM = _problem("fwd_bwd", q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=128,
                        dtype="bfloat16")
 

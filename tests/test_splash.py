@@ -332,7 +332,8 @@ def test_splash_is_a_default_kernel_choice_candidate_on_a_tpu(monkeypatch):
 
     tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
     monkeypatch.setattr(autotune.choice.jax, "devices", lambda: [tpu])
-    assert autotune.choice.local_kernels() == ["flash", "jax_tpu_flash", "splash", "xla"]
+    assert autotune.choice.local_kernels() == ["flash", "jax_tpu_flash", "splash", "tokamax",
+                                              "xla"]
 
 
 def test_maxtexts_recipes_are_capped_like_its_default():

@@ -14,11 +14,11 @@ import pytest
 
 from kernel import Problem, get_kernel, kernel_names
 from kernel.table import KernelChoice, KernelTiming, LookupTable
-from conftest import problem_flags, run_cli
+from conftest import installed, problem_flags, run_cli
 
 PROBLEM = Problem(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_dim=64,
                   dtype="float32", causal=True, mode="fwd_bwd")
-CPU_KERNELS = [name for name in kernel_names() if "cpu" in get_kernel(name).targets]
+CPU_KERNELS = [installed(name) for name in kernel_names() if "cpu" in get_kernel(name).targets]
 # A fresh process pins the table and differentiates, as a user's training step does; it
 # prints which kernel ran, the key's mode and how it was picked (the one key it resolved).
 TRAIN = """

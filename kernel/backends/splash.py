@@ -39,10 +39,10 @@ from kernel.rules import (
     UnrolledScratch,
     Violation,
     block_values,
-    block_violations,
     key_lane_violations,
     largest_at_most,
     sequence_violations,
+    splash_block_violations,
     tile_bytes,
     vmem_limit_violations,
     x64_violations,
@@ -282,19 +282,8 @@ class SplashKernel(TunableKernel):
         unused = _dq_violations(config)
         if unused:  # unset blocks the kernel would run: no estimate
             return out + unused
-        axes = _checked_axes(problem, config)
-        for field, axis in axes:
-            out += block_violations(field, getattr(config, field), getattr(problem, axis), axis)
-        for compute, block in _COMPUTE_OF[:1 if problem.mode == "fwd" else None]:
-            small, large = getattr(config, compute), getattr(config, block)
-            if large % small:
-                out.append(Violation("compute_divides_block", f"{compute}={small} must divide "
-                                     f"{block}={large}"))
-        for field, axis in axes:
-            value = getattr(config, field)
-            if axis == "kv_len" and value % LANES:
-                out.append(Violation("block_lanes", f"{field}={value} must be a multiple of "
-                                     f"{LANES} (splash's key blocks fill whole lanes)"))
+        out += splash_block_violations(problem, config, _checked_axes(problem, config),
+                                       _COMPUTE_OF[:1 if problem.mode == "fwd" else None])
         margin = UNFITTED_MARGINS.get(target.name, 1.0)
         need = {name: int(size * margin) for name, size in vmem_estimate(problem, config).items()}
         return out + vmem_limit_violations(need, target)
