@@ -212,18 +212,25 @@ _FUSED_BF16 = ("in bf16 dq {} and dk {} the tolerance where XLA passes: its back
 # in a second pass met these tolerances, but made fwd_bwd 1.11x slower on a TPU v5e for no
 # smaller largest error there (bench/results/tpu-v5e-2026-12-06/backward.json).
 _OURS_DS_BF16 = "in bf16 {} the tolerance: our backward rounds dS to bf16 (one MXU pass)"
-_FUSED_FIGURES = {
+_FUSED_FIGURES = {  # splash's and tokamax's with AUTOTUNE_PEERS=all, 2026-12-07
     "jax-fused-fwd-b2-s384-h8-d64-causal": {"jax_tpu_flash": (2.85, 2.53),
-                                            "pallas_gpu": (4.08, 3.44)},
-    "jax-fused-fwd-b1-s128-h1-d32": {"jax_tpu_flash": (1.11, 1.36), "pallas_gpu": (1.96, 1.69)},
+                                            "pallas_gpu": (4.08, 3.44),
+                                            "splash": (2.85, 2.50), "tokamax": (3.48, 5.52)},
+    "jax-fused-fwd-b1-s128-h1-d32": {"jax_tpu_flash": (1.11, 1.36), "pallas_gpu": (1.96, 1.69),
+                                     "tokamax": (1.02, 1.29)},
     "jax-fused-bwd-b1-s384-h1-d128": {"jax_tpu_flash": (2.72, 2.36),
-                                      "pallas_gpu": (4.08, 5.36)},
+                                      "pallas_gpu": (4.08, 5.36), "splash": (2.44, 2.87)},
     "jax-fused-bwd-b2-s384-h2-d128-causal": {"jax_tpu_flash": (4.24, 3.23),
-                                             "pallas_gpu": (5.23, 4.98)},
+                                             "pallas_gpu": (5.23, 4.98),
+                                             "splash": (4.24, 3.54)},
     "jax-fused-bwd-b1-s384-h2-d64-causal": {"jax_tpu_flash": (2.08, 2.93),
-                                            "pallas_gpu": (2.42, 2.51)},
-    "jax-fused-bwd-b2-s128-h2-d32": {"jax_tpu_flash": (2.09, 1.74), "pallas_gpu": (2.55, 1.82)},
+                                            "pallas_gpu": (2.42, 2.51),
+                                            "splash": (2.08, 2.64), "tokamax": (3.41, 3.65)},
+    "jax-fused-bwd-b2-s128-h2-d32": {"jax_tpu_flash": (2.09, 1.74), "pallas_gpu": (2.55, 1.82),
+                                     "splash": (1.75, 1.09), "tokamax": (1.77, 2.27)},
 }
+# tokamax's bf16 output misses too where its gradients do, at s384 d128 (cause not isolated).
+_TOKAMAX_OUT = "in bf16 out {}, dq {} and dk {} the tolerance where XLA passes"
 KNOWN_LIMITS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{(case_id, name): (_FUSED_BF16.format(*(f"{x:.2f}x" for x in figures)), ("dq", "dk"))
        for case_id, kernels in _FUSED_FIGURES.items() for name, figures in kernels.items()},
@@ -231,6 +238,10 @@ KNOWN_LIMITS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
         _OURS_DS_BF16.format("dq 1.41x"), ("dq",)),
     ("jax-fused-bwd-b2-s384-h2-d128-causal", "flash"): (
         _OURS_DS_BF16.format("dq 1.27x and dk 1.03x"), ("dq", "dk")),
+    ("jax-fused-bwd-b1-s384-h1-d128", "tokamax"): (
+        _TOKAMAX_OUT.format("1.15x", "4.16x", "4.91x"), ("out", "dq", "dk")),
+    ("jax-fused-bwd-b2-s384-h2-d128-causal", "tokamax"): (
+        _TOKAMAX_OUT.format("1.26x", "5.37x", "7.82x"), ("out", "dq", "dk")),
     ("large-logits-full", "pallas_gpu"): (
         "at q x 1e4 its dv is 2.1e-3 off float64 against XLA's 4.9e-5", ("dv",)),
     ("large-logits-causal", "pallas_gpu"): (

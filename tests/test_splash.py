@@ -125,6 +125,21 @@ def test_the_warm_start_measures_the_default_and_the_uniform_blocks_fused_too():
     assert not any(s.use_fused_bwd_kernel for s in SPLASH.seed_configs(_problem("fwd"), "v5e"))
 
 
+def test_tune_jaxs_v5e_winner_is_a_seed_capped_at_the_problem():
+    """tune-jax's splash winner at two unmasked v5e problems is measured early (it beat our
+    30 trials there), capped at a short sequence like MaxText's recipes."""
+    from kernel.backends.splash import TUNE_JAX_V5E_WINNER, recipe
+
+    full = Problem(4, 16, 16, 4096, 4096, 128, "bfloat16", False, "fwd_bwd")
+    winner = recipe(full, **TUNE_JAX_V5E_WINNER)
+    assert winner.label() == "q1024 kv2048/512 dkv1024x2048/512 fused layout hhh"
+    assert winner in SPLASH.seed_configs(full, "v5e")
+    short = Problem(32, 16, 16, 512, 512, 128, "bfloat16", False, "fwd_bwd")
+    capped = recipe(short, **TUNE_JAX_V5E_WINNER)
+    assert (capped.block_q, capped.block_kv, capped.block_kv_dkv) == (512, 512, 512)
+    assert capped in SPLASH.seed_configs(short, "v5e")
+
+
 def test_fwd_mode_keeps_the_backward_fields_at_their_defaults():
     params = SPLASH.space_params(_problem("fwd"))
     assert set(params) == {"block_q", "block_kv", "block_kv_compute", "q_layout", "k_layout",
