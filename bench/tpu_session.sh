@@ -120,6 +120,7 @@ long)  # NAME KERNELS TRIALS PROBLEM-FLAGS...: a problem of its own, kernels a,b
 kerneltests)  # less the one test that needs a loopback server: the chip VM has no sockets
     timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -q -rfE \
         tests/test_kernel_numerics.py tests/test_flash_features.py tests/test_splash.py \
+        tests/test_tokamax_splash.py \
         --deselect tests/test_splash.py::test_the_service_stores_and_answers_flags_enums_and_unused_blocks \
         > "$OUT/kerneltests.log" 2>&1
     echo "pytest exit $?"; tail -n 40 "$OUT/kerneltests.log" ;;
