@@ -92,6 +92,9 @@ TOKAMAX_VMEM_OOMS = {
     "dkv 1024x4096/1024": dict(block_q_dkv=1024, block_kv_dkv=4096, block_kv_dkv_compute=1024),
     "dkv 4096x1024/512": dict(block_q_dkv=4096, block_kv_dkv=1024, block_kv_dkv_compute=512),
     "dkv 2048x4096/512": dict(block_q_dkv=2048, block_kv_dkv=4096, block_kv_dkv_compute=512),
+    # 32 unrolled steps of 128 keys: the one of the run's 16 failures the first model admitted
+    "fwd q1024 kv4096/128 hsh": dict(block_q=1024, block_kv=4096, block_kv_compute=128,
+                                     k_layout="SEQ_MINOR", use_experimental_scheduler=False),
 }
 
 

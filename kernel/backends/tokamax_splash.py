@@ -153,6 +153,11 @@ def _dq_reduction_violations(problem: Problem, config: TokamaxConfig) -> list[Vi
 # (rows, 128) row temporaries (m, l, alpha and their tiles), half a one more for a SEQ_MINOR q;
 # the backward 1.35 logits tiles whatever its steps (1.0 to 1.32 measured from 2 to 8).
 FWD_LOGIT_TILES, FWD_TILES_PER_STEP, FWD_MAX_STEPS = 1.15, 0.15, 8
+# Past 8 unrolled steps each step holds about two more tiles: q1024 kv4096/128 (32 steps) took
+# 31.98 MiB (34.51 with a SEQ_MINOR k) where 8 steps' rate says 12.35; its failure with a
+# scoped-VMEM out-of-memory in tokamax's own v5e run (2026-12-07f, peers-3) was the model's one
+# false admit of 16.
+FWD_TILES_PER_EXTRA_STEP = 1.9
 FWD_ROW_TEMPORARIES, SEQ_MINOR_Q_ROWS = 5.5, 0.5
 DKV_LOGIT_TILES = 1.35
 UNFITTED_MARGINS = {"v5p": 1.5, "v6e": 1.25}
@@ -170,13 +175,15 @@ def vmem_estimate(problem: Problem, config: TokamaxConfig) -> dict[str, int]:
     masked = problem.causal or problem.window is not None  # query positions, for the mask
     q_ids = (masked + problem.segmented) * 2  # (rows, 128) or (8, rows) int32 blocks, doubled
     residuals = 2 if problem.mode == "fwd_bwd" else 0  # logsumexp, max_logits outputs
-    steps = min(c.block_kv // c.block_kv_compute, FWD_MAX_STEPS)
+    steps = c.block_kv // c.block_kv_compute
+    fitted_steps, extra_steps = min(steps, FWD_MAX_STEPS), max(steps - FWD_MAX_STEPS, 0)
     logits = tile_bytes(c.block_q, c.block_kv_compute, 4)
     row_temporaries = FWD_ROW_TEMPORARIES + (SEQ_MINOR_Q_ROWS if c.q_layout == "SEQ_MINOR"
                                              else 0)
     fwd = (2 * io(c.block_q) + 2 * io(c.block_kv)  # q, out; k, v
            + (2 + 2 * residuals) * row_stat + tile_bytes(c.block_q, d, 4)  # m, l, acc; outputs
-           + (FWD_LOGIT_TILES + FWD_TILES_PER_STEP * (steps - 1)) * logits
+           + (FWD_LOGIT_TILES + FWD_TILES_PER_STEP * (fitted_steps - 1)
+              + FWD_TILES_PER_EXTRA_STEP * extra_steps) * logits
            + row_temporaries * row_stat
            + q_ids * row_stat + problem.segmented * 2 * tile_bytes(SUBLANES, c.block_kv, 4))
     estimate = {"fwd": int(fwd)}
