@@ -94,6 +94,16 @@ def by_mode(attend_for: Callable[[str], AttentionFn],
     return attend
 
 
+def mosaic_or_interpreted(attend_for: Callable[[bool], AttentionFn]) -> AttentionFn:
+    """``attend_for(interpret)``: compiled with Mosaic on a TPU (``False``), interpreted
+    elsewhere (``True``), chosen per platform when lowering (``lax.platform_dependent``), so an
+    ahead-of-time compile for a TPU on a CPU host still gets the Mosaic kernels."""
+    from jax import lax
+
+    return lambda *args: lax.platform_dependent(
+        *args, tpu=lambda *a: attend_for(False)(*a), default=lambda *a: attend_for(True)(*a))
+
+
 def per_mode(attend_with: Callable[[Any], AttentionFn], config_for: ConfigFor,
              run: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn,
              ) -> AttentionFn:

@@ -81,6 +81,16 @@ def block_violations(field: str, block: int, dim: int, dim_name: str) -> list[Vi
     return out
 
 
+# The block fields of a splash kernel (JAX's and tokamax's name them alike): the forward's and
+# dK/dV's sequence-axis blocks as ``(field, axis)``, and ``(compute, block)``: the kernel loops
+# block // compute times over the block's keys.
+SPLASH_FWD_AXES = (("block_q", "q_len"), ("block_kv", "kv_len"), ("block_kv_compute", "kv_len"))
+SPLASH_DKV_AXES = (("block_q_dkv", "q_len"), ("block_kv_dkv", "kv_len"),
+                   ("block_kv_dkv_compute", "kv_len"))
+SPLASH_COMPUTE_OF = (("block_kv_compute", "block_kv"),
+                     ("block_kv_dkv_compute", "block_kv_dkv"))
+
+
 def splash_block_violations(problem: Problem, config: object, axes: tuple[tuple[str, str], ...],
                             compute_of: tuple[tuple[str, str], ...]) -> list[Violation]:
     """The block rules of a splash kernel (JAX's or tokamax's) for ``config``: each

@@ -17,24 +17,34 @@ How it is called (``_attend``):
   zeros: packings where each query sees its own segment avoid it.
 - Batch: ``jax.vmap`` over splash's ``[heads, seq, head_dim]`` kernel; ``sm_scale``: splash has
   none, so q is scaled before the call (as MaxText does).
-- Interpret mode on a CPU, chosen per platform when lowering (``lax.platform_dependent``), so
-  an ahead-of-time compile for a TPU on a CPU host still gets the Mosaic kernels.
+- Interpret mode on a CPU, chosen per platform when lowering
+  (:func:`kernel.contract.mosaic_or_interpreted`), so an ahead-of-time compile for a TPU on a
+  CPU host still gets the Mosaic kernels.
 
 Pure Python at import; jax loads in ``attention``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from kernel.config import IntConfig
-from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, per_mode
+from kernel.contract import (
+    AttentionFn,
+    ConfigFor,
+    Params,
+    TunableKernel,
+    mosaic_or_interpreted,
+    per_mode,
+)
 from kernel.problem import Problem
 from kernel.rules import (
     LANES,
     REGISTER_FILE,
+    SPLASH_COMPUTE_OF,
+    SPLASH_DKV_AXES,
+    SPLASH_FWD_AXES,
     SUBLANES,
     UnrolledScratch,
     Violation,
@@ -90,19 +100,15 @@ class SplashConfig(IntConfig):
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "q_layout", "k_layout", "v_layout")
 DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
 DQ_FIELDS = ("block_q_dq", "block_kv_dq")
-# Sequence-axis blocks: (field, axis).
-_FWD_AXES = (("block_q", "q_len"), ("block_kv", "kv_len"), ("block_kv_compute", "kv_len"))
-_DKV_AXES = (("block_q_dkv", "q_len"), ("block_kv_dkv", "kv_len"),
-             ("block_kv_dkv_compute", "kv_len"))
+# The dQ kernel's sequence-axis blocks: (field, axis), as kernel.rules' SPLASH_FWD_AXES.
 _DQ_AXES = (("block_q_dq", "q_len"), ("block_kv_dq", "kv_len"))
-# (compute, block): the kernel loops block // compute times over the block's keys.
-_COMPUTE_OF = (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv"))
 
 
 def _checked_axes(problem: Problem, config: SplashConfig) -> tuple[tuple[str, str], ...]:
     if problem.mode == "fwd":
-        return _FWD_AXES
-    return _FWD_AXES + _DKV_AXES + (() if config.use_fused_bwd_kernel else _DQ_AXES)
+        return SPLASH_FWD_AXES
+    dq = () if config.use_fused_bwd_kernel else _DQ_AXES
+    return SPLASH_FWD_AXES + SPLASH_DKV_AXES + dq
 
 
 def _dq_violations(config: SplashConfig) -> list[Violation]:
@@ -283,7 +289,7 @@ class SplashKernel(TunableKernel):
         if unused:  # unset blocks the kernel would run: no estimate
             return out + unused
         out += splash_block_violations(problem, config, _checked_axes(problem, config),
-                                       _COMPUTE_OF[:1 if problem.mode == "fwd" else None])
+                                       SPLASH_COMPUTE_OF[:1 if problem.mode == "fwd" else None])
         margin = UNFITTED_MARGINS.get(target.name, 1.0)
         need = {name: int(size * margin) for name, size in vmem_estimate(problem, config).items()}
         return out + vmem_limit_violations(need, target)
@@ -314,7 +320,8 @@ class SplashKernel(TunableKernel):
         """The forward function in our layout; splash's own custom VJP differentiates it with
         the blocks it was made with, so a differentiated call runs the ``fwd_bwd`` config
         (:func:`per_mode`)."""
-        return per_mode(lambda config: _on_platform(problem, config, sm_scale), config_for)
+        return per_mode(lambda config: mosaic_or_interpreted(
+            lambda interpret: _attend(problem, config, sm_scale, interpret)), config_for)
 
 
 def fused(config: SplashConfig) -> SplashConfig:
@@ -330,7 +337,7 @@ def recipe(problem: Problem, **changes: Any) -> SplashConfig:
     values = {"q_len": block_values(problem.q_len), "kv_len": block_values(problem.kv_len)}
     return config.replace(**{
         field: largest_at_most(values[axis], getattr(config, field))
-        for field, axis in _FWD_AXES + _DKV_AXES + _DQ_AXES
+        for field, axis in SPLASH_FWD_AXES + SPLASH_DKV_AXES + _DQ_AXES
         if getattr(config, field) is not None})
 
 
@@ -398,17 +405,6 @@ def _attend(problem: Problem, config: SplashConfig, sm_scale: float,
             q, k, v, segment_ids=sk.SegmentIds(q_ids, kv_ids)))(scaled, k, v, *segment_ids)
 
     return attend
-
-
-def _on_platform(problem: Problem, config: SplashConfig, sm_scale: float) -> AttentionFn:
-    """Splash compiled with Mosaic on a TPU, interpreted elsewhere."""
-    from jax import lax
-
-    def run(interpret: bool, *args):  # noqa: ANN001, ANN002, ANN202
-        return _attend(problem, config, sm_scale, interpret)(*args)
-
-    return lambda *args: lax.platform_dependent(
-        *args, tpu=functools.partial(run, False), default=functools.partial(run, True))
 
 
 KERNEL = SplashKernel()

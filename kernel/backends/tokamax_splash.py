@@ -19,25 +19,35 @@ How it is called (``_attend``), as tokamax's own op calls it
   ``SegmentIds`` per batch row. A query that sees no key gets splash's masked average.
 - The masked logits are float32's lowest and the mask tables stay int32 in SMEM
   (``downcast_smem_data=False``), as tokamax's op passes them.
-- Interpret mode on a CPU, chosen per platform when lowering (``lax.platform_dependent``).
+- Interpret mode on a CPU, chosen per platform when lowering
+  (:func:`kernel.contract.mosaic_or_interpreted`).
 
 Pure Python at import; jax and tokamax load in ``attention``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import itertools
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from kernel.config import IntConfig
-from kernel.contract import AttentionFn, ConfigFor, Params, TunableKernel, by_mode
+from kernel.contract import (
+    AttentionFn,
+    ConfigFor,
+    Params,
+    TunableKernel,
+    by_mode,
+    mosaic_or_interpreted,
+)
 from kernel.problem import Problem
 from kernel.rules import (
     LANES,
     MAX_COMPUTE_BLOCK,
+    SPLASH_COMPUTE_OF,
+    SPLASH_DKV_AXES,
+    SPLASH_FWD_AXES,
     SUBLANES,
     Violation,
     block_values,
@@ -95,12 +105,6 @@ class TokamaxConfig(IntConfig):
 FORWARD_FIELDS = ("block_q", "block_kv", "block_kv_compute", "q_layout", "k_layout", "v_layout",
                   "use_experimental_scheduler")
 DKV_FIELDS = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", "dq_reduction_steps")
-# Sequence-axis blocks: (field, axis).
-_FWD_AXES = (("block_q", "q_len"), ("block_kv", "kv_len"), ("block_kv_compute", "kv_len"))
-_DKV_AXES = (("block_q_dkv", "q_len"), ("block_kv_dkv", "kv_len"),
-             ("block_kv_dkv_compute", "kv_len"))
-# (compute, block): the kernel loops block // compute times over the block's keys.
-_COMPUTE_OF = (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv"))
 # tokamax's own winner on a TPU v5e at b4 h16 s4096 d128 bf16, full attention, fwd_bwd (its
 # autotune, 2026-12): a seed, each block capped at its sequence axis (:func:`capped`).
 TOKAMAX_V5E_WINNER = dict(block_q=1024, block_kv=4096, block_kv_compute=512,
@@ -251,8 +255,8 @@ class TokamaxSplashKernel(TunableKernel):
         out = self.problem_violations(problem)
         forward = problem.mode == "fwd"
         out += splash_block_violations(problem, config,
-                                       _FWD_AXES if forward else _FWD_AXES + _DKV_AXES,
-                                       _COMPUTE_OF[:1 if forward else None])
+                                       SPLASH_FWD_AXES + (() if forward else SPLASH_DKV_AXES),
+                                       SPLASH_COMPUTE_OF[:1 if forward else None])
         out += _dq_reduction_violations(problem, config)
         if out:  # a block the kernel cannot take: no estimate
             return out
@@ -283,8 +287,8 @@ class TokamaxSplashKernel(TunableKernel):
         config it was made with, so a differentiated call runs the ``fwd_bwd`` config (as
         :func:`kernel.contract.per_mode`); a plain call's kernel is made without backward
         blocks, so a ``fwd`` config's unchecked backward fields are never read."""
-        return by_mode(lambda mode: _on_platform(problem, config_for(mode), sm_scale,
-                                                 backward=mode == "fwd_bwd"))
+        return by_mode(lambda mode: mosaic_or_interpreted(lambda interpret: _attend(
+            problem, config_for(mode), sm_scale, interpret, backward=mode == "fwd_bwd")))
 
 
 def capped(problem: Problem, **changes: Any) -> TokamaxConfig:
@@ -295,7 +299,7 @@ def capped(problem: Problem, **changes: Any) -> TokamaxConfig:
               "kv_len": [v for v in block_values(problem.kv_len) if v % LANES == 0]
               or block_values(problem.kv_len)}
     return config.replace(**{field: largest_at_most(values[axis], getattr(config, field))
-                             for field, axis in _FWD_AXES + _DKV_AXES})
+                             for field, axis in SPLASH_FWD_AXES + SPLASH_DKV_AXES})
 
 
 def tokamax_mask(problem: Problem) -> Any:
@@ -359,18 +363,6 @@ def _attend(problem: Problem, config: TokamaxConfig, sm_scale: float, interpret:
         return jax.vmap(one_row)((q * sm_scale).astype(q.dtype), k, v, *segment_ids)
 
     return attend
-
-
-def _on_platform(problem: Problem, config: TokamaxConfig, sm_scale: float,
-                 backward: bool) -> AttentionFn:
-    """tokamax's splash compiled with Mosaic on a TPU, interpreted elsewhere."""
-    from jax import lax
-
-    def run(interpret: bool, *args):  # noqa: ANN001, ANN002, ANN202
-        return _attend(problem, config, sm_scale, interpret, backward)(*args)
-
-    return lambda *args: lax.platform_dependent(
-        *args, tpu=functools.partial(run, False), default=functools.partial(run, True))
 
 
 KERNEL = TokamaxSplashKernel()
