@@ -61,6 +61,17 @@ def test_the_wrapper_passes_it_over_without_tokamax(monkeypatch):
     assert "tokamax_missing" in refusals["tokamax"] and "splash" not in refusals
 
 
+def test_float32_problems_go_to_another_kernel(as_installed):
+    """tokamax's kernel multiplies float32 at bf16 precision on a TPU (measured on a v5e):
+    the wrapper passes it over for float32 and keeps it for bfloat16."""
+    from kernel import get_target
+    from kernel.resolve import Resolver, ResolverSettings
+
+    resolver, v5e = Resolver(ResolverSettings()), get_target("v5e")
+    assert "tokamax_float32" in resolver.refusals(_problem(dtype="float32"), v5e)["tokamax"]
+    assert "tokamax" not in resolver.refusals(_problem(), v5e)
+
+
 def test_the_registry_loads_and_checks_configs_without_tokamax_or_jax():
     code = (
         "import sys\n"
@@ -143,8 +154,9 @@ def test_tokamax_s_v5e_winner_and_the_default_are_admitted(as_installed):
      "must divide block_kv_dkv=1024"),
     (_problem(), dict(block_q=384), "block_divides", "pick one of"),
     (_problem(kv_len=64), dict(), "kv_len", "not a multiple of 128"),
+    (_problem(dtype="float32"), dict(), "tokamax_float32", "use bfloat16 inputs, or the flash"),
 ], ids=["dq-steps", "dq3-grouped-causal", "dq3-grouped-window", "compute", "compute-dkv",
-        "divides", "kv-lanes"])
+        "divides", "kv-lanes", "float32"])
 def test_each_rule_says_how_to_fix_the_config(as_installed, problem, changes, rule, fix):
     config = TOKAMAX.default_config(problem).replace(**changes)
     broken = TOKAMAX.violations(problem, config, "v5e")
@@ -217,3 +229,29 @@ def test_profile_names_are_the_kernels_of_a_v5e_compile(kv_heads):
     counted = sorted({op.split(".")[0] for op in op_names(compiled)}
                      & set(TOKAMAX.profile_names))
     assert counted == [f"splash_{entry}_dkv_no_residuals", f"splash_{entry}_fwd_residuals"]
+
+
+def test_the_backward_runs_as_tokamax_s_own_op_whatever_the_forward_s_layouts():
+    """A forward with a SEQ_MINOR q and the experimental scheduler; its fused backward with
+    HEAD_DIM_MINOR layouts and Mosaic's default scheduler, as tokamax's own op runs it (the
+    program its tuner times), in a v5e lowering's kernel metadata and flags."""
+    pytest.importorskip("tokamax", reason=f"the tokamax kernel needs {INSTALL_HINT}")
+    import re
+
+    import jax
+
+    from kernel.aot import topology_device
+    from kernel.contract import input_specs
+
+    problem = _problem(q_len=512, kv_len=512)
+    config = TOKAMAX.default_config(problem, "v5e").replace(q_layout="SEQ_MINOR",
+                                                           use_experimental_scheduler=True)
+    specs = input_specs(problem, topology_device("v5e"))
+    text = jax.jit(TOKAMAX.build(problem, config)).trace(*specs).lower().as_text()
+    kernels = {match[1]: line for line in text.splitlines()
+               if (match := re.search(r'kernel_name = "(splash_\w+)"', line))}
+    forward, backward = kernels["splash_mha_fwd_residuals"], kernels["splash_mha_dkv_no_residuals"]
+    scheduler = r"FORCE_LP_LLO_SCHEDULER[^}]*boolean_value[^:]*: true"
+    assert re.search(scheduler, forward) and not re.search(scheduler, backward)
+    q_layout = r'q_layout[^:]*: (\d)'  # QKVLayout: 1 HEAD_DIM_MINOR, 2 SEQ_MINOR
+    assert re.findall(q_layout, forward)[-1] == "2" and re.findall(q_layout, backward) == ["1"]

@@ -17,6 +17,10 @@ How it is called (``_attend``), as tokamax's own op calls it
 - ``jax.vmap`` over the batch; ``sm_scale`` applied to q before the call (tokamax's
   ``logits_scale`` is); soft-capping is ``attn_logits_soft_cap``; segment ids its
   ``SegmentIds`` per batch row. A query that sees no key gets splash's masked average.
+- The fused backward with the config's backward blocks, ``HEAD_DIM_MINOR`` layouts and Mosaic's
+  default scheduler, whatever the forward's, as tokamax's VJP op runs it
+  (:func:`_with_tokamax_backward`).
+- float32 refused on a TPU (``tokamax_float32``): its dots round float32 to bf16 there.
 - The masked logits are float32's lowest and the mask tables stay int32 in SMEM
   (``downcast_smem_data=False``), as tokamax's op passes them.
 - Interpret mode on a CPU, chosen per platform when lowering
@@ -30,9 +34,11 @@ from __future__ import annotations
 import importlib.util
 import itertools
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from kernel.config import IntConfig
+from kernel.errors import ConfigError
 from kernel.contract import (
     AttentionFn,
     ConfigFor,
@@ -76,7 +82,9 @@ class TokamaxConfig(IntConfig):
     ``block_q_dkv`` queries, ``block_kv_dkv_compute`` keys at a time; ``dq_reduction_steps``
     None writes one partial dQ per key block to HBM (summed by XLA after the kernel), 3 sums
     them in the kernel into 3 buffers. Layouts: which axis of each of q, k and v is minor
-    (lanes) in the kernels' VMEM tiles. Base-2 exponentials always, as tokamax ships it."""
+    (lanes) in the forward's VMEM tiles; it alone takes them and the scheduler (the backward
+    runs tokamax's defaults, as tokamax's op does). Base-2 exponentials always, as tokamax
+    ships it."""
 
     block_q: int = DEFAULT_BLOCK
     block_kv: int = DEFAULT_BLOCK
@@ -121,6 +129,20 @@ def tokamax_violations() -> list[Violation]:
     return [Violation("tokamax_missing", "the tokamax kernel needs the optional tokamax "
                       f"package, which is not installed; install it with {INSTALL_HINT}, or "
                       "use the splash kernel (JAX's)")]
+
+
+def float32_violations(problem: Problem, target: Target) -> list[Violation]:
+    """``tokamax_float32``, on a TPU: tokamax's kernel leaves its dots at Mosaic's default
+    precision, which rounds float32 operands to bf16 (one MXU pass). On a TPU v5e its float32
+    errors were bf16's: 5e-3 relative against the float32 gate's 2e-3, 0.9 at logits near 1e4,
+    19 of the peers' float32 cases 1.01x-8,800x their tolerance (bench/results/
+    tpu-v5e-2026-12-07g; every bfloat16 case passed). A CPU's interpret mode multiplies in
+    float32, so it runs float32 there (and the common suite checks it)."""
+    if problem.dtype != "float32" or target.scoped_vmem_bytes is None:
+        return []
+    return [Violation("tokamax_float32", "tokamax's kernel multiplies float32 at bf16 "
+                      "precision on a TPU (one MXU pass), beyond float32's tolerance; "
+                      "use bfloat16 inputs, or the flash kernel, which keeps float32 exact")]
 
 
 def _dq_reduction_violations(problem: Problem, config: TokamaxConfig) -> list[Violation]:
@@ -233,6 +255,14 @@ class TokamaxSplashKernel(TunableKernel):
         return (tokamax_violations() + sequence_violations(problem.q_len, "q_len")
                 + key_lane_violations(problem.kv_len) + x64_violations() + vma_violations())
 
+    def check_runs(self, problem: Problem, target: Target | str) -> None:
+        """As every backend's, and float32 refused on a TPU (:func:`float32_violations`)."""
+        super().check_runs(problem, target)
+        broken = float32_violations(problem, self.target(target))
+        if broken:
+            raise ConfigError(f"kernel {self.name!r} cannot run {problem.label()} on "
+                              f"{self.target(target).name}: " + "; ".join(map(str, broken)))
+
     def space_params(self, problem: Problem) -> Params:
         """Every legal block, except compute blocks past ``MAX_COMPUTE_BLOCK`` keys (tokamax's
         own space stops there too: the f32 logits tile must stay small)."""
@@ -252,7 +282,7 @@ class TokamaxSplashKernel(TunableKernel):
     def violations(self, problem: Problem, config: TokamaxConfig,
                    target: Target | str = "cpu") -> list[Violation]:
         target = self.target(target)
-        out = self.problem_violations(problem)
+        out = self.problem_violations(problem) + float32_violations(problem, target)
         forward = problem.mode == "fwd"
         out += splash_block_violations(problem, config,
                                        SPLASH_FWD_AXES + (() if forward else SPLASH_DKV_AXES),
@@ -352,17 +382,57 @@ def _attend(problem: Problem, config: TokamaxConfig, sm_scale: float, interpret:
                                                               backward),
                   q_seq_shards=1, mask_value=float(jnp.finfo(jnp.float32).min),
                   downcast_smem_data=False)
+    run = _with_tokamax_backward(splash, mqa) if backward else splash
 
     def one_row(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
         if mqa:
             k, v = k[0], v[0]
         ids = base.SegmentIds(*segment_ids) if segment_ids else None
-        return splash(q, k, v, segment_ids=ids)
+        return run(q, k, v, segment_ids=ids)
 
     def attend(q, k, v, *segment_ids):  # noqa: ANN001, ANN002, ANN202
         return jax.vmap(one_row)((q * sm_scale).astype(q.dtype), k, v, *segment_ids)
 
     return attend
+
+
+def _with_tokamax_backward(splash: Any, mqa: bool) -> Callable[..., Any]:
+    """``splash`` whose backward runs as tokamax's own op runs it
+    (``pallas_mosaic_tpu_vjp.py``): with the config's backward blocks but ``HEAD_DIM_MINOR``
+    layouts and Mosaic's default scheduler, whatever the forward's. splash's own VJP would
+    run the forward's layouts and scheduler, a program tokamax's tuner never builds (on a
+    v5e, tokamax's winner timed 2.2% faster than the same config through splash's VJP)."""
+    import dataclasses
+
+    import jax
+    from tokamax._src.ops.experimental.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+    )
+
+    kw = splash.kwargs
+    layout = sk.QKVLayout.HEAD_DIM_MINOR
+    backward = dataclasses.replace(kw["config"], q_layout=layout, k_layout=layout,
+                                   v_layout=layout, use_experimental_scheduler=False)
+    static = (kw["mask_value"], mqa)
+    masks = (kw["mask_function"], kw["fwd_mask_sparsity"], kw["dkv_mask_sparsity"])
+
+    # The mask tables go in as arguments, not closed over: made under a trace they are tracers.
+    @jax.custom_vjp
+    def run(fwd_info, dkv_info, q, k, v, segment_ids):  # noqa: ANN001, ANN202
+        return type(splash)(fwd_info, dkv_info, **kw)(q, k, v, segment_ids=segment_ids)
+
+    def forward(fwd_info, dkv_info, q, k, v, segment_ids):  # noqa: ANN001, ANN202
+        return sk._splash_attention_fwd(fwd_info, dkv_info, q, k, v, segment_ids, None, False,
+                                        *static, kw["config"], *masks)
+
+    def differentiate(residuals, d_out):  # noqa: ANN001, ANN202
+        _, _, dq, dk, dv, *_ = sk._splash_attention_bwd(False, *static, backward, *masks,
+                                                        residuals, d_out)
+        return None, None, dq, dk, dv, None
+
+    run.defvjp(forward, differentiate)
+    return lambda q, k, v, segment_ids: run(splash.fwd_mask_info, splash.dkv_mask_info, q, k,
+                                            v, segment_ids)
 
 
 KERNEL = TokamaxSplashKernel()
