@@ -13,8 +13,8 @@ head counts are scaled down where CI time demands. Differences from the peers: t
 float64 on the same rounded inputs (the peers: XLA in f32 or the input dtype); float16 cases
 run in bfloat16, which the kernels support instead, at the float16 tolerances (but mgpu's
 forward one, which bf16 rounding alone exceeds). A kernel that cannot run a problem
-(``problem_violations``) skips with its reason, one that runs only on another device (cuDNN)
-skips saying so. A kernel less accurate than a peer's tolerance is a documented
+(``problem_violations``, or on the device at hand ``check_runs``: tokamax's float32 on a TPU)
+skips with its reason, one that runs only on another device (cuDNN) skips saying so. A kernel less accurate than a peer's tolerance is a documented
 limitation of that backend (``KNOWN_LIMITS``: a strict xfail, raised only when exactly the
 named tensors miss, with the measured figure). Features outside the contract (bias, dropout,
 other masks) must fail with a clear error.
@@ -52,7 +52,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel import ConfigError, Problem, ProblemError, flash_attention, get_kernel, kernel_names
+from kernel import (ConfigError, Problem, ProblemError, device_target, flash_attention, get_kernel,
+                    kernel_names)
 from kernel.contract import input_specs
 from kernel.contract import attention_mask, reference_attention
 from kernel.registry import DEFAULT_KERNEL
@@ -331,6 +332,22 @@ def _verdict(key: str, kernel_name: str, missed: dict[str, str]) -> None:
         raise KnownLimitation("; ".join(missed.values()))
 
 
+def _refused(kernel, problem: Problem) -> str | None:
+    """Why ``kernel`` cannot run ``problem`` here: a rule of the problem, or of this device
+    where the kernel has rules for it (tokamax refuses float32 on a TPU: its dots round it to
+    bf16 there; a CPU interprets it in float32). None when it can."""
+    if broken := kernel.problem_violations(problem):
+        return f"{kernel.name} cannot run {problem.label()}: {broken[0]}"
+    device = jax.devices()[0]
+    target = device_target(device.platform, device.device_kind)
+    if target.name in kernel.targets:
+        try:
+            kernel.check_runs(problem, target)
+        except ConfigError as error:
+            return str(error)
+    return None
+
+
 def _runnable(case_id: str) -> list[str]:
     """The CPU-capable kernels that can run the case (the others skip saying why)."""
     problem = CASES[case_id].problem
@@ -378,8 +395,8 @@ def test_peer_case(case_id, kernel_name):
     case = CASES[case_id]
     kernel = get_kernel(kernel_name)
     problem = case.problem
-    if broken := kernel.problem_violations(problem):
-        pytest.skip(f"{kernel_name} cannot run {problem.label()}: {broken[0]}")
+    if why := _refused(kernel, problem):
+        pytest.skip(why)
     dim = problem.head_dim
     sm_scale = dim ** -0.5 if case.sm_scale is None else case.sm_scale
     inputs, d_out = _inputs(case)
@@ -421,8 +438,8 @@ def test_large_logits_are_as_accurate_as_xla(causal, kernel_name):
     tensor passed on a v5e (2026-12-07, bench/results/tpu-v5e-2026-12-07d)."""
     kernel = get_kernel(kernel_name)
     problem = Problem(1, 2, 2, 256, 256, 64, "float32", causal, "fwd_bwd")
-    if broken := kernel.problem_violations(problem):
-        pytest.skip(str(broken[0]))
+    if why := _refused(kernel, problem):
+        pytest.skip(why)
     (q, k, v), _ = _inputs(Case((1, 2, 2, 256, 256, 64)))
     q = q * 1e4
     truth = float64_attention(q, k, v, np.ones(q.shape), causal=causal, sm_scale=0.125)
@@ -534,6 +551,8 @@ def _runnable_problem(problem: Problem) -> list[str]:
 def test_peer_feature_case(case_id, kernel_name):
     case = FEATURE_CASES[case_id]
     problem, kernel = case.problem, get_kernel(kernel_name)
+    if why := _refused(kernel, problem):
+        pytest.skip(why)
     sm_scale = problem.head_dim ** -0.5
     inputs, d_out = _inputs(case)
     segment_ids = case.segment_ids()
