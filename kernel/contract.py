@@ -359,12 +359,22 @@ class TunableKernel(ABC):
             raise ConfigError(f"kernel {self.name!r} cannot run {problem.label()}: "
                               + "; ".join(map(str, broken)))
 
+    def device_violations(self, problem: Problem, target: Target) -> list[Violation]:
+        """Rules the problem breaks on ``target`` alone (no config can run it there, e.g. a
+        precision the device's kernels lack); part of ``violations``. [] by default."""
+        return []
+
     def check_runs(self, problem: Problem, target: Target | str) -> None:
         """Raises ``ConfigError`` when this backend cannot run ``problem`` on ``target``: a
-        device it has no rules for, or a problem no config of it can run. Asked by the tuner
-        before tuning a candidate and by the resolver before running a picked backend."""
-        self.target(target)  # names the backend's targets when the device is not one of them
+        device it has no rules for, or a problem no config of it can run, anywhere or there.
+        Asked by the tuner before tuning a candidate and by the resolver before running a
+        picked backend."""
+        target = self.target(target)  # names the backend's targets when it is not one of them
         self.check_problem(problem)
+        broken = self.device_violations(problem, target)
+        if broken:
+            raise ConfigError(f"kernel {self.name!r} cannot run {problem.label()} on "
+                              f"{target.name}: " + "; ".join(map(str, broken)))
 
     def discover(self) -> TunableKernel:
         """This backend with the facts only the installed JAX can tell (imports jax)."""

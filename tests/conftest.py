@@ -91,6 +91,19 @@ def unavailable(name: str) -> str:
                      if v.rule.endswith("_missing"))
 
 
+def refusal(kernel: Any, problem: Problem, target: Any) -> str:
+    """Why backend ``kernel`` cannot run ``problem`` on ``target`` (its ``check_runs``: no
+    rules for the device, or a problem rule, anywhere or on that device alone); '' when it
+    can."""
+    from kernel import ConfigError
+
+    try:
+        kernel.check_runs(problem, target)
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
 def installed(name: str) -> Any:
     """``name`` as a test parameter, skipped naming the extra to install where the backend's
     optional package is missing (:func:`unavailable`; CI installs every one)."""

@@ -24,7 +24,7 @@ from kernel.contract import AttentionFn, measured_fn
 from kernel.registry import KERNELS
 from kernel.targets import GPU_TARGET
 from kernel.tolerance import MAX_RELATIVE_ERROR, relative_error
-from conftest import installed
+from conftest import installed, refusal
 
 NAMES = kernel_names()
 # The backends that run here: all but those whose optional package is missing (skipped naming
@@ -124,14 +124,6 @@ SHAPES = [dict(), dict(q_len=512, kv_len=1024), dict(q_len=1024, kv_len=512),
           dict(batch=4, q_len=4096, kv_len=4096, head_dim=128, dtype="bfloat16")]
 
 
-def _refuses(kernel, problem: Problem, target: str) -> bool:
-    try:
-        kernel.check_runs(problem, target)
-    except ConfigError:
-        return True
-    return False
-
-
 @pytest.mark.parametrize("name", ON_CPU)
 @pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
 def test_default_is_legal_and_in_the_space(name, mode):
@@ -142,14 +134,14 @@ def test_default_is_legal_and_in_the_space(name, mode):
             continue
         params = kernel.space_params(problem)
         for target in kernel.targets:
-            if _refuses(kernel, problem, target):  # on that device (tokamax's float32)
+            if refusal(kernel, problem, target):  # on that device (tokamax's float32)
                 continue
             default = kernel.default_config(problem, target)
             assert kernel.violations(problem, default, target) == [], (problem.label(), target)
             assert all(getattr(default, f) in values for f, values in params.items()), \
                 (problem.label(), target, default.label(), params)
     small = _problem(mode)
-    if _refuses(kernel, small, _target(kernel)):
+    if refusal(kernel, small, _target(kernel)):
         small = _problem(mode, dtype="bfloat16")
     space = kernel.search_space(small, _target(kernel))
     assert kernel.default_config(small, _target(kernel)) in space

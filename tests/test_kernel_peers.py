@@ -14,9 +14,10 @@ float64 on the same rounded inputs (the peers: XLA in f32 or the input dtype); f
 run in bfloat16, which the kernels support instead, at the float16 tolerances (but mgpu's
 forward one, which bf16 rounding alone exceeds). A kernel that cannot run a problem
 (``problem_violations``, or on the device at hand ``check_runs``: tokamax's float32 on a TPU)
-skips with its reason, one that runs only on another device (cuDNN) skips saying so. A kernel less accurate than a peer's tolerance is a documented
-limitation of that backend (``KNOWN_LIMITS``: a strict xfail, raised only when exactly the
-named tensors miss, with the measured figure). Features outside the contract (bias, dropout,
+skips with its reason, one that runs only on another device (cuDNN) skips saying so. A kernel
+less accurate than a peer's tolerance is a documented limitation of that backend
+(``KNOWN_LIMITS``: a strict xfail, raised only when exactly the named tensors miss, with the
+measured figure). Features outside the contract (bias, dropout,
 other masks) must fail with a clear error.
 
 The peers' cases of the contract's features (``FEATURE_CASES``: tokamax's local attention
@@ -58,6 +59,7 @@ from kernel.contract import input_specs
 from kernel.contract import attention_mask, reference_attention
 from kernel.registry import DEFAULT_KERNEL
 from kernel.tolerance import MAX_RELATIVE_ERROR, float64_attention, relative_error
+from conftest import refusal
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -340,12 +342,7 @@ def _refused(kernel, problem: Problem) -> str | None:
         return f"{kernel.name} cannot run {problem.label()}: {broken[0]}"
     device = jax.devices()[0]
     target = device_target(device.platform, device.device_kind)
-    if target.name in kernel.targets:
-        try:
-            kernel.check_runs(problem, target)
-        except ConfigError as error:
-            return str(error)
-    return None
+    return (refusal(kernel, problem, target) or None) if target.name in kernel.targets else None
 
 
 def _runnable(case_id: str) -> list[str]:

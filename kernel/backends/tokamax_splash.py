@@ -38,7 +38,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from kernel.config import IntConfig
-from kernel.errors import ConfigError
 from kernel.contract import (
     AttentionFn,
     ConfigFor,
@@ -256,13 +255,8 @@ class TokamaxSplashKernel(TunableKernel):
         return (tokamax_violations() + sequence_violations(problem.q_len, "q_len")
                 + key_lane_violations(problem.kv_len) + x64_violations() + vma_violations())
 
-    def check_runs(self, problem: Problem, target: Target | str) -> None:
-        """As every backend's, and float32 refused on a TPU (:func:`float32_violations`)."""
-        super().check_runs(problem, target)
-        broken = float32_violations(problem, self.target(target))
-        if broken:
-            raise ConfigError(f"kernel {self.name!r} cannot run {problem.label()} on "
-                              f"{self.target(target).name}: " + "; ".join(map(str, broken)))
+    def device_violations(self, problem: Problem, target: Target) -> list[Violation]:
+        return float32_violations(problem, target)
 
     def space_params(self, problem: Problem) -> Params:
         """Every legal block, except compute blocks past ``MAX_COMPUTE_BLOCK`` keys (tokamax's
@@ -283,7 +277,7 @@ class TokamaxSplashKernel(TunableKernel):
     def violations(self, problem: Problem, config: TokamaxConfig,
                    target: Target | str = "cpu") -> list[Violation]:
         target = self.target(target)
-        out = self.problem_violations(problem) + float32_violations(problem, target)
+        out = self.problem_violations(problem) + self.device_violations(problem, target)
         forward = problem.mode == "fwd"
         out += splash_block_violations(problem, config,
                                        SPLASH_FWD_AXES + (() if forward else SPLASH_DKV_AXES),
